@@ -1,0 +1,36 @@
+"""sequence-parallel: SP needs tp > 1 and a plan with a sequence_parallel overlay.
+
+PASS  --tp 2 --sp with plans/qwen3.yaml
+WARN  --tp 1 --sp: there is no tp group to shard the sequence over; SP does nothing
+FAIL  --tp 2 --sp with a plan that has no 'sequence_parallel:' section
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..errors import Diagnostic, Severity
+from .context import CheckContext
+
+ID = "sequence-parallel"
+
+
+def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+    if not ctx.sequence_parallel:
+        return
+    if not ctx.plan.sequence_parallel:
+        yield Diagnostic(
+            rule=ID,
+            loc=ctx.plan.loc,
+            message=f"sequence parallelism was requested but plan {ctx.plan.name!r} has no "
+            "'sequence_parallel' overlay",
+            fix="add a sequence_parallel section (see plans/qwen3.yaml) or drop --sp",
+        )
+    elif ctx.tp == 1:
+        yield Diagnostic(
+            rule=ID,
+            severity=Severity.WARNING,
+            loc=ctx.plan.loc,
+            message="sequence parallelism with tp=1 does nothing (the sequence is sharded over tp)",
+            fix="use --tp 2 or more, or drop --sp",
+        )

@@ -1,0 +1,68 @@
+"""shape-divisible: every dimension a style shards must be divisible by tp.
+
+Vocab dimensions (embedding rows, lm_head rows) may split unevenly: DTensor and the logprob
+evaluator handle uneven shards, at the cost of padding one rank's shard; that is a warning.
+Any other uneven split (FFN width, hidden size) is an error: HF reshapes assume equal shards.
+
+PASS  qwen3-8b at --tp 8 (intermediate 12288, vocab 151936)
+FAIL  qwen2.5-7b at --tp 16: intermediate_size 18944 = 16 * 1184 passes, but 28 heads of
+      128 give q_proj 3584 outputs, 3584 / 16 = 224 passes too; hidden 3584 on rowwise
+      o_proj passes. gemma-3-1b at --tp 5: intermediate_size 6912 is not divisible by 5
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch.distributed.tensor import Shard
+
+from ..errors import Diagnostic, Severity
+from ..styles import ModuleKind
+from .context import CheckContext, kind_of
+
+ID = "shape-divisible"
+
+
+def _divisors_up_to(n: int, limit: int = 64) -> list[int]:
+    return [t for t in range(1, min(n, limit) + 1) if n % t == 0]
+
+
+def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+    tp = ctx.tp
+    if tp == 1:
+        return
+    reported: set[str] = set()  # one diagnostic per rule, not one per repeated layer
+    for name, module, rule, lay in ctx.assigned():
+        if rule.pattern in reported:
+            continue
+        kind = kind_of(module)
+        if lay.weight is None or not isinstance(lay.weight.get(kind), Shard):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            continue
+        dim = lay.weight[kind].dim
+        size = weight.shape[dim]
+        if size % tp == 0:
+            continue
+        vocab = (kind is ModuleKind.EMBEDDING and dim == 0) or (
+            kind is ModuleKind.LINEAR and dim == 0 and name.endswith("lm_head")
+        )
+        per_rank = -(-size // tp)
+        reported.add(rule.pattern)
+        if vocab:
+            yield Diagnostic(
+                rule=ID,
+                severity=Severity.WARNING,
+                loc=rule.loc,
+                message=f"{name}: vocab dim {size} splits unevenly over tp={tp} "
+                f"(shards of {per_rank} and {size - per_rank * (tp - 1)}); the last rank idles on padding",
+                fix=f"pad the vocab to a multiple of {tp} for even shards",
+            )
+        else:
+            yield Diagnostic(
+                rule=ID,
+                loc=rule.loc,
+                message=f"{name}: dim {dim} of weight {tuple(weight.shape)} is {size}, not divisible by tp={tp}",
+                fix=f"use tp in {{{', '.join(map(str, _divisors_up_to(size)))}}}, or keep this module whole",
+            )

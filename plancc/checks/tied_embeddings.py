@@ -1,0 +1,60 @@
+"""tied-embeddings: when the input embedding and lm_head share one weight, the plan must
+shard that weight the same way in both places (or keep it whole in both).
+
+The embedding's weight is [vocab, hidden]; so is lm_head's. ``embedding_rowwise`` shards
+vocab (Shard(0)) and ``colwise_logits`` on lm_head shards vocab too: consistent, and plancc
+re-ties the two after sharding. ``colwise`` on lm_head with the embedding left whole would
+give two different tensors for one parameter: a crash, or logits from a stale copy.
+
+PASS  qwen3-0.6b (tied) with plans/qwen3.yaml: embedding_rowwise + colwise_logits
+FAIL  llama-3.2-1b (tied) with lm_head: colwise and model.embed_tokens unlisted
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch.distributed.tensor import Replicate
+
+from ..errors import Diagnostic
+from ..styles import canonical_style, format_layout, layouts_of
+from .context import CheckContext, kind_of, text_config
+
+ID = "tied-embeddings"
+
+
+def _placement(ctx: CheckContext, name: str, module):
+    rule = ctx.rule_for(name)
+    if rule is None:
+        return Replicate(), None
+    lay = layouts_of(canonical_style(rule.style.name).build(rule.style.overrides))
+    if lay.weight is None:
+        return Replicate(), rule
+    return lay.weight.get(kind_of(module), Replicate()), rule
+
+
+def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+    if ctx.tp == 1 or not getattr(text_config(ctx.config), "tie_word_embeddings", False):
+        return
+    get_in = getattr(ctx.model, "get_input_embeddings", None)
+    get_out = getattr(ctx.model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return
+    emb, head = get_in(), get_out()
+    if emb is None or head is None:
+        return
+    names = {id(m): n for n, m in ctx.model.named_modules()}
+    emb_name, head_name = names.get(id(emb)), names.get(id(head))
+    emb_p, emb_rule = _placement(ctx, emb_name, emb)
+    head_p, head_rule = _placement(ctx, head_name, head)
+    if emb_p == head_p:
+        return
+    loc = (head_rule or emb_rule).loc
+    yield Diagnostic(
+        rule=ID,
+        loc=loc,
+        message=f"{emb_name} and {head_name} share one weight (tie_word_embeddings) but the plan "
+        f"places it as {format_layout(emb_p)} in {emb_name} and {format_layout(head_p)} in {head_name}",
+        fix=f"shard both on the vocab: '{emb_name}: embedding_rowwise' and '{head_name}: colwise_logits', "
+        "or keep both whole with 'replicate'",
+    )

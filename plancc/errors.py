@@ -1,0 +1,107 @@
+"""Diagnostics: every user-facing problem is a value, printed as
+``path:line:col: severity: message [rule]`` followed by ``  fix: ...``.
+
+Stages collect diagnostics and raise one ``PlanError`` holding all of them, so a
+user sees every problem in a plan at once rather than fixing them one run at a time.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Iterable, Sequence
+
+
+class Severity(StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceLoc:
+    """A 1-based line and column in a file; line 0 means "the file as a whole"."""
+
+    path: str
+    line: int = 0
+    column: int = 0
+
+    def __str__(self) -> str:
+        if self.line <= 0:
+            return self.path
+        return f"{self.path}:{self.line}:{self.column}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Diagnostic:
+    rule: str
+    message: str
+    loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
+    fix: str | None = None
+    severity: Severity = Severity.ERROR
+
+    @property
+    def path(self) -> str:
+        return self.loc.path
+
+    @property
+    def line(self) -> int:
+        return self.loc.line
+
+    @property
+    def column(self) -> int:
+        return self.loc.column
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity is Severity.ERROR
+
+    def format(self) -> str:
+        text = f"{self.loc}: {self.severity}: {self.message} [{self.rule}]"
+        if self.fix:
+            text += f"\n  fix: {self.fix}"
+        return text
+
+    def to_json(self) -> dict:
+        """The stable JSON shape documented in docs/diagnostics.md."""
+        data = asdict(self)
+        loc = data.pop("loc")
+        data["severity"] = str(self.severity)
+        return {**loc, **data}
+
+
+class PlanError(Exception):
+    """A plan (or the plan against a model) has one or more error diagnostics."""
+
+    def __init__(self, diagnostics: Sequence[Diagnostic]):
+        self.diagnostics = list(diagnostics)
+        super().__init__("\n".join(d.format() for d in self.diagnostics))
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.is_error]
+
+
+def raise_if_errors(diagnostics: Iterable[Diagnostic]) -> list[Diagnostic]:
+    """Return the diagnostics when none is an error; otherwise raise them all."""
+    found = list(diagnostics)
+    if any(d.is_error for d in found):
+        raise PlanError(found)
+    return found
+
+
+def format_json(diagnostics: Iterable[Diagnostic]) -> str:
+    return json.dumps({"diagnostics": [d.to_json() for d in diagnostics]}, indent=2)
+
+
+def closest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """The choices nearest to a misspelt word, best first (for "did you mean")."""
+    return difflib.get_close_matches(word, list(choices), n=n, cutoff=0.5)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    near = closest(word, choices)
+    if not near:
+        return ""
+    return "did you mean " + " or ".join(repr(c) for c in near) + "?"

@@ -1,0 +1,170 @@
+"""Model configurations and models without weights.
+
+Presets ship inside the package (users have no ``../shared``): the real published configs of
+a few model families, and tiny configs of the same architectures for quick runs and tests.
+``--model`` also takes a Hugging Face model folder or a ``config.json`` path.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import Diagnostic, PlanError, SourceLoc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Preset:
+    name: str
+    architecture: str
+    summary: str
+    config: dict[str, Any]
+
+
+def _tiny(model_type: str, architecture: str, **extra: Any) -> dict[str, Any]:
+    # 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256: every size divides tp=2 and 4 except
+    # kv heads at tp=4, which is the point of a tiny preset that still exercises the checks.
+    return {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+_TINY: tuple[Preset, ...] = (
+    Preset(name="tiny-qwen3", architecture="Qwen3ForCausalLM", summary="2-layer Qwen3, untied",
+           config=_tiny("qwen3", "Qwen3ForCausalLM")),
+    Preset(name="tiny-qwen3-tied", architecture="Qwen3ForCausalLM", summary="2-layer Qwen3, tied embeddings",
+           config=_tiny("qwen3", "Qwen3ForCausalLM", tie_word_embeddings=True)),
+    Preset(name="tiny-qwen2", architecture="Qwen2ForCausalLM", summary="2-layer Qwen2 (q/k/v bias, no q/k norm)",
+           config=_tiny("qwen2", "Qwen2ForCausalLM")),
+    Preset(name="tiny-llama", architecture="LlamaForCausalLM", summary="2-layer Llama, untied",
+           config=_tiny("llama", "LlamaForCausalLM")),
+    Preset(name="tiny-llama-tied", architecture="LlamaForCausalLM", summary="2-layer Llama, tied embeddings",
+           config=_tiny("llama", "LlamaForCausalLM", tie_word_embeddings=True)),
+    Preset(name="tiny-gemma3", architecture="Gemma3ForCausalLM", summary="2-layer Gemma3 text, tied embeddings",
+           config=_tiny("gemma3_text", "Gemma3ForCausalLM", tie_word_embeddings=True,
+                        query_pre_attn_scalar=16, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"])),
+)
+
+
+@cache
+def presets() -> dict[str, Preset]:
+    found = {p.name: p for p in _TINY}
+    folder = resources.files("plancc").joinpath("presets")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            config = json.loads(entry.read_text())
+            name = entry.name.removesuffix(".json")
+            arch = config["architectures"][0]
+            found[name] = Preset(name=name, architecture=arch, summary=f"published {name} config (no weights)",
+                                 config=config)
+    return found
+
+
+# The preset `plancc validate` uses when --model is not given: a real published config of
+# the plan's first architecture that has one, so checks run against real head counts.
+_DEFAULT_FOR_ARCHITECTURE = {
+    "Qwen3ForCausalLM": "qwen3-8b",
+    "Qwen2ForCausalLM": "qwen2.5-7b",
+    "LlamaForCausalLM": "llama-3.1-8b",
+    "Gemma3ForCausalLM": "gemma-3-1b",
+}
+
+
+def default_preset(architectures: tuple[str, ...], *, tiny: bool = False) -> str | None:
+    for arch in architectures:
+        if tiny:
+            for p in _TINY:
+                if p.architecture == arch:
+                    return p.name
+        elif arch in _DEFAULT_FOR_ARCHITECTURE:
+            return _DEFAULT_FOR_ARCHITECTURE[arch]
+    return None
+
+
+class ModelSpecError(PlanError):
+    """--model names nothing we can load: a usage error (exit 2), not a plan problem."""
+
+
+def _model_error(model: str, message: str, fix: str) -> ModelSpecError:
+    return ModelSpecError([Diagnostic(rule="unknown-model", loc=SourceLoc(path=model), message=message, fix=fix)])
+
+
+def load_config(model: str | Path | Any):
+    """A ``PretrainedConfig`` from a preset name, a model folder, a config.json, or a config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    text = str(model)
+    if text in presets():
+        data = dict(presets()[text].config)
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise _model_error(text, f"cannot read the model config: {exc}", "pass a valid config.json") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise _model_error(text, "config.json has no 'model_type'", "pass a Hugging Face config.json")
+        data = dict(data)
+        try:
+            return AutoConfig.for_model(data.pop("model_type"), **data)
+        except (ValueError, KeyError) as exc:
+            raise _model_error(text, f"transformers cannot build this config: {exc}",
+                               "check model_type against the pinned transformers release") from None
+    from .errors import closest
+
+    near = closest(text, presets())
+    raise _model_error(
+        text,
+        "not a preset, a model folder or a config.json",
+        (f"did you mean {near[0]!r}? " if near else "") + "see `plancc models` for presets",
+    )
+
+
+def architecture_of(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM")
+
+
+def build_model(config, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> nn.Module:
+    """The causal-LM module of ``config``; on the meta device it allocates nothing."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else \
+                AutoModelForCausalLM.from_config(config)
+    return model
+
+
+def build_meta_model(model: str | Path | Any) -> nn.Module:
+    """A meta-device model from anything ``load_config`` takes, or a module as it is."""
+    if isinstance(model, nn.Module):
+        return model
+    return build_model(load_config(model))

@@ -1,0 +1,145 @@
+"""The typed plan: what a schema-valid YAML document means, with a source location on
+every rule so later stages (resolve, checks, lowering) can point back at the user's line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import Diagnostic, PlanError, SourceLoc, raise_if_errors
+from .schema import validate_doc
+from .source import SourceDoc, parse_yaml, read_yaml
+from .styles import ALIASES, canonical_style, parse_layout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StyleRef:
+    """A style name (canonical, aliases resolved) plus the overrides of the mapping form."""
+
+    name: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    written_as: str = ""  # the name in the file, when it was an alias
+
+    def describe(self) -> str:
+        if not self.overrides:
+            return self.name
+        extra = ", ".join(f"{k}={_show(v)}" for k, v in self.overrides.items())
+        return f"{self.name}({extra})"
+
+
+def _show(value: Any) -> str:
+    from .styles import format_layout
+
+    if isinstance(value, bool):
+        return str(value).lower()
+    return format_layout(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rule:
+    pattern: str
+    style: StyleRef
+    loc: SourceLoc
+    optional: bool = False
+    section: str = "tensor_parallel"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TargetList:
+    """A list of module globs (FSDP units, activation-checkpointing targets)."""
+
+    patterns: tuple[str, ...] = ()
+    locs: tuple[SourceLoc, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    name: str
+    version: int
+    architectures: tuple[str, ...]
+    tensor_parallel: tuple[Rule, ...]
+    sequence_parallel: tuple[Rule, ...] = ()
+    fsdp_units: TargetList = TargetList()
+    activation_checkpointing: TargetList = TargetList()
+    description: str = ""
+    path: str = "<plan>"
+    loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
+
+
+def _rules(doc: SourceDoc, section: str, problems: list[Diagnostic]) -> tuple[Rule, ...]:
+    rules = []
+    for pattern, value in (doc.data.get(section) or {}).items():
+        at = (section, pattern)
+        fields = {"style": value} if isinstance(value, str) else dict(value)
+        written = fields.pop("style")
+        optional = bool(fields.pop("optional", False))
+        spec = canonical_style(written)
+        overrides: dict[str, Any] = {}
+        for key, raw in fields.items():
+            if key not in spec.overridable:
+                allowed = ", ".join(sorted(spec.overridable)) or "none"
+                problems.append(
+                    Diagnostic(
+                        rule="style-override",
+                        loc=doc.loc(at + (key,), key=True),
+                        message=f"style {spec.name!r} does not take {key!r}; it takes: {allowed}",
+                        fix=f"remove {key!r}, or use 'prepare_input'/'prepare_output' for a custom layout",
+                    )
+                )
+                continue
+            overrides[key] = raw if isinstance(raw, bool) else parse_layout(raw)
+        rules.append(
+            Rule(
+                pattern=pattern,
+                style=StyleRef(name=spec.name, overrides=overrides,
+                               written_as=written if written in ALIASES else ""),
+                loc=doc.loc(at, key=True),
+                optional=optional,
+                section=section,
+            )
+        )
+    return tuple(rules)
+
+
+def _targets(doc: SourceDoc, at: tuple) -> TargetList:
+    node = doc.data
+    for key in at:
+        node = node.get(key) if isinstance(node, dict) else None
+    patterns = tuple(node or ())
+    return TargetList(patterns=patterns, locs=tuple(doc.loc(at + (i,)) for i in range(len(patterns))))
+
+
+def plan_from_doc(doc: SourceDoc) -> Plan:
+    """Build a ``Plan`` from a parsed document; raise ``PlanError`` with every problem."""
+    raise_if_errors(validate_doc(doc))
+    problems: list[Diagnostic] = []
+    data = doc.data
+    plan = Plan(
+        name=data["name"],
+        version=data["plancc"],
+        description=data.get("description", ""),
+        architectures=tuple(data["architectures"]),
+        tensor_parallel=_rules(doc, "tensor_parallel", problems),
+        sequence_parallel=_rules(doc, "sequence_parallel", problems),
+        fsdp_units=_targets(doc, ("fsdp", "units")),
+        activation_checkpointing=_targets(doc, ("activation_checkpointing",)),
+        path=doc.path,
+        loc=doc.loc(()),
+    )
+    raise_if_errors(problems)
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read, parse and schema-validate a plan file.
+
+    Raises ``PlanError`` holding one ``Diagnostic`` per problem (never a bare exception for
+    a user mistake).
+    """
+    return plan_from_doc(read_yaml(path))
+
+
+def parse_plan(text: str, path: str = "<plan>") -> Plan:
+    """Like ``load_plan`` for YAML text already in memory."""
+    return plan_from_doc(parse_yaml(text, path))

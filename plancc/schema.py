@@ -1,0 +1,206 @@
+"""Validate a parsed plan against ``schemas/plan.schema.json`` and map every jsonschema
+error to a diagnostic at the key or value the user wrote.
+
+The schema owns the shape of a plan; this module only translates its verdicts into
+messages that say what was found, what was allowed, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any, Iterator
+
+import jsonschema
+from jsonschema import Draft202012Validator
+
+from .errors import Diagnostic, did_you_mean, closest
+from .source import JsonPath, SourceDoc
+from .styles import STYLE_NAMES
+
+SUPPORTED_VERSIONS = (1,)
+
+
+@cache
+def plan_schema() -> dict:
+    return json.loads(resources.files("plancc").joinpath("schemas/plan.schema.json").read_text())
+
+
+@cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(plan_schema())
+
+
+def _allowed_keys(schema: dict) -> list[str]:
+    return sorted(schema.get("properties", {}))
+
+
+def _resolve(schema: dict) -> dict:
+    ref = schema.get("$ref")
+    if ref and ref.startswith("#/$defs/"):
+        return plan_schema()["$defs"][ref.removeprefix("#/$defs/")]
+    return schema
+
+
+def _describe(value: Any) -> str:
+    kind = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    if isinstance(value, (dict, list)):
+        return kind
+    return f"{kind} ({value!r})"
+
+
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string",
+               "boolean": "true or false", "integer": "an integer"}
+
+
+def _where(at: JsonPath) -> str:
+    return ".".join(str(p) for p in at) or "the plan"
+
+
+def _diagnostics_for(error: jsonschema.ValidationError, doc: SourceDoc) -> Iterator[Diagnostic]:
+    at: JsonPath = tuple(error.absolute_path)
+    validator = error.validator
+    if validator == "additionalProperties":
+        allowed = _allowed_keys(error.schema)
+        for key in error.instance:
+            if key in allowed:
+                continue
+            hint = did_you_mean(key, allowed)
+            yield Diagnostic(
+                rule="unknown-key",
+                loc=doc.loc(at + (key,), key=True),
+                message=f"unknown key {key!r} in {_where(at)}; allowed: {', '.join(allowed)}",
+                fix=(hint + " " if hint else "") + f"remove {key!r} or use one of the allowed keys",
+            )
+        return
+    if validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        for key in missing:
+            yield Diagnostic(
+                rule="missing-key",
+                loc=doc.loc(at),
+                message=f"required key {key!r} is missing from {_where(at)}",
+                fix=f"add '{key}:' (see plans/qwen3.yaml for a complete plan)",
+            )
+        return
+    if validator == "const" and at == ("plancc",):
+        yield Diagnostic(
+            rule="unsupported-version",
+            loc=doc.loc(at),
+            message=f"plan format version {error.instance!r} is not supported; "
+            f"this plancc reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}",
+            fix="set 'plancc: 1' (or upgrade plancc)",
+        )
+        return
+    if validator == "anyOf" and _is_style_position(at):
+        yield from _style_diagnostics(error, doc, at)
+        return
+    if validator == "pattern" and error.schema is _resolve({"$ref": "#/$defs/glob"}):
+        # propertyNames errors point at the mapping; the bad glob is the key itself.
+        yield Diagnostic(
+            rule="invalid-glob",
+            loc=doc.loc(at + (error.instance,), key=True),
+            message=f"{error.instance!r} is not a valid module glob",
+            fix="write a dotted module path such as 'model.layers.*.mlp.up_proj' "
+            "('*' matches one segment, '**' any number; no spaces or empty segments)",
+        )
+        return
+    if validator == "type":
+        expected = error.validator_value
+        words = " or ".join(_TYPE_WORDS.get(t, t) for t in ([expected] if isinstance(expected, str) else expected))
+        yield Diagnostic(
+            rule="wrong-type",
+            loc=doc.loc(at),
+            message=f"{_where(at)} is {_describe(error.instance)}; expected {words}",
+            fix=_type_fix(at, words),
+        )
+        return
+    yield Diagnostic(
+        rule="invalid-value",
+        loc=doc.loc(at),
+        message=f"{_where(at)}: {error.message}",
+        fix=_value_fix(error),
+    )
+
+
+def _is_style_position(at: JsonPath) -> bool:
+    return len(at) >= 2 and at[0] in ("tensor_parallel", "sequence_parallel")
+
+
+def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: JsonPath) -> Iterator[Diagnostic]:
+    value = error.instance
+    if len(at) == 3 and at[2] == "style":
+        value, at = {"style": value}, at[:2]
+    if isinstance(value, str):
+        yield _unknown_style(value, doc, at)
+        return
+    if isinstance(value, dict):
+        if isinstance(value.get("style"), str) and value["style"] not in STYLE_NAMES:
+            yield _unknown_style(value["style"], doc, at + ("style",))
+        # The mapping branch's (index 1 of anyOf) own errors: unknown keys, bad layouts.
+        for sub in error.context or ():
+            if sub.relative_schema_path[0] != 1 or sub.validator == "enum":
+                continue  # the name branch, or an unknown name reported above with closest names
+            if sub.validator == "pattern":
+                yield Diagnostic(
+                    rule="invalid-layout",
+                    loc=doc.loc(tuple(sub.absolute_path)),
+                    message=f"{sub.instance!r} is not a layout",
+                    fix="use 'replicate' or 'shard(DIM)', e.g. 'shard(1)' for the sequence dim",
+                )
+            else:
+                yield from _diagnostics_for(sub, doc)
+        return
+    yield Diagnostic(
+        rule="wrong-type",
+        loc=doc.loc(at),
+        message=f"the style of {at[-1]!r} is {_describe(value)}; expected a style name or a mapping with 'style:'",
+        fix="write a name from `plancc styles`, e.g. 'colwise'",
+    )
+
+
+def _unknown_style(name: str, doc: SourceDoc, at: JsonPath) -> Diagnostic:
+    near = closest(name, STYLE_NAMES)
+    return Diagnostic(
+        rule="unknown-style",
+        loc=doc.loc(at),
+        message=f"unknown style {name!r}"
+        + (f"; closest: {', '.join(near)}" if near else "; see `plancc styles` for the vocabulary"),
+        fix=f"use {near[0]!r}" if near else "pick a style from `plancc styles`",
+    )
+
+
+def _type_fix(at: JsonPath, words: str) -> str:
+    examples = {
+        ("architectures",): "write a list: architectures: [Qwen3ForCausalLM]",
+        ("tensor_parallel",): "write a mapping of module glob to style, e.g. 'lm_head: colwise_logits'",
+        ("sequence_parallel",): "write a mapping of module glob to style, e.g. 'model.norm: sequence_parallel'",
+        ("fsdp",): "write 'fsdp: {units: [model.layers.*]}'",
+        ("activation_checkpointing",): "write a list of module globs, e.g. [model.layers.*]",
+    }
+    return examples.get(at, f"make {_where(at)} {words}")
+
+
+def _value_fix(error: jsonschema.ValidationError) -> str:
+    if error.validator == "minItems":
+        return "list at least one entry"
+    if error.validator == "uniqueItems":
+        return "remove the repeated entry"
+    if error.validator == "pattern":
+        return f"match the pattern {error.validator_value}"
+    return "see schemas/plan.schema.json for what is allowed here"
+
+
+def validate_doc(doc: SourceDoc) -> list[Diagnostic]:
+    """All schema problems of a document, in file order."""
+    found: list[Diagnostic] = []
+    seen: set[tuple] = set()
+    for error in _validator().iter_errors(doc.data):
+        for diag in _diagnostics_for(error, doc):
+            key = (diag.line, diag.column, diag.rule, diag.message)
+            if key not in seen:
+                seen.add(key)
+                found.append(diag)
+    return sorted(found, key=lambda d: (d.line, d.column))

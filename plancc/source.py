@@ -1,0 +1,188 @@
+"""YAML text -> plain data plus a line/column mark for every key and value.
+
+PyYAML's composer keeps marks on nodes but its constructor throws them away; we walk the
+node graph ourselves so that schema errors and model checks can point at the exact key or
+value a user wrote. Duplicate keys, which PyYAML silently resolves to the last one, are
+reported here because by the time data is a dict the first occurrence is gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import Diagnostic, PlanError, SourceLoc
+
+JsonPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceDoc:
+    """A parsed YAML document and where each piece of it came from."""
+
+    path: str
+    data: Any
+    # JSON path -> location of the value; for mapping entries also the key's location.
+    value_locs: dict[JsonPath, SourceLoc]
+    key_locs: dict[JsonPath, SourceLoc]
+
+    def loc(self, json_path: JsonPath, *, key: bool = False) -> SourceLoc:
+        """The closest known location for a JSON path (walking up to the document root)."""
+        table = self.key_locs if key else self.value_locs
+        json_path = tuple(json_path)
+        while json_path:
+            if json_path in table:
+                return table[json_path]
+            if key and json_path in self.value_locs:
+                return self.value_locs[json_path]
+            json_path = json_path[:-1]
+        return self.value_locs.get((), SourceLoc(path=self.path, line=1, column=1))
+
+
+def _loc(path: str, mark: yaml.Mark | None) -> SourceLoc:
+    if mark is None:
+        return SourceLoc(path=path)
+    return SourceLoc(path=path, line=mark.line + 1, column=mark.column + 1)
+
+
+class _Walker:
+    def __init__(self, path: str, loader: yaml.SafeLoader):
+        self.path = path
+        self.loader = loader
+        self.value_locs: dict[JsonPath, SourceLoc] = {}
+        self.key_locs: dict[JsonPath, SourceLoc] = {}
+        self.problems: list[Diagnostic] = []
+
+    def walk(self, node: yaml.Node, at: JsonPath) -> Any:
+        self.value_locs[at] = _loc(self.path, node.start_mark)
+        if isinstance(node, yaml.MappingNode):
+            self.loader.flatten_mapping(node)  # resolves YAML merge keys (<<)
+            out: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                key = self.loader.construct_object(key_node, deep=True)
+                if not isinstance(key, str):
+                    self.problems.append(
+                        Diagnostic(
+                            rule="yaml-key-type",
+                            loc=_loc(self.path, key_node.start_mark),
+                            message=f"key {key!r} is a {type(key).__name__}; plan keys are strings",
+                            fix=f"quote the key: '{key}'",
+                        )
+                    )
+                    key = str(key)
+                if key in out:
+                    first = self.key_locs[at + (key,)]
+                    self.problems.append(
+                        Diagnostic(
+                            rule="duplicate-key",
+                            loc=_loc(self.path, key_node.start_mark),
+                            message=f"duplicate key {key!r} (first defined at line {first.line}); "
+                            "YAML would silently keep only the last one",
+                            fix="remove one of the two entries or merge them",
+                        )
+                    )
+                    continue
+                self.key_locs[at + (key,)] = _loc(self.path, key_node.start_mark)
+                out[key] = self.walk(value_node, at + (key,))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self.walk(item, at + (i,)) for i, item in enumerate(node.value)]
+        return self.loader.construct_object(node, deep=True)
+
+
+def _syntax_error(path: str, exc: Exception) -> Diagnostic:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return Diagnostic(
+        rule="yaml-syntax",
+        loc=_loc(path, mark) if mark else SourceLoc(path=path, line=1, column=1),
+        message=f"YAML syntax error: {problem}",
+        fix="correct the YAML at this position (check indentation, colons and quotes)",
+    )
+
+
+def parse_yaml(text: str, path: str) -> SourceDoc:
+    """Parse YAML text; raise ``PlanError`` on syntax errors, duplicate keys or an empty file."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            raise PlanError(
+                [
+                    Diagnostic(
+                        rule="empty-plan",
+                        loc=SourceLoc(path=path, line=1, column=1),
+                        message="the plan file is empty",
+                        fix="start from plans/qwen3.yaml; a plan needs at least "
+                        "'plancc', 'name', 'architectures' and 'tensor_parallel'",
+                    )
+                ]
+            )
+        walker = _Walker(path, loader)
+        data = walker.walk(root, ())
+    except yaml.YAMLError as exc:
+        raise PlanError([_syntax_error(path, exc)]) from None
+    except RecursionError:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="yaml-syntax",
+                    loc=SourceLoc(path=path, line=1, column=1),
+                    message="the YAML document is nested too deeply to be a plan",
+                    fix="a plan is a mapping of at most three levels",
+                )
+            ]
+        ) from None
+    finally:
+        loader.dispose()
+    if walker.problems:
+        raise PlanError(walker.problems)
+    return SourceDoc(path=path, data=data, value_locs=walker.value_locs, key_locs=walker.key_locs)
+
+
+def read_yaml(path: str | Path) -> SourceDoc:
+    """Read and parse a plan file; unreadable files become diagnostics too."""
+    shown = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="file-not-found",
+                    loc=SourceLoc(path=shown),
+                    message="no such plan file",
+                    fix="check the path; shipped plans live in plans/ (qwen3.yaml, llama.yaml, gemma3.yaml)",
+                )
+            ]
+        ) from None
+    except (IsADirectoryError, PermissionError, OSError) as exc:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="file-unreadable",
+                    loc=SourceLoc(path=shown),
+                    message=f"cannot read the plan file: {exc.strerror or exc}",
+                    fix="pass a readable YAML file",
+                )
+            ]
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="yaml-syntax",
+                    loc=SourceLoc(path=shown, line=line, column=col),
+                    message=f"byte 0x{raw[exc.start]:02x} is not valid UTF-8",
+                    fix="save the plan as UTF-8 text",
+                )
+            ]
+        ) from None
+    return parse_yaml(text, shown)

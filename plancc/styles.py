@@ -1,0 +1,365 @@
+"""The style vocabulary: the one table mapping a style name to a torch ``ParallelStyle``.
+
+Every style is declared once as a torch class plus keyword defaults, so the placements that
+``plancc styles`` documents are read off the very objects the compiler builds; they cannot
+drift apart (a property test builds every style and compares).
+
+Conventions shared by the whole vocabulary (they are what makes styles compose):
+- Between modules, activations are plain local tensors (``use_local_output=True``), except
+  the logits styles, which hand the vocab-sharded DTensor to the logprob evaluator. transformers
+  5.x mixes module outputs with plain tensors (residual adds, masks, rotary cos/sin), so a
+  DTensor escaping a module fails with "mixed torch.Tensor and DTensor".
+- Sequence-parallel regions hold ``Shard(1)`` local shards; a consumer of a sequence-sharded
+  activation must declare ``Shard(1)`` input (``colwise_seq``, ``sequence_parallel``,
+  ``gather_seq_input``), because a plain tensor carries no layout for torch to redistribute.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+
+class ModuleKind(StrEnum):
+    LINEAR = "linear"
+    EMBEDDING = "embedding"
+    NORM = "norm"
+    ROTARY = "rotary"
+    OTHER = "other"
+
+
+def module_kind(module: nn.Module) -> ModuleKind:
+    if isinstance(module, nn.Linear):
+        return ModuleKind.LINEAR
+    if isinstance(module, nn.Embedding):
+        return ModuleKind.EMBEDDING
+    name = type(module).__name__
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or name.endswith(("RMSNorm", "LayerNorm")):
+        return ModuleKind.NORM
+    if name.endswith("RotaryEmbedding"):
+        return ModuleKind.ROTARY
+    return ModuleKind.OTHER
+
+
+class LeaveWhole(ParallelStyle):
+    """Explicitly keeps a module's parameters whole on every TP rank (no communication).
+
+    Naming a module ``replicate`` documents a decision (e.g. Gemma3's tied embedding) and
+    still lets the glob check catch typos, which silently omitting it would not.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return module
+
+
+class RotaryUnderSequenceParallel(ParallelStyle):
+    """Rotary embeddings under sequence parallelism (their inputs are a tuple).
+
+    transformers calls ``rotary_emb(hidden_states, position_ids[, layer_type])``; the hidden
+    states only supply dtype/device, the position ids decide the result. Under SP the hidden
+    states are a local sequence shard, and when ``position_ids`` is not passed HF derives it
+    from that shard's length: every rank would rotate as if its shard started at position 0.
+    This style hands the module plain tensors and refuses shard-length position ids loudly
+    instead of computing wrong cos/sin. ``plancc.parallelize`` passes global position ids.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        tp = device_mesh.size()
+
+        def to_local(args, kwargs):
+            args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+            kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+            hidden = args[0] if args else kwargs.get("x")
+            positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+            if (
+                tp > 1
+                and isinstance(hidden, torch.Tensor)
+                and isinstance(positions, torch.Tensor)
+                and hidden.dim() >= 2
+                and positions.shape[-1] == hidden.shape[1]
+            ):
+                raise RuntimeError(
+                    "rotary_sp: position_ids have the length of the local sequence shard "
+                    f"({positions.shape[-1]}), so transformers derived them from the shard; pass "
+                    "global position_ids to the model (plancc.parallelize does this for you)"
+                )
+            return args, kwargs
+
+        def local_outputs(mod, args, kwargs, output):
+            if isinstance(output, tuple):
+                return type(output)(o.to_local() if isinstance(o, DTensor) else o for o in output)
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        module.register_forward_pre_hook(lambda mod, a, kw: to_local(a, kw), with_kwargs=True)
+        module.register_forward_hook(local_outputs, with_kwargs=True)
+        return module
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StyleSpec:
+    """One row of the vocabulary."""
+
+    name: str
+    summary: str
+    factory: type[ParallelStyle]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    module_kinds: frozenset[ModuleKind] = frozenset(ModuleKind)
+    # Override keys a plan may set in the mapping form for this style.
+    overridable: frozenset[str] = frozenset()
+    aliases: tuple[str, ...] = ()
+
+    def build(self, overrides: Mapping[str, Any] | None = None) -> ParallelStyle:
+        return self.factory(**{**self.defaults, **(overrides or {})})
+
+
+_LINEAR_OVERRIDES = frozenset({"input_layouts", "output_layouts", "use_local_output"})
+_LINEAR_LIKE = frozenset({ModuleKind.LINEAR, ModuleKind.EMBEDDING})
+
+_SPECS: tuple[StyleSpec, ...] = (
+    StyleSpec(
+        name="colwise",
+        summary="shard the output features; output stays sharded for a rowwise consumer",
+        factory=ColwiseParallel,
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="colwise_rep",
+        summary="colwise, then all-gather the output features",
+        factory=ColwiseParallel,
+        defaults={"output_layouts": Replicate()},
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+        aliases=("colwise_gather_output",),
+    ),
+    StyleSpec(
+        name="colwise_seq",
+        summary="colwise whose input is sequence-sharded (all-gathered on the sequence first)",
+        factory=ColwiseParallel,
+        defaults={"input_layouts": Shard(1)},
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="colwise_logits",
+        summary="lm_head: vocab-sharded logits kept as a DTensor for the logprob evaluator",
+        factory=ColwiseParallel,
+        defaults={"output_layouts": Shard(-1), "use_local_output": False},
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="colwise_logits_seq",
+        summary="colwise_logits whose input is sequence-sharded (lm_head under SP)",
+        factory=ColwiseParallel,
+        defaults={"input_layouts": Shard(1), "output_layouts": Shard(-1), "use_local_output": False},
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="rowwise",
+        summary="shard the input features; partial outputs are all-reduced",
+        factory=RowwiseParallel,
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="rowwise_rep",
+        summary="rowwise whose input is replicated (each rank slices its part locally)",
+        factory=RowwiseParallel,
+        defaults={"input_layouts": Replicate()},
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+        aliases=("rowwise_split_input",),
+    ),
+    StyleSpec(
+        name="rowwise_seq",
+        summary="rowwise with a reduce-scatter onto the sequence dim (closes a TP region under SP)",
+        factory=RowwiseParallel,
+        defaults={"output_layouts": Shard(1)},
+        module_kinds=_LINEAR_LIKE,
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="embedding_rowwise",
+        summary="vocab-parallel embedding: rows (vocab) sharded, lookups all-reduced",
+        factory=RowwiseParallel,
+        defaults={"input_layouts": Replicate()},
+        module_kinds=frozenset({ModuleKind.EMBEDDING}),
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="embedding_seq",
+        summary="vocab-parallel embedding reduce-scattered onto the sequence dim (opens SP)",
+        factory=RowwiseParallel,
+        defaults={"input_layouts": Replicate(), "output_layouts": Shard(1)},
+        module_kinds=frozenset({ModuleKind.EMBEDDING}),
+        overridable=_LINEAR_OVERRIDES,
+    ),
+    StyleSpec(
+        name="sequence_parallel",
+        summary="norm on a sequence shard; weights replicated, gradients summed over tp",
+        factory=SequenceParallel,
+        defaults={"use_local_output": True},
+        module_kinds=frozenset({ModuleKind.NORM, ModuleKind.OTHER}),
+        overridable=frozenset({"use_local_output"}),
+    ),
+    StyleSpec(
+        name="qk_norm",
+        summary="norm over the head dim of head-sharded q/k; gradients summed over tp",
+        factory=SequenceParallel,
+        # q/k enter the norm as [batch, seq, heads, head_dim] with heads sharded by the
+        # colwise projection: the norm's weight gradient is a sum over heads, i.e. over tp.
+        defaults={"sequence_dim": 2, "use_local_output": True},
+        module_kinds=frozenset({ModuleKind.NORM}),
+        aliases=("replicated_with_grad_allreduce",),
+    ),
+    StyleSpec(
+        name="rotary_sp",
+        summary="rotary embedding under SP: plain tensors in and out, global position ids required",
+        factory=RotaryUnderSequenceParallel,
+        module_kinds=frozenset({ModuleKind.ROTARY}),
+    ),
+    StyleSpec(
+        name="replicate",
+        summary="explicitly left whole on every tp rank",
+        factory=LeaveWhole,
+    ),
+    StyleSpec(
+        name="shard_seq_output",
+        summary="adapter: slice a replicated output onto the sequence dim (opens SP)",
+        factory=PrepareModuleOutput,
+        defaults={
+            "output_layouts": Replicate(),
+            "desired_output_layouts": Shard(1),
+            "use_local_output": True,
+        },
+        overridable=frozenset({"use_local_output"}),
+    ),
+    StyleSpec(
+        name="gather_seq_input",
+        summary="adapter: all-gather a sequence-sharded input (closes SP)",
+        factory=PrepareModuleInput,
+        defaults={
+            "input_layouts": Shard(1),
+            "desired_input_layouts": Replicate(),
+            "use_local_output": True,
+        },
+        overridable=frozenset({"use_local_output"}),
+    ),
+    StyleSpec(
+        name="prepare_input",
+        summary="adapter: redistribute inputs from input_layouts to desired_input_layouts",
+        factory=PrepareModuleInput,
+        defaults={"input_layouts": Replicate(), "desired_input_layouts": Replicate(), "use_local_output": True},
+        overridable=frozenset({"input_layouts", "desired_input_layouts", "use_local_output"}),
+    ),
+    StyleSpec(
+        name="prepare_output",
+        summary="adapter: redistribute outputs from output_layouts to desired_output_layouts",
+        factory=PrepareModuleOutput,
+        defaults={"output_layouts": Replicate(), "desired_output_layouts": Replicate(), "use_local_output": True},
+        overridable=frozenset({"output_layouts", "desired_output_layouts", "use_local_output"}),
+    ),
+)
+
+STYLES: dict[str, StyleSpec] = {spec.name: spec for spec in _SPECS}
+ALIASES: dict[str, str] = {alias: spec.name for spec in _SPECS for alias in spec.aliases}
+STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)
+OVERRIDE_KEYS: tuple[str, ...] = (
+    "input_layouts",
+    "output_layouts",
+    "desired_input_layouts",
+    "desired_output_layouts",
+    "use_local_output",
+)
+
+_LAYOUT_RE = re.compile(r"^(?:replicate|shard\((-?\d+)\))$")
+
+
+def canonical_style(name: str) -> StyleSpec:
+    """The spec for a style name or alias (names are validated by the schema first)."""
+    return STYLES[ALIASES.get(name, name)]
+
+
+def parse_layout(text: str) -> Placement:
+    match = _LAYOUT_RE.match(text)
+    if match is None:
+        raise ValueError(f"not a layout: {text!r} (use 'replicate' or 'shard(DIM)')")
+    return Replicate() if match.group(1) is None else Shard(int(match.group(1)))
+
+
+def format_layout(placement: Placement | None) -> str:
+    if placement is None:
+        return "-"
+    if isinstance(placement, Shard):
+        return f"shard({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "replicate"
+    return str(placement).lower()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layouts:
+    """What a built style does to its module's input, output and weight."""
+
+    input: Placement | None
+    output: Placement | None
+    local_output: bool | None
+    # weight placement on the tp axis per module kind; None where the style does not touch it
+    weight: Mapping[ModuleKind, Placement] | None
+
+
+def layouts_of(style: ParallelStyle) -> Layouts:
+    """Read the placements off a built torch style (the source of truth for the table)."""
+    if isinstance(style, ColwiseParallel):
+        return Layouts(
+            input=style.input_layouts[0],
+            output=style.output_layouts[0],
+            local_output=style.use_local_output,
+            weight={ModuleKind.LINEAR: Shard(0), ModuleKind.EMBEDDING: Shard(1)},
+        )
+    if isinstance(style, RowwiseParallel):
+        return Layouts(
+            input=style.input_layouts[0],
+            output=style.output_layouts[0],
+            local_output=style.use_local_output,
+            weight={ModuleKind.LINEAR: Shard(1), ModuleKind.EMBEDDING: Shard(0)},
+        )
+    if isinstance(style, SequenceParallel):
+        shard = style.sequence_sharding[0]
+        return Layouts(
+            input=shard,
+            output=shard,
+            local_output=style.use_local_output,
+            weight={kind: Replicate() for kind in ModuleKind},
+        )
+    if isinstance(style, PrepareModuleInput):
+        return Layouts(
+            input=style.input_layouts[0],
+            output=style.desired_input_layouts[0],
+            local_output=style.use_local_output,
+            weight=None,
+        )
+    if isinstance(style, PrepareModuleOutput):
+        return Layouts(
+            input=style.output_layouts[0],
+            output=style.desired_output_layouts[0],
+            local_output=style.use_local_output,
+            weight=None,
+        )
+    return Layouts(input=None, output=None, local_output=None, weight=None)

@@ -1,0 +1,117 @@
+"""Model-aware checks find, on the meta device, the failures users otherwise meet on GPUs."""
+
+import pytest
+
+import plancc
+from plancc.checks import check_plan
+from plancc.models import build_meta_model
+
+from .conftest import PLANS
+
+QWEN3 = PLANS / "qwen3.yaml"
+LLAMA = PLANS / "llama.yaml"
+GEMMA3 = PLANS / "gemma3.yaml"
+
+
+def rules(diags, errors_only=True):
+    return sorted({d.rule for d in diags if d.is_error or not errors_only})
+
+
+def test_kv_heads_not_divisible_names_valid_tp(cli):
+    code, out, err = cli("validate", QWEN3, "--model", "qwen3-8b", "--tp", "16")
+    assert code == 1
+    assert "[kv-heads-divisible]" in err and "fix: use tp in {1, 2, 4, 8}" in err
+    assert cli("validate", QWEN3, "--model", "qwen3-8b", "--tp", "8")[0] == 0
+
+
+def test_attention_heads_not_divisible():
+    diags = check_plan(plancc.load_plan(QWEN3), "qwen2.5-7b", tp=8)  # 28 heads, 4 kv heads
+    assert {"attention-heads-divisible", "kv-heads-divisible"} <= set(rules(diags))
+
+
+@pytest.mark.parametrize("plan,preset", [(QWEN3, "qwen3-0.6b"), (LLAMA, "llama-3.2-1b"), (GEMMA3, "gemma-3-1b")])
+def test_shipped_plans_on_shipped_tied_models_have_no_tied_error(plan, preset):
+    tp = 1 if preset == "gemma-3-1b" else 2  # gemma-3-1b has one KV head: tp must be 1
+    for sp in (False, True):
+        diags = check_plan(plancc.load_plan(plan), preset, tp=tp, sequence_parallel=sp)
+        assert rules(diags) == [], [d.format() for d in diags]
+
+
+def test_inconsistent_tied_layout_is_an_error(write_plan):
+    text = (PLANS / "llama.yaml").read_text().replace("  model.embed_tokens: embedding_rowwise\n", "")
+    text = text.replace("  lm_head: colwise_logits\n", "  lm_head: colwise\n")
+    plan = plancc.load_plan(write_plan(text))
+    diags = check_plan(plan, "llama-3.2-1b", tp=2)
+    (tied,) = [d for d in diags if d.rule == "tied-embeddings"]
+    assert tied.line == text.splitlines().index("  lm_head: colwise") + 1
+    assert "embedding_rowwise" in tied.fix
+    # the same plan on an untied model is fine
+    assert "tied-embeddings" not in rules(check_plan(plan, "llama-3.1-8b", tp=2))
+
+
+def test_missing_o_proj_is_a_pairing_error(write_plan):
+    text = QWEN3.read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", "")
+    plan = plancc.load_plan(write_plan(text))
+    diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.rule == "layout-pairing"]
+    assert len(diags) == 1
+    assert "q_proj" in diags[0].message and "o_proj left whole" in diags[0].message
+    assert "'model.layers.*.self_attn.o_proj: rowwise'" in diags[0].fix
+
+
+def test_reference_style_sp_plan_is_a_pairing_error(write_plan):
+    """The reference SP plan reads the sequence-sharded stream with plain colwise projections."""
+    text = QWEN3.read_text().replace("q_proj: colwise_seq", "q_proj: colwise")
+    plan = plancc.load_plan(write_plan(text))
+    diags = check_plan(plan, "tiny-qwen3", tp=2, sequence_parallel=True)
+    assert [d.rule for d in diags if d.is_error] == ["layout-pairing"]
+    assert "colwise_seq" in diags[0].fix
+
+
+def test_style_on_wrong_module_kind(write_plan):
+    plan = plancc.load_plan(write_plan("plancc: 1\nname: t\narchitectures: [Qwen3ForCausalLM]\n"
+                                       "tensor_parallel:\n  model.layers.*.mlp: colwise\n  model.norm: rotary_sp\n"))
+    diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.rule == "style-module-kind"]
+    assert [d.line for d in diags] == [5, 6]
+
+
+def test_architecture_not_served():
+    diags = check_plan(plancc.load_plan(QWEN3), "tiny-llama", tp=1)
+    assert rules(diags) == ["architecture-mismatch"]
+    assert "Qwen3ForCausalLM, Qwen2ForCausalLM" in diags[0].message
+
+
+@pytest.mark.parametrize("kwargs,ok", [
+    (dict(tp=2, world_size=8), True),
+    (dict(tp=2, dp=4, world_size=8), True),
+    (dict(tp=4, world_size=6), False),
+    (dict(tp=2, dp=2, world_size=8), False),
+    (dict(tp=2, cp=2, world_size=8), True),
+])
+def test_mesh_sizes_must_multiply_to_world_size(kwargs, ok):
+    diags = check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs)
+    assert ("mesh-sizes" not in rules(diags)) is ok
+
+
+def test_sp_with_tp1_is_a_warning_only():
+    diags = check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", tp=1, sequence_parallel=True)
+    assert rules(diags) == [] and rules(diags, errors_only=False) == ["sequence-parallel"]
+
+
+def test_uneven_ffn_is_an_error_and_uneven_vocab_a_warning():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=250, hidden_size=64, intermediate_size=102,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    diags = check_plan(plancc.load_plan(QWEN3), cfg, tp=4)
+    shape = [d for d in diags if d.rule == "shape-divisible"]
+    assert sorted((d.severity.value, d.message.split(":")[0]) for d in shape) == [
+        ("error", "model.layers.0.mlp.down_proj"), ("error", "model.layers.0.mlp.gate_proj"),
+        ("error", "model.layers.0.mlp.up_proj"), ("warning", "lm_head"), ("warning", "model.embed_tokens")]
+
+
+def test_shipped_plans_validate_on_their_default_models(cli):
+    for plan in (QWEN3, LLAMA, GEMMA3):
+        code, out, err = cli("validate", plan)
+        assert code == 0, err
+        assert "modules" in out

@@ -1,0 +1,90 @@
+"""Globs bind to concrete module names; misses and conflicts are errors with locations."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import plancc
+from plancc.models import build_meta_model
+from plancc.resolve import glob_matches, glob_problem, resolve_plan
+
+from .conftest import PLANS
+
+PLANS_QWEN3 = PLANS / "qwen3.yaml"
+
+HEAD = "plancc: 1\nname: t\narchitectures: [Qwen3ForCausalLM]\n"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_meta_model("tiny-qwen3")
+
+
+@pytest.mark.parametrize("pattern,name,hit", [
+    ("model.layers.*.mlp", "model.layers.0.mlp", True),
+    ("model.layers.*.mlp", "model.layers.0.mlp.up_proj", False),
+    ("model.*", "model.layers.0", False),  # '*' never crosses a dot
+    ("model.**.up_proj", "model.layers.11.mlp.up_proj", True),
+    ("**.q_norm", "model.layers.1.self_attn.q_norm", True),
+    ("model.layers.[01].mlp", "model.layers.1.mlp", True),
+    ("model.layers.[01].mlp", "model.layers.2.mlp", False),
+    ("lm_head", "lm_head", True),
+])
+def test_glob_semantics(pattern, name, hit):
+    assert glob_matches(pattern, name) is hit
+
+
+@given(st.lists(st.from_regex(r"[a-z_]{1,6}|[0-9]{1,2}", fullmatch=True), min_size=1, max_size=6))
+def test_a_name_matches_itself_and_its_star_generalization(segments):
+    name = ".".join(segments)
+    assert glob_matches(name, name)
+    assert glob_matches(".".join("*" for _ in segments), name)
+    assert glob_matches("**", name)
+
+
+@pytest.mark.parametrize("pattern", ["a..b", "a.[b", "a.b**", ".a"])
+def test_malformed_globs_are_named(pattern):
+    assert glob_problem(pattern)
+
+
+def test_typo_reports_closest_module_names(write_plan, tiny):
+    plan = plancc.load_plan(write_plan(HEAD + "tensor_parallel:\n  model.layers.*.self_attn.q_prj: colwise\n"))
+    with pytest.raises(plancc.PlanError) as info:
+        resolve_plan(plan, tiny)
+    (d,) = info.value.diagnostics
+    assert (d.rule, d.line, d.column) == ("glob-no-match", 5, 3)
+    assert "model.layers.*.self_attn.q_proj" in d.message
+
+
+def test_optional_rule_matching_nothing_is_silent(write_plan):
+    plan = plancc.load_plan(PLANS_QWEN3)
+    resolved = resolve_plan(plan, build_meta_model("tiny-qwen2"))
+    q_norm = [r for r in resolved.rules if r.rule.pattern.endswith("q_norm")]
+    assert q_norm and q_norm[0].modules == ()
+
+
+def test_two_rules_claiming_one_module_conflict(write_plan, tiny):
+    plan = plancc.load_plan(write_plan(HEAD + "tensor_parallel:\n  model.layers.*.mlp.up_proj: colwise\n"
+                                       "  model.**.up_proj: rowwise\n"))
+    with pytest.raises(plancc.PlanError) as info:
+        resolve_plan(plan, tiny)
+    assert {(d.rule, d.line) for d in info.value.diagnostics} == {("rule-conflict", 6)}
+
+
+def test_sp_overlay_overrides_tp_without_conflict(tiny):
+    plan = plancc.load_plan(PLANS / "qwen3.yaml")
+    tp = resolve_plan(plan, tiny)
+    sp = resolve_plan(plan, tiny, sequence_parallel=True)
+    assert tp.assignments["model.layers.0.self_attn.o_proj"].style.name == "rowwise"
+    assert sp.assignments["model.layers.0.self_attn.o_proj"].style.name == "rowwise_seq"
+    assert sp.assignments["model.layers.0.self_attn.q_norm"].style.name == "qk_norm"  # kept from TP
+    assert "model.norm" not in tp.assignments and "model.norm" in sp.assignments
+
+
+def test_fsdp_units_and_checkpointing_targets_resolve(write_plan, tiny):
+    plan = plancc.load_plan(write_plan(HEAD + "tensor_parallel: {}\nfsdp: {units: [model.layers.*]}\n"
+                                       "activation_checkpointing: [model.layers.*.mlpp]\n"))
+    with pytest.raises(plancc.PlanError) as info:
+        resolve_plan(plan, tiny)
+    assert [(d.rule, d.line) for d in info.value.diagnostics] == [("glob-no-match", 6)]
+

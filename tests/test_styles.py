@@ -1,0 +1,106 @@
+"""The style vocabulary: every name lowers to a torch ParallelStyle with the placements the
+table documents, overrides land where they should, and the schema knows exactly these names."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from plancc.plan import parse_plan
+from plancc.schema import plan_schema
+from plancc.styles import ALIASES, STYLE_NAMES, STYLES, LeaveWhole, RotaryUnderSequenceParallel, canonical_style, layouts_of
+
+R, S1, S2, SL = Replicate(), Shard(1), Shard(2), Shard(-1)
+
+# name -> (torch class, input, output, local output). Written independently of the table
+# in plancc/styles.py: this is the documentation the code must keep matching.
+DOCUMENTED = {
+    "colwise": (ColwiseParallel, R, SL, True),
+    "colwise_rep": (ColwiseParallel, R, R, True),
+    "colwise_seq": (ColwiseParallel, S1, SL, True),
+    "colwise_logits": (ColwiseParallel, R, SL, False),
+    "colwise_logits_seq": (ColwiseParallel, S1, SL, False),
+    "rowwise": (RowwiseParallel, SL, R, True),
+    "rowwise_rep": (RowwiseParallel, R, R, True),
+    "rowwise_seq": (RowwiseParallel, SL, S1, True),
+    "embedding_rowwise": (RowwiseParallel, R, R, True),
+    "embedding_seq": (RowwiseParallel, R, S1, True),
+    "sequence_parallel": (SequenceParallel, S1, S1, True),
+    "qk_norm": (SequenceParallel, S2, S2, True),
+    "shard_seq_output": (PrepareModuleOutput, R, S1, True),
+    "gather_seq_input": (PrepareModuleInput, S1, R, True),
+    "prepare_input": (PrepareModuleInput, R, R, True),
+    "prepare_output": (PrepareModuleOutput, R, R, True),
+    "rotary_sp": (RotaryUnderSequenceParallel, None, None, None),
+    "replicate": (LeaveWhole, None, None, None),
+}
+HF_ALIASES = {
+    "colwise_gather_output": "colwise_rep",
+    "rowwise_split_input": "rowwise_rep",
+    "replicated_with_grad_allreduce": "qk_norm",
+}
+
+
+def test_vocabulary_is_exactly_the_documented_one():
+    assert set(STYLES) == set(DOCUMENTED)
+    assert ALIASES == HF_ALIASES
+
+
+@given(st.sampled_from(STYLE_NAMES))
+def test_every_style_name_lowers_to_its_documented_layouts(name):
+    style = canonical_style(name).build()
+    assert isinstance(style, ParallelStyle)
+    cls, inp, out, local = DOCUMENTED[ALIASES.get(name, name)]
+    lay = layouts_of(style)
+    assert type(style) is cls
+    assert (lay.input, lay.output, lay.local_output) == (inp, out, local)
+
+
+layouts = st.one_of(st.just("replicate"), st.integers(-3, 3).map(lambda d: f"shard({d})"))
+
+
+@given(name=st.sampled_from(sorted(n for n in STYLES if STYLES[n].overridable)), data=st.data())
+def test_mapping_form_overrides_reach_the_torch_style(name, data):
+    spec = STYLES[name]
+    keys = data.draw(st.sets(st.sampled_from(sorted(spec.overridable)), min_size=1))
+    values = {k: data.draw(st.booleans() if k == "use_local_output" else layouts) for k in keys}
+    body = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
+    plan = parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {{style: {name}, {body}}}\n")
+    (rule,) = plan.tensor_parallel
+    style = spec.build(rule.style.overrides)
+    for key, value in values.items():
+        got = getattr(style, key)
+        got = got[0] if isinstance(got, tuple) else got
+        if isinstance(value, bool):
+            assert got is value
+        elif value == "replicate":
+            assert got == Replicate()
+        else:
+            assert got == Shard(int(value[6:-1]))
+
+
+def test_schema_enum_is_the_style_table():
+    assert plan_schema()["$defs"]["style_name"]["enum"] == list(STYLE_NAMES)
+
+
+@pytest.mark.parametrize("alias,name", sorted(HF_ALIASES.items()))
+def test_hf_alias_is_accepted_and_canonicalized(alias, name):
+    plan = parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {alias}\n")
+    assert plan.tensor_parallel[0].style.name == name
+    assert plan.tensor_parallel[0].style.written_as == alias
+
+
+def test_plancc_styles_lists_every_style_with_placements(cli):
+    code, out, _ = cli("styles")
+    assert code == 0
+    for name in STYLES:
+        assert name in out
+    assert "shard(-1)" in out and "linear:shard(0)" in out
