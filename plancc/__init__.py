@@ -1,12 +1,17 @@
 """plancc: declarative parallelization plans for Hugging Face models on DTensor/FSDP2."""
 
+from .checks import check_plan
 from .errors import Diagnostic, PlanError, Severity, SourceLoc
+from .mesh import MeshError, MeshSpec, build_mesh
+from .parallelize import materialize, parallelize
 from .lower import compile_plan
 from .plan import Plan, Rule, StyleRef, load_plan, parse_plan
 from .resolve import ResolvedPlan, resolve_plan
 
 __all__ = [
     "Diagnostic",
+    "MeshError",
+    "MeshSpec",
     "Plan",
     "PlanError",
     "ResolvedPlan",
@@ -14,8 +19,12 @@ __all__ = [
     "Severity",
     "SourceLoc",
     "StyleRef",
+    "build_mesh",
+    "check_plan",
     "compile_plan",
     "load_plan",
+    "materialize",
+    "parallelize",
     "parse_plan",
     "resolve_plan",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -151,16 +152,43 @@ def architecture_of(config) -> str:
     return archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM")
 
 
+@contextmanager
+def parameters_on_meta():
+    """Create parameters on the meta device but buffers for real.
+
+    Buffers such as rotary ``inv_freq`` or Gemma's ``embed_scale`` are not persistent (no
+    checkpoint holds them) and are computed in ``__init__``; a model built wholly on meta
+    would lose them at ``to_empty``. They are tiny, so they are built on the CPU and
+    ``materialize`` carries them over.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param):
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            kwargs = {"requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
 def build_model(config, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> nn.Module:
-    """The causal-LM module of ``config``; on the meta device it allocates nothing."""
+    """The causal-LM module of ``config``. With ``device="meta"`` parameters allocate
+    nothing (buffers are real, see ``parameters_on_meta``)."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = {"dtype": dtype} if dtype else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if str(device) == "meta":
+            with parameters_on_meta():
+                return AutoModelForCausalLM.from_config(config, **kwargs)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else \
-                AutoModelForCausalLM.from_config(config)
-    return model
+            return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def build_meta_model(model: str | Path | Any) -> nn.Module:

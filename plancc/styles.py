@@ -109,6 +109,40 @@ class RotaryUnderSequenceParallel(ParallelStyle):
         return module
 
 
+class GatherSequenceInput(ParallelStyle):
+    """All-gather a sequence-sharded input (``Shard(1)``) into the whole sequence.
+
+    Put on a block (``self_attn``, ``mlp``) rather than on its projections: HF attention
+    reshapes q/k/v with its *input's* sequence length, so the block itself must see the
+    full sequence; one all-gather then serves q, k and v. The input is the first positional
+    argument or, as HF decoder layers pass it to attention, the ``hidden_states`` keyword.
+    In backward the projections' partial input gradients are all-reduced by their own
+    styles, and this style keeps this rank's sequence slice of the sum.
+    """
+
+    def __init__(self, *, use_local_output: bool = True):
+        self.input_layouts = (Shard(1),)
+        self.desired_input_layouts = (Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _gather(self, x, mesh):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
+        x = x.redistribute(placements=self.desired_input_layouts)
+        return x.to_local() if self.use_local_output else x
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(mod, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                args = (self._gather(args[0], device_mesh), *args[1:])
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                kwargs = {**kwargs, "hidden_states": self._gather(kwargs["hidden_states"], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StyleSpec:
     """One row of the vocabulary."""
@@ -252,13 +286,8 @@ _SPECS: tuple[StyleSpec, ...] = (
     ),
     StyleSpec(
         name="gather_seq_input",
-        summary="adapter: all-gather a sequence-sharded input (closes SP)",
-        factory=PrepareModuleInput,
-        defaults={
-            "input_layouts": Shard(1),
-            "desired_input_layouts": Replicate(),
-            "use_local_output": True,
-        },
+        summary="adapter: all-gather a sequence-sharded input (attention/MLP blocks under SP, closes SP)",
+        factory=GatherSequenceInput,
         overridable=frozenset({"use_local_output"}),
     ),
     StyleSpec(
@@ -348,7 +377,7 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             local_output=style.use_local_output,
             weight={kind: Replicate() for kind in ModuleKind},
         )
-    if isinstance(style, PrepareModuleInput):
+    if isinstance(style, (PrepareModuleInput, GatherSequenceInput)):
         return Layouts(
             input=style.input_layouts[0],
             output=style.desired_input_layouts[0],

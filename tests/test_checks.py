@@ -58,13 +58,14 @@ def test_missing_o_proj_is_a_pairing_error(write_plan):
     assert "'model.layers.*.self_attn.o_proj: rowwise'" in diags[0].fix
 
 
-def test_reference_style_sp_plan_is_a_pairing_error(write_plan):
-    """The reference SP plan reads the sequence-sharded stream with plain colwise projections."""
-    text = QWEN3.read_text().replace("q_proj: colwise_seq", "q_proj: colwise")
+def test_sp_overlay_without_gathering_attention_is_a_pairing_error(write_plan):
+    """Like the reference SP plan: q/k/v read the sequence shard as if it were whole."""
+    text = QWEN3.read_text().replace("  model.layers.*.self_attn: gather_seq_input\n", "")
     plan = plancc.load_plan(write_plan(text))
-    diags = check_plan(plan, "tiny-qwen3", tp=2, sequence_parallel=True)
-    assert [d.rule for d in diags if d.is_error] == ["layout-pairing"]
-    assert "colwise_seq" in diags[0].fix
+    diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2, sequence_parallel=True) if d.is_error]
+    assert {d.rule for d in diags} == {"layout-pairing"}
+    assert "'model.layers.*.self_attn: gather_seq_input'" in diags[0].fix
+    assert "q_proj" in diags[0].message
 
 
 def test_style_on_wrong_module_kind(write_plan):

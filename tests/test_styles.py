@@ -16,7 +16,16 @@ from torch.distributed.tensor.parallel import (
 
 from plancc.plan import parse_plan
 from plancc.schema import plan_schema
-from plancc.styles import ALIASES, STYLE_NAMES, STYLES, LeaveWhole, RotaryUnderSequenceParallel, canonical_style, layouts_of
+from plancc.styles import (
+    ALIASES,
+    STYLE_NAMES,
+    STYLES,
+    GatherSequenceInput,
+    LeaveWhole,
+    RotaryUnderSequenceParallel,
+    canonical_style,
+    layouts_of,
+)
 
 R, S1, S2, SL = Replicate(), Shard(1), Shard(2), Shard(-1)
 
@@ -36,7 +45,7 @@ DOCUMENTED = {
     "sequence_parallel": (SequenceParallel, S1, S1, True),
     "qk_norm": (SequenceParallel, S2, S2, True),
     "shard_seq_output": (PrepareModuleOutput, R, S1, True),
-    "gather_seq_input": (PrepareModuleInput, S1, R, True),
+    "gather_seq_input": (GatherSequenceInput, S1, R, True),
     "prepare_input": (PrepareModuleInput, R, R, True),
     "prepare_output": (PrepareModuleOutput, R, R, True),
     "rotary_sp": (RotaryUnderSequenceParallel, None, None, None),

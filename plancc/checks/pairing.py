@@ -3,13 +3,14 @@
 Inside an attention or MLP block, colwise projections leave a feature-sharded local
 tensor (Shard(-1)); the block's output projection must be rowwise (input Shard(-1)) to
 reduce it. Under sequence parallelism the residual stream between blocks is a sequence
-shard (Shard(1)); every projection reading it must declare that input (``colwise_seq``),
-because a plain tensor carries no layout and torch would treat the shard as the whole
-sequence.
+shard (Shard(1)); a projection reading it with a replicated-input style needs the shard
+gathered first, by its block (``gather_seq_input`` on ``self_attn``/``mlp``) or by itself
+(``colwise_seq``): a plain tensor carries no layout, and torch would silently treat the
+shard as the whole sequence.
 
 PASS  q/k/v_proj: colwise, o_proj: rowwise
 FAIL  q/k/v_proj: colwise, o_proj left out -> o_proj gets heads/tp features, a shape error
-FAIL  under SP: input_layernorm: sequence_parallel, q_proj: colwise (expects replicated input)
+FAIL  under SP: input_layernorm: sequence_parallel, q_proj: colwise, and self_attn not gathered
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Iterator
 from torch.distributed.tensor import Replicate, Shard
 
 from ..errors import Diagnostic
-from ..styles import ModuleKind
+from ..styles import ModuleKind, canonical_style, layouts_of
 from .context import CheckContext, kind_of
 
 ID = "layout-pairing"
@@ -98,14 +99,28 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
         )
     if ctx.resolved.sequence_parallel:
         for name, rule in replicated_readers:
-            if _block(name) in seq_blocks and once(rule, "sequence"):
+            if _block(name) in seq_blocks and not _gathered_above(ctx, name) and once(rule, "sequence"):
                 yield Diagnostic(
                     rule=ID,
                     loc=rule.loc,
                     message=f"{name} reads the sequence-sharded residual stream of {_block(name)} "
                     f"but its style {rule.style.name!r} declares a replicated input",
-                    fix=f"use colwise_seq for '{rule.pattern}' in the sequence_parallel overlay",
+                    fix=f"add '{_glob(_parent(name))}: gather_seq_input' to the sequence_parallel overlay",
                 )
+
+
+def _gathered_above(ctx: CheckContext, name: str) -> bool:
+    """Whether an enclosing module inside the block gathers the sequence before ``name``."""
+    block = _block(name)
+    parent = _parent(name)
+    while parent and parent != block:
+        rule = ctx.rule_for(parent)
+        if rule is not None:
+            lay = layouts_of(canonical_style(rule.style.name).build(rule.style.overrides))
+            if lay.input == _SEQUENCE and lay.output == Replicate():
+                return True
+        parent = _parent(parent)
+    return False
 
 
 def _glob(name: str) -> str:

@@ -1,0 +1,58 @@
+"""Global gradient norm and clipping across every mesh axis a gradient is sharded on.
+
+After TP + FSDP2, gradients live on different meshes: 2-D (dp_cp, tp) for TP-sharded
+weights, 1-D dp_cp for weights TP left whole. torch's ``clip_grad_norm_`` wants one mesh;
+here each gradient's local sum of squares is summed over exactly the axes it is sharded on
+(replicated axes already hold the same values and must not be counted twice).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients, as if the model were unsharded (fp32)."""
+    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    groups = {}
+    device = None
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            sharded_axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+            key = (id(g.device_mesh), sharded_axes)
+            groups[key] = (g.device_mesh, sharded_axes)
+            local = g.to_local()
+        else:
+            key = (None, ())
+            local = g
+        device = local.device
+        buckets[key] = buckets[key].to(device) + local.detach().float().pow(2).sum()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for key, sq in buckets.items():
+        mesh, axes = groups.get(key, (None, ()))
+        for axis in axes:
+            dist.all_reduce(sq, group=mesh.get_group(axis))
+        total = total + sq
+    return total.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the
+    norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params)
+    if math.isfinite(max_norm) and max_norm > 0:
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,208 @@
+"""Apply a plan to a model on a (dp, cp, tp) mesh: TP/SP, then activation checkpointing,
+then FSDP2 per unit and the root (torchtitan's order: sharding decisions first, memory
+policies last, so FSDP sees the TP DTensors and builds 2-D shards).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from typing import Iterable
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from .errors import Diagnostic, PlanError
+from .lower import lower
+from .plan import Plan
+from .resolve import resolve_plan
+
+
+def tied_parameter_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that share one Parameter object."""
+    owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            owners[id(param)].append((mod_name, p_name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """``parallelize_module`` replaces each module's parameters independently, which unties
+    shared weights; point every user back at one (identically placed) parameter."""
+    modules = dict(model.named_modules())
+    for group in groups:
+        (first_mod, first_name), *rest = group
+        keep = getattr(modules[first_mod], first_name)
+        for mod_name, p_name in rest:
+            other = getattr(modules[mod_name], p_name)
+            same_layout = (
+                isinstance(keep, DTensor) == isinstance(other, DTensor)
+                and (not isinstance(keep, DTensor) or keep.placements == other.placements)
+            )
+            if not same_layout:
+                raise PlanError([Diagnostic(
+                    rule="tied-embeddings",
+                    message=f"{first_mod}.{first_name} and {mod_name}.{p_name} are one tied weight but the plan "
+                    "shards them differently",
+                    fix="run `plancc validate` with --tp for the fix",
+                )])
+            setattr(modules[mod_name], p_name, keep)
+
+
+def _causal_lm_signature(model: nn.Module) -> inspect.Signature:
+    return inspect.signature(model.forward)
+
+
+class GlobalSequenceInputs:
+    """Forward pre-hook for sequence parallelism on a Hugging Face causal LM.
+
+    Under SP the embedding hands the decoder a sequence shard, and transformers derives
+    position ids and the causal mask from ``inputs_embeds.shape[1]``, i.e. from the shard.
+    This hook computes both from the full ``input_ids`` before the model runs: global
+    ``position_ids`` (unless given) and the prepared masks, which transformers uses as-is.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.signature = _causal_lm_signature(model)
+        self.base = getattr(model, "model", model)
+        config = model.config
+        self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or ())
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        bound = self.signature.bind_partial(*args, **kwargs)
+        values = dict(bound.arguments)
+        values.update(values.pop("kwargs", {}) or {})
+        input_ids = values.get("input_ids")
+        if input_ids is None or isinstance(values.get("attention_mask"), dict):
+            return None
+        batch, seq = input_ids.shape[:2]
+        if values.get("position_ids") is None:
+            values["position_ids"] = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, -1)
+        values["attention_mask"] = self._masks(input_ids, values.get("attention_mask"), values["position_ids"])
+        return (), values
+
+    def _masks(self, input_ids, attention_mask, position_ids):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        dtype = next(self.base.parameters()).dtype
+        stand_in = torch.empty((*input_ids.shape[:2], 0), dtype=dtype, device=input_ids.device)
+        kwargs = dict(config=self.config, inputs_embeds=stand_in, attention_mask=attention_mask,
+                      past_key_values=None, position_ids=position_ids)
+        full = create_causal_mask(**kwargs)
+        if not self.sliding:
+            return full
+        return {"full_attention": full, "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
+    if tp_mesh.size() == 1:
+        return model
+    groups = tied_parameter_groups(model)
+    parallelize_module(model, tp_mesh, lower(resolved))
+    _retie(model, groups)
+    if sequence_parallel:
+        model.register_forward_pre_hook(GlobalSequenceInputs(model), with_kwargs=True)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module, names: Iterable[str]) -> None:
+    """Recompute each target's ``forward`` in backward instead of keeping its activations.
+
+    Only ``forward`` itself is checkpointed, not the module's hooks: TP styles that gather
+    inputs in a pre-hook (``gather_seq_input``) must run once, not again on an input they
+    already gathered. Patching the instance keeps module names (state-dict keys, plan
+    globs) unchanged, unlike ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``.
+    """
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules[name]
+        inner = module.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
+
+
+def apply_fsdp(
+    model: nn.Module,
+    units: Iterable[str],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> nn.Module:
+    modules = dict(model.named_modules())
+    unit_list = list(units)
+    for i, name in enumerate(unit_list):
+        # The last unit's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(modules[name], mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                    reshard_after_forward=i < len(unit_list) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    return model
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP shards over data- and context-parallel ranks together (they hold the same weights)."""
+    return mesh["dp_cp"]
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool | None = None,
+) -> nn.Module:
+    """TP/SP from the compiled plan, then activation checkpointing on the plan's targets,
+    then FSDP2 ``fully_shard`` on the plan's units and the root. Works on a meta-device model
+    (materialize it afterwards with ``plancc.materialize``).
+
+    ``activation_checkpointing``: None follows the plan, False disables, True requires the
+    plan to name targets.
+    """
+    resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, plan, mesh["tp"], sequence_parallel=sequence_parallel)
+    if activation_checkpointing is not False:
+        if activation_checkpointing and not resolved.activation_checkpointing:
+            raise PlanError([Diagnostic(
+                rule="activation-checkpointing", loc=plan.loc,
+                message="activation checkpointing was requested but the plan names no targets",
+                fix="add 'activation_checkpointing: [model.layers.*]' to the plan",
+            )])
+        apply_activation_checkpointing(model, resolved.activation_checkpointing)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
+    return apply_fsdp(model, resolved.fsdp_units, fsdp_mesh(mesh), mp_policy=mp, offload_policy=offload)
+
+
+def materialize(model: nn.Module, device: torch.device | str, *, full_state_dict: dict | None = None) -> nn.Module:
+    """Allocate a (parallelized) meta model on ``device`` and fill it.
+
+    With ``full_state_dict`` every rank passes the unsharded tensors and keeps its shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # Non-persistent buffers (rotary inv_freq, embedding scales) were computed for real at
+    # build time (see models.parameters_on_meta); to_empty would discard them.
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
+    model.to_empty(device=device)
+    modules = dict(model.named_modules())
+    for name, value in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        modules[owner]._buffers[attr] = value.to(device)
+    if full_state_dict is not None:
+        set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+    return model
