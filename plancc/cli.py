@@ -139,6 +139,89 @@ def models(fmt: FormatOpt = Format.text) -> None:
     print(_table(rows, ["preset", "architecture", "summary"]))
 
 
+@app.command()
+def apply(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    model: ModelOpt = None,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="workers on this node")] = 2,
+    nnodes: Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX for elastic jobs")] = "1",
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT (multi-node)")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="job id shared by all nodes")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="tensor-parallel degree (default: all ranks)")] = None,
+    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
+    sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
+    steps: Annotated[int, typer.Option("--steps", min=0)] = 5,
+    data: Annotated[Optional[Path], typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="global batch (split over dp)")] = 4,
+    seq_len: Annotated[int, typer.Option("--seq-len", min=2)] = 32,
+    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    schedule_steps: Annotated[Optional[int], typer.Option(
+        "--schedule-steps", min=1, help="LR schedule horizon (set it when a run will be resumed)")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    save: Annotated[Optional[Path], typer.Option("--save", help="DCP checkpoint directory")] = None,
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="checkpoint directory to continue from")] = None,
+    export_hf: Annotated[Optional[Path], typer.Option("--export-hf", help="write final weights with save_pretrained")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond tolerance")] = False,
+    device: Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
+    timeout: Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")] = 300,
+    fmt: FormatOpt = Format.text,
+) -> None:
+    """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
+    from .launch import LaunchOptions, launch
+    from .mesh import MeshError, MeshSpec
+    from .runner import RunConfig
+    from .validate import validate_plan
+
+    nodes = int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else None
+    if nodes is None:
+        print(f"error: --nnodes {nnodes!r} is not N or MIN:MAX", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE)
+    world = nproc_per_node * nodes
+    if tp is None:
+        tp = world // (cp * (dp or 1)) if world % (cp * (dp or 1)) == 0 else 1
+    try:
+        MeshSpec.infer(world_size=world, dp=dp, cp=cp, tp=tp)
+    except MeshError as exc:
+        print(f"error: {exc} [mesh-sizes]\n  fix: choose --tp/--cp/--dp whose product is {world}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from None
+    from .models import default_preset
+    from .plan import load_plan
+
+    try:
+        model = model or default_preset(load_plan(plan_path).architectures, tiny=True)
+        report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world, sequence_parallel=sp)
+        if data is not None:
+            from .data import read_jsonl
+            from .models import load_config
+
+            read_jsonl(data, vocab_size=load_config(model).vocab_size)
+    except PlanError as exc:
+        raise _fail(exc, fmt) from None
+    if report.has_errors:  # before any process starts
+        _emit(report.diagnostics, fmt)
+        raise typer.Exit(EXIT_PLAN)
+    _emit(report.diagnostics, fmt)
+    cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, steps=steps,
+                    data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                    schedule_steps=schedule_steps,
+                    save=str(save) if save else None, resume=str(resume) if resume else None,
+                    export_hf=str(export_hf) if export_hf else None, verify=verify, device=device, timeout_s=timeout)
+    opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    outcome = launch(opts, cfg)
+    if outcome.result is not None and outcome.result.get("ok") is False:
+        print("error: sharded model differs from the unsharded one beyond tolerance [verify]", file=sys.stderr)
+        raise typer.Exit(EXIT_PLAN)
+    if not outcome.ok:
+        for rank, message in outcome.failures.items():
+            print(f"error: rank {rank} failed: {message}", file=sys.stderr)
+        raise typer.Exit(EXIT_PLAN)
+    if fmt is Format.json and outcome.result is not None:
+        print(json.dumps(outcome.result, indent=2))
+
+
 def main() -> None:  # console-script entry point
     app()
 

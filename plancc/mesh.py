@@ -75,8 +75,21 @@ def build_mesh(*, dp: int | None = None, cp: int = 1, tp: int = 1, device_type: 
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     mesh = init_device_mesh(device_type, (spec.dp, spec.cp, spec.tp), mesh_dim_names=AXES)
-    mesh["dp", "cp"]._flatten("dp_cp")
+    # Keep the flattened mesh itself: slicing a flattened axis back out of the root mesh is
+    # deprecated in torch 2.11+.
+    _FLATTENED[id(mesh)] = mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
+
+
+_FLATTENED: dict[int, DeviceMesh] = {}
+
+
+def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened (dp, cp) axis FSDP shards over."""
+    flat = _FLATTENED.get(id(mesh))
+    if flat is None:
+        flat = _FLATTENED[id(mesh)] = mesh["dp", "cp"]._flatten("dp_cp")
+    return flat
 
 
 def spec_of(mesh: DeviceMesh) -> MeshSpec:

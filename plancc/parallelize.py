@@ -152,7 +152,9 @@ def apply_fsdp(
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """FSDP shards over data- and context-parallel ranks together (they hold the same weights)."""
-    return mesh["dp_cp"]
+    from .mesh import dp_cp_mesh
+
+    return dp_cp_mesh(mesh)
 
 
 def parallelize(

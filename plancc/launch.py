@@ -1,0 +1,72 @@
+"""Start `plancc apply` workers with torch's elastic launcher (torchrun's own machinery:
+the same rendezvous, multi-node flags, restarts and failure reporting)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .runner import RunConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchOptions:
+    nproc_per_node: int = 2
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchResult:
+    ok: bool
+    result: dict | None
+    failures: dict[int, str]  # global rank -> error message
+
+
+def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
+    argv = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}",
+            f"--max-restarts={opts.max_restarts}", "--monitor-interval=0.2"]
+    if opts.rdzv_endpoint:
+        argv += [f"--node-rank={opts.node_rank}", f"--rdzv-backend={opts.rdzv_backend}",
+                 f"--rdzv-endpoint={opts.rdzv_endpoint}", f"--rdzv-id={opts.rdzv_id or 'plancc'}"]
+    else:
+        argv += ["--standalone"]  # single node: rendezvous on a free local port
+    return argv + ["--module", "plancc.runner", "--config", json.dumps(asdict(cfg)), "--result", result_path]
+
+
+def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="plancc-") as tmp:
+        result_path = str(Path(tmp) / "result.json")
+        args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
+        failures: dict[int, str] = {}
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            for rank, failure in sorted(exc.failures.items()):
+                failures[rank] = _failure_message(failure)
+        result = json.loads(Path(result_path).read_text()) if Path(result_path).is_file() else None
+    return LaunchResult(ok=not failures, result=result, failures=failures)
+
+
+def _failure_message(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", message)
+        if isinstance(message, dict):
+            message = message.get("message", str(message))
+    text = str(message or "").strip()
+    if not text or text.startswith("To enable traceback"):
+        signal = failure.signal_name() if failure.exitcode < 0 else None
+        text = f"killed by {signal}" if signal else f"exited with code {failure.exitcode}"
+    return text.splitlines()[0] if "Traceback" not in text else text.strip().splitlines()[-1]

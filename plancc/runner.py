@@ -1,0 +1,260 @@
+"""The worker of `plancc apply`: one process per rank, started by torch's elastic launcher.
+
+build mesh -> meta model -> parallelize with the plan -> weights (HF folder or seeded init)
+-> [resume] -> train K steps (AdamW, global-norm clipping, warmup+cosine LR) -> [save]
+-> summary. With ``verify`` it trains alongside an unsharded reference and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    plan: str
+    model: str | None = None
+    dp: int | None = None
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    steps: int = 5
+    data: str | None = None
+    batch_size: int = 4  # global, split over dp
+    seq_len: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 1
+    schedule_steps: int | None = None  # LR schedule horizon; default: resumed step + steps
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    save: str | None = None
+    resume: str | None = None
+    export_hf: str | None = None
+    verify: bool = False
+    device: str | None = None  # cpu or cuda; default: cuda when available
+    param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
+    timeout_s: int = 300  # collectives time out instead of hanging a job
+    fail_on_rank: int | None = None  # fault injection for the reliability tests
+    extra: dict = field(default_factory=dict)
+
+
+def lr_lambda(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _init(cfg: RunConfig) -> str:
+    from .mesh import default_device_type
+
+    device = cfg.device or default_device_type()
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return device
+
+
+def _load_weights(cfg: RunConfig, model, config, device: str) -> str:
+    """Fill a parallelized meta model; returns where its weights came from."""
+    from pathlib import Path
+
+    from .models import build_model
+    from .parallelize import materialize
+    from .weights import has_safetensors, load_hf_weights
+
+    if cfg.model and Path(cfg.model).is_dir() and has_safetensors(cfg.model):
+        materialize(model, device)
+        load_hf_weights(model, cfg.model)
+        return f"safetensors from {cfg.model}"
+    # Seeded init, identical to an unsharded model built with the same seed: every rank
+    # builds the full model on the CPU and keeps its shards (fine for presets and tests;
+    # real models come from a folder).
+    torch.manual_seed(cfg.seed)
+    full = build_model(config, device="cpu")
+    state = {k: v.to(device) for k, v in full.state_dict().items()}
+    del full
+    materialize(model, device, full_state_dict=state)
+    return f"random init (seed {cfg.seed})"
+
+
+def _batches(cfg: RunConfig, vocab_size: int, start: int, count: int):
+    from .data import dataset_batch, read_jsonl, synthetic_batch
+
+    dataset = read_jsonl(cfg.data, vocab_size=vocab_size) if cfg.data else None
+    for step in range(start, start + count):
+        if dataset is None:
+            ids = synthetic_batch(step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                  vocab_size=vocab_size)
+            yield ids, torch.ones_like(ids)
+        else:
+            yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+
+
+def train(cfg: RunConfig) -> dict:
+    from . import checkpoint
+    from .gradnorm import clip_grad_norm_
+    from .mesh import build_mesh
+    from .models import architecture_of, build_model, default_preset, load_config
+    from .parallelize import parallelize
+    from .plan import load_plan
+    from .verify import batch_slice, full, masked_next_token_loss
+
+    device = _init(cfg)
+    mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
+    plan = load_plan(cfg.plan)
+    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
+    config = load_config(model_name)
+    if cfg.data:  # validate the whole file before any step (and before allocating the model)
+        from .data import read_jsonl
+
+        read_jsonl(cfg.data, vocab_size=config.vocab_size)
+    dtype = getattr(torch, cfg.param_dtype) if cfg.param_dtype else None
+    model = build_model(config, device="meta")
+    parallelize(model, plan, mesh, sequence_parallel=cfg.sequence_parallel, param_dtype=dtype)
+    source = _load_weights(cfg, model, config, device)
+    sizes = {axis: mesh[axis].size() for axis in ("dp", "cp", "tp")}
+    log(f"plancc apply: {plan.name} on {model_name} | world {dist.get_world_size()} "
+        f"dp={sizes['dp']} cp={sizes['cp']} tp={sizes['tp']}{' +sp' if cfg.sequence_parallel else ''} "
+        f"| {device} | weights: {source}")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    start = 0
+    if cfg.resume:
+        info = checkpoint.load(cfg.resume, model, opt, architecture=architecture_of(config), plan=plan.name)
+        start = info.step
+        log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp})")
+    total = start + cfg.steps
+    horizon = cfg.schedule_steps or total
+    for group in opt.param_groups:  # the base LR is configuration, not checkpointed state
+        group["initial_lr"] = cfg.lr
+    # The schedule is a function of the global step, so a resumed run needs no stored state.
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s + start, warmup=cfg.warmup_steps, total=horizon))
+    mine = batch_slice(mesh, cfg.batch_size)
+    history = []
+    t_start = time.perf_counter()
+    for step, (ids, mask) in enumerate(_batches(cfg, config.vocab_size, start, cfg.steps), start=start):
+        if cfg.fail_on_rank is not None and dist.get_rank() == cfg.fail_on_rank and step == start + 1:
+            raise RuntimeError(f"injected failure on rank {dist.get_rank()} at step {step}")
+        t0 = time.perf_counter()
+        ids, mask = ids[mine].to(device), mask[mine].to(device)
+        logits = full(model(input_ids=ids, attention_mask=mask).logits)
+        loss = masked_next_token_loss(logits, ids, mask)
+        loss.backward()
+        grad_norm = clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
+        mean_loss = mean_loss.item() / mesh["dp"].size()
+        dt = time.perf_counter() - t0
+        tokens = int(mask.sum()) * mesh["dp"].size()
+        history.append({"step": step + 1, "loss": mean_loss, "grad_norm": float(grad_norm),
+                        "lr": sched.get_last_lr()[0], "tokens_per_s": tokens / dt})
+        log(f"step {step + 1:>4}/{total}  loss {mean_loss:.6f}  grad_norm {float(grad_norm):.4f}  "
+            f"lr {sched.get_last_lr()[0]:.2e}  tok/s {tokens / dt:,.0f}")
+    elapsed = time.perf_counter() - t_start
+    if cfg.save:
+        path = checkpoint.save(cfg.save, model, opt, checkpoint.CheckpointInfo(
+            step=total, architecture=architecture_of(config), model_signature=checkpoint.model_signature(model),
+            plan=plan.name, **sizes))
+        log(f"saved checkpoint {path}")
+    if cfg.export_hf:
+        from .weights import export_hf
+
+        export_hf(model, config, cfg.export_hf)
+        log(f"exported Hugging Face weights to {cfg.export_hf}")
+    summary = {"steps": cfg.steps, "first_loss": history[0]["loss"] if history else None,
+               "last_loss": history[-1]["loss"] if history else None, "seconds": elapsed,
+               "history": history}
+    log(f"summary: {cfg.steps} steps in {elapsed:.1f}s, loss {summary['first_loss']:.4f} -> "
+        f"{summary['last_loss']:.4f}" if history else "summary: no steps")
+    return summary
+
+
+def run_verify(cfg: RunConfig) -> dict:
+    from .mesh import build_mesh
+    from .models import default_preset, load_config
+    from .plan import load_plan
+    from .verify import TOLERANCES, verify_against_unsharded, within_tolerance
+
+    device = _init(cfg)
+    mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
+    plan = load_plan(cfg.plan)
+    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
+    config = load_config(model_name)
+    batches = list(_batches(cfg, config.vocab_size, 0, cfg.steps + 1))
+    report = verify_against_unsharded(plan, model_name, mesh, sequence_parallel=cfg.sequence_parallel,
+                                      steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm,
+                                      batches=batches, device=device)
+    ok = within_tolerance(report)
+    flags = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    log(f"verify {plan.name} on {model_name} (dp={mesh['dp'].size()} cp={mesh['cp'].size()} "
+        f"tp={mesh['tp'].size()}{' +sp' if cfg.sequence_parallel else ''}) against the unsharded model:")
+    log(f"  logits  max |diff| {report.logits_max_abs:.3e}  relative {report.logits_max_rel:.3e}  "
+        f"(tolerance {TOLERANCES['logits_rel']:.0e})")
+    log(f"  loss    |diff| {report.loss_abs:.3e}  (tolerance {TOLERANCES['loss_abs']:.0e})")
+    log(f"  grads   max relative diff {report.grad_max_rel:.3e} in {report.worst_grad}  "
+        f"over {report.params_compared} parameters (tolerance {TOLERANCES['grad_rel']:.0e})")
+    for i, d in enumerate(report.step_loss_abs, start=1):
+        log(f"  loss after step {i}: |diff| {d:.3e}")
+    log(f"  replicated parameters identical across tp ranks: {report.replicas_identical}")
+    log("verify: OK" if bool(flags.item()) else "verify: FAILED (beyond tolerance)")
+    return {"ok": bool(flags.item()), **report.as_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    parser = argparse.ArgumentParser(prog="plancc-worker")
+    parser.add_argument("--config", required=True, help="RunConfig as JSON")
+    parser.add_argument("--result", help="rank 0 writes its result here as JSON")
+    args = parser.parse_args(argv)
+    cfg = RunConfig(**json.loads(args.config))
+
+    @record
+    def worker() -> dict:
+        try:
+            return run_verify(cfg) if cfg.verify else train(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    result = worker()
+    if args.result and int(os.environ.get("RANK", "0")) == 0:
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    return 0 if result.get("ok", True) else 3
+
+
+if __name__ == "__main__":
+    code = main()
+    # Skip interpreter finalization, as multiprocessing's workers do: after a DCP load on
+    # gloo (torch 2.13) a C++ thread still joinable at exit aborts the process with
+    # "terminate called without an active exception", turning a finished run into SIGABRT.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def config_json(cfg: RunConfig) -> str:
+    return json.dumps(asdict(cfg))
