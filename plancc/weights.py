@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 
 def has_safetensors(folder: str | Path) -> bool:
@@ -38,37 +38,66 @@ def _files(folder: Path) -> dict[str, Path]:
 
 
 def load_hf_weights(model: torch.nn.Module, folder: str | Path) -> None:
-    """Collective: fill a materialized, parallelized model from an HF folder read on rank 0."""
+    """Collective: fill a materialized, parallelized model from an HF folder read on rank 0.
+
+    Every rank works out which slice of each tensor it holds (torch's own
+    ``compute_local_shape_and_global_offset``, the rule DCP uses); rank 0 reads each tensor
+    once and sends every rank exactly its slice, point to point.
+    """
     from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     folder = Path(folder)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     names = [list(_files(folder))] if rank == 0 else [None]
     dist.broadcast_object_list(names, src=0)
     available = set(names[0])
+    state = {k: v for k, v in model.state_dict().items() if k in available}
+    # tied weights (lm_head) are absent from HF files: they share the embedding's storage
+    mine = {}
+    for name, target in state.items():
+        if isinstance(target, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                  target.placements)
+            mine[name] = (tuple(shape), tuple(offset))
+        else:
+            mine[name] = (tuple(target.shape), (0,) * target.dim())
+    layouts = [None] * world if rank == 0 else None
+    dist.gather_object(mine, layouts, dst=0)
     files = _files(folder) if rank == 0 else {}
     handles: dict[Path, object] = {}
-    state = model.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, target in state.items():
-            if name not in available:
-                continue  # tied weights (lm_head) are absent from HF files; they share storage
+            local_target = target.to_local() if isinstance(target, DTensor) else target
+            device, dtype = local_target.device, local_target.dtype
             if rank == 0:
                 path = files[name]
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt")
-                full = handles[path].get_tensor(name)
-            if isinstance(target, DTensor):
-                device = target.to_local().device
-                source = full.to(device=device, dtype=target.dtype) if rank == 0 else \
-                    torch.empty(target.shape, dtype=target.dtype, device=device)
-                shard = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=0)
-                target.to_local().copy_(shard.to_local())
+                full = handles[path].get_tensor(name).to(dtype)
+                for dst in range(world):
+                    shape, offset = layouts[dst][name]
+                    piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+                    if dst == 0:
+                        local = piece.to(device).contiguous()
+                    elif piece.numel():
+                        dist.send(piece.to(device).contiguous(), dst=dst)
             else:
-                buf = full.to(device=target.device, dtype=target.dtype) if rank == 0 else torch.empty_like(target)
-                dist.broadcast(buf, src=0)
-                target.copy_(buf)
+                shape, _ = mine[name]
+                local = torch.empty(shape, dtype=dtype, device=device)
+                if local.numel():
+                    dist.recv(local, src=0)
+            if isinstance(target, DTensor):
+                loaded[name] = DTensor.from_local(local, target.device_mesh, target.placements,
+                                                  shape=target.shape, stride=target.stride(), run_check=False)
+            else:
+                loaded[name] = local
+    # Through load_state_dict, not a copy into to_local(): FSDP2 keeps its own padded storage
+    # for sharded parameters, which a raw copy could leave stale.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
 
 
 def export_hf(model: torch.nn.Module, config, folder: str | Path) -> None:
