@@ -60,6 +60,31 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
+class _Progress:
+    """A rich progress bar on a terminal (rank 0); one plain line per step otherwise, so
+    logs and tests read the same numbers."""
+
+    def __init__(self, total: int):
+        self.bar = None
+        if dist.get_rank() == 0 and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total)
+            self.bar.start()
+
+    def step(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line)
+            self.bar.advance(self.task)
+        else:
+            log(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def _init(cfg: RunConfig) -> str:
     from .mesh import default_device_type
 
@@ -149,6 +174,7 @@ def train(cfg: RunConfig) -> dict:
         opt, lambda s: lr_lambda(s + start, warmup=cfg.warmup_steps, total=horizon))
     mine = batch_slice(mesh, cfg.batch_size)
     history = []
+    progress = _Progress(total - start)
     t_start = time.perf_counter()
     for step, (ids, mask) in enumerate(_batches(cfg, config.vocab_size, start, cfg.steps), start=start):
         if cfg.fail_on_rank is not None and dist.get_rank() == cfg.fail_on_rank and step == start + 1:
@@ -169,8 +195,9 @@ def train(cfg: RunConfig) -> dict:
         tokens = int(mask.sum()) * mesh["dp"].size()
         history.append({"step": step + 1, "loss": mean_loss, "grad_norm": float(grad_norm),
                         "lr": sched.get_last_lr()[0], "tokens_per_s": tokens / dt})
-        log(f"step {step + 1:>4}/{total}  loss {mean_loss:.6f}  grad_norm {float(grad_norm):.4f}  "
-            f"lr {sched.get_last_lr()[0]:.2e}  tok/s {tokens / dt:,.0f}")
+        progress.step(f"step {step + 1:>4}/{total}  loss {mean_loss:.6f}  grad_norm {float(grad_norm):.4f}  "
+                      f"lr {sched.get_last_lr()[0]:.2e}  tok/s {tokens / dt:,.0f}")
+    progress.close()
     elapsed = time.perf_counter() - t_start
     if cfg.save:
         path = checkpoint.save(cfg.save, model, opt, checkpoint.CheckpointInfo(
