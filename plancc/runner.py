@@ -181,7 +181,7 @@ def train(cfg: RunConfig) -> dict:
             raise RuntimeError(f"injected failure on rank {dist.get_rank()} at step {step}")
         t0 = time.perf_counter()
         ids, mask = ids[mine].to(device), mask[mine].to(device)
-        logits = full(model(input_ids=ids, attention_mask=mask).logits)
+        logits = full(model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
         loss = masked_next_token_loss(logits, ids, mask)
         loss.backward()
         grad_norm = clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

@@ -145,9 +145,9 @@ def verify_against_unsharded(
     ref_params = dict(reference.named_parameters())
     for step, (ids, mask) in enumerate(batches):
         ids, mask = ids.to(device), mask.to(device)
-        logits = full(model(input_ids=ids[mine], attention_mask=mask[mine]).logits)
+        logits = full(model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False).logits)
         loss = masked_next_token_loss(logits, ids[mine], mask[mine])
-        ref_logits = reference(input_ids=ids, attention_mask=mask).logits
+        ref_logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
         # FSDP averages gradients over dp ranks: the reference loss is the mean of the
         # per-rank means (equal to the global token mean when ranks hold equal tokens).
         per = global_batch // dp

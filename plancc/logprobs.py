@@ -1,0 +1,191 @@
+"""Exact token log-probs from vocab-parallel logits, in bounded memory.
+
+With TP the lm_head's logits are sharded over the vocabulary: rank r holds columns
+``[vocab_start, vocab_start + V_local)``. log p(t) = x_t - logsumexp(x) needs a max, a sum of
+exponentials and the target's logit from whichever rank holds it: three numbers per token,
+so the collectives carry O(tokens), never O(tokens x vocab).
+
+Memory: the forward pass walks the logits in row chunks and keeps only the per-token
+logsumexp (fp32) for backward; backward recomputes softmax chunk by chunk straight into the
+gradient. Peak extra memory is one fp32 chunk, whatever the logits' size or dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# Rows per chunk are chosen so one fp32 chunk stays near this size.
+CHUNK_BYTES = 16 * 2**20
+
+
+def _default_chunk(v_local: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(1, v_local)))
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, chunk):
+        v_local = logits.shape[-1]
+        rows = logits.reshape(-1, v_local)
+        flat_t = targets.reshape(-1)
+        n = rows.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        target_logit = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            x = rows[lo:hi].to(torch.float32, copy=True)  # never alias: the ops below are in place
+            local_t = flat_t[lo:hi] - vocab_start
+            here = (local_t >= 0) & (local_t < v_local)
+            picked = x.gather(1, local_t.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
+            picked = torch.where(here, picked, torch.zeros_like(picked))
+            # max over the whole vocabulary (all ranks) for a stable logsumexp
+            m = _all_reduce(x.max(dim=1).values, dist.ReduceOp.MAX, group)
+            sum_exp = x.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
+            # one collective carries both per-token sums: 2 x chunk values
+            stacked = _all_reduce(torch.stack([sum_exp, picked]), dist.ReduceOp.SUM, group)
+            lse[lo:hi] = m + stacked[0].log()
+            target_logit[lo:hi] = stacked[1]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.vocab_start, ctx.chunk = vocab_start, chunk
+        return (target_logit - lse).reshape(targets.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, lse = ctx.saved_tensors
+        v_local = logits.shape[-1]
+        rows = logits.reshape(-1, v_local)
+        flat_t = targets.reshape(-1)
+        g = grad_out.reshape(-1).float()
+        grad = torch.empty_like(rows)
+        for lo in range(0, rows.shape[0], ctx.chunk):
+            hi = min(rows.shape[0], lo + ctx.chunk)
+            # d logp(t) / d x_j = 1[j == t] - softmax_j
+            p = rows[lo:hi].to(torch.float32, copy=True)
+            p.sub_(lse[lo:hi].unsqueeze(1)).exp_().mul_(-g[lo:hi].unsqueeze(1))
+            local_t = flat_t[lo:hi] - ctx.vocab_start
+            here = (local_t >= 0) & (local_t < v_local)
+            idx = local_t.clamp(0, v_local - 1).unsqueeze(1)
+            p.scatter_add_(1, idx, torch.where(here, g[lo:hi], torch.zeros_like(g[lo:hi])).unsqueeze(1))
+            grad[lo:hi] = p
+        return grad.reshape(logits.shape), None, None, None, None
+
+
+def _shard_start(logits_local: torch.Tensor, group) -> int:
+    """This rank's first vocab column, from every rank's shard width (uneven splits too)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return 0
+    widths = [None] * dist.get_world_size(group)
+    dist.all_gather_object(widths, int(logits_local.shape[-1]), group=group)
+    return sum(widths[: dist.get_rank(group)])
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """log p(target) from this rank's vocab shard of the logits; fp32, identical on every rank.
+
+    ``logits``: ``[..., V_local]``, a plain tensor (with ``group``; ``vocab_start`` is derived
+    from the shard widths when omitted) or a DTensor sharded on its last dim (group and start
+    come from its mesh). ``targets``: token ids with the same leading shape (already shifted).
+    """
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = logits.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError("vocab_parallel_logprobs expects logits on a 1-D (tp) mesh")
+        _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, logits.placements)
+        group = mesh.get_group()
+        vocab_start = offset[-1] if vocab_start is None else vocab_start
+        logits = logits.to_local()
+    if vocab_start is None:
+        vocab_start = _shard_start(logits, group)
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match logits {tuple(logits.shape)} without the vocab dim")
+    chunk = chunk_size or _default_chunk(logits.shape[-1])
+    return _VocabParallelLogprob.apply(logits, targets, group, vocab_start, chunk)
+
+
+def _local_logits(logits: torch.Tensor, mesh) -> tuple[torch.Tensor, dist.ProcessGroup | None, int | None]:
+    """(local vocab shard, tp group, vocab_start) for DTensor or plain logits."""
+    if isinstance(logits, DTensor):
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(isinstance(p, Shard) and p.dim not in (-1, logits.ndim - 1) for p in logits.placements):
+            raise ValueError(f"logits must be sharded on the vocab dim only, got {logits.placements}")
+        if not any(isinstance(p, Shard) for p in logits.placements):
+            return logits.to_local(), None, 0
+        _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+        return logits.to_local(), logits.device_mesh.get_group(), offset[-1]
+    return logits, None, 0
+
+
+def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position ids that restart at every document of a packed row: [1, total]."""
+    bounds = cu_seqlens[1:-1].long()
+    doc_start = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
+    doc_start[bounds] = bounds
+    doc_start = torch.cummax(doc_start, dim=0).values  # each position's document start
+    return (torch.arange(total, device=cu_seqlens.device) - doc_start).unsqueeze(0)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    mesh=None,
+    position_ids: torch.Tensor | None = None,
+    cp=None,
+    temperature: float = 1.0,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """log p(token_i | tokens_<i) for every position: ``[B, S]`` fp32.
+
+    Position 0 (and the first token of every packed document) is 0; padded positions
+    (``attention_mask == 0``, right padding) are 0. Works for an unsharded model and for one
+    parallelized by ``plancc.parallelize`` (TP, SP); for CP pass ``cp`` (see ``plancc.cp``).
+    Packed sequences: ``input_ids`` is one row ``[1, T]`` and ``cu_seqlens`` the document
+    boundaries ``[0, l0, l0+l1, ..., T]``; attention never crosses a boundary.
+    """
+    if cp is not None:
+        from .cp import cp_token_logprobs
+
+        return cp_token_logprobs(model, input_ids, cp=cp, attention_mask=attention_mask, position_ids=position_ids,
+                                 temperature=temperature, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    if cu_seqlens is not None:
+        if input_ids.shape[0] != 1:
+            raise ValueError("packed sequences are one row: input_ids [1, T] with cu_seqlens")
+        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
+    # use_cache=False: transformers only detects packed documents when there is no KV cache
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    local, group, start = _local_logits(out.logits, mesh)
+    if group is None and mesh is not None and not isinstance(out.logits, DTensor):
+        group = mesh["tp"].get_group() if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
+        start = None
+    shifted = local[:, :-1]
+    if temperature != 1.0:
+        shifted = shifted / temperature
+    lp = vocab_parallel_logprobs(shifted, input_ids[:, 1:], group=group, vocab_start=start, chunk_size=chunk_size)
+    result = torch.zeros(input_ids.shape, dtype=torch.float32, device=lp.device)
+    result[:, 1:] = lp
+    if attention_mask is not None:
+        result = result * attention_mask.to(result.dtype)
+    if cu_seqlens is not None:
+        result[:, cu_seqlens[:-1].long()] = 0.0
+    return result

@@ -1,0 +1,86 @@
+"""Rank-side code of the logprob tests (spawned by tests/distributed.py)."""
+
+from __future__ import annotations
+
+from .distributed import init_gloo
+
+
+def check_vocab_parallel_cases(cases):
+    """Each case: (shape, vocab, widths per rank, dtype name, chunk, seed). Every rank takes
+    its column slice of the same full logits; returns max |diff| of logprobs and grads vs
+    log_softmax(...).gather on the full logits (fp64 reference)."""
+    import torch
+    import torch.distributed as dist
+
+    from plancc.logprobs import vocab_parallel_logprobs
+
+    init_gloo()
+    rank = dist.get_rank()
+    out = []
+    try:
+        for shape, vocab, widths, dtype_name, chunk, seed in cases:
+            gen = torch.Generator().manual_seed(seed)
+            dtype = getattr(torch, dtype_name)
+            full = (torch.randn(*shape, vocab, generator=gen) * 3).to(dtype)
+            targets = torch.randint(0, vocab, tuple(shape), generator=gen)
+            weights = torch.randn(*shape, generator=gen)
+            start = sum(widths[:rank])
+            local = full[..., start:start + widths[rank]].clone().requires_grad_(True)
+            lp = vocab_parallel_logprobs(local, targets, group=dist.group.WORLD, chunk_size=chunk)
+            (lp * weights).sum().backward()
+            ref_in = full.double().requires_grad_(True)
+            ref = torch.log_softmax(ref_in, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            (ref * weights.double()).sum().backward()
+            ref_grad = ref_in.grad[..., start:start + widths[rank]]
+            out.append({
+                "lp": (lp.double() - ref).abs().max().item(),
+                "grad": (local.grad.double() - ref_grad).abs().max().item(),
+                "dtype_out": str(lp.dtype),
+                "scale": max(1.0, ref.abs().max().item()),
+            })
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def compare_token_logprobs(plan_path, preset, tp, sp):
+    """token_logprobs of a parallelized model vs the unsharded one, with right padding and
+    with packed documents. Returns max |diff| for each."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.logprobs import token_logprobs
+    from plancc.models import build_model, load_config
+
+    init_gloo()
+    try:
+        config = load_config(preset)
+        torch.manual_seed(0)
+        reference = build_model(config, device="cpu")
+        state = {k: v.clone() for k, v in reference.state_dict().items()}
+        model = build_model(config, device="meta")
+        mesh = plancc.build_mesh(tp=tp, device_type="cpu")
+        plancc.parallelize(model, plancc.load_plan(plan_path), mesh, sequence_parallel=sp)
+        plancc.materialize(model, "cpu", full_state_dict=state)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, 11:] = 0  # right padding
+        packed = torch.randint(0, config.vocab_size, (1, 16), generator=gen)
+        cu = torch.tensor([0, 5, 12, 16])
+        with torch.no_grad():
+            got_pad = token_logprobs(model, ids, attention_mask=mask, mesh=mesh)
+            want_pad = token_logprobs(reference, ids, attention_mask=mask)
+            got_packed = token_logprobs(model, packed, cu_seqlens=cu, mesh=mesh)
+            want_packed = token_logprobs(reference, packed, cu_seqlens=cu)
+            separate = torch.cat([token_logprobs(reference, packed[:, a:b]) for a, b in [(0, 5), (5, 12), (12, 16)]], 1)
+        return {
+            "padding": (got_pad - want_pad).abs().max().item(),
+            "packed": (got_packed - want_packed).abs().max().item(),
+            "packed_vs_separate": (want_packed - separate).abs().max().item(),
+            "pad_zero": bool((got_pad[1, 11:] == 0).all()),
+            "first_zero": bool((got_pad[:, 0] == 0).all() and (got_packed[0, [0, 5, 12]] == 0).all()),
+        }
+    finally:
+        dist.destroy_process_group()
