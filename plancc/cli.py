@@ -169,26 +169,40 @@ def apply(
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
-    from .launch import LaunchOptions, launch
-    from .mesh import MeshError, MeshSpec
+    from .launch import LaunchOptions
     from .runner import RunConfig
+
+    model, tp = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
+    cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, steps=steps,
+                    data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                    schedule_steps=schedule_steps,
+                    save=str(save) if save else None, resume=str(resume) if resume else None,
+                    export_hf=str(export_hf) if export_hf else None, verify=verify, device=device, timeout_s=timeout)
+    opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    _launch_and_report(opts, cfg, fmt)
+
+
+def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt):
+    """Everything checked before a process starts: mesh sizes, the plan against the model at
+    this layout, the data file. Returns (model name, tp)."""
+    from .mesh import MeshError, MeshSpec
+    from .models import default_preset
+    from .plan import load_plan
     from .validate import validate_plan
 
-    nodes = int(nnodes.split(":")[-1]) if nnodes.split(":")[-1].isdigit() else None
-    if nodes is None:
-        print(f"error: --nnodes {nnodes!r} is not N or MIN:MAX", file=sys.stderr)
+    last = nnodes.split(":")[-1]
+    if not last.isdigit() or int(last) < 1:
+        print(f"error: --nnodes {nnodes!r} is not N or MIN:MAX [usage]", file=sys.stderr)
         raise typer.Exit(EXIT_USAGE)
-    world = nproc_per_node * nodes
-    if tp is None:
+    world = nproc_per_node * int(last)
+    if tp is None:  # all ranks not taken by cp/dp go to tensor parallelism
         tp = world // (cp * (dp or 1)) if world % (cp * (dp or 1)) == 0 else 1
     try:
         MeshSpec.infer(world_size=world, dp=dp, cp=cp, tp=tp)
     except MeshError as exc:
         print(f"error: {exc} [mesh-sizes]\n  fix: choose --tp/--cp/--dp whose product is {world}", file=sys.stderr)
         raise typer.Exit(EXIT_USAGE) from None
-    from .models import default_preset
-    from .plan import load_plan
-
     try:
         model = model or default_preset(load_plan(plan_path).architectures, tiny=True)
         report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world, sequence_parallel=sp)
@@ -199,17 +213,15 @@ def apply(
             read_jsonl(data, vocab_size=load_config(model).vocab_size)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
-    if report.has_errors:  # before any process starts
-        _emit(report.diagnostics, fmt)
-        raise typer.Exit(EXIT_PLAN)
     _emit(report.diagnostics, fmt)
-    cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, steps=steps,
-                    data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-                    schedule_steps=schedule_steps,
-                    save=str(save) if save else None, resume=str(resume) if resume else None,
-                    export_hf=str(export_hf) if export_hf else None, verify=verify, device=device, timeout_s=timeout)
-    opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    if report.has_errors:
+        raise typer.Exit(EXIT_PLAN)
+    return model, tp
+
+
+def _launch_and_report(opts, cfg, fmt) -> None:
+    from .launch import launch
+
     outcome = launch(opts, cfg)
     if outcome.result is not None and outcome.result.get("ok") is False:
         print("error: sharded model differs from the unsharded one beyond tolerance [verify]", file=sys.stderr)
@@ -220,6 +232,41 @@ def apply(
         raise typer.Exit(EXIT_PLAN)
     if fmt is Format.json and outcome.result is not None:
         print(json.dumps(outcome.result, indent=2))
+
+
+@app.command()
+def logprobs(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    data: Annotated[Path, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]} per line')],
+    model: ModelOpt = None,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1)] = 2,
+    nnodes: Annotated[str, typer.Option("--nnodes")] = "1",
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1)] = None,
+    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1)] = None,
+    sp: Annotated[bool, typer.Option("--sp")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="JSONL output: {\"logprobs\": [...]} per line")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    verify: Annotated[bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond 1e-5")] = False,
+    device: Annotated[Optional[str], typer.Option("--device")] = None,
+    timeout: Annotated[int, typer.Option("--timeout", min=10)] = 300,
+    fmt: FormatOpt = Format.text,
+) -> None:
+    """Per-token log-probs of each input line from the parallelized model."""
+    from .launch import LaunchOptions
+    from .runner import RunConfig
+
+    model, tp = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
+    cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, data=str(data),
+                    batch_size=batch_size, seed=seed, verify=verify, device=device, timeout_s=timeout,
+                    mode="logprobs", out=str(out) if out else None)
+    opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    _launch_and_report(opts, cfg, fmt)
 
 
 def main() -> None:  # console-script entry point

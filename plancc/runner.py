@@ -41,6 +41,8 @@ class RunConfig:
     resume: str | None = None
     export_hf: str | None = None
     verify: bool = False
+    mode: str = "train"  # train | logprobs
+    out: str | None = None  # logprobs: JSONL output path
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
@@ -249,6 +251,88 @@ def run_verify(cfg: RunConfig) -> dict:
     return {"ok": bool(flags.item()), **report.as_dict()}
 
 
+def _reference_model(cfg: RunConfig, config, device: str):
+    """The unsharded model with the same weights as the parallelized one."""
+    from pathlib import Path
+
+    from .models import build_model
+    from .weights import has_safetensors
+
+    if cfg.model and Path(cfg.model).is_dir() and has_safetensors(cfg.model):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(cfg.model).to(device)
+    torch.manual_seed(cfg.seed)
+    return build_model(config, device=device)
+
+
+def run_logprobs(cfg: RunConfig) -> dict:
+    """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
+    from .data import read_jsonl
+    from .logprobs import token_logprobs
+    from .mesh import build_mesh
+    from .models import build_model, default_preset, load_config
+    from .parallelize import parallelize
+    from .plan import load_plan
+
+    device = _init(cfg)
+    mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
+    plan = load_plan(cfg.plan)
+    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
+    config = load_config(model_name)
+    dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size)
+    model = build_model(config, device="meta")
+    parallelize(model, plan, mesh, sequence_parallel=cfg.sequence_parallel)
+    source = _load_weights(cfg, model, config, device)
+    model.eval()
+    reference = _reference_model(cfg, config, device).eval() if cfg.verify else None
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    # Sequence lengths must split evenly over the sequence-sharding ranks (SP: tp; CP: 2*cp).
+    multiple = (mesh["tp"].size() if cfg.sequence_parallel else 1) * (2 * cfg.cp if cfg.cp > 1 else 1)
+    mine = list(range(dp_rank, len(dataset.sequences), dp))
+    results: dict[int, list[float]] = {}
+    worst = 0.0
+    for lo in range(0, len(mine), cfg.batch_size):
+        rows = mine[lo:lo + cfg.batch_size]
+        seqs = [dataset.sequences[i] for i in rows]
+        longest = max(len(x) for x in seqs)
+        width = -(-longest // multiple) * multiple
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, seq in enumerate(seqs):
+            ids[r, : len(seq)] = torch.tensor(seq)
+            mask[r, : len(seq)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, attention_mask=mask, mesh=mesh, cp=mesh if cfg.cp > 1 else None)
+            if reference is not None:
+                want = token_logprobs(reference, ids, attention_mask=mask)
+                worst = max(worst, (lp - want).abs().max().item())
+        for r, i in enumerate(rows):
+            results[i] = lp[r, : len(seqs[r])].tolist()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    worst_t = torch.tensor([worst], device=device)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    worst = worst_t.item()
+    merged: dict[int, list[float]] = {}
+    for part in gathered:
+        merged.update(part)
+    if dist.get_rank() == 0 and cfg.out:
+        with open(cfg.out, "w") as f:
+            for i in range(len(dataset.sequences)):
+                f.write(json.dumps({"logprobs": merged[i]}) + "\n")
+    log(f"plancc logprobs: {plan.name} on {model_name} | dp={dp} cp={mesh['cp'].size()} tp={mesh['tp'].size()}"
+        f"{' +sp' if cfg.sequence_parallel else ''} | weights: {source} | {len(merged)} sequences"
+        + (f" -> {cfg.out}" if cfg.out else ""))
+    ok = True
+    if cfg.verify:
+        ok = worst <= 1e-5
+        log(f"verify: max |logprob diff| vs the unsharded model {worst:.3e} (tolerance 1e-05): "
+            + ("OK" if ok else "FAILED"))
+    return {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -261,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     @record
     def worker() -> dict:
         try:
+            if cfg.mode == "logprobs":
+                return run_logprobs(cfg)
             return run_verify(cfg) if cfg.verify else train(cfg)
         finally:
             if dist.is_initialized():
