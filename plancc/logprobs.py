@@ -5,9 +5,10 @@ With TP the lm_head's logits are sharded over the vocabulary: rank r holds colum
 exponentials and the target's logit from whichever rank holds it: three numbers per token,
 so the collectives carry O(tokens), never O(tokens x vocab).
 
-Memory: the forward pass walks the logits in row chunks and keeps only the per-token
-logsumexp (fp32) for backward; backward recomputes softmax chunk by chunk straight into the
-gradient. Peak extra memory is one fp32 chunk, whatever the logits' size or dtype.
+Memory: the forward pass walks the logits in row chunks (a fused logsumexp per chunk, read
+in place for fp32 logits) and keeps only the per-token logsumexp (fp32) for backward;
+backward recomputes softmax chunk by chunk straight into the gradient. Peak extra memory is
+one fp32 chunk, whatever the logits' size or dtype.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 # Rows per chunk are chosen so one fp32 chunk stays near this size.
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = 4 * 2**20  # small enough to stay in cache between passes
 
 
 def _default_chunk(v_local: int) -> int:
@@ -38,24 +39,27 @@ class _VocabParallelLogprob(torch.autograd.Function):
         flat_t = targets.reshape(-1)
         n = rows.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        target_logit = torch.empty(n, dtype=torch.float32, device=logits.device)
+        picked = torch.empty(n, dtype=torch.float32, device=logits.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            x = rows[lo:hi].to(torch.float32, copy=True)  # never alias: the ops below are in place
+            # fp32 logits are read in place; other dtypes through one fp32 chunk
+            x = rows[lo:hi].float()
             local_t = flat_t[lo:hi] - vocab_start
             here = (local_t >= 0) & (local_t < v_local)
-            picked = x.gather(1, local_t.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
-            picked = torch.where(here, picked, torch.zeros_like(picked))
-            # max over the whole vocabulary (all ranks) for a stable logsumexp
-            m = _all_reduce(x.max(dim=1).values, dist.ReduceOp.MAX, group)
-            sum_exp = x.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
-            # one collective carries both per-token sums: 2 x chunk values
-            stacked = _all_reduce(torch.stack([sum_exp, picked]), dist.ReduceOp.SUM, group)
-            lse[lo:hi] = m + stacked[0].log()
-            target_logit[lo:hi] = stacked[1]
+            hit = x.gather(1, local_t.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
+            picked[lo:hi] = torch.where(here, hit, torch.zeros_like(hit))
+            lse[lo:hi] = torch.logsumexp(x, dim=1)  # one fused pass over the chunk
+        if group is not None and dist.get_world_size(group) > 1:
+            # logsumexp over ranks from the per-rank ones: 2 collectives of O(tokens) values
+            m = lse.clone()
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            stacked = torch.stack([(lse - m).exp_(), picked])
+            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+            lse = m + stacked[0].log()
+            picked = stacked[1]
         ctx.save_for_backward(logits, targets, lse)
         ctx.vocab_start, ctx.chunk = vocab_start, chunk
-        return (target_logit - lse).reshape(targets.shape)
+        return (picked - lse).reshape(targets.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -65,16 +69,18 @@ class _VocabParallelLogprob(torch.autograd.Function):
         flat_t = targets.reshape(-1)
         g = grad_out.reshape(-1).float()
         grad = torch.empty_like(rows)
+        in_place = grad.dtype == torch.float32  # compute straight into the gradient
         for lo in range(0, rows.shape[0], ctx.chunk):
             hi = min(rows.shape[0], lo + ctx.chunk)
-            # d logp(t) / d x_j = 1[j == t] - softmax_j
-            p = rows[lo:hi].to(torch.float32, copy=True)
-            p.sub_(lse[lo:hi].unsqueeze(1)).exp_().mul_(-g[lo:hi].unsqueeze(1))
+            # d logp(t) / d x_j = 1[j == t] - softmax_j, times the incoming gradient
+            p = torch.sub(rows[lo:hi].float(), lse[lo:hi].unsqueeze(1), out=grad[lo:hi] if in_place else None)
+            p.exp_().mul_(-g[lo:hi].unsqueeze(1))
             local_t = flat_t[lo:hi] - ctx.vocab_start
             here = (local_t >= 0) & (local_t < v_local)
             idx = local_t.clamp(0, v_local - 1).unsqueeze(1)
             p.scatter_add_(1, idx, torch.where(here, g[lo:hi], torch.zeros_like(g[lo:hi])).unsqueeze(1))
-            grad[lo:hi] = p
+            if not in_place:
+                grad[lo:hi] = p
         return grad.reshape(logits.shape), None, None, None, None
 
 

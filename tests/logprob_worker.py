@@ -37,6 +37,7 @@ def check_vocab_parallel_cases(cases):
                 "grad": (local.grad.double() - ref_grad).abs().max().item(),
                 "dtype_out": str(lp.dtype),
                 "scale": max(1.0, ref.abs().max().item()),
+                "grad_scale": max(1.0, ref_in.grad.abs().max().item()),
             })
     finally:
         dist.destroy_process_group()

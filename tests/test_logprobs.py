@@ -38,7 +38,8 @@ def test_single_rank_matches_log_softmax_gather(shape, vocab, dtype, chunk, seed
     (lp * weights).sum().backward()
     (ref * weights.double()).sum().backward()
     grad_tol = {"float32": 1e-6, "float64": 1e-6, "bfloat16": 1e-2}[dtype]  # bf16 grad is rounded to bf16
-    assert (logits.grad.double() - ref_in.grad).abs().max().item() <= grad_tol
+    scale = max(1.0, ref_in.grad.abs().max().item())
+    assert (logits.grad.double() - ref_in.grad).abs().max().item() <= grad_tol * scale
 
 
 def test_logits_are_not_modified_in_place():
@@ -78,7 +79,7 @@ def test_two_ranks_uneven_vocab_splits_match_the_full_logits():
             dtype = case[3]
             assert r["dtype_out"] == "torch.float32"
             assert r["lp"] <= TOL[dtype] * r["scale"], (rank, case, r)  # relative to the largest |log p|
-            assert r["grad"] <= (1e-6 if dtype == "float32" else 1e-2), (rank, case, r)
+            assert r["grad"] <= (1e-6 if dtype == "float32" else 1e-2) * r["grad_scale"], (rank, case, r)
 
 
 @pytest.mark.slow
