@@ -98,12 +98,12 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(impl, dtype_name, phase, device, group=None, tp=1, repeats=3):
+def measure(impl, dtype_name, phase, device, group=None, tp=1, repeats=3, shape=SHAPE):
     import torch
 
     torch.manual_seed(0)
     dtype = getattr(torch, dtype_name)
-    b, s, v = SHAPE
+    b, s, v = shape
     v_local = v // tp
     logits = torch.randn(b, s, v_local, device=device, dtype=dtype)  # no larger temporary: it would raise the baseline peak
     targets = torch.randint(0, v, (b, s), device=device)
@@ -169,9 +169,9 @@ def _tp_worker(impl, dtype_name, phase):
         dist.destroy_process_group()
 
 
-def run_one(impl, dtype_name, phase, tp, device):
+def run_one(impl, dtype_name, phase, tp, device, shape=SHAPE):
     if tp == 1:
-        cmd = [sys.executable, __file__, "--one", json.dumps([impl, dtype_name, phase, device])]
+        cmd = [sys.executable, __file__, "--one", json.dumps([impl, dtype_name, phase, device, list(shape)])]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
     from tests.distributed import launch
@@ -186,23 +186,28 @@ def main():
     parser.add_argument("--one")
     parser.add_argument("--tp", type=int, nargs="*", default=None)
     parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
+    parser.add_argument("--shape", type=int, nargs=3, default=list(SHAPE), help="batch seq vocab")
     args = parser.parse_args()
     if args.one:
-        impl, dtype_name, phase, device = json.loads(args.one)
-        if device == "cpu":
-            import torch
+        impl, dtype_name, phase, device, shape = json.loads(args.one)
+        import torch
 
+        if device == "cpu":
             torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-        print(json.dumps(measure(impl, dtype_name, phase, device)))
+        try:
+            print(json.dumps(measure(impl, dtype_name, phase, device, shape=tuple(shape))))
+        except (MemoryError, torch.OutOfMemoryError):  # reported as a row, not a crash
+            print(json.dumps({"extra_bytes": float("nan"), "seconds": float("nan"), "logits_bytes": 1, "oom": True}))
         return
     tps = args.tp or ([1, 2] if args.device == "cpu" else [1])
-    print(f"logits {list(SHAPE)} on {args.device}; extra memory = peak above the logits; time = median of 3")
+    shape = tuple(args.shape)
+    print(f"logits {list(shape)} on {args.device}; extra memory = peak above the logits; time = median of 3")
     print(f"{'dtype':<9}{'tp':>3} {'phase':<8} {'impl':<10}{'extra MiB':>10}{'x logits':>9}{'ms':>9}"
           f"{'mem/naive':>10}{'time/naive':>11}")
     for dtype_name in args.dtypes:
         for tp in tps:
             for phase in ("fwd", "fwd+bwd"):
-                rows = {impl: run_one(impl, dtype_name, phase, tp, args.device) for impl in IMPLS}
+                rows = {impl: run_one(impl, dtype_name, phase, tp, args.device, shape) for impl in IMPLS}
                 for impl, r in rows.items():
                     n = rows["naive"]
                     mem_ratio = r["extra_bytes"] / n["extra_bytes"] if n["extra_bytes"] else float("nan")

@@ -165,6 +165,8 @@ def apply(
     export_hf: Annotated[Optional[Path], typer.Option("--export-hf", help="write final weights with save_pretrained")] = None,
     verify: Annotated[bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond tolerance")] = False,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
+    param_dtype: Annotated[Optional[str], typer.Option(
+        "--param-dtype", help="FSDP mixed precision for compute, e.g. bfloat16 (master weights stay fp32)")] = None,
     timeout: Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")] = 300,
     fmt: FormatOpt = Format.text,
 ) -> None:
@@ -177,7 +179,8 @@ def apply(
                     data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
                     schedule_steps=schedule_steps,
                     save=str(save) if save else None, resume=str(resume) if resume else None,
-                    export_hf=str(export_hf) if export_hf else None, verify=verify, device=device, timeout_s=timeout)
+                    export_hf=str(export_hf) if export_hf else None, verify=verify, device=device, timeout_s=timeout,
+                    param_dtype=param_dtype)
     opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     _launch_and_report(opts, cfg, fmt)
