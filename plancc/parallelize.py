@@ -177,6 +177,10 @@ def parallelize(
     """
     resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
     apply_tensor_parallel(model, plan, mesh["tp"], sequence_parallel=sequence_parallel)
+    if mesh["cp"].size() > 1:
+        from .cp import enable_context_parallel
+
+        enable_context_parallel(model, mesh["cp"])
     if activation_checkpointing is not False:
         if activation_checkpointing and not resolved.activation_checkpointing:
             raise PlanError([Diagnostic(

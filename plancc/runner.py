@@ -8,6 +8,7 @@ build mesh -> meta model -> parallelize with the plan -> weights (HF folder or s
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -141,7 +142,7 @@ def train(cfg: RunConfig) -> dict:
     from .models import architecture_of, build_model, default_preset, load_config
     from .parallelize import parallelize
     from .plan import load_plan
-    from .verify import batch_slice, full, masked_next_token_loss
+    from .verify import batch_slice, reported_loss, sharded_loss
 
     device = _init(cfg)
     mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
@@ -183,16 +184,13 @@ def train(cfg: RunConfig) -> dict:
             raise RuntimeError(f"injected failure on rank {dist.get_rank()} at step {step}")
         t0 = time.perf_counter()
         ids, mask = ids[mine].to(device), mask[mine].to(device)
-        logits = full(model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
-        loss = masked_next_token_loss(logits, ids, mask)
+        loss, _ = sharded_loss(model, ids, mask, mesh)
         loss.backward()
         grad_norm = clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
-        mean_loss = mean_loss.item() / mesh["dp"].size()
+        mean_loss = reported_loss(loss, mesh)
         dt = time.perf_counter() - t0
         tokens = int(mask.sum()) * mesh["dp"].size()
         history.append({"step": step + 1, "loss": mean_loss, "grad_norm": float(grad_norm),
@@ -263,7 +261,9 @@ def _reference_model(cfg: RunConfig, config, device: str):
 
         return AutoModelForCausalLM.from_pretrained(cfg.model).to(device)
     torch.manual_seed(cfg.seed)
-    return build_model(config, device=device)
+    # CPU init: the same weights on any device. A config of its own: cp switches the
+    # attention implementation on the parallelized model's config.
+    return build_model(copy.deepcopy(config), device="cpu").to(device)
 
 
 def run_logprobs(cfg: RunConfig) -> dict:

@@ -8,6 +8,7 @@ step. Replicated parameters must also stay bitwise identical across tp ranks.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 from dataclasses import asdict, dataclass, field
@@ -79,6 +80,45 @@ def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: 
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
+def sharded_loss(model, ids: torch.Tensor, mask: torch.Tensor, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backpropagate, this rank's logits) for one dp slice, cp-aware.
+
+    Without cp it is the masked next-token mean. With cp each rank holds a load-balanced
+    shard of the positions: targets are shifted on the whole sequence, then sharded, and the
+    rank's sum is scaled by cp / (valid targets of the slice); FSDP's average over the dp_cp
+    ranks then yields exactly the gradient of the slice's mean loss.
+    """
+    logits = full(model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
+    cp = mesh["cp"].size()
+    if cp == 1:
+        return masked_next_token_loss(logits, ids, mask), logits
+    from .cp import load_balanced_indices
+
+    index = load_balanced_indices(ids.shape[1], cp, mesh["cp"].get_local_rank()).to(ids.device)
+    targets = torch.roll(ids, -1, dims=1)
+    valid = mask.clone()
+    valid[:, :-1] = mask[:, 1:]
+    valid[:, -1] = 0  # the last position predicts nothing
+    local_t = targets.index_select(1, index)
+    local_valid = valid.index_select(1, index).bool()
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), local_t.flatten(), reduction="none")
+    total = per_token[local_valid.flatten()].sum()
+    return total * cp / valid.sum().clamp(min=1), logits
+
+
+def reported_loss(loss: torch.Tensor, mesh: DeviceMesh) -> float:
+    """The mean loss over the global batch, from every rank's share of it."""
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=dp_cp_group(mesh))
+    return value.item() / (mesh["dp"].size() * mesh["cp"].size())
+
+
+def dp_cp_group(mesh: DeviceMesh):
+    from .mesh import dp_cp_mesh
+
+    return dp_cp_mesh(mesh).get_group()
+
+
 def batch_slice(mesh: DeviceMesh, global_batch: int) -> slice:
     dp, rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = global_batch // dp
@@ -122,10 +162,12 @@ def verify_against_unsharded(
 ) -> VerifyReport:
     config = load_config(model_spec)
     torch.manual_seed(seed)
-    reference = build_model(config, device=device)
+    # Initialized on the CPU (as the runner does), so a seed means the same weights everywhere.
+    reference = build_model(config, device="cpu").to(device)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
 
-    model = build_model(config, device="meta")
+    # A config of its own: cp switches the attention implementation on the model's config.
+    model = build_model(copy.deepcopy(config), device="meta")
     parallelize(model, plan, mesh, sequence_parallel=sequence_parallel)
     materialize(model, device, full_state_dict=state)
 
@@ -143,25 +185,28 @@ def verify_against_unsharded(
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     ref_params = dict(reference.named_parameters())
+    cp = mesh["cp"].size()
+    if cp > 1:
+        from .cp import load_balanced_indices
+
+        local_index = load_balanced_indices(batches[0][0].shape[1], cp, mesh["cp"].get_local_rank()).to(device)
     for step, (ids, mask) in enumerate(batches):
         ids, mask = ids.to(device), mask.to(device)
-        logits = full(model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False).logits)
-        loss = masked_next_token_loss(logits, ids[mine], mask[mine])
-        ref_logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        loss, logits = sharded_loss(model, ids[mine], mask[mine], mesh)
+        ref_full = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        ref_logits = ref_full.index_select(1, local_index) if cp > 1 else ref_full  # this rank's positions
         # FSDP averages gradients over dp ranks: the reference loss is the mean of the
         # per-rank means (equal to the global token mean when ranks hold equal tokens).
         per = global_batch // dp
-        ref_loss = sum(masked_next_token_loss(ref_logits[r * per:(r + 1) * per], ids[r * per:(r + 1) * per],
+        ref_loss = sum(masked_next_token_loss(ref_full[r * per:(r + 1) * per], ids[r * per:(r + 1) * per],
                                               mask[r * per:(r + 1) * per]) for r in range(dp)) / dp
-        dp_loss = loss.detach().clone()
-        dist.all_reduce(dp_loss, group=mesh["dp"].get_group())
-        dp_loss /= mesh["dp"].size()
+        dp_loss = reported_loss(loss, mesh)
         if step == 0:
             report.logits_max_abs = (logits - ref_logits[mine]).abs().max().item()
             report.logits_max_rel = _rel(logits.detach(), ref_logits[mine].detach())
-            report.loss_abs = abs(dp_loss.item() - ref_loss.item())
+            report.loss_abs = abs(dp_loss - ref_loss.item())
         else:
-            report.step_loss_abs.append(abs(dp_loss.item() - ref_loss.item()))
+            report.step_loss_abs.append(abs(dp_loss - ref_loss.item()))
         if step == steps:
             break
         loss.backward()

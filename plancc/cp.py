@@ -1,0 +1,317 @@
+"""Context parallelism: load-balanced sequence shards and an attention that runs anywhere.
+
+Layout. Causal attention makes a contiguous split unbalanced (the last rank attends to
+everything before it). The sequence is cut into ``2*cp`` equal chunks and rank ``r`` holds
+chunks ``r`` and ``2*cp - 1 - r`` (the head-tail layout of Megatron, the reference
+``_get_tokens_on_this_cp_rank`` and torch's head-tail load balancer): every rank then does
+the same causal work. Packed documents are laid out the same way one document at a time.
+
+Attention. Each rank keeps its query shard, all-gathers keys and values over the cp group
+(GQA keeps them small: the Llama 3 paper's approach), and attends under a causal mask built
+from *global* positions, with key padding and document boundaries. It is registered as a
+transformers attention implementation ("plancc_cp") and uses only all-gather and
+reduce-scatter, so it runs on gloo/CPU as well as nccl/CUDA, with masks and packing, where
+torch's experimental ``context_parallel`` does neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+# --------------------------------------------------------------------------- layout
+def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The global positions rank ``cp_rank`` holds, in order: chunks r and 2*cp-1-r."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is not a rank of a cp group of size {cp_size}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2*cp={2 * cp_size}; "
+                         f"pad it by {pad_amount(seq_len, cp_size)} (see plancc.cp.pad_to_multiple)")
+    chunk = seq_len // (2 * cp_size)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+
+
+def pad_amount(seq_len: int, cp_size: int) -> int:
+    return (-seq_len) % (2 * cp_size)
+
+
+def pad_to_multiple(x: torch.Tensor, cp_size: int, dim: int = 1, value=0) -> tuple[torch.Tensor, int]:
+    """Right-pad ``dim`` to a multiple of 2*cp; returns (padded, how many were added)."""
+    pad = pad_amount(x.shape[dim], cp_size)
+    if pad == 0:
+        return x, 0
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_full(shape, value)], dim=dim), pad
+
+
+def shard(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's load-balanced slice of ``x`` along ``dim`` (two views, concatenated)."""
+    if cp_size == 1:
+        return x
+    n = x.shape[dim]
+    load_balanced_indices(n, cp_size, cp_rank)  # validates
+    chunk = n // (2 * cp_size)
+    head = x.narrow(dim, cp_rank * chunk, chunk)
+    tail = x.narrow(dim, (2 * cp_size - 1 - cp_rank) * chunk, chunk)
+    return torch.cat([head, tail], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard`` given every rank's shard in rank order; no process group."""
+    cp_size = len(shards)
+    if cp_size == 1:
+        return shards[0]
+    chunk = shards[0].shape[dim] // 2
+    pieces: list[torch.Tensor | None] = [None] * (2 * cp_size)
+    for r, s in enumerate(shards):
+        pieces[r] = s.narrow(dim, 0, chunk)
+        pieces[2 * cp_size - 1 - r] = s.narrow(dim, chunk, chunk)
+    return torch.cat(pieces, dim=dim)
+
+
+def _doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    cu = [int(c) for c in cu_seqlens]
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def load_balanced_indices_packed(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Packed documents: the head-tail layout applied to each document (each a multiple of 2*cp)."""
+    out, start = [], 0
+    for length in _doc_lengths(cu_seqlens):
+        out.append(start + load_balanced_indices(length, cp_size, cp_rank))
+        start += length
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def shard_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    return x.index_select(dim, load_balanced_indices_packed(cu_seqlens, cp_size, cp_rank).to(x.device))
+
+
+def unshard_packed(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    cp_size = len(shards)
+    total = int(cu_seqlens[-1])
+    shape = list(shards[0].shape)
+    shape[dim] = total
+    out = shards[0].new_empty(shape)
+    for r, s in enumerate(shards):
+        out.index_copy_(dim, load_balanced_indices_packed(cu_seqlens, cp_size, r).to(s.device), s)
+    return out
+
+
+def pad_documents(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """cu_seqlens after padding every document to a multiple of 2*cp."""
+    lengths = [n + pad_amount(n, cp_size) for n in _doc_lengths(cu_seqlens)]
+    return torch.tensor([0] + lengths).cumsum(0)
+
+
+# --------------------------------------------------------------------------- gather
+class _AllGatherSequence(torch.autograd.Function):
+    """Forward: every rank's load-balanced shard -> the full sequence in original order.
+    Backward: each rank used the full sequence, so the gradient of a shard is the sum of all
+    ranks' gradients at its positions: one reduce-scatter, no all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        world = dist.get_world_size(group)
+        ctx.group, ctx.dim, ctx.world = group, dim, world
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+        dist.all_gather_into_tensor(out, moved, group=group)
+        return unshard(list(out.chunk(world, dim=0)), dim=0).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world, dim = ctx.world, ctx.dim
+        g = grad.movedim(dim, 0)
+        pieces = torch.cat([shard(g, world, r, dim=0) for r in range(world)], dim=0).contiguous()
+        out = pieces.new_empty((pieces.shape[0] // world, *pieces.shape[1:]))
+        dist.reduce_scatter_tensor(out, pieces, group=ctx.group)
+        return out.movedim(0, dim), None, None
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+    """The full sequence from every cp rank's shard (original order), autograd-aware.
+    Works on any backend that has all-gather and reduce-scatter (gloo included)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllGatherSequence.apply(x, group, dim)
+
+
+# --------------------------------------------------------------------------- attention
+@dataclass(kw_only=True, slots=True)
+class CPContext:
+    """What the cp attention needs about the current batch, set by the input hook."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    q_positions: torch.Tensor | None = None  # [B, S_local] global positions of local queries
+    key_positions: torch.Tensor | None = None  # [B, S] global position of every key (0.. per doc)
+    key_valid: torch.Tensor | None = None  # [B, S] bool, False for padding
+    doc_ids: torch.Tensor | None = None  # [B, S] document of every position (packing)
+    local_doc_ids: torch.Tensor | None = None  # [B, S_local]
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, S_local, S] bool: causal on global positions, same document, real keys."""
+        key = window or 0
+        if key not in self.masks:
+            q = self.q_positions.unsqueeze(-1)  # positions within the document
+            k = self.key_positions.unsqueeze(1)
+            allowed = (k <= q) & self.key_valid.unsqueeze(1)
+            allowed &= self.local_doc_ids.unsqueeze(-1) == self.doc_ids.unsqueeze(1)
+            if window:
+                allowed &= (q - k) < window
+            # a padded query may see nothing: let it see itself, its output is ignored
+            allowed |= ~allowed.any(-1, keepdim=True) & (k == q)
+            self.masks[key] = allowed.unsqueeze(1)
+        return self.masks[key]
+
+
+def cp_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention interface: [B, H, S_local, D] queries against all-gathered K/V."""
+    ctx: CPContext = module._plancc_cp
+    key = all_gather(key, ctx.group, dim=2)
+    value = all_gather(value, ctx.group, dim=2)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    mask = ctx.mask(getattr(module, "sliding_window", None))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0,
+                                         scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the cp attention builds its own mask from global positions
+
+
+def register_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("plancc_cp", cp_attention_forward)
+    AttentionMaskInterface.register("plancc_cp", _no_mask)
+    return "plancc_cp"
+
+
+class ShardSequenceInputs:
+    """Forward pre-hook on the causal LM: full-length inputs in, this rank's shard to the model.
+
+    ``input_ids`` [B, S] (S a multiple of 2*cp, per document when packed) are replaced by
+    the load-balanced shard; global ``position_ids`` (restarting per document) go with them,
+    and the padding mask and document ids are kept whole for the attention. The model's
+    outputs are per local token; ``plancc.cp.all_gather`` restores the order.
+    """
+
+    def __init__(self, model, ctx: CPContext):
+        import inspect
+
+        self.signature = inspect.signature(model.forward)
+        self.ctx = ctx
+
+    def __call__(self, module, args, kwargs):
+        bound = self.signature.bind_partial(*args, **kwargs)
+        values = dict(bound.arguments)
+        values.update(values.pop("kwargs", {}) or {})
+        ids = values.get("input_ids")
+        if ids is None:
+            raise ValueError("context parallelism needs input_ids (inputs_embeds are not sharded)")
+        ctx = self.ctx
+        batch, seq = ids.shape
+        cu = values.pop("cu_seqlens", None)
+        if seq % (2 * ctx.size):
+            raise ValueError(f"sequence length {seq} is not a multiple of 2*cp={2 * ctx.size}; "
+                             f"pad by {pad_amount(seq, ctx.size)} (plancc.cp.pad_to_multiple)")
+        positions = values.get("position_ids")
+        if positions is None:
+            positions = torch.arange(seq, device=ids.device).unsqueeze(0)
+        positions = positions.expand(batch, -1)
+        # documents: a new one wherever positions do not continue (packing restarts them)
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        doc_ids = starts.long().cumsum(1)
+        mask = values.get("attention_mask")
+        ctx.key_valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        if cu is not None:
+            index = load_balanced_indices_packed(cu, ctx.size, ctx.rank).to(ids.device)
+        else:
+            index = load_balanced_indices(seq, ctx.size, ctx.rank).to(ids.device)
+        ctx.key_positions, ctx.doc_ids = positions, doc_ids
+        ctx.q_positions = positions.index_select(1, index)
+        ctx.local_doc_ids = doc_ids.index_select(1, index)
+        ctx.masks = {}
+        values["input_ids"] = ids.index_select(1, index)
+        values["position_ids"] = ctx.q_positions
+        values["attention_mask"] = None  # the cp attention masks from global positions
+        return (), values
+
+
+def enable_context_parallel(model: torch.nn.Module, cp_mesh) -> CPContext:
+    """Switch a model to the cp attention over ``cp_mesh`` and shard its inputs.
+
+    transformers keeps the attention implementation on the config, which models built from
+    one config object share: give a cp model a config of its own.
+    """
+    ctx = CPContext(group=cp_mesh.get_group(), size=cp_mesh.size(), rank=cp_mesh.get_local_rank())
+    name = register_attention()
+    model.set_attn_implementation(name)
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+            module._plancc_cp = ctx
+    model.register_forward_pre_hook(ShardSequenceInputs(model, ctx), with_kwargs=True, prepend=True)
+    model._plancc_cp = ctx
+    return ctx
+
+
+# --------------------------------------------------------------------------- log-probs under cp
+def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids=None, temperature=1.0,
+                      cu_seqlens=None, chunk_size=None) -> torch.Tensor:
+    """``plancc.logprobs.token_logprobs`` for a model parallelized with cp > 1.
+
+    ``cp`` is the mesh (or its cp sub-mesh). Every cp rank passes the same full-length batch;
+    each computes its shard's log-probs (targets shifted globally, then sharded), and the
+    shards are gathered back in order: the result is the full ``[B, S]`` on every rank.
+    """
+    from .logprobs import _local_logits, packed_position_ids, vocab_parallel_logprobs
+
+    ctx: CPContext = model._plancc_cp
+    cp_mesh = cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp
+    if cu_seqlens is not None:
+        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
+    batch, seq = input_ids.shape
+    targets = torch.roll(input_ids, shifts=-1, dims=1)  # token i predicts token i+1 (global shift)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **({"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}))
+    local, group, start = _local_logits(out.logits, None)
+    if temperature != 1.0:
+        local = local / temperature
+    if cu_seqlens is not None:
+        index = load_balanced_indices_packed(cu_seqlens, ctx.size, ctx.rank)
+    else:
+        index = load_balanced_indices(seq, ctx.size, ctx.rank)
+    local_targets = targets.index_select(1, index.to(targets.device))
+    lp_local = vocab_parallel_logprobs(local, local_targets, group=group, vocab_start=start, chunk_size=chunk_size)
+    if cu_seqlens is not None:
+        gathered = [torch.empty_like(lp_local) for _ in range(cp_mesh.size())]
+        dist.all_gather(gathered, lp_local.contiguous(), group=cp_mesh.get_group())
+        lp = unshard_packed(gathered, cu_seqlens)
+    else:
+        lp = all_gather(lp_local, cp_mesh.get_group(), dim=1)
+    result = torch.zeros((batch, seq), dtype=torch.float32, device=lp.device)
+    result[:, 1:] = lp[:, :-1]
+    if attention_mask is not None:
+        result = result * attention_mask.to(result.dtype)
+    if cu_seqlens is not None:
+        result[:, cu_seqlens[:-1].long()] = 0.0
+    return result
