@@ -114,36 +114,48 @@ def pad_documents(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- gather
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 class _AllGatherSequence(torch.autograd.Function):
     """Forward: every rank's load-balanced shard -> the full sequence in original order.
     Backward: each rank used the full sequence, so the gradient of a shard is the sum of all
     ranks' gradients at its positions: one reduce-scatter, no all-reduce."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
+    def forward(ctx, x, group, dim, cu_seqlens):
         world = dist.get_world_size(group)
-        ctx.group, ctx.dim, ctx.world = group, dim, world
+        ctx.group, ctx.dim, ctx.world, ctx.cu = group, dim, world, cu_seqlens
         moved = x.movedim(dim, 0).contiguous()
         out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-        dist.all_gather_into_tensor(out, moved, group=group)
-        return unshard(list(out.chunk(world, dim=0)), dim=0).movedim(0, dim)
+        _all_gather_single(out, moved, group=group)
+        pieces = list(out.chunk(world, dim=0))
+        full = unshard(pieces, dim=0) if cu_seqlens is None else unshard_packed(pieces, cu_seqlens, dim=0)
+        return full.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         world, dim = ctx.world, ctx.dim
         g = grad.movedim(dim, 0)
-        pieces = torch.cat([shard(g, world, r, dim=0) for r in range(world)], dim=0).contiguous()
+        if ctx.cu is None:
+            parts = [shard(g, world, r, dim=0) for r in range(world)]
+        else:
+            parts = [shard_packed(g, ctx.cu, world, r, dim=0) for r in range(world)]
+        pieces = torch.cat(parts, dim=0).contiguous()
         out = pieces.new_empty((pieces.shape[0] // world, *pieces.shape[1:]))
-        dist.reduce_scatter_tensor(out, pieces, group=ctx.group)
-        return out.movedim(0, dim), None, None
+        _reduce_scatter_single(out, pieces, group=ctx.group)
+        return out.movedim(0, dim), None, None, None
 
 
-def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1,
+               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The full sequence from every cp rank's shard (original order), autograd-aware.
-    Works on any backend that has all-gather and reduce-scatter (gloo included)."""
+    With ``cu_seqlens`` the shards are in the packed (per-document) layout. Works on any
+    backend that has all-gather and reduce-scatter (gloo included)."""
     if dist.get_world_size(group) == 1:
         return x
-    return _AllGatherSequence.apply(x, group, dim)
+    return _AllGatherSequence.apply(x, group, dim, cu_seqlens)
 
 
 # --------------------------------------------------------------------------- attention
@@ -159,6 +171,7 @@ class CPContext:
     key_valid: torch.Tensor | None = None  # [B, S] bool, False for padding
     doc_ids: torch.Tensor | None = None  # [B, S] document of every position (packing)
     local_doc_ids: torch.Tensor | None = None  # [B, S_local]
+    cu_seqlens: torch.Tensor | None = None  # packed layout, or None
     masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -180,8 +193,8 @@ class CPContext:
 def cp_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention interface: [B, H, S_local, D] queries against all-gathered K/V."""
     ctx: CPContext = module._plancc_cp
-    key = all_gather(key, ctx.group, dim=2)
-    value = all_gather(value, ctx.group, dim=2)
+    key = all_gather(key, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
+    value = all_gather(value, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
         key = key.repeat_interleave(groups, dim=1)
@@ -247,7 +260,7 @@ class ShardSequenceInputs:
             index = load_balanced_indices_packed(cu, ctx.size, ctx.rank).to(ids.device)
         else:
             index = load_balanced_indices(seq, ctx.size, ctx.rank).to(ids.device)
-        ctx.key_positions, ctx.doc_ids = positions, doc_ids
+        ctx.key_positions, ctx.doc_ids, ctx.cu_seqlens = positions, doc_ids, cu
         ctx.q_positions = positions.index_select(1, index)
         ctx.local_doc_ids = doc_ids.index_select(1, index)
         ctx.masks = {}
@@ -302,12 +315,7 @@ def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids
         index = load_balanced_indices(seq, ctx.size, ctx.rank)
     local_targets = targets.index_select(1, index.to(targets.device))
     lp_local = vocab_parallel_logprobs(local, local_targets, group=group, vocab_start=start, chunk_size=chunk_size)
-    if cu_seqlens is not None:
-        gathered = [torch.empty_like(lp_local) for _ in range(cp_mesh.size())]
-        dist.all_gather(gathered, lp_local.contiguous(), group=cp_mesh.get_group())
-        lp = unshard_packed(gathered, cu_seqlens)
-    else:
-        lp = all_gather(lp_local, cp_mesh.get_group(), dim=1)
+    lp = all_gather(lp_local, cp_mesh.get_group(), dim=1, cu_seqlens=cu_seqlens)
     result = torch.zeros((batch, seq), dtype=torch.float32, device=lp.device)
     result[:, 1:] = lp[:, :-1]
     if attention_mask is not None:

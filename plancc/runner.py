@@ -154,7 +154,7 @@ def train(cfg: RunConfig) -> dict:
 
         read_jsonl(cfg.data, vocab_size=config.vocab_size)
     dtype = getattr(torch, cfg.param_dtype) if cfg.param_dtype else None
-    model = build_model(config, device="meta")
+    model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
     parallelize(model, plan, mesh, sequence_parallel=cfg.sequence_parallel, param_dtype=dtype)
     source = _load_weights(cfg, model, config, device)
     sizes = {axis: mesh[axis].size() for axis in ("dp", "cp", "tp")}
@@ -281,7 +281,7 @@ def run_logprobs(cfg: RunConfig) -> dict:
     model_name = cfg.model or default_preset(plan.architectures, tiny=True)
     config = load_config(model_name)
     dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size)
-    model = build_model(config, device="meta")
+    model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
     parallelize(model, plan, mesh, sequence_parallel=cfg.sequence_parallel)
     source = _load_weights(cfg, model, config, device)
     model.eval()

@@ -8,7 +8,8 @@ from .distributed import init_gloo
 
 
 def verify_cases(cases):
-    """cases: [(plan_path, preset, dp, tp, sequence_parallel)] -> {case index: report dict}."""
+    """cases: [(plan_path, preset, dp, tp, sequence_parallel)] or
+    [(plan_path, preset, dp, cp, tp, sequence_parallel)] -> {case index: report dict}."""
     import torch.distributed as dist
 
     import plancc
@@ -18,9 +19,11 @@ def verify_cases(cases):
     init_gloo()
     out = {}
     try:
-        for i, (plan_path, preset, dp, tp, sp) in enumerate(cases):
+        for i, case in enumerate(cases):
+            plan_path, preset, dp, *sizes, sp = case
+            cp, tp = sizes if len(sizes) == 2 else (1, sizes[0])
             try:
-                mesh = build_mesh(dp=dp, tp=tp, device_type="cpu")
+                mesh = build_mesh(dp=dp, cp=cp, tp=tp, device_type="cpu")
                 report = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=sp)
                 out[i] = report.as_dict()
             except Exception as exc:  # report per case; other cases still run

@@ -1,0 +1,83 @@
+"""Rank-side code of the context-parallel tests (spawned by tests/distributed.py)."""
+
+from __future__ import annotations
+
+from .distributed import init_gloo
+
+
+def check_all_gather(cases):
+    """Each case: (shape, dim, dtype name, seed, document lengths or None). Every rank takes
+    its load-balanced shard (per document when packed) of the same tensor; returns per case
+    whether forward == the tensor and backward == this rank's shard of the gradients summed
+    over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from plancc.cp import all_gather, shard, shard_packed
+
+    rank, world = init_gloo()
+    out = []
+    try:
+        for shape, dim, dtype_name, seed, docs in cases:
+            cu = None if docs is None else torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()])
+
+            def cut(t, r):
+                return shard(t, world, r, dim=dim) if cu is None else shard_packed(t, cu, world, r, dim=dim)
+
+            dtype = getattr(torch, dtype_name)
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(*shape, generator=gen).to(dtype)
+            # every rank back-propagates a different gradient through the full sequence
+            grads = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(world)]
+            mine = cut(x, rank).clone().requires_grad_(True)
+            full = all_gather(mine, dist.group.WORLD, dim=dim, cu_seqlens=cu)
+            full.backward(grads[rank])
+            expected_grad = cut(sum(g.double() for g in grads), rank)
+            out.append({
+                "forward_equal": bool(torch.equal(full.detach(), x)),
+                "grad_err": (mine.grad.double() - expected_grad).abs().max().item(),
+                "grad_scale": expected_grad.abs().max().item(),
+            })
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
+    """token_logprobs under cp (x tp) vs the unsharded model, with padding and packing."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.logprobs import token_logprobs
+    from plancc.models import build_model, load_config
+
+    init_gloo()
+    try:
+        config = load_config(preset)
+        torch.manual_seed(0)
+        reference = build_model(config, device="cpu")
+        state = {k: v.clone() for k, v in reference.state_dict().items()}
+        model = build_model(copy.deepcopy(config), device="meta")
+        mesh = plancc.build_mesh(cp=cp, tp=tp, device_type="cpu")
+        plancc.parallelize(model, plancc.load_plan(plan_path), mesh, sequence_parallel=sp)
+        plancc.materialize(model, "cpu", full_state_dict=state)
+        gen = torch.Generator().manual_seed(1)
+        n = 4 * cp * tp  # every length below is a multiple of 2*cp(*tp)
+        ids = torch.randint(0, config.vocab_size, (2, 2 * n), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, n + 3:] = 0  # right padding
+        lengths = [n, 2 * n // 2, n // 2 * 2]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        packed = torch.randint(0, config.vocab_size, (1, int(cu[-1])), generator=gen)
+        with torch.no_grad():
+            got_pad = token_logprobs(model, ids, attention_mask=mask, mesh=mesh, cp=mesh)
+            want_pad = token_logprobs(reference, ids, attention_mask=mask)
+            got_packed = token_logprobs(model, packed, cu_seqlens=cu, mesh=mesh, cp=mesh)
+            want_packed = token_logprobs(reference, packed, cu_seqlens=cu)
+        return {"padding": (got_pad - want_pad).abs().max().item(),
+                "packed": (got_packed - want_packed).abs().max().item()}
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,154 @@
+"""Context parallelism: the head-tail layout (bit-for-bit the reference's), shard/unshard
+round trips, equal causal work, an autograd all-gather that is right on real gloo groups, and
+CP training and log-probs that match the unsharded model."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plancc.cp import (
+    load_balanced_indices,
+    load_balanced_indices_packed,
+    pad_to_multiple,
+    shard,
+    shard_packed,
+    unshard,
+    unshard_packed,
+)
+
+from .conftest import PLANS
+from .distributed import launch
+
+cp_sizes = st.integers(1, 8)
+
+
+@st.composite
+def layouts(draw):
+    cp = draw(cp_sizes)
+    seq = 2 * cp * draw(st.integers(1, 8))
+    return cp, seq
+
+
+def head_tail_owner(position: int, seq: int, cp: int) -> int:
+    """The reference formula: chunk j of 2*cp belongs to rank j, or 2*cp-1-j in the second half."""
+    chunk = position // (seq // (2 * cp))
+    return chunk if chunk < cp else 2 * cp - 1 - chunk
+
+
+@given(layouts())
+def test_indices_are_a_balanced_permutation_with_the_head_tail_layout(layout):
+    cp, seq = layout
+    per_rank = [load_balanced_indices(seq, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(per_rank).tolist()) == list(range(seq))
+    assert {len(i) for i in per_rank} == {seq // cp}
+    for r, idx in enumerate(per_rank):
+        assert all(head_tail_owner(p, seq, cp) == r for p in idx.tolist())
+        assert idx.tolist() == sorted(idx.tolist())  # in order
+    # causal work: each query attends to (position + 1) keys; equal on every rank
+    assert len({int((idx + 1).sum()) for idx in per_rank}) == 1
+
+
+@given(layouts(), st.integers(0, 2), st.sampled_from([torch.float32, torch.bfloat16, torch.int64]), st.data())
+def test_unshard_inverts_shard_on_any_dim_and_dtype(layout, extra_dims, dtype, data):
+    cp, seq = layout
+    dim = data.draw(st.integers(0, extra_dims))
+    shape = [2] * extra_dims
+    shape.insert(dim, seq)
+    x = (torch.arange(torch.Size(shape).numel()).reshape(shape) % 251).to(dtype)
+    shards = [shard(x, cp, r, dim=dim) for r in range(cp)]
+    assert all(s.shape[dim] == seq // cp for s in shards)
+    assert torch.equal(unshard(shards, dim=dim), x)
+    assert torch.equal(shards[cp - 1], x.index_select(dim, load_balanced_indices(seq, cp, cp - 1)))
+
+
+@given(cp_sizes, st.lists(st.integers(1, 6), min_size=1, max_size=5))
+def test_packed_layout_is_per_document(cp, multiples):
+    lengths = [2 * cp * m for m in multiples]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = torch.arange(int(cu[-1])).unsqueeze(0)
+    shards = [shard_packed(x, cu, cp, r) for r in range(cp)]
+    assert torch.equal(unshard_packed(shards, cu), x)
+    for r in range(cp):
+        idx = load_balanced_indices_packed(cu, cp, r)
+        start = 0
+        for length in lengths:  # within each document: that document's head-tail slice
+            doc = idx[(idx >= start) & (idx < start + length)] - start
+            assert torch.equal(doc, load_balanced_indices(length, cp, r))
+            start += length
+    # equal causal work per document (positions restart at each document)
+    work = [sum(int(((load_balanced_indices(n, cp, r)) + 1).sum()) for n in lengths) for r in range(cp)]
+    assert len(set(work)) == 1
+
+
+@given(cp_sizes, st.integers(1, 50))
+def test_shard_refuses_lengths_off_the_multiple_and_the_pad_helper_says_how_much(cp, seq):
+    x = torch.zeros(1, seq)
+    padded, pad = pad_to_multiple(x, cp)
+    assert padded.shape[1] % (2 * cp) == 0 and 0 <= pad < 2 * cp and padded.shape[1] == seq + pad
+    if pad and cp > 1:
+        with pytest.raises(ValueError, match=f"pad it by {pad}"):
+            shard(x, cp, 0)
+
+
+def _gather_cases():
+    cases = []
+
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None)
+    @given(st.integers(0, 2), st.sampled_from(["float32", "float64"]), st.integers(0, 999),
+           st.lists(st.integers(1, 3), min_size=1, max_size=3), st.booleans(), st.data())
+    def collect(extra, dtype, seed, docs, packed, data):
+        dim = data.draw(st.integers(0, extra))
+        lengths = [8 * k for k in docs]  # multiples of 2*cp for cp in {2, 4}
+        shape = [2] * extra
+        shape.insert(dim, sum(lengths))
+        cases.append((tuple(shape), dim, dtype, seed, lengths if packed else None))
+
+    collect()
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_forward_is_unshard_and_backward_is_shard_of_the_summed_gradient(world):
+    from .cp_worker import check_all_gather
+
+    cases = _gather_cases()
+    results = launch(check_all_gather, world, cases)
+    for rank, per_case in results.items():
+        for case, r in zip(cases, per_case):
+            assert r["forward_equal"], (rank, case)
+            assert r["grad_err"] <= 1e-6 * max(1.0, r["grad_scale"]), (rank, case, r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cp,tp,sp", [(2, 1, False), (2, 2, False), (2, 2, True)], ids=["cp2", "cp2-tp2", "cp2-tp2-sp"])
+def test_cp_token_logprobs_match_unsharded_with_padding_and_packing(cp, tp, sp):
+    from .cp_worker import compare_cp_token_logprobs
+
+    results = launch(compare_cp_token_logprobs, cp * tp, str(PLANS / "qwen3.yaml"), "tiny-qwen3", cp, tp, sp)
+    for rank, r in results.items():
+        assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp_training_matches_unsharded_for_every_plan():
+    from .numerics_worker import verify_cases
+    from .test_numerics import assert_matches
+
+    two = [(str(PLANS / p), m, 1, 2, 1, False) for p, m in
+           [("qwen3.yaml", "tiny-qwen3"), ("llama.yaml", "tiny-llama-tied"), ("gemma3.yaml", "tiny-gemma3")]]
+    results = launch(verify_cases, 2, two)
+    for rank, reports in results.items():
+        for i, case in enumerate(two):
+            assert_matches(reports[i], f"rank {rank} {case}")
+    four = [(str(PLANS / "qwen3.yaml"), "tiny-qwen3-tied", 1, 2, 2, True),
+            (str(PLANS / "gemma3.yaml"), "tiny-gemma3", 1, 2, 2, False),
+            (str(PLANS / "llama.yaml"), "tiny-llama", 2, 2, 1, False)]
+    results = launch(verify_cases, 4, four)
+    for rank, reports in results.items():
+        for i, case in enumerate(four):
+            assert_matches(reports[i], f"rank {rank} {case}")
