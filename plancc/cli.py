@@ -75,6 +75,7 @@ def validate(
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     world_size: Annotated[Optional[int], typer.Option("--world-size", min=1, help="total ranks")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="check with the sequence-parallel overlay on")] = False,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="training sequence length")] = None,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Check a plan against a model config (no GPU, no weights) and summarize it."""
@@ -82,7 +83,8 @@ def validate(
 
     try:
         report = validate_plan(
-            plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world_size, sequence_parallel=sp
+            plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world_size, sequence_parallel=sp,
+            seq_len=seq_len,
         )
     except PlanError as exc:
         raise _fail(exc, fmt) from None
@@ -174,7 +176,8 @@ def apply(
     from .launch import LaunchOptions
     from .runner import RunConfig
 
-    model, tp = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
+    model, tp = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt,
+                           seq_len=None if data else seq_len)
     cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, steps=steps,
                     data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
                     schedule_steps=schedule_steps,
@@ -186,7 +189,7 @@ def apply(
     _launch_and_report(opts, cfg, fmt)
 
 
-def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt):
+def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt, seq_len=None):
     """Everything checked before a process starts: mesh sizes, the plan against the model at
     this layout, the data file. Returns (model name, tp)."""
     from .mesh import MeshError, MeshSpec
@@ -208,7 +211,8 @@ def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, f
         raise typer.Exit(EXIT_USAGE) from None
     try:
         model = model or default_preset(load_plan(plan_path).architectures, tiny=True)
-        report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world, sequence_parallel=sp)
+        report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world, sequence_parallel=sp,
+                               seq_len=seq_len)
         if data is not None:
             from .data import read_jsonl
             from .models import load_config

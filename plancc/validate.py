@@ -101,6 +101,7 @@ def validate_plan(
     dp: int | None = None,
     world_size: int | None = None,
     sequence_parallel: bool = False,
+    seq_len: int | None = None,
 ) -> ValidationReport:
     """Everything ``plancc validate`` reports. Raises ``PlanError`` when the plan file itself
     cannot be read or is not a valid plan, ``ModelSpecError`` when --model names nothing."""
@@ -117,7 +118,7 @@ def validate_plan(
     meta = build_meta_model(config)
     resolved, problems = resolve_both(plan, meta)
     problems += check_plan(plan, meta, tp=tp, cp=cp, dp=dp, world_size=world_size,
-                           sequence_parallel=sequence_parallel, resolved=resolved)
+                           sequence_parallel=sequence_parallel, seq_len=seq_len, resolved=resolved)
     problems.sort(key=lambda d: (not d.is_error, d.path, d.line, d.column))
     name = model if isinstance(model, str) else architecture_of(config)
     return ValidationReport(plan=plan, model_name=str(name), tp=tp, sequence_parallel=sequence_parallel,

@@ -116,3 +116,23 @@ def test_shipped_plans_validate_on_their_default_models(cli):
         code, out, err = cli("validate", plan)
         assert code == 0, err
         assert "modules" in out
+
+
+@pytest.mark.parametrize("kwargs,pad", [
+    (dict(tp=1, cp=2, seq_len=30), 2),
+    (dict(tp=2, cp=2, seq_len=36, sequence_parallel=True), 4),  # multiple of 2*cp*tp = 8
+    (dict(tp=2, seq_len=33, sequence_parallel=True), 1),
+])
+def test_sequence_length_off_the_multiple_reports_the_pad(kwargs, pad):
+    diags = [d for d in check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs) if d.rule == "context-parallel"]
+    assert len(diags) == 1 and f"padded by {pad}" in diags[0].message
+    assert check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **{**kwargs, "seq_len": kwargs["seq_len"] + pad}) == []
+
+
+def test_cp_with_attention_softcapping_is_reported_unsupported():
+    from plancc.models import load_config
+
+    config = load_config("tiny-gemma3")
+    config.attn_logit_softcapping = 50.0
+    diags = [d for d in check_plan(plancc.load_plan(GEMMA3), config, tp=1, cp=2) if d.rule == "context-parallel"]
+    assert len(diags) == 1 and "soft-capping" in diags[0].message and "not supported" in diags[0].message

@@ -95,3 +95,27 @@ def test_export_hf_is_loadable_by_transformers(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize("args", [["--nproc-per-node", 2, "--cp", 2],
+                                  ["--nproc-per-node", 4, "--cp", 2, "--tp", 2]], ids=["cp2", "cp2-tp2"])
+def test_apply_with_context_parallel_verifies(args):
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", *args, "--verify", "--steps", 2)
+    assert code == 0, err + out
+    assert "verify: OK" in out and "cp=2" in out
+
+
+def test_logprobs_cli_verifies_with_tp_and_cp(tmp_path):
+    data = tmp_path / "data.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(0, 256, (int(n),), generator=gen).tolist()}) + "\n"
+                            for n in torch.randint(3, 40, (6,), generator=gen)))
+    for args in (["--tp", 2], ["--cp", 2]):
+        code, out, err = plancc_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify",
+                                    "--out", tmp_path / "out.jsonl")
+        assert code == 0, err + out
+        assert "verify: max |logprob diff|" in out and "OK" in out
+        lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        inputs = [json.loads(x) for x in data.read_text().splitlines()]
+        assert [len(x["logprobs"]) for x in lines] == [len(x["input_ids"]) for x in inputs]
+        assert all(x["logprobs"][0] == 0.0 and all(v < 0 for v in x["logprobs"][1:]) for x in lines)

@@ -14,10 +14,21 @@ from torch import nn
 from ..errors import Diagnostic
 from ..plan import Plan
 from ..resolve import ResolvedPlan
-from . import architecture, heads, mesh_sizes, module_kinds, pairing, sequence_parallel, shapes, tied_embeddings
+from . import (
+    architecture,
+    context_parallel,
+    heads,
+    mesh_sizes,
+    module_kinds,
+    pairing,
+    sequence_parallel,
+    shapes,
+    tied_embeddings,
+)
 from .context import CheckContext, MeshSizes
 
-RULES = (mesh_sizes, architecture, heads, shapes, tied_embeddings, module_kinds, pairing, sequence_parallel)
+RULES = (mesh_sizes, architecture, heads, shapes, tied_embeddings, module_kinds, pairing, sequence_parallel,
+         context_parallel)
 
 
 def check_plan(
@@ -29,6 +40,7 @@ def check_plan(
     dp: int | None = None,
     world_size: int | None = None,
     sequence_parallel: bool = False,
+    seq_len: int | None = None,
     resolved: Iterable[ResolvedPlan] | None = None,
 ) -> list[Diagnostic]:
     """Every problem of ``plan`` on this model at this mesh, errors and warnings.
@@ -50,6 +62,7 @@ def check_plan(
         config=model.config,
         mesh=MeshSizes.infer(tp=tp, cp=cp, dp=dp, world_size=world_size),
         sequence_parallel=sequence_parallel,
+        seq_len=seq_len,
         resolved=by_sp.get(sequence_parallel) or by_sp.get(False),
     )
     for rule in RULES:

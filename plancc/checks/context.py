@@ -40,6 +40,7 @@ class CheckContext:
     mesh: MeshSizes
     sequence_parallel: bool
     resolved: ResolvedPlan | None
+    seq_len: int | None = None
 
     @property
     def tp(self) -> int:

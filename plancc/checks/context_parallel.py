@@ -1,0 +1,57 @@
+"""context-parallel: sequence lengths that shard evenly, and combinations the CP attention
+does not support.
+
+Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
+length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split
+again over tp (a multiple of 2*cp*tp). Without cp, SP needs a multiple of tp.
+
+PASS  --cp 2 --seq-len 4096
+FAIL  --cp 2 --seq-len 4098 (pad by 2 to 4100)
+FAIL  --cp 2 on a model with attention logit soft-capping (the CP attention has none)
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..errors import Diagnostic
+from .context import CheckContext, text_config
+
+ID = "context-parallel"
+
+
+def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+    cp, tp, seq = ctx.mesh.cp, ctx.mesh.tp, ctx.seq_len
+    sp = ctx.sequence_parallel and tp > 1
+    multiple = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    if seq is not None and multiple > 1 and seq % multiple:
+        pad = (-seq) % multiple
+        why = " x ".join(w for w in [f"2*cp={2 * cp}" if cp > 1 else "", f"tp={tp} (sequence parallel)" if sp else ""] if w)
+        yield Diagnostic(
+            rule=ID,
+            loc=ctx.plan.loc,
+            message=f"sequence length {seq} is not a multiple of {multiple} ({why}); it would be padded by {pad} "
+            f"to {seq + pad}",
+            fix=f"use --seq-len {seq + pad} (or pad with plancc.cp.pad_to_multiple)",
+        )
+    if cp == 1:
+        return
+    cfg = text_config(ctx.config)
+    if getattr(cfg, "attn_logit_softcapping", None):
+        yield Diagnostic(
+            rule=ID,
+            loc=ctx.plan.loc,
+            message=f"context parallelism is not supported with attention logit soft-capping "
+            f"(attn_logit_softcapping={cfg.attn_logit_softcapping}): the CP attention uses scaled dot-product "
+            "attention, which has no soft-cap",
+            fix="use --cp 1 for this model",
+        )
+    attention = [m for m in ctx.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not attention:
+        yield Diagnostic(
+            rule=ID,
+            loc=ctx.plan.loc,
+            message=f"context parallelism is not supported for {type(ctx.model).__name__}: it has no attention "
+            "modules that call transformers' attention interface, which the CP attention replaces",
+            fix="use --cp 1 for this model",
+        )
