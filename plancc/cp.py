@@ -128,23 +128,37 @@ class _AllGatherSequence(torch.autograd.Function):
         world = dist.get_world_size(group)
         ctx.group, ctx.dim, ctx.world, ctx.cu = group, dim, world, cu_seqlens
         moved = x.movedim(dim, 0).contiguous()
-        out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
-        _all_gather_single(out, moved, group=group)
-        pieces = list(out.chunk(world, dim=0))
-        full = unshard(pieces, dim=0) if cu_seqlens is None else unshard_packed(pieces, cu_seqlens, dim=0)
-        return full.movedim(0, dim)
+        if cu_seqlens is not None:  # packed: gather, then place every document's chunks
+            out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+            _all_gather_single(out, moved, group=group)
+            return unshard_packed(list(out.chunk(world, dim=0)), cu_seqlens, dim=0).movedim(0, dim)
+        # Head chunks arrive in rank order, which is their place in the sequence: gather them
+        # straight into the output. Tail chunks arrive in reverse: gather, then flip once.
+        c = moved.shape[0] // 2
+        out = moved.new_empty((2 * world * c, *moved.shape[1:]))
+        _all_gather_single(out[: world * c], moved[:c], group=group)
+        tail_slots = list(out[world * c:].view(world, c, *moved.shape[1:]).unbind(0))[::-1]
+        dist.all_gather(tail_slots, moved[c:], group=group)
+        return out.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         world, dim = ctx.world, ctx.dim
-        g = grad.movedim(dim, 0)
-        if ctx.cu is None:
-            parts = [shard(g, world, r, dim=0) for r in range(world)]
-        else:
+        g = grad.movedim(dim, 0).contiguous()
+        if ctx.cu is not None:
             parts = [shard_packed(g, ctx.cu, world, r, dim=0) for r in range(world)]
-        pieces = torch.cat(parts, dim=0).contiguous()
-        out = pieces.new_empty((pieces.shape[0] // world, *pieces.shape[1:]))
-        _reduce_scatter_single(out, pieces, group=ctx.group)
+            pieces = torch.cat(parts, dim=0).contiguous()
+            out = pieces.new_empty((pieces.shape[0] // world, *pieces.shape[1:]))
+            _reduce_scatter_single(out, pieces, group=ctx.group)
+            return out.movedim(0, dim), None, None, None
+        half = g.shape[0] // 2
+        c = half // world
+        rest = g.shape[1:]
+        out = g.new_empty((2 * c, *rest))
+        # head chunks are already in rank order; tail chunks are flipped back into it
+        _reduce_scatter_single(out[:c], g[:half], group=ctx.group)
+        tails = g[half:].view(world, c, *rest).flip(0).reshape(half, *rest)
+        _reduce_scatter_single(out[c:], tails, group=ctx.group)
         return out.movedim(0, dim), None, None, None
 
 
