@@ -76,6 +76,8 @@ def validate(
     world_size: Annotated[Optional[int], typer.Option("--world-size", min=1, help="total ranks")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="check with the sequence-parallel overlay on")] = False,
     seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="training sequence length")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="parallelize and run fwd+bwd at the real world size with fake ranks and tensors")] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Check a plan against a model config (no GPU, no weights) and summarize it."""
@@ -88,11 +90,84 @@ def validate(
         )
     except PlanError as exc:
         raise _fail(exc, fmt) from None
-    _emit(report.diagnostics, fmt, summary=report.summary() if fmt is Format.json else None)
+    summary = report.summary()
+    diagnostics = list(report.diagnostics)
+    if dry_run and not report.has_errors:
+        from .dryrun import dry_run as run_dry
+        from .explain import human_bytes
+        from .models import load_config
+
+        world = world_size or (dp or 1) * cp * tp
+        result = run_dry(report.plan, load_config(report.model_name), dp=world // (cp * tp), cp=cp, tp=tp,
+                         sequence_parallel=sp, seq_len=seq_len or 256)
+        diagnostics += list(result.diagnostics)
+        summary["dry_run"] = {"world_size": result.world_size, "seconds": round(result.seconds, 2),
+                              "per_rank_bytes": {"parameters": result.param_bytes, "gradients": result.grad_bytes,
+                                                 "adamw_state": result.optimizer_bytes}}
+        dry_line = (f"dry run: {result.world_size} ranks (dp={result.dp} cp={result.cp} tp={result.tp}) "
+                    f"fwd+bwd {'ok' if result.ok else 'FAILED'} in {result.seconds:.1f}s; per rank: parameters "
+                    f"{human_bytes(result.param_bytes)}, gradients {human_bytes(result.grad_bytes)}, "
+                    f"AdamW state {human_bytes(result.optimizer_bytes)}")
+    else:
+        dry_line = None
+    _emit(diagnostics, fmt, summary=summary if fmt is Format.json else None)
     if fmt is Format.text:
         print(report.render())
-    if report.has_errors:
+        if dry_line:
+            print(dry_line)
+    if any(d.is_error for d in diagnostics):
         raise typer.Exit(EXIT_PLAN)
+
+
+@app.command()
+def explain(
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    model: ModelOpt = None,
+    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
+    dp: Annotated[int, typer.Option("--dp", min=1, help="data-parallel degree (FSDP shards over dp*cp)")] = 1,
+    sp: Annotated[bool, typer.Option("--sp")] = False,
+    fmt: FormatOpt = Format.text,
+) -> None:
+    """Every parameter's global shape, its per-rank shard and placements, and per-rank bytes."""
+    from .explain import explain as explain_plan
+    from .explain import render
+    from .models import build_model
+    from .validate import validate_plan
+
+    try:
+        report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, sequence_parallel=sp)
+    except PlanError as exc:
+        raise _fail(exc, fmt) from None
+    if report.has_errors:
+        _emit(report.diagnostics, fmt)
+        raise typer.Exit(EXIT_PLAN)
+    import torch
+
+    from .models import load_config
+
+    meta = build_model(load_config(report.model_name), device="meta", dtype=torch.float32)
+    from .resolve import resolve_plan
+
+    exp = explain_plan(meta, resolve_plan(report.plan, meta, sequence_parallel=sp), tp=tp, dp=dp, cp=cp)
+    if fmt is Format.json:
+        print(json.dumps({"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}, indent=2))
+        return
+    print(f"plan {report.plan.name} on {report.model_name}: tp={tp} cp={cp} dp={dp}{' +sp' if sp else ''}")
+    print(render(exp))
+
+
+@app.command("import-hf")
+def import_hf_cmd(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="preset, HF model folder or config.json")],
+) -> None:
+    """Write a plan from the model's own Hugging Face TP plan (to stdout)."""
+    from .import_hf import import_hf
+
+    try:
+        print(import_hf(model), end="")
+    except PlanError as exc:
+        raise _fail(exc, Format.text) from None
 
 
 @app.command()

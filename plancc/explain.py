@@ -1,0 +1,137 @@
+"""``plancc explain``: what the plan does to every parameter, and what each rank holds.
+
+For every module group (repeated layers folded into one ``model.layers.*`` row): its style,
+each parameter's global shape, the shard rank 0 holds after TP and then FSDP over the
+dp*cp ranks, and the placements. Per-rank bytes of parameters, gradients and AdamW state
+follow from those shards (fp32 master weights, as FSDP mixed precision keeps them); the
+dry run measures the same numbers on the real parallelized model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from .resolve import ResolvedPlan
+from .styles import canonical_style, format_layout, layouts_of, module_kind
+
+FP32 = 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamRow:
+    group: str
+    count: int
+    style: str
+    param: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    tp_placement: str
+    fsdp_placement: str
+
+    @property
+    def local_bytes(self) -> int:
+        return math.prod(self.local_shape) * FP32 * self.count
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Explanation:
+    rows: tuple[ParamRow, ...]
+    tp: int
+    fsdp_ranks: int
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(r.local_bytes for r in self.rows)
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.param_bytes
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return 2 * self.param_bytes
+
+    def as_dict(self) -> dict:
+        return {
+            "tp": self.tp,
+            "fsdp_ranks": self.fsdp_ranks,
+            "per_rank_bytes": {"parameters": self.param_bytes, "gradients": self.grad_bytes,
+                               "adamw_state": self.optimizer_bytes,
+                               "total": self.param_bytes + self.grad_bytes + self.optimizer_bytes},
+            "rows": [{"module": r.group, "count": r.count, "style": r.style, "param": r.param,
+                      "global_shape": list(r.global_shape), "local_shape": list(r.local_shape),
+                      "tp": r.tp_placement, "fsdp": r.fsdp_placement} for r in self.rows],
+        }
+
+
+def _chunk(n: int, parts: int) -> int:
+    """The largest (rank 0's) piece of torch.chunk-style sharding."""
+    return -(-n // parts) if parts > 1 else n
+
+
+def _group(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def explain(model: nn.Module, resolved: ResolvedPlan | None, *, tp: int, dp: int = 1, cp: int = 1) -> Explanation:
+    fsdp_ranks = dp * cp
+    rows: dict[tuple[str, str], ParamRow] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        rule = resolved.assignments.get(name) if resolved is not None and tp > 1 else None
+        lay = layouts_of(canonical_style(rule.style.name).build(rule.style.overrides)) if rule else None
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied weights are held once
+                continue
+            seen.add(id(param))
+            placement = Replicate()
+            if lay is not None and lay.weight is not None:
+                placement = lay.weight.get(module_kind(module), Replicate())
+                if p_name == "bias" and isinstance(placement, Shard):
+                    # a colwise bias is sharded with the outputs; a rowwise bias is added after the reduce
+                    placement = Shard(0) if placement.dim == 0 else Replicate()
+            shape = list(param.shape)
+            if isinstance(placement, Shard):
+                shape[placement.dim] = _chunk(shape[placement.dim], tp)
+            if shape and fsdp_ranks > 1:
+                shape[0] = _chunk(shape[0], fsdp_ranks)
+            key = (_group(name), p_name)
+            style = rule.style.describe() if rule else "-"
+            if key in rows:
+                old = rows[key]
+                rows[key] = ParamRow(**{**{f: getattr(old, f) for f in ParamRow.__slots__}, "count": old.count + 1})
+            else:
+                rows[key] = ParamRow(group=key[0], count=1, style=style, param=p_name,
+                                     global_shape=tuple(param.shape), local_shape=tuple(shape),
+                                     tp_placement=format_layout(placement) if tp > 1 else "-",
+                                     fsdp_placement="shard(0)" if fsdp_ranks > 1 else "-")
+    return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def render(exp: Explanation) -> str:
+    header = ["module", "n", "style", "param", "global shape", "rank-0 shard", "tp", "fsdp"]
+    body = [[r.group, str(r.count), r.style, r.param, "x".join(map(str, r.global_shape)),
+             "x".join(map(str, r.local_shape)), r.tp_placement, r.fsdp_placement] for r in exp.rows]
+    widths = [max(len(row[i]) for row in body + [header]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
+    total = exp.param_bytes + exp.grad_bytes + exp.optimizer_bytes
+    lines.append("")
+    lines.append(f"per rank (fp32 master weights, FSDP over {exp.fsdp_ranks} ranks, tp={exp.tp}): "
+                 f"parameters {human_bytes(exp.param_bytes)}, gradients {human_bytes(exp.grad_bytes)}, "
+                 f"AdamW state {human_bytes(exp.optimizer_bytes)}, total {human_bytes(total)}")
+    return "\n".join(lines)

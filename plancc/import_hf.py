@@ -1,0 +1,75 @@
+"""``plancc import-hf``: a plan from a model class's own Hugging Face TP plan.
+
+transformers models carry ``base_model_tp_plan`` (config) and ``_tp_plan`` (class) as
+``{glob: style name}``; the merged plan of a built model is ``model._tp_plan``. Their style
+names map onto plancc's where the meaning is the same; a name with no plancc equivalent is
+an error naming it, not a silently dropped rule.
+"""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from .errors import Diagnostic, PlanError, SourceLoc
+from .models import architecture_of, build_meta_model, load_config
+from .styles import ALIASES, STYLES
+
+# HF style name -> plancc style (same layouts; see `plancc styles`)
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_rep": "colwise_rep",
+    "colwise_gather_output": "colwise_rep",
+    "rowwise_rep": "rowwise_rep",
+    "rowwise_split_input": "rowwise_rep",
+    "embedding_rowwise": "embedding_rowwise",
+    "replicated_with_grad_allreduce": "qk_norm",
+    "sequence_parallel": "sequence_parallel",
+    "replicate": "replicate",
+}
+
+
+def _fsdp_units(model) -> list[str]:
+    """Globs of the modules HF says must not be split (decoder layers): the FSDP units."""
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    shapes = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes:
+            glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+            if glob not in shapes:
+                shapes.append(glob)
+    return shapes
+
+
+def import_hf(model_spec: str) -> str:
+    """YAML text of a plancc plan equivalent to the model's HF TP plan."""
+    config = load_config(model_spec)
+    model = build_meta_model(config)
+    hf_plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not hf_plan:
+        raise PlanError([Diagnostic(rule="import-hf", loc=SourceLoc(path=model_spec),
+                                    message=f"{type(model).__name__} has no Hugging Face TP plan",
+                                    fix="write a plan by hand; start from plans/llama.yaml")])
+    unknown = sorted({s for s in hf_plan.values() if s not in HF_STYLES})
+    if unknown:
+        raise PlanError([Diagnostic(rule="import-hf", loc=SourceLoc(path=model_spec),
+                                    message=f"HF styles with no plancc equivalent: {', '.join(unknown)}",
+                                    fix="write those rules by hand with `plancc styles`")])
+    tensor_parallel = {glob: HF_STYLES[style] for glob, style in hf_plan.items()}
+    assert all(s in STYLES or s in ALIASES for s in tensor_parallel.values())
+    arch = architecture_of(config)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", arch.removesuffix("ForCausalLM").lower() or "imported")
+    plan = {
+        "plancc": 1,
+        "name": name,
+        "description": f"imported from the Hugging Face TP plan of {arch}",
+        "architectures": [arch],
+        "tensor_parallel": tensor_parallel,
+    }
+    units = _fsdp_units(model)
+    if units:
+        plan["fsdp"] = {"units": units}
+    header = "# yaml-language-server: $schema=../schemas/plan.schema.json\n"
+    return header + yaml.safe_dump(plan, sort_keys=False, width=120)
