@@ -82,7 +82,10 @@ class _VocabParallelLogprob(torch.autograd.Function):
         for lo in range(0, rows.shape[0], ctx.chunk):
             hi = min(rows.shape[0], lo + ctx.chunk)
             # d logp(t) / d x_j = 1[j == t] - softmax_j, times the incoming gradient
-            p = torch.sub(rows[lo:hi].float(), lse[lo:hi].unsqueeze(1), out=grad[lo:hi] if in_place else None)
+            if in_place:
+                p = torch.sub(rows[lo:hi], lse[lo:hi].unsqueeze(1), out=grad[lo:hi])
+            else:  # one fp32 chunk: the converted copy is worked on in place
+                p = rows[lo:hi].float().sub_(lse[lo:hi].unsqueeze(1))
             p.exp_().mul_(-g[lo:hi].unsqueeze(1))
             local_t = flat_t[lo:hi] - ctx.vocab_start
             here = (local_t >= 0) & (local_t < v_local)
