@@ -68,6 +68,9 @@ def save(root: str | Path, model, optimizer, info: CheckpointInfo) -> Path:
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    from . import faults
+
+    faults.inject("save", rank=dist.get_rank())
     dist.barrier()
     if dist.get_rank() == 0:
         (partial / META).write_text(json.dumps(asdict(info), indent=2))

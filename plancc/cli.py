@@ -251,8 +251,8 @@ def apply(
     from .launch import LaunchOptions
     from .runner import RunConfig
 
-    model, tp = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt,
-                           seq_len=None if data else seq_len)
+    model, tp, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt,
+                                     seq_len=None if data else seq_len)
     cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, steps=steps,
                     data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
                     schedule_steps=schedule_steps,
@@ -261,7 +261,7 @@ def apply(
                     param_dtype=param_dtype)
     opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
-    _launch_and_report(opts, cfg, fmt)
+    _launch_and_report(opts, cfg, fmt, warnings)
 
 
 def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt, seq_len=None):
@@ -295,13 +295,14 @@ def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, f
             read_jsonl(data, vocab_size=load_config(model).vocab_size)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
-    _emit(report.diagnostics, fmt)
+    if report.has_errors or fmt is Format.text:  # json: warnings go into the one final document
+        _emit(report.diagnostics, fmt)
     if report.has_errors:
         raise typer.Exit(EXIT_PLAN)
-    return model, tp
+    return model, tp, report.diagnostics
 
 
-def _launch_and_report(opts, cfg, fmt) -> None:
+def _launch_and_report(opts, cfg, fmt, warnings=()) -> None:
     from .launch import launch
 
     outcome = launch(opts, cfg)
@@ -309,11 +310,17 @@ def _launch_and_report(opts, cfg, fmt) -> None:
         print("error: sharded model differs from the unsharded one beyond tolerance [verify]", file=sys.stderr)
         raise typer.Exit(EXIT_PLAN)
     if not outcome.ok:
-        for rank, message in outcome.failures.items():
-            print(f"error: rank {rank} failed: {message}", file=sys.stderr)
+        first = outcome.first_failed if outcome.first_failed in outcome.failures else min(outcome.failures)
+        print(f"error: rank {first} failed: {outcome.failures[first]} [rank-failed]", file=sys.stderr)
+        others = [r for r in outcome.failures if r != first]
+        if others:
+            print(f"  then stopped: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                  f"(every worker exits when one fails)", file=sys.stderr)
+        print("  fix: read the failing rank's error above; --timeout bounds how long a collective waits",
+              file=sys.stderr)
         raise typer.Exit(EXIT_PLAN)
     if fmt is Format.json and outcome.result is not None:
-        print(json.dumps(outcome.result, indent=2))
+        print(json.dumps({**outcome.result, "diagnostics": [d.to_json() for d in warnings]}, indent=2))
 
 
 @app.command()
@@ -342,13 +349,13 @@ def logprobs(
     from .launch import LaunchOptions
     from .runner import RunConfig
 
-    model, tp = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
+    model, tp, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
     cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, data=str(data),
                     batch_size=batch_size, seed=seed, verify=verify, device=device, timeout_s=timeout,
                     mode="logprobs", out=str(out) if out else None)
     opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
-    _launch_and_report(opts, cfg, fmt)
+    _launch_and_report(opts, cfg, fmt, warnings)
 
 
 def main() -> None:  # console-script entry point

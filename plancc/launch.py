@@ -28,6 +28,7 @@ class LaunchResult:
     ok: bool
     result: dict | None
     failures: dict[int, str]  # global rank -> error message
+    first_failed: int | None = None  # the rank that failed first: the root cause
 
 
 def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
@@ -50,13 +51,15 @@ def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
         result_path = str(Path(tmp) / "result.json")
         args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
         failures: dict[int, str] = {}
+        first = None
         try:
             run(args)
         except ChildFailedError as exc:
             for rank, failure in sorted(exc.failures.items()):
                 failures[rank] = _failure_message(failure)
+            first = exc.get_first_failure()[0]
         result = json.loads(Path(result_path).read_text()) if Path(result_path).is_file() else None
-    return LaunchResult(ok=not failures, result=result, failures=failures)
+    return LaunchResult(ok=not failures, result=result, failures=failures, first_failed=first)
 
 
 def _failure_message(failure) -> str:

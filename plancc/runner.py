@@ -47,7 +47,6 @@ class RunConfig:
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
-    fail_on_rank: int | None = None  # fault injection for the reliability tests
     extra: dict = field(default_factory=dict)
 
 
@@ -136,7 +135,7 @@ def _batches(cfg: RunConfig, vocab_size: int, start: int, count: int):
 
 
 def train(cfg: RunConfig) -> dict:
-    from . import checkpoint
+    from . import checkpoint, faults
     from .gradnorm import clip_grad_norm_
     from .mesh import build_mesh
     from .models import architecture_of, build_model, default_preset, load_config
@@ -180,8 +179,7 @@ def train(cfg: RunConfig) -> dict:
     progress = _Progress(total - start)
     t_start = time.perf_counter()
     for step, (ids, mask) in enumerate(_batches(cfg, config.vocab_size, start, cfg.steps), start=start):
-        if cfg.fail_on_rank is not None and dist.get_rank() == cfg.fail_on_rank and step == start + 1:
-            raise RuntimeError(f"injected failure on rank {dist.get_rank()} at step {step}")
+        faults.inject("train", rank=dist.get_rank(), step=step + 1)
         t0 = time.perf_counter()
         ids, mask = ids[mine].to(device), mask[mine].to(device)
         loss, _ = sharded_loss(model, ids, mask, mesh)

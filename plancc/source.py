@@ -93,12 +93,20 @@ class _Walker:
         return self.loader.construct_object(node, deep=True)
 
 
-def _syntax_error(path: str, exc: Exception) -> Diagnostic:
+def _syntax_error(path: str, exc: Exception, text: str = "") -> Diagnostic:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark:
+        loc = _loc(path, mark)
+    elif isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow
+        before = text[: exc.position]
+        loc = SourceLoc(path=path, line=before.count("\n") + 1, column=exc.position - (before.rfind("\n") + 1) + 1)
+        problem = f"character {exc.character!r} is not allowed in YAML"
+    else:
+        loc = SourceLoc(path=path, line=1, column=1)
     return Diagnostic(
         rule="yaml-syntax",
-        loc=_loc(path, mark) if mark else SourceLoc(path=path, line=1, column=1),
+        loc=loc,
         message=f"YAML syntax error: {problem}",
         fix="correct the YAML at this position (check indentation, colons and quotes)",
     )
@@ -106,8 +114,9 @@ def _syntax_error(path: str, exc: Exception) -> Diagnostic:
 
 def parse_yaml(text: str, path: str) -> SourceDoc:
     """Parse YAML text; raise ``PlanError`` on syntax errors, duplicate keys or an empty file."""
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # the reader already rejects control characters here
         root = loader.get_single_node()
         if root is None:
             raise PlanError(
@@ -124,7 +133,7 @@ def parse_yaml(text: str, path: str) -> SourceDoc:
         walker = _Walker(path, loader)
         data = walker.walk(root, ())
     except yaml.YAMLError as exc:
-        raise PlanError([_syntax_error(path, exc)]) from None
+        raise PlanError([_syntax_error(path, exc, text)]) from None
     except RecursionError:
         raise PlanError(
             [
@@ -137,7 +146,8 @@ def parse_yaml(text: str, path: str) -> SourceDoc:
             ]
         ) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if walker.problems:
         raise PlanError(walker.problems)
     return SourceDoc(path=path, data=data, value_locs=walker.value_locs, key_locs=walker.key_locs)

@@ -1,0 +1,191 @@
+"""Nothing a user feeds plancc crashes it, a failing rank hangs nothing, bad data is named by
+file and line before any step, an interrupted save loses nothing, and runs are repeatable.
+
+The fuzz budget is small in CI; the nightly-size run is
+``PLANCC_FUZZ_EXAMPLES=10000 python -m pytest tests/test_reliability.py -k fuzz`` (docs/reliability.md).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import plancc
+from plancc import PlanError
+from plancc.data import DataError, read_jsonl
+from plancc.styles import STYLE_NAMES
+
+from .conftest import PLANS
+
+FUZZ = int(os.environ.get("PLANCC_FUZZ_EXAMPLES", "150"))
+fuzz_settings = settings(max_examples=FUZZ, deadline=None, suppress_health_check=list(HealthCheck))
+
+KEYS = ["plancc", "name", "description", "architectures", "tensor_parallel", "sequence_parallel", "fsdp",
+        "activation_checkpointing", "units", "style", "optional", "input_layouts", "use_local_output"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+                    st.sampled_from(STYLE_NAMES + ("colwsie", "shard(1)", "shard(x)", "model..x", "*", "**", "")),
+                    st.text(max_size=12))
+documents = st.recursive(
+    scalars,
+    lambda children: st.one_of(st.lists(children, max_size=4),
+                               st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=8), st.integers()),
+                                               children, max_size=5)),
+    max_leaves=25,
+)
+
+
+def only_diagnostics(path):
+    """load_plan either returns a Plan or raises PlanError with diagnostics; nothing else."""
+    try:
+        plan = plancc.load_plan(path)
+    except PlanError as exc:
+        assert exc.diagnostics and all(d.rule and d.message for d in exc.diagnostics)
+        return None
+    return plan
+
+
+@fuzz_settings
+@given(documents)
+def test_fuzz_structured_documents_give_only_diagnostics(tmp_path_factory, doc):
+    path = tmp_path_factory.mktemp("fuzz") / "plan.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    only_diagnostics(path)
+
+
+@fuzz_settings
+@given(st.binary(max_size=400))
+def test_fuzz_raw_bytes_give_only_diagnostics(tmp_path_factory, raw):
+    path = tmp_path_factory.mktemp("fuzz") / "plan.yaml"
+    path.write_bytes(raw)
+    only_diagnostics(path)
+
+
+@fuzz_settings
+@given(st.data())
+def test_fuzz_mutated_real_plans_give_only_diagnostics(tmp_path_factory, data):
+    text = (PLANS / data.draw(st.sampled_from(["qwen3.yaml", "llama.yaml", "gemma3.yaml"]))).read_text()
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(text)))
+        cut = data.draw(st.integers(0, 6))
+        insert = data.draw(st.sampled_from(["", ":", " ", "\n", "-", "{", "[", "'", "*", "\t", "x", "\x00", "é"]))
+        text = text[:at] + insert + text[at + cut:]
+    path = tmp_path_factory.mktemp("fuzz") / "plan.yaml"
+    path.write_text(text)
+    only_diagnostics(path)
+
+
+@settings(max_examples=max(20, FUZZ // 5), deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_fuzz_validate_cli_exits_1_or_2_never_a_traceback(tmp_path_factory, cli, data):
+    text = (PLANS / "qwen3.yaml").read_text()
+    at = data.draw(st.integers(0, len(text)))
+    text = text[:at] + data.draw(st.sampled_from(["", "x", ":", "  ", "\n-"])) + text[at + data.draw(st.integers(0, 8)):]
+    path = tmp_path_factory.mktemp("fuzz") / "plan.yaml"
+    path.write_text(text)
+    code, out, err = cli("validate", path, "--model", "tiny-qwen3", "--tp", "2")
+    assert code in (0, 1, 2)
+    assert "Traceback" not in out + err
+
+
+# --------------------------------------------------------------------------- bad data
+@pytest.mark.parametrize("lines,rule,line", [
+    (['{"input_ids": [1, 2]}', '{"input_ids": [1, 2'], "data-json", 2),
+    (['{"input_ids": [1]}', '{"tokens": [1, 2]}'], "data-input-ids", 2),
+    (['{"input_ids": [1, 2, "x"]}'], "data-input-ids", 1),
+    (['{"input_ids": [1, 2]}', '', '{"input_ids": [5, 999]}'], "data-token-range", 3),
+    ([], "data-empty", 0),
+])
+def test_bad_data_is_reported_by_file_and_line(tmp_path, lines, rule, line):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(DataError) as info:
+        read_jsonl(path, vocab_size=256)
+    (diag,) = info.value.diagnostics
+    assert (diag.rule, diag.line) == (rule, line)
+    assert diag.fix
+
+
+def test_apply_reports_bad_data_before_starting_any_process(tmp_path, cli):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 300]}\n')
+    code, out, err = cli("apply", PLANS / "qwen3.yaml", "--data", path)
+    assert code == 1
+    assert f"{path}:2:1: error: token id 300 is outside the vocabulary [0, 256) [data-token-range]" in err
+    assert "plancc apply:" not in out
+
+
+# --------------------------------------------------------------------------- failing ranks
+def plancc_cli(*args, env=None, timeout=150):
+    proc = subprocess.run([sys.executable, "-m", "plancc.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def leftover_workers() -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "plancc.runner" in line and "ps -eo" not in line]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("action", ["raise", "kill"])
+def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action):
+    t0 = time.perf_counter()
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 4, "--timeout", 30,
+                                env={"PLANCC_FAULT": f"train:{action}@1#2"})
+    elapsed = time.perf_counter() - t0
+    assert code == 1
+    assert elapsed < 90, elapsed
+    expected = "injected failure" if action == "raise" else "SIGKILL"
+    assert f"error: rank 1 failed:" in err and expected in err.split("error: rank 1 failed:")[1].splitlines()[0]
+    assert "step    1/4" in out and "step    2/4" not in out
+    time.sleep(1)
+    assert leftover_workers() == []
+
+
+# --------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path):
+    ck = tmp_path / "ck"
+    code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 1, "--save", ck)
+    assert code == 0, err
+    code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 1, "--resume", ck, "--save", ck,
+                              env={"PLANCC_FAULT": "save:kill@0"})
+    assert code == 1 and "SIGKILL" in err
+    assert (ck / "latest").read_text().strip() == "step-000001"
+    assert not (ck / "step-000002").exists()
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 1, "--resume", ck)
+    assert code == 0, err
+    assert "resumed from step 1" in out
+
+
+# --------------------------------------------------------------------------- determinism
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_same_seed_and_layout_give_bitwise_equal_losses():
+    runs = [plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json") for _ in range(2)]
+    assert all(code == 0 for code, _, _ in runs), runs[0][2]
+    histories = [json.loads(out[out.index("{"):])["history"] for _, out, _ in runs]
+    assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]  # exact, not approx
+    assert [h["grad_norm"] for h in histories[0]] == [h["grad_norm"] for h in histories[1]]
+
+
+# --------------------------------------------------------------------------- ecosystem
+def test_pre_commit_hook_runs_plancc_validate_on_plan_files():
+    hooks = yaml.safe_load((PLANS.parent / ".pre-commit-hooks.yaml").read_text())
+    (hook,) = [h for h in hooks if h["id"] == "plancc-validate"]
+    assert hook["entry"].startswith("plancc validate") and hook["language"] == "python"
+    import re
+
+    files = re.compile(hook["files"])
+    for name in ["plans/qwen3.yaml", "configs/plans/x.yml", "train/qwen.plan.yaml"]:
+        assert files.search(name), name
+    for name in ["plans/sub/readme.md", "config.yaml", ".github/workflows/ci.yaml"]:
+        assert not files.search(name), name
