@@ -205,6 +205,16 @@ def styles(fmt: FormatOpt = Format.text) -> None:
 
 
 @app.command()
+def rules() -> None:
+    """The model-aware checks, each with its documentation and PASS/FAIL examples."""
+    from .checks import RULES
+
+    for module in RULES:
+        print(module.__doc__.strip())
+        print()
+
+
+@app.command()
 def models(fmt: FormatOpt = Format.text) -> None:
     """List the built-in model presets."""
     from .models import presets

@@ -57,6 +57,14 @@ def two_rank_results(tmp_path_factory):
     broken.write_text((PLANS / "qwen3.yaml").read_text().replace(
         "{style: qk_norm, optional: true}", "{style: replicate, optional: true}"))
     cases = [(p, m, dp, tp, sp) for p, m in FAMILIES for dp, tp, sp in TWO_RANK_LAYOUTS]
+    # an uneven vocab split (255 over tp=2: 128 + 127), which the shape check only warns about
+    import json
+
+    from plancc.models import presets
+
+    uneven = tmp_path_factory.mktemp("configs") / "uneven-vocab.json"
+    uneven.write_text(json.dumps({**presets()["tiny-qwen3"].config, "vocab_size": 255}))
+    cases += [("qwen3.yaml", str(uneven), 1, 2, sp) for sp in (False, True)]
     cases.append((str(broken), "tiny-qwen3", 1, 2, False))
     return cases, run(2, cases)
 

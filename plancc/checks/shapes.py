@@ -5,9 +5,8 @@ evaluator handle uneven shards, at the cost of padding one rank's shard; that is
 Any other uneven split (FFN width, hidden size) is an error: HF reshapes assume equal shards.
 
 PASS  qwen3-8b at --tp 8 (intermediate 12288, vocab 151936)
-FAIL  qwen2.5-7b at --tp 16: intermediate_size 18944 = 16 * 1184 passes, but 28 heads of
-      128 give q_proj 3584 outputs, 3584 / 16 = 224 passes too; hidden 3584 on rowwise
-      o_proj passes. gemma-3-1b at --tp 5: intermediate_size 6912 is not divisible by 5
+FAIL  a Qwen3 config with intermediate_size 11000 at --tp 16 (gate/up/down_proj)
+WARN  a vocab of 255 at --tp 2 (shards of 128 and 127)
 """
 
 from __future__ import annotations
