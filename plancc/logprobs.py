@@ -58,6 +58,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             hit = x.gather(1, local_t.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
             picked[lo:hi] = torch.where(here, hit, torch.zeros_like(hit))
             lse[lo:hi] = torch.logsumexp(x, dim=1)  # one fused pass over the chunk
+            del x, hit  # free this chunk before the next one is allocated
         if group is not None and dist.get_world_size(group) > 1:
             # logsumexp over ranks from the per-rank ones: 2 collectives of O(tokens) values
             m = lse.clone()
@@ -93,6 +94,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             p.scatter_add_(1, idx, torch.where(here, g[lo:hi], torch.zeros_like(g[lo:hi])).unsqueeze(1))
             if not in_place:
                 grad[lo:hi] = p
+            del p  # free this chunk before the next one is allocated
         return grad.reshape(logits.shape), None, None, None, None
 
 
