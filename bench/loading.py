@@ -47,7 +47,6 @@ def _count_received():
 
 
 def worker(folder, tp, method):
-    import torch
     import torch.distributed as dist
 
     import plancc

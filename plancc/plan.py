@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import Diagnostic, PlanError, SourceLoc, raise_if_errors
+from .errors import Diagnostic, SourceLoc, raise_if_errors
 from .schema import validate_doc
 from .source import SourceDoc, parse_yaml, read_yaml
 from .styles import ALIASES, canonical_style, parse_layout

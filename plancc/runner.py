@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -47,7 +47,6 @@ class RunConfig:
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
-    extra: dict = field(default_factory=dict)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int) -> float:
@@ -134,14 +133,21 @@ def _batches(cfg: RunConfig, vocab_size: int, start: int, count: int):
             yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
 
 
-def train(cfg: RunConfig) -> dict:
-    from . import checkpoint, faults
-    from .gradnorm import clip_grad_norm_
+@dataclass(kw_only=True, slots=True)
+class _Job:
+    """What every worker mode starts from: process group, mesh, plan, model config."""
+
+    device: str
+    mesh: object
+    plan: object
+    model_name: str
+    config: object
+
+
+def _setup(cfg: RunConfig) -> _Job:
     from .mesh import build_mesh
-    from .models import architecture_of, build_model, default_preset, load_config
-    from .parallelize import parallelize
+    from .models import default_preset, load_config
     from .plan import load_plan
-    from .verify import batch_slice, reported_loss, sharded_loss
 
     device = _init(cfg)
     mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
@@ -152,10 +158,29 @@ def train(cfg: RunConfig) -> dict:
         from .data import read_jsonl
 
         read_jsonl(cfg.data, vocab_size=config.vocab_size)
+    return _Job(device=device, mesh=mesh, plan=plan, model_name=model_name, config=config)
+
+
+def _parallel_model(cfg: RunConfig, job: _Job):
+    """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
+    from .models import build_model
+    from .parallelize import parallelize
+
     dtype = getattr(torch, cfg.param_dtype) if cfg.param_dtype else None
-    model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
-    parallelize(model, plan, mesh, sequence_parallel=cfg.sequence_parallel, param_dtype=dtype)
-    source = _load_weights(cfg, model, config, device)
+    model = build_model(copy.deepcopy(job.config), device="meta")  # its own config: cp changes it
+    parallelize(model, job.plan, job.mesh, sequence_parallel=cfg.sequence_parallel, param_dtype=dtype)
+    return model, _load_weights(cfg, model, job.config, job.device)
+
+
+def train(cfg: RunConfig) -> dict:
+    from . import checkpoint, faults
+    from .gradnorm import clip_grad_norm_
+    from .models import architecture_of
+    from .verify import batch_slice, reported_loss, sharded_loss
+
+    job = _setup(cfg)
+    device, mesh, plan, model_name, config = job.device, job.mesh, job.plan, job.model_name, job.config
+    model, source = _parallel_model(cfg, job)
     sizes = {axis: mesh[axis].size() for axis in ("dp", "cp", "tp")}
     log(f"plancc apply: {plan.name} on {model_name} | world {dist.get_world_size()} "
         f"dp={sizes['dp']} cp={sizes['cp']} tp={sizes['tp']}{' +sp' if cfg.sequence_parallel else ''} "
@@ -216,16 +241,10 @@ def train(cfg: RunConfig) -> dict:
 
 
 def run_verify(cfg: RunConfig) -> dict:
-    from .mesh import build_mesh
-    from .models import default_preset, load_config
-    from .plan import load_plan
     from .verify import TOLERANCES, verify_against_unsharded, within_tolerance
 
-    device = _init(cfg)
-    mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
-    plan = load_plan(cfg.plan)
-    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
-    config = load_config(model_name)
+    job = _setup(cfg)
+    device, mesh, plan, model_name, config = job.device, job.mesh, job.plan, job.model_name, job.config
     batches = list(_batches(cfg, config.vocab_size, 0, cfg.steps + 1))
     report = verify_against_unsharded(plan, model_name, mesh, sequence_parallel=cfg.sequence_parallel,
                                       steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm,
@@ -268,20 +287,11 @@ def run_logprobs(cfg: RunConfig) -> dict:
     """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
     from .data import read_jsonl
     from .logprobs import token_logprobs
-    from .mesh import build_mesh
-    from .models import build_model, default_preset, load_config
-    from .parallelize import parallelize
-    from .plan import load_plan
 
-    device = _init(cfg)
-    mesh = build_mesh(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, device_type=device)
-    plan = load_plan(cfg.plan)
-    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
-    config = load_config(model_name)
+    job = _setup(cfg)
+    device, mesh, plan, model_name, config = job.device, job.mesh, job.plan, job.model_name, job.config
     dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size)
-    model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
-    parallelize(model, plan, mesh, sequence_parallel=cfg.sequence_parallel)
-    source = _load_weights(cfg, model, config, device)
+    model, source = _parallel_model(cfg, job)
     model.eval()
     reference = _reference_model(cfg, config, device).eval() if cfg.verify else None
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
@@ -365,7 +375,3 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def config_json(cfg: RunConfig) -> str:
-    return json.dumps(asdict(cfg))

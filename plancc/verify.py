@@ -145,6 +145,21 @@ def _replicas_identical(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
     return ok
 
 
+def build_pair(plan: Plan, model_spec, mesh: DeviceMesh, *, sequence_parallel: bool = False, seed: int = 0,
+               device: str = "cpu"):
+    """(parallelized model, unsharded reference, config) with the same seeded weights."""
+    config = load_config(model_spec)
+    torch.manual_seed(seed)
+    # Initialized on the CPU (as the runner does), so a seed means the same weights everywhere.
+    reference = build_model(config, device="cpu").to(device)
+    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    # A config of its own: cp switches the attention implementation on the model's config.
+    model = build_model(copy.deepcopy(config), device="meta")
+    parallelize(model, plan, mesh, sequence_parallel=sequence_parallel)
+    materialize(model, device, full_state_dict=state)
+    return model, reference, config
+
+
 def verify_against_unsharded(
     plan: Plan,
     model_spec,
@@ -160,16 +175,8 @@ def verify_against_unsharded(
     device: str = "cpu",
     batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> VerifyReport:
-    config = load_config(model_spec)
-    torch.manual_seed(seed)
-    # Initialized on the CPU (as the runner does), so a seed means the same weights everywhere.
-    reference = build_model(config, device="cpu").to(device)
-    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-
-    # A config of its own: cp switches the attention implementation on the model's config.
-    model = build_model(copy.deepcopy(config), device="meta")
-    parallelize(model, plan, mesh, sequence_parallel=sequence_parallel)
-    materialize(model, device, full_state_dict=state)
+    model, reference, config = build_pair(plan, model_spec, mesh, sequence_parallel=sequence_parallel,
+                                          seed=seed, device=device)
 
     if batches is None:
         gen = torch.Generator().manual_seed(seed + 1)

@@ -45,25 +45,17 @@ def check_all_gather(cases):
 
 def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
     """token_logprobs under cp (x tp) vs the unsharded model, with padding and packing."""
-    import copy
-
     import torch
     import torch.distributed as dist
 
     import plancc
     from plancc.logprobs import token_logprobs
-    from plancc.models import build_model, load_config
+    from plancc.verify import build_pair
 
     init_gloo()
     try:
-        config = load_config(preset)
-        torch.manual_seed(0)
-        reference = build_model(config, device="cpu")
-        state = {k: v.clone() for k, v in reference.state_dict().items()}
-        model = build_model(copy.deepcopy(config), device="meta")
         mesh = plancc.build_mesh(cp=cp, tp=tp, device_type="cpu")
-        plancc.parallelize(model, plancc.load_plan(plan_path), mesh, sequence_parallel=sp)
-        plancc.materialize(model, "cpu", full_state_dict=state)
+        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=sp)
         gen = torch.Generator().manual_seed(1)
         n = 4 * cp * tp  # every length below is a multiple of 2*cp(*tp)
         ids = torch.randint(0, config.vocab_size, (2, 2 * n), generator=gen)

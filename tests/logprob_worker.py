@@ -52,18 +52,12 @@ def compare_token_logprobs(plan_path, preset, tp, sp):
 
     import plancc
     from plancc.logprobs import token_logprobs
-    from plancc.models import build_model, load_config
+    from plancc.verify import build_pair
 
     init_gloo()
     try:
-        config = load_config(preset)
-        torch.manual_seed(0)
-        reference = build_model(config, device="cpu")
-        state = {k: v.clone() for k, v in reference.state_dict().items()}
-        model = build_model(config, device="meta")
         mesh = plancc.build_mesh(tp=tp, device_type="cpu")
-        plancc.parallelize(model, plancc.load_plan(plan_path), mesh, sequence_parallel=sp)
-        plancc.materialize(model, "cpu", full_state_dict=state)
+        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=sp)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
         mask = torch.ones_like(ids)

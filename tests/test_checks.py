@@ -4,7 +4,6 @@ import pytest
 
 import plancc
 from plancc.checks import check_plan
-from plancc.models import build_meta_model
 
 from .conftest import PLANS
 

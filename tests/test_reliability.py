@@ -143,7 +143,7 @@ def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action):
     assert code == 1
     assert elapsed < 90, elapsed
     expected = "injected failure" if action == "raise" else "SIGKILL"
-    assert f"error: rank 1 failed:" in err and expected in err.split("error: rank 1 failed:")[1].splitlines()[0]
+    assert "error: rank 1 failed:" in err and expected in err.split("error: rank 1 failed:")[1].splitlines()[0]
     assert "step    1/4" in out and "step    2/4" not in out
     time.sleep(1)
     assert leftover_workers() == []
