@@ -349,6 +349,8 @@ def logprobs(
     sp: Annotated[bool, typer.Option("--sp")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", help="JSONL output: {\"logprobs\": [...]} per line")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
+    pack: Annotated[bool, typer.Option(
+        "--pack", help="pack each batch's sequences into one row (documents never attend to each other)")] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     verify: Annotated[bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond 1e-5")] = False,
     device: Annotated[Optional[str], typer.Option("--device")] = None,
@@ -362,7 +364,7 @@ def logprobs(
     model, tp, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
     cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, data=str(data),
                     batch_size=batch_size, seed=seed, verify=verify, device=device, timeout_s=timeout,
-                    mode="logprobs", out=str(out) if out else None)
+                    mode="logprobs", out=str(out) if out else None, pack=pack)
     opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     _launch_and_report(opts, cfg, fmt, warnings)

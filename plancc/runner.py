@@ -44,6 +44,7 @@ class RunConfig:
     verify: bool = False
     mode: str = "train"  # train | logprobs
     out: str | None = None  # logprobs: JSONL output path
+    pack: bool = False  # logprobs: pack each batch's sequences into one row (cu_seqlens)
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
@@ -283,6 +284,29 @@ def _reference_model(cfg: RunConfig, config, device: str):
     return build_model(copy.deepcopy(config), device="cpu").to(device)
 
 
+def _padded_batch(seqs, multiple: int):
+    """Right-padded rows, as long as the longest sequence rounded up to ``multiple``."""
+    width = -(-max(len(x) for x in seqs) // multiple) * multiple
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, seq in enumerate(seqs):
+        ids[r, : len(seq)] = torch.tensor(seq)
+        mask[r, : len(seq)] = 1
+    return ids, mask, None
+
+
+def _packed_batch(seqs, multiple: int):
+    """One row of documents, each padded to ``multiple`` (cp shards every document), with
+    its cumulative lengths. Padding follows each document, so causal attention keeps it out
+    of the document's own log-probs."""
+    lengths = [-(-len(x) // multiple) * multiple for x in seqs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ids = torch.zeros((1, int(cu[-1])), dtype=torch.long)
+    for r, seq in enumerate(seqs):
+        ids[0, int(cu[r]): int(cu[r]) + len(seq)] = torch.tensor(seq)
+    return ids, None, cu
+
+
 def run_logprobs(cfg: RunConfig) -> dict:
     """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
     from .data import read_jsonl
@@ -303,21 +327,20 @@ def run_logprobs(cfg: RunConfig) -> dict:
     for lo in range(0, len(mine), cfg.batch_size):
         rows = mine[lo:lo + cfg.batch_size]
         seqs = [dataset.sequences[i] for i in rows]
-        longest = max(len(x) for x in seqs)
-        width = -(-longest // multiple) * multiple
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, seq in enumerate(seqs):
-            ids[r, : len(seq)] = torch.tensor(seq)
-            mask[r, : len(seq)] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        batch = _packed_batch(seqs, multiple) if cfg.pack else _padded_batch(seqs, multiple)
+        ids, mask, cu = (t.to(device) if t is not None else None for t in batch)
         with torch.no_grad():
-            lp = token_logprobs(model, ids, attention_mask=mask, mesh=mesh, cp=mesh if cfg.cp > 1 else None)
+            lp = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, mesh=mesh,
+                                cp=mesh if cfg.cp > 1 else None)
             if reference is not None:
-                want = token_logprobs(reference, ids, attention_mask=mask)
+                want = token_logprobs(reference, ids, attention_mask=mask, cu_seqlens=cu)
                 worst = max(worst, (lp - want).abs().max().item())
         for r, i in enumerate(rows):
-            results[i] = lp[r, : len(seqs[r])].tolist()
+            if cu is None:
+                results[i] = lp[r, : len(seqs[r])].tolist()
+            else:
+                start = int(cu[r])
+                results[i] = lp[0, start: start + len(seqs[r])].tolist()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     worst_t = torch.tensor([worst], device=device)

@@ -135,3 +135,30 @@ def test_cp_with_attention_softcapping_is_reported_unsupported():
     config.attn_logit_softcapping = 50.0
     diags = [d for d in check_plan(plancc.load_plan(GEMMA3), config, tp=1, cp=2) if d.rule == "context-parallel"]
     assert len(diags) == 1 and "soft-capping" in diags[0].message and "not supported" in diags[0].message
+
+
+def test_sp_overlay_without_rotary_sp_warns_about_position_ids(write_plan):
+    text = QWEN3.read_text().replace("  model.rotary_emb: rotary_sp\n", "")
+    diags = check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2, sequence_parallel=True)
+    assert rules(diags) == []
+    (warning,) = [d for d in diags if d.rule == "sequence-parallel"]
+    assert "model.rotary_emb" in warning.message and "position ids" in warning.message
+
+
+def test_models_lists_published_and_tiny_presets(cli):
+    code, out, _ = cli("models")
+    assert code == 0
+    for name in ["qwen3-0.6b", "qwen3-8b", "qwen3-32b", "qwen2.5-7b", "llama-3.1-8b", "llama-3.2-1b", "gemma-3-1b",
+                 "tiny-qwen3", "tiny-llama", "tiny-gemma3"]:
+        assert name in out
+
+
+def test_model_from_a_config_json_path(cli, tmp_path):
+    import json
+
+    from plancc.models import presets
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(presets()["llama-3.2-1b"].config))
+    code, out, err = cli("validate", LLAMA, "--model", path, "--tp", "8")
+    assert code == 0, err

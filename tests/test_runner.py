@@ -32,8 +32,9 @@ def test_apply_with_no_flags_trains_a_tiny_qwen3_on_two_processes():
     assert len(losses(out)) == 5 and "summary:" in out
 
 
-def test_verify_tied_llama_dp2_tp2_sp_reports_differences():
-    code, out, err = plancc_cli("apply", PLANS / "llama.yaml", "--model", "tiny-llama-tied", "--nproc-per-node", 4,
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-llama-tied"])
+def test_verify_llama_dp2_tp2_sp_reports_differences(model):
+    code, out, err = plancc_cli("apply", PLANS / "llama.yaml", "--model", model, "--nproc-per-node", 4,
                                 "--tp", 2, "--sp", "--verify", "--steps", 2)
     assert code == 0, err + out
     assert "verify: OK" in out and "logits  max |diff|" in out and "grads   max relative diff" in out
@@ -110,7 +111,7 @@ def test_logprobs_cli_verifies_with_tp_and_cp(tmp_path):
     gen = torch.Generator().manual_seed(0)
     data.write_text("".join(json.dumps({"input_ids": torch.randint(0, 256, (int(n),), generator=gen).tolist()}) + "\n"
                             for n in torch.randint(3, 40, (6,), generator=gen)))
-    for args in (["--tp", 2], ["--cp", 2]):
+    for args in (["--tp", 2], ["--cp", 2], ["--cp", 2, "--pack"]):
         code, out, err = plancc_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify",
                                     "--out", tmp_path / "out.jsonl")
         assert code == 0, err + out
