@@ -131,8 +131,6 @@ def _is_style_position(at: JsonPath) -> bool:
 
 def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: JsonPath) -> Iterator[Diagnostic]:
     value = error.instance
-    if len(at) == 3 and at[2] == "style":
-        value, at = {"style": value}, at[:2]
     if isinstance(value, str):
         yield _unknown_style(value, doc, at)
         return

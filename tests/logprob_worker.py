@@ -17,6 +17,14 @@ def check_vocab_parallel_cases(cases):
     init_gloo()
     rank = dist.get_rank()
     out = []
+    calls: list[tuple[str, int]] = []  # every collective the evaluator issues: (name, elements)
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        calls.append(("all_reduce", tensor.numel()))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
     try:
         for shape, vocab, widths, dtype_name, chunk, seed in cases:
             gen = torch.Generator().manual_seed(seed)
@@ -26,8 +34,11 @@ def check_vocab_parallel_cases(cases):
             weights = torch.randn(*shape, generator=gen)
             start = sum(widths[:rank])
             local = full[..., start:start + widths[rank]].clone().requires_grad_(True)
+            calls.clear()
             lp = vocab_parallel_logprobs(local, targets, group=dist.group.WORLD, chunk_size=chunk)
+            forward_calls = list(calls)
             (lp * weights).sum().backward()
+            backward_calls = len(calls) - len(forward_calls)
             ref_in = full.double().requires_grad_(True)
             ref = torch.log_softmax(ref_in, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             (ref * weights.double()).sum().backward()
@@ -38,8 +49,12 @@ def check_vocab_parallel_cases(cases):
                 "dtype_out": str(lp.dtype),
                 "scale": max(1.0, ref.abs().max().item()),
                 "grad_scale": max(1.0, ref_in.grad.abs().max().item()),
+                "forward_collectives": forward_calls,
+                "backward_collectives": backward_calls,
+                "tokens": targets.numel(),
             })
     finally:
+        dist.all_reduce = real_all_reduce
         dist.destroy_process_group()
     return out
 

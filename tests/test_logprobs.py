@@ -80,6 +80,10 @@ def test_two_ranks_uneven_vocab_splits_match_the_full_logits():
             assert r["dtype_out"] == "torch.float32"
             assert r["lp"] <= TOL[dtype] * r["scale"], (rank, case, r)  # relative to the largest |log p|
             assert r["grad"] <= (1e-6 if dtype == "float32" else 1e-2) * r["grad_scale"], (rank, case, r)
+            # communication is O(tokens), never O(tokens x vocab): a max, then (sum-exp, target
+            # logit) stacked; backward recomputes locally and communicates nothing
+            assert r["forward_collectives"] == [("all_reduce", r["tokens"]), ("all_reduce", 2 * r["tokens"])]
+            assert r["backward_collectives"] == 0
 
 
 @pytest.mark.slow
