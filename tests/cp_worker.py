@@ -15,8 +15,22 @@ def check_all_gather(cases):
 
     from plancc.cp import all_gather, shard, shard_packed
 
+    import plancc.cp as cp_module
+
     rank, world = init_gloo()
     out = []
+    calls: list[str] = []  # the collectives issued in backward
+    real = {"all_reduce": dist.all_reduce, "rs": cp_module._reduce_scatter_single}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    dist.all_reduce = counted("all_reduce", real["all_reduce"])
+    cp_module._reduce_scatter_single = counted("reduce_scatter", real["rs"])
     try:
         for shape, dim, dtype_name, seed, docs in cases:
             cu = None if docs is None else torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()])
@@ -31,14 +45,18 @@ def check_all_gather(cases):
             grads = [torch.randn(*shape, generator=gen).to(dtype) for _ in range(world)]
             mine = cut(x, rank).clone().requires_grad_(True)
             full = all_gather(mine, dist.group.WORLD, dim=dim, cu_seqlens=cu)
+            calls.clear()
             full.backward(grads[rank])
+            backward_calls = list(calls)
             expected_grad = cut(sum(g.double() for g in grads), rank)
             out.append({
                 "forward_equal": bool(torch.equal(full.detach(), x)),
                 "grad_err": (mine.grad.double() - expected_grad).abs().max().item(),
                 "grad_scale": expected_grad.abs().max().item(),
+                "backward_collectives": backward_calls,
             })
     finally:
+        dist.all_reduce, cp_module._reduce_scatter_single = real["all_reduce"], real["rs"]
         dist.destroy_process_group()
     return out
 

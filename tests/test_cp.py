@@ -120,6 +120,8 @@ def test_all_gather_forward_is_unshard_and_backward_is_shard_of_the_summed_gradi
         for case, r in zip(cases, per_case):
             assert r["forward_equal"], (rank, case)
             assert r["grad_err"] <= 1e-6 * max(1.0, r["grad_scale"]), (rank, case, r)
+            # backward is reduce-scatter only: no all-reduce of the full sequence
+            assert "all_reduce" not in r["backward_collectives"] and r["backward_collectives"], r
 
 
 @pytest.mark.slow
