@@ -40,6 +40,16 @@ def test_verify_llama_dp2_tp2_sp_reports_differences(model):
     assert "verify: OK" in out and "logits  max |diff|" in out and "grads   max relative diff" in out
 
 
+def test_apply_through_an_explicit_c10d_rendezvous_endpoint():
+    """The multi-node path (--nnodes/--rdzv-endpoint/--rdzv-id), here with one node."""
+    from .distributed import free_port
+
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--nnodes", 1, "--rdzv-endpoint",
+                                f"127.0.0.1:{free_port()}", "--rdzv-id", "plancc-test", "--steps", 1)
+    assert code == 0, err
+    assert "world 2" in out and len(losses(out)) == 1
+
+
 def test_broken_plan_fails_validation_before_any_process_starts(tmp_path):
     broken = tmp_path / "no-o-proj.yaml"
     broken.write_text((PLANS / "qwen3.yaml").read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", ""))
