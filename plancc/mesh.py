@@ -90,7 +90,3 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if flat is None:
         flat = _FLATTENED[id(mesh)] = mesh["dp", "cp"]._flatten("dp_cp")
     return flat
-
-
-def spec_of(mesh: DeviceMesh) -> MeshSpec:
-    return MeshSpec(**{axis: mesh[axis].size() for axis in AXES})

@@ -68,10 +68,6 @@ def within_tolerance(report: "VerifyReport", reference_loss: float = 5.0) -> boo
     )
 
 
-def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
-
-
 def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean next-token cross entropy over the positions whose target is not padding."""
     targets = input_ids[:, 1:].clone()

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from plancc.cp import (
     load_balanced_indices,
+    pad_documents,
     load_balanced_indices_packed,
     pad_to_multiple,
     shard,
@@ -79,6 +80,14 @@ def test_packed_layout_is_per_document(cp, multiples):
     # equal causal work per document (positions restart at each document)
     work = [sum(int(((load_balanced_indices(n, cp, r)) + 1).sum()) for n in lengths) for r in range(cp)]
     assert len(set(work)) == 1
+
+
+@given(cp_sizes, st.lists(st.integers(1, 30), min_size=1, max_size=5))
+def test_pad_documents_rounds_every_document_up_to_the_multiple(cp, lengths):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    padded = pad_documents(cu, cp)
+    new = (padded[1:] - padded[:-1]).tolist()
+    assert all(n % (2 * cp) == 0 and 0 <= n - old < 2 * cp for n, old in zip(new, lengths))
 
 
 @given(cp_sizes, st.integers(1, 50))
