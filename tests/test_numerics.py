@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import PLANS
 from .distributed import launch
-from .numerics_worker import verify_cases
+from .numerics_worker import cpu_offload_matches, verify_cases
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -92,3 +92,9 @@ def test_dp2_x_tp2_matches_unsharded():
     for rank, reports in results.items():
         for i, case in enumerate(cases):
             assert_matches(reports[i], f"rank {rank} {case}")
+
+
+def test_cpu_offload_keeps_logits_and_gradients():
+    results = launch(cpu_offload_matches, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3")
+    for rank, r in results.items():
+        assert r["logits"] <= 1e-5 and r["grad_rel"] <= GRAD_REL, (rank, r)
