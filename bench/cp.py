@@ -43,14 +43,17 @@ def worker(shape, repeats):
         full = torch.randn(*shape, generator=torch.Generator().manual_seed(0))  # the same on every rank
         group = dist.group.WORLD
 
-        def timed(fn):
-            times = []
+        def timed_rounds(fns: dict) -> dict:
+            """Interleave the variants round by round, so drift on a shared machine hits all
+            of them alike; the median of each after one warm-up round."""
+            times = {name: [] for name in fns}
             for _ in range(repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times[1:])
+                for name, fn in fns.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            return {name: statistics.median(t[1:]) for name, t in times.items()}
 
         mine = shard(full, world, rank, dim=1).contiguous()
 
@@ -76,9 +79,9 @@ def worker(shape, repeats):
             return reference_gather(shard(full, world, rank, dim=1), group, world)
 
         assert torch.equal(ours(), full) and torch.equal(reference(), full)
-        return {"ours": timed(ours), "plain": timed(plain), "reference": timed(reference),
-                "ours_fwd_bwd": timed(ours_fwd_bwd), "gather_only": timed(gather_only),
-                "shard_only": timed(shard_only), "bytes": mine.numel() * mine.element_size()}
+        result = timed_rounds({"ours": ours, "plain": plain, "reference": reference, "ours_fwd_bwd": ours_fwd_bwd,
+                               "gather_only": gather_only, "shard_only": shard_only})
+        return {**result, "bytes": mine.numel() * mine.element_size()}
     finally:
         dist.destroy_process_group()
 
@@ -87,11 +90,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--shape", type=int, nargs=3, default=[1, 8192, 2048])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--system-malloc", action="store_true", help="keep glibc's default mmap thresholds")
     args = parser.parse_args()
+    if not args.system_malloc:  # read by glibc when the (spawned) workers start
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**32))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(2**32))
     results = launch(worker, args.cp, tuple(args.shape), args.repeats, timeout_s=900)
     r = max(results.values(), key=lambda x: x["ours"])
-    print(f"cp={args.cp} gloo, full tensor {args.shape} fp32, shard {r['bytes'] / 2**20:.1f} MiB per rank")
+    malloc = "glibc defaults" if args.system_malloc else "freed memory kept (caching-allocator-like)"
+    print(f"cp={args.cp} gloo, full tensor {args.shape} fp32, shard {r['bytes'] / 2**20:.1f} MiB per rank; "
+          f"malloc: {malloc}")
     print(f"  plancc shard+gather      {r['ours'] * 1e3:8.1f} ms   ratio to plain all-gather {r['ours'] / r['plain']:.3f}")
     print(f"  plain all_gather_single  {r['plain'] * 1e3:8.1f} ms")
     print(f"  reference gather         {r['reference'] * 1e3:8.1f} ms   plancc / reference {r['ours'] / r['reference']:.3f}")
