@@ -1,5 +1,6 @@
 """plancc: declarative parallelization plans for Hugging Face models on DTensor/FSDP2."""
 
+from . import cp, logprobs  # plancc.cp.*, plancc.logprobs.* are public API
 from .checks import check_plan
 from .errors import Diagnostic, PlanError, Severity, SourceLoc
 from .mesh import MeshError, MeshSpec, build_mesh
@@ -22,7 +23,9 @@ __all__ = [
     "build_mesh",
     "check_plan",
     "compile_plan",
+    "cp",
     "load_plan",
+    "logprobs",
     "materialize",
     "parallelize",
     "parse_plan",

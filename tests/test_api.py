@@ -1,0 +1,24 @@
+"""The public names the issues spell out are a contract."""
+
+import inspect
+
+import plancc
+
+
+def test_public_api_names_and_keywords():
+    assert set(inspect.signature(plancc.load_plan).parameters) == {"path"}
+    assert {"plan", "model", "tp_size", "sequence_parallel"} <= set(inspect.signature(plancc.compile_plan).parameters)
+    assert {"plan", "model_or_config", "tp", "cp", "dp", "world_size", "sequence_parallel"} <= set(
+        inspect.signature(plancc.check_plan).parameters)
+    assert {"dp", "cp", "tp", "device_type"} <= set(inspect.signature(plancc.build_mesh).parameters)
+    assert {"model", "plan", "mesh", "sequence_parallel", "param_dtype", "reduce_dtype", "cpu_offload",
+            "activation_checkpointing"} <= set(inspect.signature(plancc.parallelize).parameters)
+    assert {"logits", "targets", "group", "vocab_start", "chunk_size"} <= set(
+        inspect.signature(plancc.logprobs.vocab_parallel_logprobs).parameters)
+    assert {"model", "input_ids", "attention_mask", "mesh", "position_ids", "cp", "temperature"} <= set(
+        inspect.signature(plancc.logprobs.token_logprobs).parameters)
+    for name in ["load_balanced_indices", "shard", "unshard", "all_gather"]:
+        assert callable(getattr(plancc.cp, name))
+    assert {"path", "line", "column", "rule", "message", "fix", "severity"} <= {
+        n for n in dir(plancc.Diagnostic) if not n.startswith("_")}
+    assert issubclass(plancc.PlanError, Exception)
