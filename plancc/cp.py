@@ -248,9 +248,9 @@ class ShardSequenceInputs:
         self.ctx = ctx
 
     def __call__(self, module, args, kwargs):
-        bound = self.signature.bind_partial(*args, **kwargs)
-        values = dict(bound.arguments)
-        values.update(values.pop("kwargs", {}) or {})
+        from .parallelize import call_arguments
+
+        values = call_arguments(self.signature, args, kwargs)
         ids = values.get("input_ids")
         if ids is None:
             raise ValueError("context parallelism needs input_ids (inputs_embeds are not sharded)")

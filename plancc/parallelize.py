@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from .errors import Diagnostic, PlanError
 from .lower import lower
 from .plan import Plan
-from .resolve import resolve_plan
+from .resolve import ResolvedPlan, resolve_plan
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -55,8 +55,12 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             setattr(modules[mod_name], p_name, keep)
 
 
-def _causal_lm_signature(model: nn.Module) -> inspect.Signature:
-    return inspect.signature(model.forward)
+def call_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """A forward call's arguments by name (``**kwargs`` flattened in), so a pre-hook can
+    rewrite them and hand them back as keywords."""
+    values = dict(signature.bind_partial(*args, **kwargs).arguments)
+    values.update(values.pop("kwargs", {}) or {})
+    return values
 
 
 class GlobalSequenceInputs:
@@ -69,16 +73,14 @@ class GlobalSequenceInputs:
     """
 
     def __init__(self, model: nn.Module):
-        self.signature = _causal_lm_signature(model)
+        self.signature = inspect.signature(model.forward)
         self.base = getattr(model, "model", model)
         config = model.config
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or ())
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        bound = self.signature.bind_partial(*args, **kwargs)
-        values = dict(bound.arguments)
-        values.update(values.pop("kwargs", {}) or {})
+        values = call_arguments(self.signature, args, kwargs)
         input_ids = values.get("input_ids")
         if input_ids is None or isinstance(values.get("attention_mask"), dict):
             return None
@@ -101,14 +103,13 @@ class GlobalSequenceInputs:
         return {"full_attention": full, "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
-    resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
+def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, tp_mesh: DeviceMesh) -> nn.Module:
     if tp_mesh.size() == 1:
         return model
     groups = tied_parameter_groups(model)
     parallelize_module(model, tp_mesh, lower(resolved))
     _retie(model, groups)
-    if sequence_parallel:
+    if resolved.sequence_parallel:
         model.register_forward_pre_hook(GlobalSequenceInputs(model), with_kwargs=True)
     return model
 
@@ -176,7 +177,7 @@ def parallelize(
     plan to name targets.
     """
     resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
-    apply_tensor_parallel(model, plan, mesh["tp"], sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, resolved, mesh["tp"])
     if mesh["cp"].size() > 1:
         from .cp import enable_context_parallel
 

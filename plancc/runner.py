@@ -121,10 +121,9 @@ def _load_weights(cfg: RunConfig, model, config, device: str) -> str:
     return f"random init (seed {cfg.seed})"
 
 
-def _batches(cfg: RunConfig, vocab_size: int, start: int, count: int):
-    from .data import dataset_batch, read_jsonl, synthetic_batch
+def _batches(cfg: RunConfig, dataset, vocab_size: int, start: int, count: int):
+    from .data import dataset_batch, synthetic_batch
 
-    dataset = read_jsonl(cfg.data, vocab_size=vocab_size) if cfg.data else None
     for step in range(start, start + count):
         if dataset is None:
             ids = synthetic_batch(step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
@@ -143,6 +142,7 @@ class _Job:
     plan: object
     model_name: str
     config: object
+    dataset: object = None  # the --data file, read and validated once
 
 
 def _setup(cfg: RunConfig) -> _Job:
@@ -155,11 +155,12 @@ def _setup(cfg: RunConfig) -> _Job:
     plan = load_plan(cfg.plan)
     model_name = cfg.model or default_preset(plan.architectures, tiny=True)
     config = load_config(model_name)
+    dataset = None
     if cfg.data:  # validate the whole file before any step (and before allocating the model)
         from .data import read_jsonl
 
-        read_jsonl(cfg.data, vocab_size=config.vocab_size)
-    return _Job(device=device, mesh=mesh, plan=plan, model_name=model_name, config=config)
+        dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size)
+    return _Job(device=device, mesh=mesh, plan=plan, model_name=model_name, config=config, dataset=dataset)
 
 
 def _parallel_model(cfg: RunConfig, job: _Job):
@@ -204,7 +205,7 @@ def train(cfg: RunConfig) -> dict:
     history = []
     progress = _Progress(total - start)
     t_start = time.perf_counter()
-    for step, (ids, mask) in enumerate(_batches(cfg, config.vocab_size, start, cfg.steps), start=start):
+    for step, (ids, mask) in enumerate(_batches(cfg, job.dataset, config.vocab_size, start, cfg.steps), start=start):
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
         t0 = time.perf_counter()
         ids, mask = ids[mine].to(device), mask[mine].to(device)
@@ -246,7 +247,7 @@ def run_verify(cfg: RunConfig) -> dict:
 
     job = _setup(cfg)
     device, mesh, plan, model_name, config = job.device, job.mesh, job.plan, job.model_name, job.config
-    batches = list(_batches(cfg, config.vocab_size, 0, cfg.steps + 1))
+    batches = list(_batches(cfg, job.dataset, config.vocab_size, 0, cfg.steps + 1))
     report = verify_against_unsharded(plan, model_name, mesh, sequence_parallel=cfg.sequence_parallel,
                                       steps=cfg.steps, seed=cfg.seed, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm,
                                       batches=batches, device=device)
@@ -309,12 +310,11 @@ def _packed_batch(seqs, multiple: int):
 
 def run_logprobs(cfg: RunConfig) -> dict:
     """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
-    from .data import read_jsonl
     from .logprobs import token_logprobs
 
     job = _setup(cfg)
     device, mesh, plan, model_name, config = job.device, job.mesh, job.plan, job.model_name, job.config
-    dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size)
+    dataset = job.dataset
     model, source = _parallel_model(cfg, job)
     model.eval()
     reference = _reference_model(cfg, config, device).eval() if cfg.verify else None
