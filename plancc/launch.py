@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,11 +56,43 @@ def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
         try:
             run(args)
         except ChildFailedError as exc:
+            seen = []
             for rank, failure in sorted(exc.failures.items()):
                 failures[rank] = _failure_message(failure)
-            first = exc.get_first_failure()[0]
+                seen.append(RankFailure(rank, failures[rank], failure.exitcode, failure.timestamp))
+            first = root_cause(seen)
         result = json.loads(Path(result_path).read_text()) if Path(result_path).is_file() else None
     return LaunchResult(ok=not failures, result=result, failures=failures, first_failed=first)
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    rank: int
+    message: str
+    exitcode: int
+    timestamp: int  # seconds, as torch's elastic agent records them: ties are common
+
+
+# What a rank says when a *peer* died under it: gloo/nccl/store errors. These ranks are
+# victims; naming one of them as "the rank that failed" sends the user to the wrong log.
+_PEER_ERROR = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|DistNetworkError|"
+                         r"DistStoreError|NCCL.*(?:abort|watchdog)|ProcessGroup.*(?:abort|shut)", re.IGNORECASE)
+_SIGTERM = -15  # how the elastic agent stops the survivors
+
+
+def root_cause(failures: list[RankFailure]) -> int | None:
+    """The rank whose own failure started the cascade: a rank that raised or died of its own
+    accord beats one that lost a peer, which beats one the agent stopped; earliest, then
+    lowest rank, inside each class (torch's timestamps alone tie at one-second resolution)."""
+    def cause_class(f: RankFailure) -> int:
+        if _PEER_ERROR.search(f.message):
+            return 1
+        if f.exitcode == _SIGTERM and ("SIGTERM" in f.message or f.message.startswith("killed by")):
+            return 2
+        return 0
+    if not failures:
+        return None
+    return min(failures, key=lambda f: (cause_class(f), f.timestamp, f.rank)).rank
 
 
 def _failure_message(failure) -> str:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import plancc
 from plancc import PlanError
 from plancc.data import DataError, read_jsonl
+from plancc.launch import RankFailure, root_cause
 from plancc.styles import STYLE_NAMES
 
 from .conftest import PLANS
@@ -130,6 +131,28 @@ def plancc_cli(*args, env=None, timeout=150):
 def leftover_workers() -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in ps.splitlines() if "plancc.runner" in line and "ps -eo" not in line]
+
+
+GLOO_PEER_GONE = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6037: Connection reset "
+                  "by peer. This is typically caused by a remote worker hanging or bugs")
+
+
+@pytest.mark.parametrize("victim_first", [True, False])
+def test_the_rank_that_died_is_named_not_the_peer_that_lost_it(victim_first):
+    # torch records failure times in whole seconds, and the survivor's error file can carry an
+    # earlier second than the killed rank's record: time alone names the wrong rank.
+    t = 1_795_353_239
+    killed = RankFailure(1, "Signal 9 (SIGKILL) received by PID 12423", -9, t + (1 if victim_first else 0))
+    victim = RankFailure(0, GLOO_PEER_GONE, -15, t)
+    assert root_cause([victim, killed]) == 1
+
+
+def test_a_raising_rank_beats_ranks_the_agent_stopped_and_the_earliest_of_equals_wins():
+    stopped = RankFailure(0, "Signal 15 (SIGTERM) received by PID 7", -15, 100)
+    raised = RankFailure(3, "ValueError: injected failure", 1, 101)
+    assert root_cause([stopped, raised]) == 3
+    assert root_cause([RankFailure(2, "ValueError: a", 1, 101), RankFailure(3, "ValueError: b", 1, 100)]) == 3
+    assert root_cause([]) is None
 
 
 @pytest.mark.slow
