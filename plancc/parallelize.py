@@ -140,13 +140,14 @@ def apply_fsdp(
     *,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     modules = dict(model.named_modules())
     unit_list = list(units)
     for i, name in enumerate(unit_list):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         fully_shard(modules[name], mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                    reshard_after_forward=i < len(unit_list) - 1)
+                    reshard_after_forward=reshard_after_forward and i < len(unit_list) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     return model
 
@@ -192,7 +193,8 @@ def parallelize(
         apply_activation_checkpointing(model, resolved.activation_checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
-    return apply_fsdp(model, resolved.fsdp_units, fsdp_mesh(mesh), mp_policy=mp, offload_policy=offload)
+    return apply_fsdp(model, resolved.fsdp_units, fsdp_mesh(mesh), mp_policy=mp, offload_policy=offload,
+                      reshard_after_forward=plan.fsdp_reshard_after_forward)
 
 
 def materialize(model: nn.Module, device: torch.device | str, *, full_state_dict: dict | None = None) -> nn.Module:

@@ -61,6 +61,7 @@ class Plan:
     tensor_parallel: tuple[Rule, ...]
     sequence_parallel: tuple[Rule, ...] = ()
     fsdp_units: TargetList = TargetList()
+    fsdp_reshard_after_forward: bool = True
     activation_checkpointing: TargetList = TargetList()
     description: str = ""
     path: str = "<plan>"
@@ -123,6 +124,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         tensor_parallel=_rules(doc, "tensor_parallel", problems),
         sequence_parallel=_rules(doc, "sequence_parallel", problems),
         fsdp_units=_targets(doc, ("fsdp", "units")),
+        fsdp_reshard_after_forward=(data.get("fsdp") or {}).get("reshard_after_forward", True),
         activation_checkpointing=_targets(doc, ("activation_checkpointing",)),
         path=doc.path,
         loc=doc.loc(()),

@@ -54,6 +54,7 @@ class ValidationReport:
             "sequence_parallel": self.sequence_parallel,
             "rules": self.rule_rows(),
             "fsdp_units": len(self.resolved[0].fsdp_units) if self.resolved else 0,
+            "fsdp_reshard_after_forward": self.plan.fsdp_reshard_after_forward,
             "activation_checkpointing": len(self.resolved[0].activation_checkpointing) if self.resolved else 0,
             "errors": errors,
             "warnings": len(self.diagnostics) - errors,
@@ -73,7 +74,8 @@ class ValidationReport:
                     section = r["section"]
                     lines.append(f"  {section}:")
                 lines.append(f"    {r['pattern']:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} modules")
-        lines.append(f"  fsdp units: {s['fsdp_units']}   activation checkpointing: {s['activation_checkpointing']}")
+        kept = "" if s["fsdp_reshard_after_forward"] else " (kept gathered from forward to backward)"
+        lines.append(f"  fsdp units: {s['fsdp_units']}{kept}   activation checkpointing: {s['activation_checkpointing']}")
         verdict = "FAILED" if s["errors"] else "ok"
         lines.append(f"{verdict}: {s['errors']} error(s), {s['warnings']} warning(s)")
         return "\n".join(lines)

@@ -62,3 +62,33 @@ def cpu_offload_matches(plan_path, preset):
         return {"logits": (logits - want).abs().max().item(), "grad_rel": grad_err}
     finally:
         dist.destroy_process_group()
+
+
+def reshard_after_forward_cases(plan_paths, preset):
+    """For each plan, at dp=2: how many rows of each FSDP unit's q_proj weight a rank holds
+    between forward and backward (all of them = kept gathered), and the numerics report."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.models import build_model, load_config
+    from plancc.verify import verify_against_unsharded
+
+    init_gloo()
+    out = {}
+    try:
+        for path in plan_paths:
+            plan = plancc.load_plan(path)
+            mesh = plancc.build_mesh(dp=2, device_type="cpu")
+            model = build_model(load_config(preset), device="meta")
+            plancc.parallelize(model, plan, mesh)
+            plancc.materialize(model, "cpu")
+            model(input_ids=torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1)))
+            # sharded: a DTensor's local rows; gathered: FSDP2 swaps in the plain full parameter
+            weights = [layer.self_attn.q_proj.weight for layer in model.model.layers]
+            rows = [(w.to_local() if hasattr(w, "to_local") else w).shape[0] for w in weights]
+            report = verify_against_unsharded(plan, preset, mesh, sequence_parallel=False)
+            out[path] = {"rows_held_after_forward": rows, "report": report.as_dict()}
+    finally:
+        dist.destroy_process_group()
+    return out

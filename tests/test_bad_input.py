@@ -48,6 +48,8 @@ CASES = {
     "override-not-taken": (GOOD.replace("q_proj: colwise", "q_proj: {style: qk_norm, output_layouts: shard(1)}"),
                            "style-override", 5),
     "integer-key": (GOOD + "  3: colwise\n", "yaml-key-type", 7),
+    "reshard-not-a-bool": (GOOD + "fsdp:\n  units: [model.layers.*]\n  reshard_after_forward: sometimes\n",
+                           "wrong-type", 9),
 }
 
 

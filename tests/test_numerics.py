@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import PLANS
 from .distributed import launch
-from .numerics_worker import cpu_offload_matches, verify_cases
+from .numerics_worker import cpu_offload_matches, reshard_after_forward_cases, verify_cases
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -98,3 +98,18 @@ def test_cpu_offload_keeps_logits_and_gradients():
     results = launch(cpu_offload_matches, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3")
     for rank, r in results.items():
         assert r["logits"] <= 1e-5 and r["grad_rel"] <= GRAD_REL, (rank, r)
+
+
+def test_fsdp_reshard_after_forward_false_keeps_units_gathered_and_numerics(tmp_path):
+    kept = tmp_path / "qwen3-keep-gathered.yaml"
+    kept.write_text((PLANS / "qwen3.yaml").read_text().replace(
+        "  units: [model.layers.*]", "  units: [model.layers.*]\n  reshard_after_forward: false"))
+    default = str(PLANS / "qwen3.yaml")
+    results = launch(reshard_after_forward_cases, 2, [default, str(kept)], "tiny-qwen3")
+    for rank, by_plan in results.items():
+        q_rows = 64  # tiny-qwen3: 4 heads x 16; a dp=2 shard holds 32 of them
+        # default: every unit but the last is freed after forward (backward gathers it again)
+        assert by_plan[default]["rows_held_after_forward"] == [q_rows // 2, q_rows], rank
+        assert by_plan[str(kept)]["rows_held_after_forward"] == [q_rows, q_rows], rank
+        for plan, r in by_plan.items():
+            assert_matches(r["report"], f"rank {rank} {plan}")
