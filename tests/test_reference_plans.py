@@ -2,7 +2,9 @@
 (NeMo-RL ``parallelize.py``), module for module: style class, input/output layouts and the
 local-output flag. Where the reference is wrong (Qwen3/Gemma3 q_norm/k_norm left out, so
 their gradients are computed from one rank's heads only), plancc goes further: those are the
-only extra modules, and they get a style whose gradients are summed over tp.
+only extra modules, and they get a style whose gradients are summed over tp. Where the
+reference gives up (Gemma3's tied embedding and lm_head, left whole), plancc shards them
+vocab-parallel exactly as it does Qwen's and Llama's.
 
 The expectations below are the reference's semantics written as data (not its code).
 """
@@ -80,13 +82,12 @@ def test_tp_plan_equals_reference(plan_file, preset, family, extra):
         assert isinstance(style, SequenceParallel) and style.sequence_sharding == (Shard(2),)
 
 
-def test_gemma3_keeps_tied_embedding_and_lm_head_whole_like_the_reference():
-    from plancc.styles import LeaveWhole
-
+def test_gemma3_shards_its_tied_embedding_and_lm_head_where_the_reference_keeps_them_whole():
     model = build_meta_model("tiny-gemma3")
+    assert model.config.tie_word_embeddings
     compiled = plancc.compile_plan(plancc.load_plan(PLANS / "gemma3.yaml"), model, tp_size=2)
-    assert isinstance(compiled["model.embed_tokens"], LeaveWhole)
-    assert isinstance(compiled["lm_head"], LeaveWhole)
+    assert signature(compiled["model.embed_tokens"]) == EMBED  # same styles as Qwen's / Llama's ends
+    assert signature(compiled["lm_head"]) == LM_HEAD
 
 
 @pytest.mark.parametrize("plan_file,preset", [("qwen3.yaml", "tiny-qwen3"), ("llama.yaml", "tiny-llama"),
