@@ -92,3 +92,37 @@ def reshard_after_forward_cases(plan_paths, preset):
     finally:
         dist.destroy_process_group()
     return out
+
+
+def meta_built_models_match(cases):
+    """cases: [(plan_path, preset)]. The user's path: ``with torch.device("meta")`` (buffers
+    on meta too), parallelize at tp=2, materialize with the reference's weights -> max
+    |logits diff| against the unsharded model, per case."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import plancc
+    from plancc.models import load_config
+    from plancc.verify import full
+
+    init_gloo()
+    out = {}
+    try:
+        mesh = plancc.build_mesh(tp=2, device_type="cpu")
+        for plan_path, preset in cases:
+            config = load_config(preset)
+            torch.manual_seed(0)
+            reference = AutoModelForCausalLM.from_config(config)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            meta_buffers = sorted(n for n, b in model.named_buffers() if b.is_meta)
+            plancc.parallelize(model, plancc.load_plan(plan_path), mesh)
+            plancc.materialize(model, "cpu", full_state_dict=reference.state_dict())
+            ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                diff = (full(model(input_ids=ids).logits) - reference(input_ids=ids).logits).abs().max().item()
+            out[preset] = {"logits_abs": diff, "meta_buffers": meta_buffers}
+    finally:
+        dist.destroy_process_group()
+    return out

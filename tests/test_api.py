@@ -22,3 +22,24 @@ def test_public_api_names_and_keywords():
     assert {"path", "line", "column", "rule", "message", "fix", "severity"} <= {
         n for n in dir(plancc.Diagnostic) if not n.startswith("_")}
     assert issubclass(plancc.PlanError, Exception)
+
+
+def test_materialize_refuses_to_leave_a_meta_buffer_it_cannot_recompute_as_garbage():
+    import pytest
+    import torch
+    from torch import nn
+
+    class Scaled(nn.Module):  # not a transformers model: nothing knows how to rebuild `scale`
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(ValueError, match=r"buffers scale were created on the meta device"):
+        plancc.materialize(model, "cpu")
+    # built with real buffers (as plancc.models.build_model does), it is carried over
+    model = Scaled().to_empty(device="meta")
+    model.register_buffer("scale", torch.tensor(2.0), persistent=False)
+    assert plancc.materialize(model, "cpu").scale.item() == 2.0
