@@ -109,6 +109,28 @@ def _resolve_targets(targets: TargetList, names: list[str], what: str, problems:
     return tuple(found)
 
 
+def inner_first(units: tuple[str, ...]) -> tuple[str, ...]:
+    """FSDP2 units in an order ``fully_shard`` accepts: every unit after the units inside it
+    (a parent wrapped first would already own its children's parameters), otherwise as
+    written, so the last unit stays the last one forward runs.
+    ``units: [model.layers.*, model.layers.*.mlp]`` -> layers.0.mlp, layers.0, layers.1.mlp, ..."""
+    ordered: list[str] = []
+    placed: set[str] = set()
+
+    def place(unit: str) -> None:
+        if unit in placed:
+            return
+        placed.add(unit)
+        for inner in units:
+            if inner.startswith(unit + "."):
+                place(inner)
+        ordered.append(unit)
+
+    for unit in units:
+        place(unit)
+    return tuple(ordered)
+
+
 def _invalid_glob(pattern: str, why: str, loc: SourceLoc) -> Diagnostic:
     return Diagnostic(
         rule="invalid-glob",
@@ -156,7 +178,7 @@ def resolve_plan(plan: Plan, model: nn.Module, *, sequence_parallel: bool = Fals
                 claimed[name] = rule
             resolved.append(ResolvedRule(rule=rule, modules=hits))
         assignments.update(claimed)  # a later section (the SP overlay) wins
-    fsdp_units = _resolve_targets(plan.fsdp_units, names, "fsdp unit", problems)
+    fsdp_units = inner_first(_resolve_targets(plan.fsdp_units, names, "fsdp unit", problems))
     ac = _resolve_targets(plan.activation_checkpointing, names, "activation_checkpointing target", problems)
     raise_if_errors(problems)
     ordered = {n: assignments[n] for n in names if n in assignments}

@@ -65,6 +65,11 @@ def two_rank_results(tmp_path_factory):
     uneven = tmp_path_factory.mktemp("configs") / "uneven-vocab.json"
     uneven.write_text(json.dumps({**presets()["tiny-qwen3"].config, "vocab_size": 255}))
     cases += [("qwen3.yaml", str(uneven), 1, 2, sp) for sp in (False, True)]
+    # nested FSDP units (each mlp and attention block inside each layer): wrapped inner first
+    nested = tmp_path_factory.mktemp("plans") / "qwen3-nested-units.yaml"
+    nested.write_text((PLANS / "qwen3.yaml").read_text().replace(
+        "units: [model.layers.*]", "units: [model.layers.*, model.layers.*.mlp, model.layers.*.self_attn]"))
+    cases.append((str(nested), "tiny-qwen3", 2, 1, False))
     cases.append((str(broken), "tiny-qwen3", 1, 2, False))
     return cases, run(2, cases)
 

@@ -88,3 +88,10 @@ def test_fsdp_units_and_checkpointing_targets_resolve(write_plan, tiny):
         resolve_plan(plan, tiny)
     assert [(d.rule, d.line) for d in info.value.diagnostics] == [("glob-no-match", 6)]
 
+
+
+def test_nested_fsdp_units_are_wrapped_inner_first_and_otherwise_as_written(write_plan, tiny):
+    plan = plancc.load_plan(write_plan(HEAD + "tensor_parallel: {}\n"
+                                       "fsdp: {units: [model.embed_tokens, model.layers.*, model.layers.*.mlp]}\n"))
+    assert resolve_plan(plan, tiny).fsdp_units == (
+        "model.embed_tokens", "model.layers.0.mlp", "model.layers.0", "model.layers.1.mlp", "model.layers.1")
