@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from .checkpointing import apply_activation_checkpointing
 from .errors import Diagnostic, PlanError
 from .lower import lower
 from .plan import Plan
@@ -114,25 +115,6 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, tp_mesh: Dev
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module, names: Iterable[str]) -> None:
-    """Recompute each target's ``forward`` in backward instead of keeping its activations.
-
-    Only ``forward`` itself is checkpointed, not the module's hooks: TP styles that gather
-    inputs in a pre-hook (``gather_seq_input``) must run once, not again on an input they
-    already gathered. Patching the instance keeps module names (state-dict keys, plan
-    globs) unchanged, unlike ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``.
-    """
-    modules = dict(model.named_modules())
-    for name in names:
-        module = modules[name]
-        inner = module.forward
-
-        def forward(*args, _inner=inner, **kwargs):
-            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        module.forward = forward
-
-
 def apply_fsdp(
     model: nn.Module,
     units: Iterable[str],
@@ -190,7 +172,7 @@ def parallelize(
                 message="activation checkpointing was requested but the plan names no targets",
                 fix="add 'activation_checkpointing: [model.layers.*]' to the plan",
             )])
-        apply_activation_checkpointing(model, resolved.activation_checkpointing)
+        apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
     return apply_fsdp(model, resolved.fsdp_units, fsdp_mesh(mesh), mp_policy=mp, offload_policy=offload,

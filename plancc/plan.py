@@ -51,6 +51,9 @@ class TargetList:
 
     patterns: tuple[str, ...] = ()
     locs: tuple[SourceLoc, ...] = ()
+    # activation checkpointing: per pattern, the operator groups whose outputs are kept
+    # (empty: full recompute)
+    saves: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +114,22 @@ def _targets(doc: SourceDoc, at: tuple) -> TargetList:
     return TargetList(patterns=patterns, locs=tuple(doc.loc(at + (i,)) for i in range(len(patterns))))
 
 
+def _checkpoint_targets(doc: SourceDoc) -> TargetList:
+    """``activation_checkpointing`` items: a glob (full recompute) or
+    ``{module: GLOB, save: [GROUP, ...]}`` (selective)."""
+    patterns, locs, saves = [], [], []
+    for i, item in enumerate(doc.data.get("activation_checkpointing") or ()):
+        if isinstance(item, dict):
+            patterns.append(item["module"])
+            locs.append(doc.loc(("activation_checkpointing", i, "module")))
+            saves.append(tuple(item.get("save", ())))
+        else:
+            patterns.append(item)
+            locs.append(doc.loc(("activation_checkpointing", i)))
+            saves.append(())
+    return TargetList(patterns=tuple(patterns), locs=tuple(locs), saves=tuple(saves))
+
+
 def plan_from_doc(doc: SourceDoc) -> Plan:
     """Build a ``Plan`` from a parsed document; raise ``PlanError`` with every problem."""
     raise_if_errors(validate_doc(doc))
@@ -125,7 +144,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         sequence_parallel=_rules(doc, "sequence_parallel", problems),
         fsdp_units=_targets(doc, ("fsdp", "units")),
         fsdp_reshard_after_forward=(data.get("fsdp") or {}).get("reshard_after_forward", True),
-        activation_checkpointing=_targets(doc, ("activation_checkpointing",)),
+        activation_checkpointing=_checkpoint_targets(doc),
         path=doc.path,
         loc=doc.loc(()),
     )

@@ -94,6 +94,8 @@ class ResolvedPlan:
     assignments: Mapping[str, Rule] = field(default_factory=dict)
     fsdp_units: tuple[str, ...] = ()
     activation_checkpointing: tuple[str, ...] = ()
+    # selective targets only: module name -> operator groups whose outputs are kept
+    checkpoint_saves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _resolve_targets(targets: TargetList, names: list[str], what: str, problems: list[Diagnostic]) -> tuple[str, ...]:
@@ -107,6 +109,30 @@ def _resolve_targets(targets: TargetList, names: list[str], what: str, problems:
             problems.append(no_match(pattern, loc, names, what))
         found.extend(h for h in hits if h not in found)
     return tuple(found)
+
+
+def _checkpoint_saves(targets: TargetList, names: list[str], problems: list[Diagnostic]) -> dict[str, tuple[str, ...]]:
+    """Which operator outputs each checkpointed module keeps; two entries that match one
+    module with different ``save`` lists are an error (which one would win is a guess)."""
+    chosen: dict[str, tuple[str, tuple[str, ...], SourceLoc]] = {}
+    for pattern, loc, save in zip(targets.patterns, targets.locs, targets.saves or ((),) * len(targets.patterns)):
+        if glob_problem(pattern) is not None:
+            continue  # reported by _resolve_targets
+        for name in (n for n in names if glob_matches(pattern, n)):
+            if name in chosen and chosen[name][1] != save:
+                first_pattern, first_save, first_loc = chosen[name]
+                problems.append(Diagnostic(
+                    rule="rule-conflict", loc=loc,
+                    message=f"{name} is checkpointed by {pattern!r} saving {_saves(save)} and by {first_pattern!r} "
+                            f"(line {first_loc.line}) saving {_saves(first_save)}",
+                    fix="narrow one of the globs so each module is checkpointed one way"))
+                break
+            chosen.setdefault(name, (pattern, save, loc))
+    return {name: save for name, (_, save, _) in chosen.items() if save}
+
+
+def _saves(save: tuple[str, ...]) -> str:
+    return "[" + ", ".join(save) + "]" if save else "nothing (full recompute)"
 
 
 def inner_first(units: tuple[str, ...]) -> tuple[str, ...]:
@@ -180,6 +206,7 @@ def resolve_plan(plan: Plan, model: nn.Module, *, sequence_parallel: bool = Fals
         assignments.update(claimed)  # a later section (the SP overlay) wins
     fsdp_units = inner_first(_resolve_targets(plan.fsdp_units, names, "fsdp unit", problems))
     ac = _resolve_targets(plan.activation_checkpointing, names, "activation_checkpointing target", problems)
+    saves = _checkpoint_saves(plan.activation_checkpointing, names, problems)
     raise_if_errors(problems)
     ordered = {n: assignments[n] for n in names if n in assignments}
     return ResolvedPlan(
@@ -189,4 +216,5 @@ def resolve_plan(plan: Plan, model: nn.Module, *, sequence_parallel: bool = Fals
         assignments=ordered,
         fsdp_units=fsdp_units,
         activation_checkpointing=ac,
+        checkpoint_saves=saves,
     )

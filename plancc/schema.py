@@ -97,11 +97,25 @@ def _diagnostics_for(error: jsonschema.ValidationError, doc: SourceDoc) -> Itera
     if validator == "anyOf" and _is_style_position(at):
         yield from _style_diagnostics(error, doc, at)
         return
+    if validator == "anyOf" and len(at) == 2 and at[0] == "activation_checkpointing":
+        yield from _checkpoint_target_diagnostics(error, doc, at)
+        return
+    if validator == "enum":
+        allowed = [str(v) for v in error.validator_value]
+        hint = did_you_mean(str(error.instance), allowed)
+        yield Diagnostic(
+            rule="invalid-value",
+            loc=doc.loc(at),
+            message=f"{_where(at)} is {_describe(error.instance)}; allowed: {', '.join(allowed)}",
+            fix=hint or f"use one of: {', '.join(allowed)}",
+        )
+        return
     if validator == "pattern" and error.schema is _resolve({"$ref": "#/$defs/glob"}):
-        # propertyNames errors point at the mapping; the bad glob is the key itself.
+        # propertyNames errors point at the mapping (the bad glob is a key); list items and
+        # `module:` values point at the value itself.
         yield Diagnostic(
             rule="invalid-glob",
-            loc=doc.loc(at + (error.instance,), key=True),
+            loc=doc.loc(at) if _value_at(doc.data, at) == error.instance else doc.loc(at + (error.instance,), key=True),
             message=f"{error.instance!r} is not a valid module glob",
             fix="write a dotted module path such as 'model.layers.*.mlp.up_proj' "
             "('*' matches one segment, '**' any number; no spaces or empty segments)",
@@ -123,6 +137,15 @@ def _diagnostics_for(error: jsonschema.ValidationError, doc: SourceDoc) -> Itera
         message=f"{_where(at)}: {error.message}",
         fix=_value_fix(error),
     )
+
+
+def _value_at(data: Any, at: JsonPath) -> Any:
+    for part in at:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
 
 
 def _is_style_position(at: JsonPath) -> bool:
@@ -159,6 +182,25 @@ def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: Js
     )
 
 
+def _checkpoint_target_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc,
+                                   at: JsonPath) -> Iterator[Diagnostic]:
+    """An ``activation_checkpointing`` item that is neither a glob nor a ``{module, save}``
+    mapping: report the branch the user evidently meant."""
+    branch = 1 if isinstance(error.instance, dict) else 0 if isinstance(error.instance, str) else None
+    if branch is None:
+        yield Diagnostic(
+            rule="wrong-type",
+            loc=doc.loc(at),
+            message=f"{_where(at)} is {_describe(error.instance)}; expected a module glob or "
+                    "a mapping {module: GLOB, save: [...]}",
+            fix="write e.g. 'model.layers.*.mlp' or '{module: model.layers.*, save: [matmul]}'",
+        )
+        return
+    for sub in error.context or ():
+        if sub.relative_schema_path[0] == branch:
+            yield from _diagnostics_for(sub, doc)
+
+
 def _unknown_style(name: str, doc: SourceDoc, at: JsonPath) -> Diagnostic:
     near = closest(name, STYLE_NAMES)
     return Diagnostic(
@@ -176,7 +218,8 @@ def _type_fix(at: JsonPath, words: str) -> str:
         ("tensor_parallel",): "write a mapping of module glob to style, e.g. 'lm_head: colwise_logits'",
         ("sequence_parallel",): "write a mapping of module glob to style, e.g. 'model.norm: sequence_parallel'",
         ("fsdp",): "write 'fsdp: {units: [model.layers.*]}'",
-        ("activation_checkpointing",): "write a list of module globs, e.g. [model.layers.*]",
+        ("activation_checkpointing",): "write a list of module globs, e.g. [model.layers.*], or "
+                                       "{module: GLOB, save: [matmul]} items for selective checkpointing",
     }
     return examples.get(at, f"make {_where(at)} {words}")
 

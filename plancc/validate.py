@@ -56,6 +56,7 @@ class ValidationReport:
             "fsdp_units": len(self.resolved[0].fsdp_units) if self.resolved else 0,
             "fsdp_reshard_after_forward": self.plan.fsdp_reshard_after_forward,
             "activation_checkpointing": len(self.resolved[0].activation_checkpointing) if self.resolved else 0,
+            "selective_checkpointing": len(self.resolved[0].checkpoint_saves) if self.resolved else 0,
             "errors": errors,
             "warnings": len(self.diagnostics) - errors,
         }
@@ -75,7 +76,9 @@ class ValidationReport:
                     lines.append(f"  {section}:")
                 lines.append(f"    {r['pattern']:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} modules")
         kept = "" if s["fsdp_reshard_after_forward"] else " (kept gathered from forward to backward)"
-        lines.append(f"  fsdp units: {s['fsdp_units']}{kept}   activation checkpointing: {s['activation_checkpointing']}")
+        selective = f" ({s['selective_checkpointing']} selective)" if s["selective_checkpointing"] else ""
+        lines.append(f"  fsdp units: {s['fsdp_units']}{kept}   "
+                     f"activation checkpointing: {s['activation_checkpointing']}{selective}")
         verdict = "FAILED" if s["errors"] else "ok"
         lines.append(f"{verdict}: {s['errors']} error(s), {s['warnings']} warning(s)")
         return "\n".join(lines)

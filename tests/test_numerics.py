@@ -70,6 +70,13 @@ def two_rank_results(tmp_path_factory):
     nested.write_text((PLANS / "qwen3.yaml").read_text().replace(
         "units: [model.layers.*]", "units: [model.layers.*, model.layers.*.mlp, model.layers.*.self_attn]"))
     cases.append((str(nested), "tiny-qwen3", 2, 1, False))
+    # selective checkpointing that keeps TP collectives' and matmuls' outputs, under SP
+    selective = tmp_path_factory.mktemp("plans") / "qwen3-selective-ac.yaml"
+    selective.write_text((PLANS / "qwen3.yaml").read_text().replace(
+        "activation_checkpointing: [model.layers.*.mlp]",
+        "activation_checkpointing:\n  - model.layers.*.mlp\n"
+        "  - {module: model.layers.*.self_attn, save: [matmul, attention, collectives]}"))
+    cases += [(str(selective), "tiny-qwen3", 1, 2, sp) for sp in (False, True)]
     cases.append((str(broken), "tiny-qwen3", 1, 2, False))
     return cases, run(2, cases)
 
