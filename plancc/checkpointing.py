@@ -9,12 +9,15 @@ elementwise work; keeping collective outputs means backward never repeats a TP c
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 
 def _packets(namespace: str, names: Iterable[str]) -> tuple:
