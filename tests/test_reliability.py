@@ -5,6 +5,7 @@ The fuzz budget is small in CI; the nightly-size run is
 ``PLANCC_FUZZ_EXAMPLES=10000 python -m pytest tests/test_reliability.py -k fuzz`` (docs/reliability.md).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -79,6 +80,45 @@ def test_fuzz_mutated_real_plans_give_only_diagnostics(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("fuzz") / "plan.yaml"
     path.write_text(text)
     only_diagnostics(path)
+
+
+globs = st.sampled_from(["model.layers.*", "model.layers.*.mlp", "model.layers.1.self_attn", "model.norm",
+                         "lm_head", "model..x", "**", "nothing.here", ""])
+checkpoint_items = st.one_of(
+    globs,
+    st.fixed_dictionaries({"module": st.one_of(globs, scalars)},
+                          optional={"save": st.one_of(st.lists(st.sampled_from(
+                              ["matmul", "attention", "collectives", "matmull", ""]), max_size=4), scalars),
+                              "modul": scalars}),
+    documents,
+)
+
+
+@fuzz_settings
+@given(st.lists(checkpoint_items, max_size=4), st.one_of(st.lists(globs, max_size=3), documents),
+       st.one_of(st.booleans(), scalars))
+def test_fuzz_checkpointing_and_fsdp_sections_give_only_diagnostics(tmp_path_factory, ac, units, reshard):
+    """Deep in the plan (list items that are globs or mappings, nested units): loading and
+    resolving against a model give a Plan or diagnostics, never an exception."""
+    from plancc.resolve import resolve_plan
+
+    doc = {"plancc": 1, "name": "t", "architectures": ["Qwen3ForCausalLM"], "tensor_parallel": {},
+           "fsdp": {"units": units, "reshard_after_forward": reshard}, "activation_checkpointing": ac}
+    path = tmp_path_factory.mktemp("fuzz") / "plan.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    plan = only_diagnostics(path)
+    if plan is not None:
+        try:
+            resolve_plan(plan, _tiny_model())
+        except PlanError as exc:
+            assert exc.diagnostics and all(d.rule and d.message and d.line >= 1 for d in exc.diagnostics)
+
+
+@functools.cache
+def _tiny_model():
+    from plancc.models import build_meta_model
+
+    return build_meta_model("tiny-qwen3")
 
 
 @settings(max_examples=max(20, FUZZ // 5), deadline=None, suppress_health_check=list(HealthCheck))
