@@ -310,7 +310,7 @@ def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids
     each computes its shard's log-probs (targets shifted globally, then sharded), and the
     shards are gathered back in order: the result is the full ``[B, S]`` on every rank.
     """
-    from .logprobs import _local_logits, packed_position_ids, vocab_parallel_logprobs
+    from .logprobs import _local_logits, packed_position_ids, predicted, vocab_parallel_logprobs
 
     ctx: CPContext = model._plancc_cp
     cp_mesh = cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp
@@ -333,7 +333,7 @@ def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids
     result = torch.zeros((batch, seq), dtype=torch.float32, device=lp.device)
     result[:, 1:] = lp[:, :-1]
     if attention_mask is not None:
-        result = result * attention_mask.to(result.dtype)
+        result = result * predicted(attention_mask)
     if cu_seqlens is not None:
         result[:, cu_seqlens[:-1].long()] = 0.0
     return result

@@ -164,6 +164,16 @@ def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return (torch.arange(total, device=cu_seqlens.device) - doc_start).unsqueeze(0)
 
 
+def predicted(attention_mask: torch.Tensor) -> torch.Tensor:
+    """1.0 where a token is real and so is the token before it: the positions whose
+    log-prob the sequence itself defines. With left padding a sequence's first token is not
+    at position 0, and the logits before it were computed from padding alone."""
+    real = attention_mask.bool()
+    keep = real.clone()
+    keep[:, 1:] &= real[:, :-1]
+    return keep.to(torch.float32)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -179,7 +189,8 @@ def token_logprobs(
     """log p(token_i | tokens_<i) for every position: ``[B, S]`` fp32.
 
     Position 0 (and the first token of every packed document) is 0; padded positions
-    (``attention_mask == 0``, right padding) are 0. Works for an unsharded model and for one
+    (``attention_mask == 0``, left or right padding) are 0, and so is the first real token
+    after left padding (nothing in the sequence predicts it). Works for an unsharded model and for one
     parallelized by ``plancc.parallelize`` (TP, SP); for CP pass ``cp`` (see ``plancc.cp``).
     Packed sequences: ``input_ids`` is one row ``[1, T]`` and ``cu_seqlens`` the document
     boundaries ``[0, l0, l0+l1, ..., T]``; attention never crosses a boundary.
@@ -206,7 +217,7 @@ def token_logprobs(
     result = torch.zeros(input_ids.shape, dtype=torch.float32, device=lp.device)
     result[:, 1:] = lp
     if attention_mask is not None:
-        result = result * attention_mask.to(result.dtype)
+        result = result * predicted(attention_mask)
     if cu_seqlens is not None:
         result[:, cu_seqlens[:-1].long()] = 0.0
     return result

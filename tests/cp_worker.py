@@ -87,7 +87,13 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
             want_pad = token_logprobs(reference, ids, attention_mask=mask)
             got_packed = token_logprobs(model, packed, cu_seqlens=cu, mesh=mesh, cp=mesh)
             want_packed = token_logprobs(reference, packed, cu_seqlens=cu)
+            left = mask.flip(1)  # row 1 left-padded
+            pads = int((left[1] == 0).sum())
+            got_left = token_logprobs(model, ids, attention_mask=left, mesh=mesh, cp=mesh)
+            alone = token_logprobs(reference, ids[1:, pads:])
         return {"padding": (got_pad - want_pad).abs().max().item(),
-                "packed": (got_packed - want_packed).abs().max().item()}
+                "packed": (got_packed - want_packed).abs().max().item(),
+                "left_padding_vs_alone": (got_left[1:, pads:] - alone).abs().max().item(),
+                "left_pad_and_first_zero": bool((got_left[1, :pads + 1] == 0).all())}
     finally:
         dist.destroy_process_group()

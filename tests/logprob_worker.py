@@ -85,11 +85,16 @@ def compare_token_logprobs(plan_path, preset, tp, sp):
             got_packed = token_logprobs(model, packed, cu_seqlens=cu, mesh=mesh)
             want_packed = token_logprobs(reference, packed, cu_seqlens=cu)
             separate = torch.cat([token_logprobs(reference, packed[:, a:b]) for a, b in [(0, 5), (5, 12), (12, 16)]], 1)
+            left = mask.flip(1)  # row 1 left-padded: 5 pads, then 11 real tokens
+            got_left = token_logprobs(model, ids, attention_mask=left, mesh=mesh)
+            alone = token_logprobs(reference, ids[1:, 5:])  # the same sequence with no padding at all
         return {
             "padding": (got_pad - want_pad).abs().max().item(),
             "packed": (got_packed - want_packed).abs().max().item(),
             "packed_vs_separate": (want_packed - separate).abs().max().item(),
             "pad_zero": bool((got_pad[1, 11:] == 0).all()),
+            "left_padding_vs_alone": (got_left[1:, 5:] - alone).abs().max().item(),
+            "left_pad_and_first_zero": bool((got_left[1, :6] == 0).all()),
             "first_zero": bool((got_pad[:, 0] == 0).all() and (got_packed[0, [0, 5, 12]] == 0).all()),
         }
     finally:

@@ -95,3 +95,4 @@ def test_token_logprobs_tp2_matches_unsharded_with_padding_and_packing(sp):
         assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)
         assert r["packed_vs_separate"] <= 1e-5, r  # packing really isolates documents
         assert r["pad_zero"] and r["first_zero"], r
+        assert r["left_padding_vs_alone"] <= 1e-5 and r["left_pad_and_first_zero"], r
