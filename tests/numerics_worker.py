@@ -94,10 +94,11 @@ def reshard_after_forward_cases(plan_paths, preset):
     return out
 
 
-def meta_built_models_match(cases):
+def meta_built_models_match(cases, folder):
     """cases: [(plan_path, preset)]. The user's path: ``with torch.device("meta")`` (buffers
-    on meta too), parallelize at tp=2, materialize with the reference's weights -> max
-    |logits diff| against the unsharded model, per case."""
+    on meta too), parallelize at tp=2, then weights either from a full state dict or from a
+    ``save_pretrained`` folder (``load_hf_weights``) -> max |logits diff| against the
+    unsharded model, per case and way."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -105,6 +106,7 @@ def meta_built_models_match(cases):
     import plancc
     from plancc.models import load_config
     from plancc.verify import full
+    from plancc.weights import load_hf_weights
 
     init_gloo()
     out = {}
@@ -121,8 +123,21 @@ def meta_built_models_match(cases):
             plancc.materialize(model, "cpu", full_state_dict=reference.state_dict())
             ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
-                diff = (full(model(input_ids=ids).logits) - reference(input_ids=ids).logits).abs().max().item()
-            out[preset] = {"logits_abs": diff, "meta_buffers": meta_buffers}
+                want = reference(input_ids=ids).logits
+                diff = (full(model(input_ids=ids).logits) - want).abs().max().item()
+            # the same, with weights read from an HF folder on rank 0
+            saved = f"{folder}/{preset}"
+            if dist.get_rank() == 0:
+                reference.save_pretrained(saved)
+            dist.barrier()
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            plancc.parallelize(model, plancc.load_plan(plan_path), mesh)
+            plancc.materialize(model, "cpu")
+            load_hf_weights(model, saved)
+            with torch.no_grad():
+                diff_hf = (full(model(input_ids=ids).logits) - want).abs().max().item()
+            out[preset] = {"logits_abs": diff, "logits_abs_hf_folder": diff_hf, "meta_buffers": meta_buffers}
     finally:
         dist.destroy_process_group()
     return out
