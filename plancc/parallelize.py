@@ -159,6 +159,7 @@ def parallelize(
     ``activation_checkpointing``: None follows the plan, False disables, True requires the
     plan to name targets.
     """
+    _require_plancc_axes(mesh)
     resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
     apply_tensor_parallel(model, resolved, mesh["tp"])
     if mesh["cp"].size() > 1:
@@ -177,6 +178,21 @@ def parallelize(
     offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
     return apply_fsdp(model, resolved.fsdp_units, fsdp_mesh(mesh), mp_policy=mp, offload_policy=offload,
                       reshard_after_forward=plan.fsdp_reshard_after_forward)
+
+
+MESH_AXES = ("dp", "cp", "tp")
+
+
+def _require_plancc_axes(mesh: DeviceMesh) -> None:
+    """A mesh from elsewhere (torchtitan's dp_shard/tp, a 1-D mesh) fails deep inside torch
+    with a slicing error; say what is needed instead."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if set(MESH_AXES) <= set(names):
+        return
+    got = f"axes {names} of sizes {tuple(mesh.shape)}" if names else f"an unnamed mesh of shape {tuple(mesh.shape)}"
+    raise ValueError(
+        f"plancc.parallelize needs a device mesh with axes named {MESH_AXES} (size 1 where unused); got {got}. "
+        "Build it with plancc.build_mesh(dp=..., cp=..., tp=...)")
 
 
 def materialize(model: nn.Module, device: torch.device | str, *, full_state_dict: dict | None = None) -> nn.Module:

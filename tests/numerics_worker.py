@@ -141,3 +141,33 @@ def meta_built_models_match(cases, folder):
     finally:
         dist.destroy_process_group()
     return out
+
+
+def parallelize_with_foreign_meshes():
+    """parallelize() given meshes not built by plancc.build_mesh -> the error text of each."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import plancc
+    from plancc.models import build_model, load_config
+
+    init_gloo()
+    try:
+        errors = []
+        for shape, names in [((1,), None), ((1,), ("tp",)), ((1, 1), ("dp_shard", "tp"))]:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            try:
+                plancc.parallelize(build_model(load_config("tiny-qwen3"), device="meta"),
+                                   plancc.load_plan(plancc_plans() / "qwen3.yaml"), mesh)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        return errors
+    finally:
+        dist.destroy_process_group()
+
+
+def plancc_plans():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent.parent / "plans"
