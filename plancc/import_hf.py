@@ -14,7 +14,7 @@ import yaml
 
 from .errors import Diagnostic, PlanError, SourceLoc
 from .models import architecture_of, build_meta_model, load_config
-from .styles import ALIASES, STYLES
+from .styles import ALIASES, HF_UNSUPPORTED, STYLES
 
 # HF style name -> plancc style (same layouts; see `plancc styles`)
 HF_STYLES = {
@@ -55,7 +55,8 @@ def import_hf(model_spec: str) -> str:
     unknown = sorted({s for s in hf_plan.values() if s not in HF_STYLES})
     if unknown:
         raise PlanError([Diagnostic(rule="import-hf", loc=SourceLoc(path=model_spec),
-                                    message=f"HF styles with no plancc equivalent: {', '.join(unknown)}",
+                                    message="HF styles with no plancc equivalent: " + "; ".join(
+                                        f"{u} ({HF_UNSUPPORTED[u]})" if u in HF_UNSUPPORTED else u for u in unknown),
                                     fix="write those rules by hand with `plancc styles`")])
     tensor_parallel = {glob: HF_STYLES[style] for glob, style in hf_plan.items()}
     assert all(s in STYLES or s in ALIASES for s in tensor_parallel.values())

@@ -17,7 +17,7 @@ from jsonschema import Draft202012Validator
 
 from .errors import Diagnostic, did_you_mean, closest
 from .source import JsonPath, SourceDoc
-from .styles import STYLE_NAMES
+from .styles import HF_UNSUPPORTED, STYLE_NAMES
 
 SUPPORTED_VERSIONS = (1,)
 
@@ -202,6 +202,13 @@ def _checkpoint_target_diagnostics(error: jsonschema.ValidationError, doc: Sourc
 
 
 def _unknown_style(name: str, doc: SourceDoc, at: JsonPath) -> Diagnostic:
+    if name in HF_UNSUPPORTED:
+        return Diagnostic(
+            rule="unsupported-style",
+            loc=doc.loc(at),
+            message=f"{name!r} is a transformers tp_plan style that plancc does not support: {HF_UNSUPPORTED[name]}",
+            fix="leave the module out of the plan (its weight stays whole), or see `plancc styles`",
+        )
     near = closest(name, STYLE_NAMES)
     return Diagnostic(
         rule="unknown-style",

@@ -308,6 +308,21 @@ _SPECS: tuple[StyleSpec, ...] = (
 
 STYLES: dict[str, StyleSpec] = {spec.name: spec for spec in _SPECS}
 ALIASES: dict[str, str] = {alias: spec.name for spec in _SPECS for alias in spec.aliases}
+
+# transformers' tp_plan names that plancc does not take, and why: a user pasting an HF plan
+# must not be steered to the nearest-looking name when that name would shard differently.
+HF_UNSUPPORTED: dict[str, str] = {
+    "packed_colwise": "fused projections (e.g. gate_up_proj) need each half sharded on its own; "
+                      "plain 'colwise' would give one rank all of gate and the other all of up",
+    "packed_rowwise": "fused projections need each half sharded on its own; plain 'rowwise' would not",
+    "embedding_colwise": "an embedding sharded on its hidden dim is not in plancc's vocabulary; "
+                         "'embedding_rowwise' (vocab-parallel) is",
+    "all_reduce": "a bare all-reduce of a module's output is not a plancc style",
+    "mla_kv_a_proj": "multi-head latent attention projections are not supported yet",
+    "moe_tp_experts": "mixture-of-experts layers are not supported yet",
+    "moe_identity_expert": "mixture-of-experts layers are not supported yet",
+    "local_params": "locally-sharded parameters without DTensor are not a plancc style",
+}
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)
 OVERRIDE_KEYS: tuple[str, ...] = (
     "input_layouts",
