@@ -113,3 +113,15 @@ def test_plancc_styles_lists_every_style_with_placements(cli):
     for name in STYLES:
         assert name in out
     assert "shard(-1)" in out and "linear:shard(0)" in out
+
+
+def test_every_transformers_tp_plan_style_is_taken_or_refused_with_a_reason():
+    """A new style in the pinned transformers fails here until it is mapped or explained."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    from plancc.styles import HF_UNSUPPORTED, STYLE_NAMES
+
+    hf_names = set(ALL_PARALLEL_STYLES.valid_keys())
+    assert hf_names, "transformers registered no TP styles"
+    assert hf_names - set(STYLE_NAMES) - set(HF_UNSUPPORTED) == set()
+    assert not set(HF_UNSUPPORTED) & set(STYLE_NAMES)
