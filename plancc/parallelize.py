@@ -65,18 +65,20 @@ def call_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> d
 
 
 class GlobalSequenceInputs:
-    """Forward pre-hook for sequence parallelism on a Hugging Face causal LM.
+    """Forward pre-hook for sequence parallelism on a Hugging Face decoder (``model.model``).
 
     Under SP the embedding hands the decoder a sequence shard, and transformers derives
     position ids and the causal mask from ``inputs_embeds.shape[1]``, i.e. from the shard.
-    This hook computes both from the full ``input_ids`` before the model runs: global
+    This hook computes both from the full ``input_ids`` before the decoder runs: global
     ``position_ids`` (unless given) and the prepared masks, which transformers uses as-is.
+    It sits on the decoder, not the causal LM, so that calling the decoder directly (a value
+    head on hidden states, a reward model) gets global positions too.
     """
 
-    def __init__(self, model: nn.Module):
-        self.signature = inspect.signature(model.forward)
-        self.base = getattr(model, "model", model)
-        config = model.config
+    def __init__(self, base: nn.Module):
+        self.signature = inspect.signature(base.forward)
+        self.base = base
+        config = base.config
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or ())
 
@@ -111,7 +113,8 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, tp_mesh: Dev
     parallelize_module(model, tp_mesh, lower(resolved))
     _retie(model, groups)
     if resolved.sequence_parallel:
-        model.register_forward_pre_hook(GlobalSequenceInputs(model), with_kwargs=True)
+        decoder = getattr(model, "model", model)
+        decoder.register_forward_pre_hook(GlobalSequenceInputs(decoder), with_kwargs=True)
     return model
 
 

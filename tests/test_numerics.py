@@ -13,7 +13,13 @@ import pytest
 
 from .conftest import PLANS
 from .distributed import launch
-from .numerics_worker import cpu_offload_matches, meta_built_models_match, reshard_after_forward_cases, verify_cases
+from .numerics_worker import (
+    cpu_offload_matches,
+    decoder_called_directly,
+    meta_built_models_match,
+    reshard_after_forward_cases,
+    verify_cases,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -138,3 +144,17 @@ def test_models_built_wholly_on_meta_get_their_buffers_back(tmp_path):
         for preset, r in by_preset.items():
             assert any("inv_freq" in n for n in r["meta_buffers"]), (preset, r)  # the case is real
             assert r["logits_abs"] <= 1e-5 and r["logits_abs_hf_folder"] <= 1e-5, (rank, preset, r)
+
+
+def test_sp_decoder_called_directly_sees_global_positions(tmp_path):
+    """A value head reads ``model.model(...)``'s hidden states; under SP they are sequence
+    shards, and each shard must have been computed with its global positions and mask. (The
+    decoder is an FSDP unit here: called directly, it must gather its own parameters.)"""
+    for plan, preset in [("qwen3.yaml", "tiny-qwen3"), ("gemma3.yaml", "tiny-gemma3")]:
+        decoder_unit = tmp_path / plan
+        decoder_unit.write_text((PLANS / plan).read_text().replace(
+            "units: [model.layers.*]", "units: [model.layers.*, model]"))
+        results = launch(decoder_called_directly, 2, str(decoder_unit), preset)
+        for rank, r in results.items():
+            assert r["shard_len"] == 8, r  # really sharded: 16 tokens over tp=2
+            assert r["max_abs"] <= LOGITS_REL * r["scale"], (preset, rank, r)
