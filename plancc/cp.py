@@ -233,7 +233,7 @@ def register_attention() -> str:
 
 
 class ShardSequenceInputs:
-    """Forward pre-hook on the causal LM: full-length inputs in, this rank's shard to the model.
+    """Forward pre-hook on the decoder: full-length inputs in, this rank's shard to the model.
 
     ``input_ids`` [B, S] (S a multiple of 2*cp, per document when packed) are replaced by
     the load-balanced shard; global ``position_ids`` (restarting per document) go with them,
@@ -296,8 +296,10 @@ def enable_context_parallel(model: torch.nn.Module, cp_mesh) -> CPContext:
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
             module._plancc_cp = ctx
-    model.register_forward_pre_hook(ShardSequenceInputs(model, ctx), with_kwargs=True, prepend=True)
-    model._plancc_cp = ctx
+    # on the decoder, like the SP hook: model.model(...) called directly is sharded too
+    decoder = getattr(model, "model", model)
+    decoder.register_forward_pre_hook(ShardSequenceInputs(decoder, ctx), with_kwargs=True, prepend=True)
+    model._plancc_cp = decoder._plancc_cp = ctx
     return ctx
 
 

@@ -321,6 +321,8 @@ HF_UNSUPPORTED: dict[str, str] = {
     "mla_kv_a_proj": "multi-head latent attention projections are not supported yet",
     "moe_tp_experts": "mixture-of-experts layers are not supported yet",
     "moe_identity_expert": "mixture-of-experts layers are not supported yet",
+    "grouped_gemm": "mixture-of-experts layers are not supported yet",
+    "ep_dispatch_experts": "expert parallelism is not supported yet",
     "local_params": "locally-sharded parameters without DTensor are not a plancc style",
 }
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)

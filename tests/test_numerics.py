@@ -146,15 +146,16 @@ def test_models_built_wholly_on_meta_get_their_buffers_back(tmp_path):
             assert r["logits_abs"] <= 1e-5 and r["logits_abs_hf_folder"] <= 1e-5, (rank, preset, r)
 
 
-def test_sp_decoder_called_directly_sees_global_positions(tmp_path):
-    """A value head reads ``model.model(...)``'s hidden states; under SP they are sequence
-    shards, and each shard must have been computed with its global positions and mask. (The
-    decoder is an FSDP unit here: called directly, it must gather its own parameters.)"""
+@pytest.mark.parametrize("cp", [1, 2], ids=["tp2-sp", "cp2"])
+def test_decoder_called_directly_sees_global_positions(tmp_path, cp):
+    """A value head reads ``model.model(...)``'s hidden states; under SP or CP they are
+    sequence shards, and each shard must have been computed with its global positions and
+    mask. (The decoder is an FSDP unit here: called directly, it gathers its own parameters.)"""
     for plan, preset in [("qwen3.yaml", "tiny-qwen3"), ("gemma3.yaml", "tiny-gemma3")]:
         decoder_unit = tmp_path / plan
         decoder_unit.write_text((PLANS / plan).read_text().replace(
             "units: [model.layers.*]", "units: [model.layers.*, model]"))
-        results = launch(decoder_called_directly, 2, str(decoder_unit), preset)
+        results = launch(decoder_called_directly, 2, str(decoder_unit), preset, cp)
         for rank, r in results.items():
             assert r["shard_len"] == 8, r  # really sharded: 16 tokens over tp=2
             assert r["max_abs"] <= LOGITS_REL * r["scale"], (preset, rank, r)

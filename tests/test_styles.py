@@ -117,7 +117,16 @@ def test_plancc_styles_lists_every_style_with_placements(cli):
 
 def test_every_transformers_tp_plan_style_is_taken_or_refused_with_a_reason():
     """A new style in the pinned transformers fails here until it is mapped or explained."""
+    import importlib
+    import pkgutil
+
+    import transformers.distributed
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    # modules register styles when imported (expert_parallel adds the MoE ones): import them
+    # all, so the registry does not depend on what other tests imported first
+    for mod in pkgutil.iter_modules(transformers.distributed.__path__):
+        importlib.import_module(f"transformers.distributed.{mod.name}")
 
     from plancc.styles import HF_UNSUPPORTED, STYLE_NAMES
 
