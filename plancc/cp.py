@@ -304,7 +304,7 @@ def enable_context_parallel(model: torch.nn.Module, cp_mesh) -> CPContext:
 
 
 # --------------------------------------------------------------------------- log-probs under cp
-def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids=None, temperature=1.0,
+def cp_token_logprobs(model, input_ids, *, cp=None, attention_mask=None, position_ids=None, temperature=1.0,
                       cu_seqlens=None, chunk_size=None) -> torch.Tensor:
     """``plancc.logprobs.token_logprobs`` for a model parallelized with cp > 1.
 
@@ -315,7 +315,6 @@ def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids
     from .logprobs import _local_logits, packed_position_ids, predicted, vocab_parallel_logprobs
 
     ctx: CPContext = model._plancc_cp
-    cp_mesh = cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp
     if cu_seqlens is not None:
         position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
     batch, seq = input_ids.shape
@@ -331,7 +330,7 @@ def cp_token_logprobs(model, input_ids, *, cp, attention_mask=None, position_ids
         index = load_balanced_indices(seq, ctx.size, ctx.rank)
     local_targets = targets.index_select(1, index.to(targets.device))
     lp_local = vocab_parallel_logprobs(local, local_targets, group=group, vocab_start=start, chunk_size=chunk_size)
-    lp = all_gather(lp_local, cp_mesh.get_group(), dim=1, cu_seqlens=cu_seqlens)
+    lp = all_gather(lp_local, ctx.group, dim=1, cu_seqlens=cu_seqlens)
     result = torch.zeros((batch, seq), dtype=torch.float32, device=lp.device)
     result[:, 1:] = lp[:, :-1]
     if attention_mask is not None:

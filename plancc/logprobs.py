@@ -174,6 +174,10 @@ def predicted(attention_mask: torch.Tensor) -> torch.Tensor:
     return keep.to(torch.float32)
 
 
+def _cp_size(cp) -> int:
+    return (cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp).size()
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -191,11 +195,17 @@ def token_logprobs(
     Position 0 (and the first token of every packed document) is 0; padded positions
     (``attention_mask == 0``, left or right padding) are 0, and so is the first real token
     after left padding (nothing in the sequence predicts it). Works for an unsharded model and for one
-    parallelized by ``plancc.parallelize`` (TP, SP); for CP pass ``cp`` (see ``plancc.cp``).
+    parallelized by ``plancc.parallelize`` (TP, SP, CP: a CP model is recognized; ``cp`` may
+    name its mesh explicitly).
     Packed sequences: ``input_ids`` is one row ``[1, T]`` and ``cu_seqlens`` the document
     boundaries ``[0, l0, l0+l1, ..., T]``; attention never crosses a boundary.
     """
-    if cp is not None:
+    if getattr(model, "_plancc_cp", None) is None and cp is not None and _cp_size(cp) > 1:
+        raise ValueError(f"cp={_cp_size(cp)} was given but the model was not parallelized with it "
+                         "(plancc.parallelize with a mesh whose cp axis is > 1)")
+    if getattr(model, "_plancc_cp", None) is not None:
+        # a model parallelized with cp > 1 hands back logits of its sequence shard only:
+        # the cp path is the only right one, whether or not the caller passed ``cp``
         from .cp import cp_token_logprobs
 
         return cp_token_logprobs(model, input_ids, cp=cp, attention_mask=attention_mask, position_ids=position_ids,

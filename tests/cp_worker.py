@@ -90,10 +90,18 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
             left = mask.flip(1)  # row 1 left-padded
             pads = int((left[1] == 0).sum())
             got_left = token_logprobs(model, ids, attention_mask=left, mesh=mesh, cp=mesh)
+            got_auto = token_logprobs(model, ids, attention_mask=mask, mesh=mesh)  # cp not named: recognized
+            try:  # the unsharded reference is no cp model: naming cp for it is a mistake
+                token_logprobs(reference, ids, cp=mesh)
+                misuse = None
+            except ValueError as exc:
+                misuse = str(exc)
             alone = token_logprobs(reference, ids[1:, pads:])
         return {"padding": (got_pad - want_pad).abs().max().item(),
                 "packed": (got_packed - want_packed).abs().max().item(),
                 "left_padding_vs_alone": (got_left[1:, pads:] - alone).abs().max().item(),
-                "left_pad_and_first_zero": bool((got_left[1, :pads + 1] == 0).all())}
+                "left_pad_and_first_zero": bool((got_left[1, :pads + 1] == 0).all()),
+                "cp_recognized": bool(torch.equal(got_auto, got_pad)),
+                "misuse": misuse}
     finally:
         dist.destroy_process_group()

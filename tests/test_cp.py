@@ -143,6 +143,8 @@ def test_cp_token_logprobs_match_unsharded_with_padding_and_packing(cp, tp, sp):
     for rank, r in results.items():
         assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)
         assert r["left_padding_vs_alone"] <= 1e-5 and r["left_pad_and_first_zero"], (rank, r)
+        assert r["cp_recognized"], (rank, r)
+        assert r["misuse"] and "was not parallelized with it" in r["misuse"], (rank, r)
 
 
 @pytest.mark.slow
