@@ -304,15 +304,15 @@ def enable_context_parallel(model: torch.nn.Module, cp_mesh) -> CPContext:
 
 
 # --------------------------------------------------------------------------- log-probs under cp
-def cp_token_logprobs(model, input_ids, *, cp=None, attention_mask=None, position_ids=None, temperature=1.0,
-                      cu_seqlens=None, chunk_size=None) -> torch.Tensor:
+def cp_token_logprobs(model, input_ids, *, cp=None, mesh=None, attention_mask=None, position_ids=None,
+                      temperature=1.0, cu_seqlens=None, chunk_size=None) -> torch.Tensor:
     """``plancc.logprobs.token_logprobs`` for a model parallelized with cp > 1.
 
     ``cp`` is the mesh (or its cp sub-mesh). Every cp rank passes the same full-length batch;
     each computes its shard's log-probs (targets shifted globally, then sharded), and the
     shards are gathered back in order: the result is the full ``[B, S]`` on every rank.
     """
-    from .logprobs import _local_logits, packed_position_ids, predicted, vocab_parallel_logprobs
+    from .logprobs import packed_position_ids, predicted, vocab_layout, vocab_parallel_logprobs
 
     ctx: CPContext = model._plancc_cp
     if cu_seqlens is not None:
@@ -321,7 +321,7 @@ def cp_token_logprobs(model, input_ids, *, cp=None, attention_mask=None, positio
     targets = torch.roll(input_ids, shifts=-1, dims=1)  # token i predicts token i+1 (global shift)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                 **({"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}))
-    local, group, start = _local_logits(out.logits, None)
+    local, group, start = vocab_layout(out.logits, model, mesh)
     if temperature != 1.0:
         local = local / temperature
     if cu_seqlens is not None:

@@ -155,6 +155,31 @@ def _local_logits(logits: torch.Tensor, mesh) -> tuple[torch.Tensor, dist.Proces
     return logits, None, 0
 
 
+def vocab_layout(logits: torch.Tensor, model: torch.nn.Module, mesh) -> tuple[torch.Tensor, dist.ProcessGroup | None,
+                                                                             int | None]:
+    """(local logits, tp group or None, vocab_start) for a model's output logits.
+
+    DTensor logits say how they are laid out. Plain logits are either the whole vocabulary
+    (lm_head kept whole or gathered, e.g. HF's ``colwise_rep``) or this rank's vocab shard
+    (``colwise`` with a local output): the width against the config's vocab size decides.
+    Treating whole logits as a shard would all-reduce tp copies and shift every log-prob
+    by log(tp).
+    """
+    local, group, start = _local_logits(logits, mesh)
+    if isinstance(logits, DTensor):
+        return local, group, start
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None or local.shape[-1] >= vocab:
+        return local, None, 0
+    if mesh is None:
+        raise ValueError(f"the logits hold {local.shape[-1]} of {vocab} vocabulary entries (a tp shard): "
+                         "pass mesh= so the shards can be combined")
+    group = mesh["tp"].get_group() if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
+    return local, group, None
+
+
 def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position ids that restart at every document of a packed row: [1, total]."""
     bounds = cu_seqlens[1:-1].long()
@@ -208,7 +233,8 @@ def token_logprobs(
         # the cp path is the only right one, whether or not the caller passed ``cp``
         from .cp import cp_token_logprobs
 
-        return cp_token_logprobs(model, input_ids, cp=cp, attention_mask=attention_mask, position_ids=position_ids,
+        return cp_token_logprobs(model, input_ids, cp=cp, mesh=mesh, attention_mask=attention_mask,
+                                 position_ids=position_ids,
                                  temperature=temperature, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if cu_seqlens is not None:
         if input_ids.shape[0] != 1:
@@ -216,10 +242,7 @@ def token_logprobs(
         position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
     # use_cache=False: transformers only detects packed documents when there is no KV cache
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    local, group, start = _local_logits(out.logits, mesh)
-    if group is None and mesh is not None and not isinstance(out.logits, DTensor):
-        group = mesh["tp"].get_group() if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
-        start = None
+    local, group, start = vocab_layout(out.logits, model, mesh)
     shifted = local[:, :-1]
     if temperature != 1.0:
         shifted = shifted / temperature

@@ -57,6 +57,14 @@ def test_missing_o_proj_is_a_pairing_error(write_plan):
     assert "'model.layers.*.self_attn.o_proj: rowwise'" in diags[0].fix
 
 
+def test_lm_head_with_plain_sharded_logits_is_a_pairing_error(write_plan):
+    text = QWEN3.read_text().replace("  lm_head: colwise_logits\n", "  lm_head: colwise\n")
+    diags = [d for d in check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2)
+             if d.rule == "layout-pairing"]
+    assert len(diags) == 1 and diags[0].line == text.splitlines().index("  lm_head: colwise") + 1
+    assert "one rank's slice of the vocabulary" in diags[0].message and "colwise_logits" in diags[0].fix
+
+
 def test_sp_overlay_without_gathering_attention_is_a_pairing_error(write_plan):
     """Like the reference SP plan: q/k/v read the sequence shard as if it were whole."""
     text = QWEN3.read_text().replace("  model.layers.*.self_attn: gather_seq_input\n", "")

@@ -166,3 +166,17 @@ def test_cp_training_matches_unsharded_for_every_plan():
     for rank, reports in results.items():
         for i, case in enumerate(four):
             assert_matches(reports[i], f"rank {rank} {case}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp_token_logprobs_with_plain_vocab_shard_logits(tmp_path):
+    """lm_head `colwise` hands back plain local vocab shards: under cp x tp they are combined
+    over tp (the mesh goes along), not read as the whole vocabulary."""
+    from .cp_worker import compare_cp_token_logprobs
+
+    plan = tmp_path / "qwen3-lm-head.yaml"
+    plan.write_text((PLANS / "qwen3.yaml").read_text().replace("  lm_head: colwise_logits\n", "  lm_head: colwise\n"))
+    results = launch(compare_cp_token_logprobs, 4, str(plan), "tiny-qwen3", 2, 2, False)
+    for rank, r in results.items():
+        assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)

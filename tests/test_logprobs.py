@@ -96,3 +96,17 @@ def test_token_logprobs_tp2_matches_unsharded_with_padding_and_packing(sp):
         assert r["packed_vs_separate"] <= 1e-5, r  # packing really isolates documents
         assert r["pad_zero"] and r["first_zero"], r
         assert r["left_padding_vs_alone"] <= 1e-5 and r["left_pad_and_first_zero"], r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lm_head", ["colwise_rep", "colwise"], ids=["whole-logits", "plain-vocab-shard"])
+def test_token_logprobs_reads_plain_logits_right_whatever_the_lm_head_style(tmp_path, lm_head):
+    """Plain (non-DTensor) logits are the whole vocabulary (HF's colwise_rep, as `plancc
+    import-hf` writes) or a local vocab shard (colwise): treating the first as shards summed
+    tp copies and shifted every log-prob by log(tp) = 0.693."""
+    plan = tmp_path / "qwen3-lm-head.yaml"
+    plan.write_text((PLANS / "qwen3.yaml").read_text().replace("  lm_head: colwise_logits\n", f"  lm_head: {lm_head}\n"))
+    results = launch(compare_token_logprobs, 2, str(plan), "tiny-qwen3", 2, False)
+    for rank, r in results.items():
+        assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)

@@ -76,6 +76,16 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
                  and ctx.rule_for(n) is None]
         if not once(rule, "producer"):
             continue
+        if not parent:  # a top-level module (lm_head): its output is the model's output
+            yield Diagnostic(
+                rule=ID,
+                loc=rule.loc,
+                message=f"{name} hands the model's output back as plain tensors sharded on features "
+                "(shard(-1)): the loss would read one rank's slice of the vocabulary as if it were all of it",
+                fix=f"make {name} colwise_logits (vocab-parallel logits that plancc's loss and log-probs "
+                "combine), or colwise_rep to gather them",
+            )
+            continue
         yield Diagnostic(
             rule=ID,
             loc=rule.loc,
