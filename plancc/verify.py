@@ -77,28 +77,33 @@ def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: 
 
 
 def sharded_loss(model, ids: torch.Tensor, mask: torch.Tensor, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate, this rank's logits) for one dp slice, cp-aware.
+    """(loss to backpropagate, the model's logits as it returned them) for one dp slice.
 
-    Without cp it is the masked next-token mean. With cp each rank holds a load-balanced
+    The loss is the masked next-token mean, computed from vocab-parallel logits where the
+    plan leaves them sharded (``plancc.logprobs``): the full ``[B, S, V]`` logits are never
+    gathered, as ``F.cross_entropy`` would need. With cp each rank holds a load-balanced
     shard of the positions: targets are shifted on the whole sequence, then sharded, and the
     rank's sum is scaled by cp / (valid targets of the slice); FSDP's average over the dp_cp
     ranks then yields exactly the gradient of the slice's mean loss.
     """
-    logits = full(model(input_ids=ids, attention_mask=mask, use_cache=False).logits)
-    cp = mesh["cp"].size()
-    if cp == 1:
-        return masked_next_token_loss(logits, ids, mask), logits
-    from .cp import load_balanced_indices
+    from .logprobs import vocab_layout, vocab_parallel_logprobs
 
-    index = load_balanced_indices(ids.shape[1], cp, mesh["cp"].get_local_rank()).to(ids.device)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    local, group, start = vocab_layout(logits, model, mesh)
+    cp = mesh["cp"].size()
     targets = torch.roll(ids, -1, dims=1)
     valid = mask.clone()
-    valid[:, :-1] = mask[:, 1:]
+    valid[:, :-1] = mask[:, 1:]  # a position counts when the token it predicts is real
     valid[:, -1] = 0  # the last position predicts nothing
-    local_t = targets.index_select(1, index)
-    local_valid = valid.index_select(1, index).bool()
-    per_token = F.cross_entropy(logits.flatten(0, 1).float(), local_t.flatten(), reduction="none")
-    total = per_token[local_valid.flatten()].sum()
+    if cp > 1:
+        from .cp import load_balanced_indices
+
+        index = load_balanced_indices(ids.shape[1], cp, mesh["cp"].get_local_rank()).to(ids.device)
+        targets, local_valid = targets.index_select(1, index), valid.index_select(1, index)
+    else:
+        local_valid = valid
+    logprobs = vocab_parallel_logprobs(local, targets, group=group, vocab_start=start)
+    total = -(logprobs * local_valid.to(logprobs.dtype)).sum()
     return total * cp / valid.sum().clamp(min=1), logits
 
 
@@ -205,8 +210,9 @@ def verify_against_unsharded(
                                               mask[r * per:(r + 1) * per]) for r in range(dp)) / dp
         dp_loss = reported_loss(loss, mesh)
         if step == 0:
+            logits = full(logits.detach())
             report.logits_max_abs = (logits - ref_logits[mine]).abs().max().item()
-            report.logits_max_rel = _rel(logits.detach(), ref_logits[mine].detach())
+            report.logits_max_rel = _rel(logits, ref_logits[mine].detach())
             report.loss_abs = abs(dp_loss - ref_loss.item())
         else:
             report.step_loss_abs.append(abs(dp_loss - ref_loss.item()))
