@@ -173,9 +173,10 @@ def plancc_plans():
     return Path(__file__).resolve().parent.parent / "plans"
 
 
-def decoder_called_directly(plan_path, preset, cp=1):
-    """Under tp=2 + SP (or cp=2), call the decoder (``model.model``) directly, as a value or
-    reward head on hidden states does: its sequence shards, gathered, vs the unsharded decoder."""
+def decoder_called_directly(cases, cp=1):
+    """cases: [(plan_path, preset)]. Under tp=2 + SP (or cp=2), call the decoder
+    (``model.model``) directly, as a value or reward head on hidden states does: its
+    sequence shards, gathered, vs the unsharded decoder, per preset."""
     import torch
     import torch.distributed as dist
 
@@ -183,20 +184,24 @@ def decoder_called_directly(plan_path, preset, cp=1):
     from plancc.verify import build_pair
 
     init_gloo()
+    out = {}
     try:
         mesh = plancc.build_mesh(cp=cp, tp=2 // cp, device_type="cpu")
-        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=cp == 1)
-        ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            shard = model.model(input_ids=ids).last_hidden_state  # this rank's sequence shard
-            if cp > 1:  # load-balanced layout
-                gathered = plancc.cp.all_gather(shard.contiguous(), mesh["cp"].get_group(), dim=1)
-            else:  # SP: contiguous chunks over tp
-                parts = [torch.empty_like(shard) for _ in range(2)]
-                dist.all_gather(parts, shard.contiguous(), group=mesh["tp"].get_group())
-                gathered = torch.cat(parts, 1)
-            want = reference.model(input_ids=ids).last_hidden_state
-        return {"shard_len": shard.shape[1], "max_abs": (gathered - want).abs().max().item(),
-                "scale": want.abs().max().item()}
+        for plan_path, preset in cases:
+            model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh,
+                                                  sequence_parallel=cp == 1)
+            ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                shard = model.model(input_ids=ids).last_hidden_state  # this rank's sequence shard
+                if cp > 1:  # load-balanced layout
+                    gathered = plancc.cp.all_gather(shard.contiguous(), mesh["cp"].get_group(), dim=1)
+                else:  # SP: contiguous chunks over tp
+                    parts = [torch.empty_like(shard) for _ in range(2)]
+                    dist.all_gather(parts, shard.contiguous(), group=mesh["tp"].get_group())
+                    gathered = torch.cat(parts, 1)
+                want = reference.model(input_ids=ids).last_hidden_state
+            out[preset] = {"shard_len": shard.shape[1], "max_abs": (gathered - want).abs().max().item(),
+                           "scale": want.abs().max().item()}
     finally:
         dist.destroy_process_group()
+    return out

@@ -151,11 +151,15 @@ def test_decoder_called_directly_sees_global_positions(tmp_path, cp):
     """A value head reads ``model.model(...)``'s hidden states; under SP or CP they are
     sequence shards, and each shard must have been computed with its global positions and
     mask. (The decoder is an FSDP unit here: called directly, it gathers its own parameters.)"""
+    cases = []
     for plan, preset in [("qwen3.yaml", "tiny-qwen3"), ("gemma3.yaml", "tiny-gemma3")]:
         decoder_unit = tmp_path / plan
         decoder_unit.write_text((PLANS / plan).read_text().replace(
             "units: [model.layers.*]", "units: [model.layers.*, model]"))
-        results = launch(decoder_called_directly, 2, str(decoder_unit), preset, cp)
-        for rank, r in results.items():
-            assert r["shard_len"] == 8, r  # really sharded: 16 tokens over tp=2
+        cases.append((str(decoder_unit), preset))
+    results = launch(decoder_called_directly, 2, cases, cp)
+    for rank, by_preset in results.items():
+        assert set(by_preset) == {"tiny-qwen3", "tiny-gemma3"}
+        for preset, r in by_preset.items():
+            assert r["shard_len"] == 8, r  # really sharded: 16 tokens over 2 ranks
             assert r["max_abs"] <= LOGITS_REL * r["scale"], (preset, rank, r)
