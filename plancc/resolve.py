@@ -98,37 +98,47 @@ class ResolvedPlan:
     checkpoint_saves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def _resolve_targets(targets: TargetList, names: list[str], what: str, problems: list[Diagnostic]) -> tuple[str, ...]:
-    found: list[str] = []
+def _target_hits(targets: TargetList, names: list[str], what: str,
+                 problems: list[Diagnostic]) -> list[tuple[str, ...]]:
+    """The module names each pattern of ``targets`` matches (invalid or unmatched patterns
+    are reported and match nothing)."""
+    hits: list[tuple[str, ...]] = []
     for pattern, loc in zip(targets.patterns, targets.locs):
         if (why := glob_problem(pattern)) is not None:
             problems.append(_invalid_glob(pattern, why, loc))
+            hits.append(())
             continue
-        hits = [n for n in names if glob_matches(pattern, n)]
-        if not hits:
+        found = tuple(n for n in names if glob_matches(pattern, n))
+        if not found:
             problems.append(no_match(pattern, loc, names, what))
-        found.extend(h for h in hits if h not in found)
-    return tuple(found)
+        hits.append(found)
+    return hits
 
 
-def _checkpoint_saves(targets: TargetList, names: list[str], problems: list[Diagnostic]) -> dict[str, tuple[str, ...]]:
-    """Which operator outputs each checkpointed module keeps; two entries that match one
-    module with different ``save`` lists are an error (which one would win is a guess)."""
-    chosen: dict[str, tuple[str, tuple[str, ...], SourceLoc]] = {}
-    for pattern, loc, save in zip(targets.patterns, targets.locs, targets.saves or ((),) * len(targets.patterns)):
-        if glob_problem(pattern) is not None:
-            continue  # reported by _resolve_targets
-        for name in (n for n in names if glob_matches(pattern, n)):
-            if name in chosen and chosen[name][1] != save:
-                first_pattern, first_save, first_loc = chosen[name]
+def _resolve_targets(targets: TargetList, names: list[str], what: str, problems: list[Diagnostic]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(n for found in _target_hits(targets, names, what, problems) for n in found))
+
+
+def _resolve_checkpointing(targets: TargetList, names: list[str],
+                           problems: list[Diagnostic]) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """(checkpointed modules, module -> operator groups whose outputs it keeps). Two entries
+    that match one module with different ``save`` lists are an error (which one would win is
+    a guess)."""
+    hits = _target_hits(targets, names, "activation_checkpointing target", problems)
+    saves = targets.saves or ((),) * len(targets.patterns)
+    chosen: dict[str, int] = {}  # module -> index of the first entry that matched it
+    for i, found in enumerate(hits):
+        for name in found:
+            first = chosen.setdefault(name, i)
+            if saves[first] != saves[i]:
                 problems.append(Diagnostic(
-                    rule="rule-conflict", loc=loc,
-                    message=f"{name} is checkpointed by {pattern!r} saving {_saves(save)} and by {first_pattern!r} "
-                            f"(line {first_loc.line}) saving {_saves(first_save)}",
+                    rule="rule-conflict", loc=targets.locs[i],
+                    message=f"{name} is checkpointed by {targets.patterns[i]!r} saving {_saves(saves[i])} and by "
+                            f"{targets.patterns[first]!r} (line {targets.locs[first].line}) saving "
+                            f"{_saves(saves[first])}",
                     fix="narrow one of the globs so each module is checkpointed one way"))
                 break
-            chosen.setdefault(name, (pattern, save, loc))
-    return {name: save for name, (_, save, _) in chosen.items() if save}
+    return tuple(chosen), {name: saves[i] for name, i in chosen.items() if saves[i]}
 
 
 def _saves(save: tuple[str, ...]) -> str:
@@ -205,8 +215,7 @@ def resolve_plan(plan: Plan, model: nn.Module, *, sequence_parallel: bool = Fals
             resolved.append(ResolvedRule(rule=rule, modules=hits))
         assignments.update(claimed)  # a later section (the SP overlay) wins
     fsdp_units = inner_first(_resolve_targets(plan.fsdp_units, names, "fsdp unit", problems))
-    ac = _resolve_targets(plan.activation_checkpointing, names, "activation_checkpointing target", problems)
-    saves = _checkpoint_saves(plan.activation_checkpointing, names, problems)
+    ac, saves = _resolve_checkpointing(plan.activation_checkpointing, names, problems)
     raise_if_errors(problems)
     ordered = {n: assignments[n] for n in names if n in assignments}
     return ResolvedPlan(

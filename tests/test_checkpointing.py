@@ -72,3 +72,14 @@ def test_bad_checkpoint_items_are_reported_where_written(write_plan, item, rule,
     with pytest.raises(plancc.PlanError) as info:
         plancc.load_plan(write_plan(HEAD + f"activation_checkpointing:\n  - {item}\n"))
     assert (rule, 6, column) in [(d.rule, d.line, d.column) for d in info.value.diagnostics]
+
+
+def test_one_module_checkpointed_two_ways_is_a_conflict_at_the_later_entry(write_plan):
+    from plancc.models import build_meta_model
+
+    plan = plancc.load_plan(write_plan(HEAD + "activation_checkpointing:\n  - model.layers.*.mlp\n"
+                                              "  - {module: model.layers.1.mlp, save: [matmul]}\n"))
+    with pytest.raises(plancc.PlanError) as info:
+        resolve_plan(plan, build_meta_model("tiny-qwen3"))
+    [diag] = info.value.diagnostics
+    assert (diag.rule, diag.line) == ("rule-conflict", 7) and "(line 6) saving nothing" in diag.message
