@@ -312,12 +312,12 @@ def cp_token_logprobs(model, input_ids, *, cp=None, mesh=None, attention_mask=No
     each computes its shard's log-probs (targets shifted globally, then sharded), and the
     shards are gathered back in order: the result is the full ``[B, S]`` on every rank.
     """
-    from .logprobs import packed_position_ids, predicted, vocab_layout, vocab_parallel_logprobs
+    from .logprobs import packed_position_ids, per_position, vocab_layout, vocab_parallel_logprobs
 
     ctx: CPContext = model._plancc_cp
     if cu_seqlens is not None:
         position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
-    batch, seq = input_ids.shape
+    seq = input_ids.shape[1]
     targets = torch.roll(input_ids, shifts=-1, dims=1)  # token i predicts token i+1 (global shift)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                 **({"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}))
@@ -331,10 +331,4 @@ def cp_token_logprobs(model, input_ids, *, cp=None, mesh=None, attention_mask=No
     local_targets = targets.index_select(1, index.to(targets.device))
     lp_local = vocab_parallel_logprobs(local, local_targets, group=group, vocab_start=start, chunk_size=chunk_size)
     lp = all_gather(lp_local, ctx.group, dim=1, cu_seqlens=cu_seqlens)
-    result = torch.zeros((batch, seq), dtype=torch.float32, device=lp.device)
-    result[:, 1:] = lp[:, :-1]
-    if attention_mask is not None:
-        result = result * predicted(attention_mask)
-    if cu_seqlens is not None:
-        result[:, cu_seqlens[:-1].long()] = 0.0
-    return result
+    return per_position(lp[:, :-1], attention_mask, cu_seqlens)

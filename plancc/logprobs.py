@@ -140,19 +140,17 @@ def vocab_parallel_logprobs(
     return _VocabParallelLogprob.apply(logits, targets, group, vocab_start, chunk)
 
 
-def _local_logits(logits: torch.Tensor, mesh) -> tuple[torch.Tensor, dist.ProcessGroup | None, int | None]:
-    """(local vocab shard, tp group, vocab_start) for DTensor or plain logits."""
-    if isinstance(logits, DTensor):
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _dtensor_layout(logits: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
+    """(local vocab shard, tp group or None, vocab_start) of DTensor logits."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        if any(isinstance(p, Shard) and p.dim not in (-1, logits.ndim - 1) for p in logits.placements):
-            raise ValueError(f"logits must be sharded on the vocab dim only, got {logits.placements}")
-        if not any(isinstance(p, Shard) for p in logits.placements):
-            return logits.to_local(), None, 0
-        _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-        return logits.to_local(), logits.device_mesh.get_group(), offset[-1]
-    return logits, None, 0
+    if any(isinstance(p, Shard) and p.dim not in (-1, logits.ndim - 1) for p in logits.placements):
+        raise ValueError(f"logits must be sharded on the vocab dim only, got {logits.placements}")
+    if not any(isinstance(p, Shard) for p in logits.placements):
+        return logits.to_local(), None, 0
+    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    return logits.to_local(), logits.device_mesh.get_group(), offset[-1]
 
 
 def vocab_layout(logits: torch.Tensor, model: torch.nn.Module, mesh) -> tuple[torch.Tensor, dist.ProcessGroup | None,
@@ -165,9 +163,9 @@ def vocab_layout(logits: torch.Tensor, model: torch.nn.Module, mesh) -> tuple[to
     Treating whole logits as a shard would all-reduce tp copies and shift every log-prob
     by log(tp).
     """
-    local, group, start = _local_logits(logits, mesh)
     if isinstance(logits, DTensor):
-        return local, group, start
+        return _dtensor_layout(logits)
+    local = logits
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(config, "vocab_size", None)
@@ -189,14 +187,23 @@ def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return (torch.arange(total, device=cu_seqlens.device) - doc_start).unsqueeze(0)
 
 
-def predicted(attention_mask: torch.Tensor) -> torch.Tensor:
-    """1.0 where a token is real and so is the token before it: the positions whose
-    log-prob the sequence itself defines. With left padding a sequence's first token is not
-    at position 0, and the logits before it were computed from padding alone."""
-    real = attention_mask.bool()
-    keep = real.clone()
-    keep[:, 1:] &= real[:, :-1]
-    return keep.to(torch.float32)
+def per_position(next_token_logprobs: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """``[B, S]`` fp32 from the log-probs of tokens 1..S-1: 0 wherever the sequence itself
+    defines no log-prob -- position 0, padding, the first real token after left padding
+    (the logits before it were computed from padding alone), the first token of each
+    packed document."""
+    batch, seq = next_token_logprobs.shape[0], next_token_logprobs.shape[1] + 1
+    result = torch.zeros((batch, seq), dtype=torch.float32, device=next_token_logprobs.device)
+    result[:, 1:] = next_token_logprobs
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        keep = real.clone()
+        keep[:, 1:] &= real[:, :-1]
+        result = result * keep.to(torch.float32)
+    if cu_seqlens is not None:
+        result[:, cu_seqlens[:-1].long()] = 0.0
+    return result
 
 
 def _cp_size(cp) -> int:
@@ -225,10 +232,11 @@ def token_logprobs(
     Packed sequences: ``input_ids`` is one row ``[1, T]`` and ``cu_seqlens`` the document
     boundaries ``[0, l0, l0+l1, ..., T]``; attention never crosses a boundary.
     """
-    if getattr(model, "_plancc_cp", None) is None and cp is not None and _cp_size(cp) > 1:
+    cp_enabled = getattr(model, "_plancc_cp", None) is not None
+    if not cp_enabled and cp is not None and _cp_size(cp) > 1:
         raise ValueError(f"cp={_cp_size(cp)} was given but the model was not parallelized with it "
                          "(plancc.parallelize with a mesh whose cp axis is > 1)")
-    if getattr(model, "_plancc_cp", None) is not None:
+    if cp_enabled:
         # a model parallelized with cp > 1 hands back logits of its sequence shard only:
         # the cp path is the only right one, whether or not the caller passed ``cp``
         from .cp import cp_token_logprobs
@@ -247,10 +255,4 @@ def token_logprobs(
     if temperature != 1.0:
         shifted = shifted / temperature
     lp = vocab_parallel_logprobs(shifted, input_ids[:, 1:], group=group, vocab_start=start, chunk_size=chunk_size)
-    result = torch.zeros(input_ids.shape, dtype=torch.float32, device=lp.device)
-    result[:, 1:] = lp
-    if attention_mask is not None:
-        result = result * predicted(attention_mask)
-    if cu_seqlens is not None:
-        result[:, cu_seqlens[:-1].long()] = 0.0
-    return result
+    return per_position(lp, attention_mask, cu_seqlens)
