@@ -238,13 +238,18 @@ def _recompute_buffers(model: nn.Module, names: list[str]) -> None:
     NaN sentinel shows any buffer the initializer does not know.
     """
     init = getattr(model, "_init_weights", None)
-    modules = dict(model.named_modules())
+
+    def sentinel(buf: torch.Tensor):
+        return float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
+
+    def untouched(buf: torch.Tensor) -> bool:
+        return bool((buf.isnan() if buf.is_floating_point() else buf == sentinel(buf)).all())
+
     for name in names:
-        owner, _, attr = name.rpartition(".")
-        buf = modules[owner]._buffers[attr]
-        buf.fill_(float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min)
+        buf = model.get_buffer(name)
+        buf.fill_(sentinel(buf))
     for owner in dict.fromkeys(name.rpartition(".")[0] for name in names):
-        module = modules[owner]
+        module = model.get_submodule(owner)
         params = dict(module._parameters)
         module._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, device="meta"))
                               for k, p in params.items()}
@@ -253,13 +258,7 @@ def _recompute_buffers(model: nn.Module, names: list[str]) -> None:
                 init(module)
         finally:
             module._parameters = params
-    unfilled = []
-    for name in names:
-        owner, _, attr = name.rpartition(".")
-        buf = modules[owner]._buffers[attr]
-        sentinel = buf.isnan() if buf.is_floating_point() else buf == torch.iinfo(buf.dtype).min
-        if bool(sentinel.all()):
-            unfilled.append(name)
+    unfilled = [name for name in names if untouched(model.get_buffer(name))]
     if unfilled:
         raise ValueError(
             f"buffers {', '.join(unfilled)} were created on the meta device, are in no state dict, and "

@@ -143,7 +143,7 @@ def meta_built_models_match(cases, folder):
     return out
 
 
-def parallelize_with_foreign_meshes():
+def parallelize_with_foreign_meshes(plan_path):
     """parallelize() given meshes not built by plancc.build_mesh -> the error text of each."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,7 +158,7 @@ def parallelize_with_foreign_meshes():
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             try:
                 plancc.parallelize(build_model(load_config("tiny-qwen3"), device="meta"),
-                                   plancc.load_plan(plancc_plans() / "qwen3.yaml"), mesh)
+                                   plancc.load_plan(plan_path), mesh)
                 errors.append(None)
             except ValueError as exc:
                 errors.append(str(exc))
@@ -166,11 +166,6 @@ def parallelize_with_foreign_meshes():
     finally:
         dist.destroy_process_group()
 
-
-def plancc_plans():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parent.parent / "plans"
 
 
 def decoder_called_directly(cases, cp=1):

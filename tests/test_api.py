@@ -46,10 +46,11 @@ def test_materialize_refuses_to_leave_a_meta_buffer_it_cannot_recompute_as_garba
 
 
 def test_parallelize_explains_which_mesh_it_needs():
+    from .conftest import PLANS
     from .distributed import launch
     from .numerics_worker import parallelize_with_foreign_meshes
 
-    errors = launch(parallelize_with_foreign_meshes, 1)[0]
+    errors = launch(parallelize_with_foreign_meshes, 1, str(PLANS / "qwen3.yaml"))[0]
     assert all(e and "axes named ('dp', 'cp', 'tp')" in e and "plancc.build_mesh" in e for e in errors), errors
     assert "an unnamed mesh of shape (1,)" in errors[0]
     assert "axes ('dp_shard', 'tp') of sizes (1, 1)" in errors[2]
