@@ -167,7 +167,6 @@ def parallelize_with_foreign_meshes(plan_path):
         dist.destroy_process_group()
 
 
-
 def decoder_called_directly(cases, cp=1):
     """cases: [(plan_path, preset)]. Under tp=2 + SP (or cp=2), call the decoder
     (``model.model``) directly, as a value or reward head on hidden states does: its
