@@ -1,16 +1,50 @@
-"""plancc: declarative parallelization plans for Hugging Face models on DTensor/FSDP2."""
+"""plancc: declarative parallelization plans for Hugging Face models on DTensor/FSDP2.
 
-from . import cp, logprobs  # plancc.cp.*, plancc.logprobs.* are public API
-from .checks import check_plan
-from .errors import Diagnostic, PlanError, Severity, SourceLoc
-from .mesh import MeshError, MeshSpec, build_mesh
-from .parallelize import materialize, parallelize
-from .lower import compile_plan
-from .plan import Plan, Rule, StyleRef, load_plan, parse_plan
-from .resolve import ResolvedPlan, resolve_plan
+The package is layered (each layer imports only the ones below it; ``.importlinter``
+enforces it): ``compiler`` reads and compiles plans, ``checks`` checks them against a model
+config, ``runtime`` applies them inside a job, ``job`` runs training and evaluation, ``tools``
+explain and dry-run plans, ``cli`` is the command line. ``layout``, ``models`` and
+``errors`` are shared by all.
+
+This module is the public API. Its names are imported on first use (PEP 562), so that
+``import plancc.cli`` or validating a plan does not load the runtime: ``plancc --help``
+stays fast, and the front end provably runs without torch.distributed's process groups.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from . import cp, logprobs, weights
+    from .checks import check_plan
+    from .compiler.lower import compile_plan
+    from .compiler.plan import Plan, Rule, StyleRef, load_plan, parse_plan
+    from .compiler.resolve import ResolvedPlan, resolve_plan
+    from .errors import Diagnostic, PlanError, Severity, SourceLoc
+    from .layout import Layout, LayoutError
+    from .runtime.materialize import materialize
+    from .runtime.mesh import MeshError, MeshSpec, build_mesh, layout_of
+    from .runtime.parallelize import parallelize
+
+_HOMES = {
+    "check_plan": "plancc.checks",
+    "compile_plan": "plancc.compiler.lower",
+    **dict.fromkeys(["Plan", "Rule", "StyleRef", "load_plan", "parse_plan"], "plancc.compiler.plan"),
+    **dict.fromkeys(["ResolvedPlan", "resolve_plan"], "plancc.compiler.resolve"),
+    **dict.fromkeys(["Diagnostic", "PlanError", "Severity", "SourceLoc"], "plancc.errors"),
+    **dict.fromkeys(["Layout", "LayoutError"], "plancc.layout"),
+    "materialize": "plancc.runtime.materialize",
+    **dict.fromkeys(["MeshError", "MeshSpec", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
+    "parallelize": "plancc.runtime.parallelize",
+}
+_SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
 
 __all__ = [
     "Diagnostic",
+    "Layout",
+    "LayoutError",
     "MeshError",
     "MeshSpec",
     "Plan",
@@ -24,11 +58,29 @@ __all__ = [
     "check_plan",
     "compile_plan",
     "cp",
+    "layout_of",
     "load_plan",
     "logprobs",
     "materialize",
     "parallelize",
     "parse_plan",
     "resolve_plan",
+    "weights",
 ]
+assert sorted(__all__) == sorted([*_HOMES, *_SUBMODULES])
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = import_module(f"plancc.{name}")
+    elif name in _HOMES:
+        value = getattr(import_module(_HOMES[name]), name)
+    else:
+        raise AttributeError(f"module 'plancc' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

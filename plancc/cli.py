@@ -9,11 +9,17 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from .errors import Diagnostic, PlanError, format_json
+from .layout import Layout, LayoutError
+
+if TYPE_CHECKING:
+    from .checks.report import ValidationReport
+    from .job.launch import LaunchOptions
+    from .job.runner import RunConfig
 
 app = typer.Typer(
     name="plancc",
@@ -34,7 +40,7 @@ class Format(StrEnum):
 
 FormatOpt = Annotated[Format, typer.Option("--format", help="text for people, json for CI tools")]
 ModelOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--model", "-m", help="preset name (see `plancc models`), HF model folder, or config.json"),
 ]
 
@@ -72,44 +78,32 @@ def validate(
     model: ModelOpt = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
-    world_size: Annotated[Optional[int], typer.Option("--world-size", min=1, help="total ranks")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
+    world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="total ranks")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="check with the sequence-parallel overlay on")] = False,
-    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="training sequence length")] = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="parallelize and run fwd+bwd at the real world size with fake ranks and tensors")] = False,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="training sequence length")] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="parallelize and run fwd+bwd at the real world size with fake ranks and tensors"
+        ),
+    ] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Check a plan against a model config (no GPU, no weights) and summarize it."""
-    from .validate import validate_plan
+    from .checks.report import validate_plan  # imports in commands keep `plancc --help` fast
 
     try:
         report = validate_plan(
-            plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world_size, sequence_parallel=sp,
-            seq_len=seq_len,
+            plan_path, model=model, world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, seq_len=seq_len
         )
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     summary = report.summary()
     diagnostics = list(report.diagnostics)
+    dry_line = None
     if dry_run and not report.has_errors:
-        from .dryrun import dry_run as run_dry
-        from .explain import human_bytes
-        from .models import load_config
-
-        world = world_size or (dp or 1) * cp * tp
-        result = run_dry(report.plan, load_config(report.model_name), dp=world // (cp * tp), cp=cp, tp=tp,
-                         sequence_parallel=sp, seq_len=seq_len or 256)
-        diagnostics += list(result.diagnostics)
-        summary["dry_run"] = {"world_size": result.world_size, "seconds": round(result.seconds, 2),
-                              "per_rank_bytes": {"parameters": result.param_bytes, "gradients": result.grad_bytes,
-                                                 "adamw_state": result.optimizer_bytes}}
-        dry_line = (f"dry run: {result.world_size} ranks (dp={result.dp} cp={result.cp} tp={result.tp}) "
-                    f"fwd+bwd {'ok' if result.ok else 'FAILED'} in {result.seconds:.1f}s; per rank: parameters "
-                    f"{human_bytes(result.param_bytes)}, gradients {human_bytes(result.grad_bytes)}, "
-                    f"AdamW state {human_bytes(result.optimizer_bytes)}")
-    else:
-        dry_line = None
+        dry_line = _dry_run(report, seq_len, diagnostics, summary)
     _emit(diagnostics, fmt, summary=summary if fmt is Format.json else None)
     if fmt is Format.text:
         print(report.render())
@@ -119,41 +113,62 @@ def validate(
         raise typer.Exit(EXIT_PLAN)
 
 
+def _dry_run(
+    report: ValidationReport, seq_len: int | None, diagnostics: list[Diagnostic], summary: dict[str, Any]
+) -> str:
+    """Run the dry run of a validated plan; add its findings to ``diagnostics`` and
+    ``summary``; return the line that reports it."""
+    from .models import load_config
+    from .tools.dryrun import dry_run
+    from .tools.explain import human_bytes
+
+    result = dry_run(report.plan, load_config(report.model_name), report.layout, seq_len=seq_len or 256)
+    diagnostics += list(result.diagnostics)
+    summary["dry_run"] = {
+        "world_size": result.world_size,
+        "seconds": round(result.seconds, 2),
+        "per_rank_bytes": {
+            "parameters": result.param_bytes,
+            "gradients": result.grad_bytes,
+            "adamw_state": result.optimizer_bytes,
+        },
+    }
+    return (
+        f"dry run: {result.world_size} ranks ({result.layout.describe()}) "
+        f"fwd+bwd {'ok' if result.ok else 'FAILED'} in {result.seconds:.1f}s; per rank: parameters "
+        f"{human_bytes(result.param_bytes)}, gradients {human_bytes(result.grad_bytes)}, "
+        f"AdamW state {human_bytes(result.optimizer_bytes)}"
+    )
+
+
 @app.command()
 def explain(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     model: ModelOpt = None,
-    tp: Annotated[int, typer.Option("--tp", min=1)] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
     dp: Annotated[int, typer.Option("--dp", min=1, help="data-parallel degree (FSDP shards over dp*cp)")] = 1,
-    sp: Annotated[bool, typer.Option("--sp")] = False,
+    sp: Annotated[bool, typer.Option("--sp", help="with the sequence-parallel overlay")] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Every parameter's global shape, its per-rank shard and placements, and per-rank bytes."""
-    from .explain import explain as explain_plan
-    from .explain import render
-    from .models import build_model
-    from .validate import validate_plan
+    from .checks.report import validate_plan
+    from .tools.explain import explain as explain_plan
+    from .tools.explain import render
 
     try:
-        report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, sequence_parallel=sp)
+        report = validate_plan(plan_path, model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
-    if report.has_errors:
-        _emit(report.diagnostics, fmt)
+    if report.has_errors or report.meta_model is None:
+        _emit(list(report.diagnostics), fmt)
         raise typer.Exit(EXIT_PLAN)
-    import torch
-
-    from .models import load_config
-
-    meta = build_model(load_config(report.model_name), device="meta", dtype=torch.float32)
-    from .resolve import resolve_plan
-
-    exp = explain_plan(meta, resolve_plan(report.plan, meta, sequence_parallel=sp), tp=tp, dp=dp, cp=cp)
+    # the model and resolution validate built: nothing is built twice
+    exp = explain_plan(report.meta_model, report.resolved_for(sp), report.layout)
     if fmt is Format.json:
         print(json.dumps({"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}, indent=2))
         return
-    print(f"plan {report.plan.name} on {report.model_name}: tp={tp} cp={cp} dp={dp}{' +sp' if sp else ''}")
+    print(f"plan {report.plan.name} on {report.model_name}: {report.layout.describe()}")
     print(render(exp))
 
 
@@ -162,7 +177,7 @@ def import_hf_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="preset, HF model folder or config.json")],
 ) -> None:
     """Write a plan from the model's own Hugging Face TP plan (to stdout)."""
-    from .import_hf import import_hf
+    from .tools.import_hf import import_hf
 
     try:
         print(import_hf(model), end="")
@@ -173,7 +188,7 @@ def import_hf_cmd(
 @app.command()
 def styles(fmt: FormatOpt = Format.text) -> None:
     """List the style vocabulary with the placements each style sets."""
-    from .styles import ALIASES, STYLES, format_layout, layouts_of
+    from .compiler.styles import ALIASES, STYLES, format_layout, layouts_of
 
     rows = []
     for spec in STYLES.values():
@@ -183,22 +198,31 @@ def styles(fmt: FormatOpt = Format.text) -> None:
             kinds = sorted(spec.module_kinds & set(lay.weight), key=str)
             weight = ", ".join(f"{k}:{format_layout(lay.weight[k])}" for k in kinds) or "-"
         aliases = ", ".join(a for a, n in ALIASES.items() if n == spec.name)
-        rows.append({
-            "style": spec.name,
-            "weight": weight,
-            "input": format_layout(lay.input),
-            "output": format_layout(lay.output),
-            "local_output": "-" if lay.local_output is None else ("yes" if lay.local_output else "DTensor"),
-            "modules": ", ".join(sorted(map(str, spec.module_kinds))) if len(spec.module_kinds) < 5 else "any",
-            "aliases": aliases,
-            "summary": spec.summary,
-        })
+        rows.append(
+            {
+                "style": spec.name,
+                "weight": weight,
+                "input": format_layout(lay.input),
+                "output": format_layout(lay.output),
+                "local_output": "-" if lay.local_output is None else ("yes" if lay.local_output else "DTensor"),
+                "modules": ", ".join(sorted(map(str, spec.module_kinds))) if not spec.fits_any_module else "any",
+                "aliases": aliases,
+                "summary": spec.summary,
+            }
+        )
     if fmt is Format.json:
         print(json.dumps(rows, indent=2))
         return
     header = ["style", "weight", "input", "output", "local", "modules", "aliases"]
-    print(_table([[r["style"], r["weight"], r["input"], r["output"], r["local_output"], r["modules"],
-                   r["aliases"]] for r in rows], header))
+    print(
+        _table(
+            [
+                [r["style"], r["weight"], r["input"], r["output"], r["local_output"], r["modules"], r["aliases"]]
+                for r in rows
+            ],
+            header,
+        )
+    )
     print()
     for r in rows:
         print(f"{r['style']:<20} {r['summary']}")
@@ -208,9 +232,10 @@ def styles(fmt: FormatOpt = Format.text) -> None:
 def rules() -> None:
     """The model-aware checks, each with its documentation and PASS/FAIL examples."""
     from .checks import RULES
+    from .checks.example import render_rule
 
     for module in RULES:
-        print(module.__doc__.strip())
+        print(render_rule(module.__doc__ or "", module.EXAMPLES))
         print()
 
 
@@ -233,87 +258,128 @@ def apply(
     nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="workers on this node")] = 2,
     nnodes: Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX for elastic jobs")] = "1",
     node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT (multi-node)")] = None,
-    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="job id shared by all nodes")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="tensor-parallel degree (default: all ranks)")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT (multi-node)")] = None,
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="job id shared by all nodes")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", min=1, help="tensor-parallel degree (default: all ranks)")] = None,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
     steps: Annotated[int, typer.Option("--steps", min=0)] = 5,
-    data: Annotated[Optional[Path], typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
+    data: Annotated[Path | None, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="global batch (split over dp)")] = 4,
     seq_len: Annotated[int, typer.Option("--seq-len", min=2)] = 32,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
-    schedule_steps: Annotated[Optional[int], typer.Option(
-        "--schedule-steps", min=1, help="LR schedule horizon (set it when a run will be resumed)")] = None,
+    schedule_steps: Annotated[
+        int | None,
+        typer.Option("--schedule-steps", min=1, help="LR schedule horizon (set it when a run will be resumed)"),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    save: Annotated[Optional[Path], typer.Option("--save", help="DCP checkpoint directory")] = None,
-    resume: Annotated[Optional[Path], typer.Option("--resume", help="checkpoint directory to continue from")] = None,
-    export_hf: Annotated[Optional[Path], typer.Option("--export-hf", help="write final weights with save_pretrained")] = None,
-    verify: Annotated[bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond tolerance")] = False,
-    device: Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
-    param_dtype: Annotated[Optional[str], typer.Option(
-        "--param-dtype", help="FSDP mixed precision for compute, e.g. bfloat16 (master weights stay fp32)")] = None,
+    save: Annotated[Path | None, typer.Option("--save", help="DCP checkpoint directory")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="checkpoint directory to continue from")] = None,
+    export_hf: Annotated[
+        Path | None, typer.Option("--export-hf", help="write final weights with save_pretrained")
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond tolerance")
+    ] = False,
+    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
+    param_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--param-dtype", help="FSDP mixed precision for compute, e.g. bfloat16 (master weights stay fp32)"
+        ),
+    ] = None,
     timeout: Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")] = 300,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
-    from .launch import LaunchOptions
-    from .runner import RunConfig
+    from .job.launch import LaunchOptions
+    from .job.runner import RunConfig
 
-    model, tp, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt,
-                                     seq_len=None if data else seq_len)
-    cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, steps=steps,
-                    data=str(data) if data else None, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-                    schedule_steps=schedule_steps,
-                    save=str(save) if save else None, resume=str(resume) if resume else None,
-                    export_hf=str(export_hf) if export_hf else None, verify=verify, device=device, timeout_s=timeout,
-                    param_dtype=param_dtype)
-    opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    model, layout, warnings = _prelaunch(
+        plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, data, fmt, seq_len=None if data else seq_len
+    )
+    cfg = RunConfig(
+        plan=str(plan_path),
+        layout=layout,
+        model=model,
+        steps=steps,
+        data=str(data) if data else None,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        seed=seed,
+        schedule_steps=schedule_steps,
+        save=str(save) if save else None,
+        resume=str(resume) if resume else None,
+        export_hf=str(export_hf) if export_hf else None,
+        verify=verify,
+        device=device,
+        timeout_s=timeout,
+        param_dtype=param_dtype,
+    )
+    opts = LaunchOptions(
+        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
+    )
     _launch_and_report(opts, cfg, fmt, warnings)
 
 
-def _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt, seq_len=None):
-    """Everything checked before a process starts: mesh sizes, the plan against the model at
-    this layout, the data file. Returns (model name, tp)."""
-    from .mesh import MeshError, MeshSpec
-    from .models import default_preset
-    from .plan import load_plan
-    from .validate import validate_plan
-
+def _world_size(nnodes: str) -> int:
     last = nnodes.split(":")[-1]
     if not last.isdigit() or int(last) < 1:
         print(f"error: --nnodes {nnodes!r} is not N or MIN:MAX [usage]", file=sys.stderr)
         raise typer.Exit(EXIT_USAGE)
-    world = nproc_per_node * int(last)
+    return int(last)
+
+
+def _prelaunch(
+    plan_path: Path,
+    model: str | None,
+    nproc_per_node: int,
+    nnodes: str,
+    dp: int | None,
+    cp: int,
+    tp: int | None,
+    sp: bool,
+    data: Path | None,
+    fmt: Format,
+    seq_len: int | None = None,
+) -> tuple[str, Layout, tuple[Diagnostic, ...]]:
+    """Everything checked before a process starts: the layout, the plan against the model at
+    this layout, the data file. Returns (model name, layout, warnings)."""
+    from .checks.report import validate_plan
+    from .compiler.plan import load_plan
+    from .job.data import read_jsonl
+    from .models import default_preset, load_config
+
+    world = nproc_per_node * _world_size(nnodes)
     if tp is None:  # all ranks not taken by cp/dp go to tensor parallelism
         tp = world // (cp * (dp or 1)) if world % (cp * (dp or 1)) == 0 else 1
     try:
-        MeshSpec.infer(world_size=world, dp=dp, cp=cp, tp=tp)
-    except MeshError as exc:
-        print(f"error: {exc} [mesh-sizes]\n  fix: choose --tp/--cp/--dp whose product is {world}", file=sys.stderr)
+        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
+    except LayoutError as exc:
+        for d in exc.diagnostics:
+            print(
+                f"error: {d.message} [{d.rule}]\n  fix: choose --tp/--cp/--dp whose product is {world}", file=sys.stderr
+            )
         raise typer.Exit(EXIT_USAGE) from None
     try:
-        model = model or default_preset(load_plan(plan_path).architectures, tiny=True)
-        report = validate_plan(plan_path, model=model, tp=tp, cp=cp, dp=dp, world_size=world, sequence_parallel=sp,
-                               seq_len=seq_len)
+        plan = load_plan(plan_path)  # read once here; the workers read the file again themselves
+        model = model or default_preset(plan.architectures, tiny=True)
+        report = validate_plan(plan, model=model, layout=layout, seq_len=seq_len)
         if data is not None:
-            from .data import read_jsonl
-            from .models import load_config
-
             read_jsonl(data, vocab_size=load_config(model).vocab_size)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or fmt is Format.text:  # json: warnings go into the one final document
-        _emit(report.diagnostics, fmt)
+        _emit(list(report.diagnostics), fmt)
     if report.has_errors:
         raise typer.Exit(EXIT_PLAN)
-    return model, tp, report.diagnostics
+    return report.model_name, layout, report.diagnostics
 
 
-def _launch_and_report(opts, cfg, fmt, warnings=()) -> None:
-    from .launch import launch
+def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warnings: tuple[Diagnostic, ...] = ()) -> None:
+    from .job.launch import launch
 
     outcome = launch(opts, cfg)
     if outcome.result is not None and outcome.result.get("ok") is False:
@@ -324,10 +390,14 @@ def _launch_and_report(opts, cfg, fmt, warnings=()) -> None:
         print(f"error: rank {first} failed: {outcome.failures[first]} [rank-failed]", file=sys.stderr)
         others = [r for r in outcome.failures if r != first]
         if others:
-            print(f"  then stopped: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
-                  f"(every worker exits when one fails)", file=sys.stderr)
-        print("  fix: read the failing rank's error above; --timeout bounds how long a collective waits",
-              file=sys.stderr)
+            print(
+                f"  then stopped: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
+                f"(every worker exits when one fails)",
+                file=sys.stderr,
+            )
+        print(
+            "  fix: read the failing rank's error above; --timeout bounds how long a collective waits", file=sys.stderr
+        )
         raise typer.Exit(EXIT_PLAN)
     if fmt is Format.json and outcome.result is not None:
         print(json.dumps({**outcome.result, "diagnostics": [d.to_json() for d in warnings]}, indent=2))
@@ -341,32 +411,48 @@ def logprobs(
     nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1)] = 2,
     nnodes: Annotated[str, typer.Option("--nnodes")] = "1",
     node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint")] = None,
-    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id")] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", min=1)] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint")] = None,
+    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", min=1)] = None,
     cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
-    dp: Annotated[Optional[int], typer.Option("--dp", min=1)] = None,
+    dp: Annotated[int | None, typer.Option("--dp", min=1)] = None,
     sp: Annotated[bool, typer.Option("--sp")] = False,
-    out: Annotated[Optional[Path], typer.Option("--out", help="JSONL output: {\"logprobs\": [...]} per line")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help='JSONL output: {"logprobs": [...]} per line')] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
-    pack: Annotated[bool, typer.Option(
-        "--pack", help="pack each batch's sequences into one row (documents never attend to each other)")] = False,
+    pack: Annotated[
+        bool,
+        typer.Option("--pack", help="pack each batch's sequences into one row (documents never attend to each other)"),
+    ] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    verify: Annotated[bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond 1e-5")] = False,
-    device: Annotated[Optional[str], typer.Option("--device")] = None,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond 1e-5")
+    ] = False,
+    device: Annotated[str | None, typer.Option("--device")] = None,
     timeout: Annotated[int, typer.Option("--timeout", min=10)] = 300,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Per-token log-probs of each input line from the parallelized model."""
-    from .launch import LaunchOptions
-    from .runner import RunConfig
+    from .job.launch import LaunchOptions
+    from .job.runner import RunConfig
 
-    model, tp, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, tp, cp, dp, sp, data, fmt)
-    cfg = RunConfig(plan=str(plan_path), model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, data=str(data),
-                    batch_size=batch_size, seed=seed, verify=verify, device=device, timeout_s=timeout,
-                    mode="logprobs", out=str(out) if out else None, pack=pack)
-    opts = LaunchOptions(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                         rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    model, layout, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, data, fmt)
+    cfg = RunConfig(
+        plan=str(plan_path),
+        layout=layout,
+        model=model,
+        data=str(data),
+        batch_size=batch_size,
+        seed=seed,
+        verify=verify,
+        device=device,
+        timeout_s=timeout,
+        mode="logprobs",
+        out=str(out) if out else None,
+        pack=pack,
+    )
+    opts = LaunchOptions(
+        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
+    )
     _launch_and_report(opts, cfg, fmt, warnings)
 
 

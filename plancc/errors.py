@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Iterable, Sequence
 
 
 class Severity(StrEnum):
@@ -105,3 +107,16 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     if not near:
         return ""
     return "did you mean " + " or ".join(repr(c) for c in near) + "?"
+
+
+@contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
+    """Raise one logger's threshold for the duration of a block, never process-wide: for
+    torch messages that a plancc diagnostic replaces or that an accepted cost repeats."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .errors import Diagnostic, PlanError, SourceLoc
+from .errors import Diagnostic, PlanError, SourceLoc, closest
+
+if TYPE_CHECKING:  # transformers is imported where a config or model is built
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,20 +55,49 @@ def _tiny(model_type: str, architecture: str, **extra: Any) -> dict[str, Any]:
 
 
 _TINY: tuple[Preset, ...] = (
-    Preset(name="tiny-qwen3", architecture="Qwen3ForCausalLM", summary="2-layer Qwen3, untied",
-           config=_tiny("qwen3", "Qwen3ForCausalLM")),
-    Preset(name="tiny-qwen3-tied", architecture="Qwen3ForCausalLM", summary="2-layer Qwen3, tied embeddings",
-           config=_tiny("qwen3", "Qwen3ForCausalLM", tie_word_embeddings=True)),
-    Preset(name="tiny-qwen2", architecture="Qwen2ForCausalLM", summary="2-layer Qwen2 (q/k/v bias, no q/k norm)",
-           config=_tiny("qwen2", "Qwen2ForCausalLM")),
-    Preset(name="tiny-llama", architecture="LlamaForCausalLM", summary="2-layer Llama, untied",
-           config=_tiny("llama", "LlamaForCausalLM")),
-    Preset(name="tiny-llama-tied", architecture="LlamaForCausalLM", summary="2-layer Llama, tied embeddings",
-           config=_tiny("llama", "LlamaForCausalLM", tie_word_embeddings=True)),
-    Preset(name="tiny-gemma3", architecture="Gemma3ForCausalLM", summary="2-layer Gemma3 text, tied embeddings",
-           config=_tiny("gemma3_text", "Gemma3ForCausalLM", tie_word_embeddings=True,
-                        query_pre_attn_scalar=16, sliding_window=8,
-                        layer_types=["sliding_attention", "full_attention"])),
+    Preset(
+        name="tiny-qwen3",
+        architecture="Qwen3ForCausalLM",
+        summary="2-layer Qwen3, untied",
+        config=_tiny("qwen3", "Qwen3ForCausalLM"),
+    ),
+    Preset(
+        name="tiny-qwen3-tied",
+        architecture="Qwen3ForCausalLM",
+        summary="2-layer Qwen3, tied embeddings",
+        config=_tiny("qwen3", "Qwen3ForCausalLM", tie_word_embeddings=True),
+    ),
+    Preset(
+        name="tiny-qwen2",
+        architecture="Qwen2ForCausalLM",
+        summary="2-layer Qwen2 (q/k/v bias, no q/k norm)",
+        config=_tiny("qwen2", "Qwen2ForCausalLM"),
+    ),
+    Preset(
+        name="tiny-llama",
+        architecture="LlamaForCausalLM",
+        summary="2-layer Llama, untied",
+        config=_tiny("llama", "LlamaForCausalLM"),
+    ),
+    Preset(
+        name="tiny-llama-tied",
+        architecture="LlamaForCausalLM",
+        summary="2-layer Llama, tied embeddings",
+        config=_tiny("llama", "LlamaForCausalLM", tie_word_embeddings=True),
+    ),
+    Preset(
+        name="tiny-gemma3",
+        architecture="Gemma3ForCausalLM",
+        summary="2-layer Gemma3 text, tied embeddings",
+        config=_tiny(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            tie_word_embeddings=True,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
 )
 
 
@@ -77,8 +110,9 @@ def presets() -> dict[str, Preset]:
             config = json.loads(entry.read_text())
             name = entry.name.removesuffix(".json")
             arch = config["architectures"][0]
-            found[name] = Preset(name=name, architecture=arch, summary=f"published {name} config (no weights)",
-                                 config=config)
+            found[name] = Preset(
+                name=name, architecture=arch, summary=f"published {name} config (no weights)", config=config
+            )
     return found
 
 
@@ -111,7 +145,7 @@ def _model_error(model: str, message: str, fix: str) -> ModelSpecError:
     return ModelSpecError([Diagnostic(rule="unknown-model", loc=SourceLoc(path=model), message=message, fix=fix)])
 
 
-def load_config(model: str | Path | Any):
+def load_config(model: str | Path | Any) -> PretrainedConfig:
     """A ``PretrainedConfig`` from a preset name, a model folder, a config.json, or a config."""
     from transformers import AutoConfig, PretrainedConfig
 
@@ -135,10 +169,11 @@ def load_config(model: str | Path | Any):
         try:
             return AutoConfig.for_model(data.pop("model_type"), **data)
         except (ValueError, KeyError) as exc:
-            raise _model_error(text, f"transformers cannot build this config: {exc}",
-                               "check model_type against the pinned transformers release") from None
-    from .errors import closest
-
+            raise _model_error(
+                text,
+                f"transformers cannot build this config: {exc}",
+                "check model_type against the pinned transformers release",
+            ) from None
     near = closest(text, presets())
     raise _model_error(
         text,
@@ -147,13 +182,13 @@ def load_config(model: str | Path | Any):
     )
 
 
-def architecture_of(config) -> str:
+def architecture_of(config: PretrainedConfig) -> str:
     archs = getattr(config, "architectures", None) or []
     return archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM")
 
 
 @contextmanager
-def parameters_on_meta():
+def parameters_on_meta() -> Iterator[None]:
     """Create parameters on the meta device but buffers for real.
 
     Buffers such as rotary ``inv_freq`` or Gemma's ``embed_scale`` are not persistent (no
@@ -163,20 +198,23 @@ def parameters_on_meta():
     """
     original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param):
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
         if param is not None and not param.is_meta:
             kwargs = {"requires_grad": param.requires_grad}
             module._parameters[name] = type(param)(param.to("meta"), **kwargs)
 
-    nn.Module.register_parameter = register
+    # patched on the class for the duration of one model's construction only
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_model(config, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> nn.Module:
+def build_model(
+    config: PretrainedConfig, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None
+) -> nn.Module:
     """The causal-LM module of ``config``. With ``device="meta"`` parameters allocate
     nothing (buffers are real, see ``parameters_on_meta``)."""
     from transformers import AutoModelForCausalLM

@@ -15,12 +15,10 @@ def check_all_gather(cases):
 
     from plancc.cp import all_gather, shard, shard_packed
 
-    import plancc.cp as cp_module
-
     rank, world = init_gloo()
     out = []
     calls: list[str] = []  # the collectives issued in backward
-    real = {"all_reduce": dist.all_reduce, "rs": cp_module._reduce_scatter_single}
+    real = {"all_reduce": dist.all_reduce, "rs": dist.reduce_scatter_single}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -30,7 +28,7 @@ def check_all_gather(cases):
         return wrapper
 
     dist.all_reduce = counted("all_reduce", real["all_reduce"])
-    cp_module._reduce_scatter_single = counted("reduce_scatter", real["rs"])
+    dist.reduce_scatter_single = counted("reduce_scatter", real["rs"])
     try:
         for shape, dim, dtype_name, seed, docs in cases:
             cu = None if docs is None else torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()])
@@ -56,7 +54,7 @@ def check_all_gather(cases):
                 "backward_collectives": backward_calls,
             })
     finally:
-        dist.all_reduce, cp_module._reduce_scatter_single = real["all_reduce"], real["rs"]
+        dist.all_reduce, dist.reduce_scatter_single = real["all_reduce"], real["rs"]
         dist.destroy_process_group()
     return out
 
@@ -68,7 +66,7 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
 
     import plancc
     from plancc.logprobs import token_logprobs
-    from plancc.verify import build_pair
+    from plancc.job.verify import build_pair
 
     init_gloo()
     try:

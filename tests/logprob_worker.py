@@ -67,7 +67,7 @@ def compare_token_logprobs(plan_path, preset, tp, sp):
 
     import plancc
     from plancc.logprobs import token_logprobs
-    from plancc.verify import build_pair
+    from plancc.job.verify import build_pair
 
     init_gloo()
     try:

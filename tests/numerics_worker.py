@@ -13,8 +13,8 @@ def verify_cases(cases):
     import torch.distributed as dist
 
     import plancc
-    from plancc.mesh import build_mesh
-    from plancc.verify import verify_against_unsharded
+    from plancc.runtime.mesh import build_mesh
+    from plancc.job.verify import verify_against_unsharded
 
     init_gloo()
     out = {}
@@ -41,7 +41,7 @@ def cpu_offload_matches(plan_path, preset):
 
     import plancc
     from plancc.models import build_model, load_config
-    from plancc.verify import full
+    from plancc.job.verify import full
 
     init_gloo()
     try:
@@ -72,7 +72,7 @@ def reshard_after_forward_cases(plan_paths, preset):
 
     import plancc
     from plancc.models import build_model, load_config
-    from plancc.verify import verify_against_unsharded
+    from plancc.job.verify import verify_against_unsharded
 
     init_gloo()
     out = {}
@@ -105,7 +105,7 @@ def meta_built_models_match(cases, folder):
 
     import plancc
     from plancc.models import load_config
-    from plancc.verify import full
+    from plancc.job.verify import full
     from plancc.weights import load_hf_weights
 
     init_gloo()
@@ -175,7 +175,7 @@ def decoder_called_directly(cases, cp=1):
     import torch.distributed as dist
 
     import plancc
-    from plancc.verify import build_pair
+    from plancc.job.verify import build_pair
 
     init_gloo()
     out = {}

@@ -12,7 +12,7 @@ def logits_from_hf_folder(plan_path, folder, dp, tp, input_ids):
 
     import plancc
     from plancc.models import build_model, load_config
-    from plancc.verify import full
+    from plancc.job.verify import full
     from plancc.weights import load_hf_weights
 
     init_gloo()

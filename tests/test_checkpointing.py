@@ -9,10 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import plancc
-from plancc.checkpointing import SAVE_GROUPS, apply_activation_checkpointing
+from plancc.runtime.activation_checkpointing import SAVE_GROUPS, apply_activation_checkpointing
 from plancc.models import build_model, load_config
-from plancc.resolve import resolve_plan
-from plancc.schema import plan_schema
+from plancc.compiler.resolve import resolve_plan
+from plancc.compiler.schema import plan_schema
 
 HEAD = "plancc: 1\nname: t\narchitectures: [Qwen3ForCausalLM]\ntensor_parallel: {}\n"
 MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm}

@@ -47,11 +47,11 @@ def test_qwen3_32b_dry_run_at_128_ranks_agrees_with_explain():
 
 def test_dry_run_names_the_module_when_o_proj_is_left_out(cli, write_plan):
     path = write_plan((PLANS / "qwen3.yaml").read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", ""))
-    from plancc import load_plan
-    from plancc.dryrun import dry_run
+    from plancc import Layout, load_plan
+    from plancc.tools.dryrun import dry_run
     from plancc.models import load_config
 
-    report = dry_run(load_plan(path), load_config("qwen3-0.6b"), dp=2, tp=2, seq_len=32)
+    report = dry_run(load_plan(path), load_config("qwen3-0.6b"), Layout(dp=2, tp=2), seq_len=32)
     (diag,) = report.diagnostics
     assert diag.rule == "dry-run" and "model.layers.0.self_attn.o_proj" in diag.message
     # the static pairing check reports it too, before any dry run

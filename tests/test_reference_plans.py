@@ -60,7 +60,7 @@ def signature(style):
 
 
 def expand(model, table):
-    from plancc.resolve import glob_matches
+    from plancc.compiler.resolve import glob_matches
 
     names = [n for n, _ in model.named_modules() if n]
     return {n: sig for pattern, sig in table.items() for n in names if glob_matches(pattern, n)}

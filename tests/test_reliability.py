@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import plancc
 from plancc import PlanError
-from plancc.data import DataError, read_jsonl
-from plancc.launch import RankFailure, root_cause
-from plancc.styles import STYLE_NAMES
+from plancc.job.data import DataError, read_jsonl
+from plancc.job.launch import RankFailure, root_cause
+from plancc.compiler.styles import STYLE_NAMES
 
 from .conftest import PLANS
 
@@ -100,7 +100,7 @@ checkpoint_items = st.one_of(
 def test_fuzz_checkpointing_and_fsdp_sections_give_only_diagnostics(tmp_path_factory, ac, units, reshard):
     """Deep in the plan (list items that are globs or mappings, nested units): loading and
     resolving against a model give a Plan or diagnostics, never an exception."""
-    from plancc.resolve import resolve_plan
+    from plancc.compiler.resolve import resolve_plan
 
     doc = {"plancc": 1, "name": "t", "architectures": ["Qwen3ForCausalLM"], "tensor_parallel": {},
            "fsdp": {"units": units, "reshard_after_forward": reshard}, "activation_checkpointing": ac}
@@ -170,7 +170,7 @@ def plancc_cli(*args, env=None, timeout=150):
 
 def leftover_workers() -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "plancc.runner" in line and "ps -eo" not in line]
+    return [line for line in ps.splitlines() if "plancc.job.runner" in line and "ps -eo" not in line]
 
 
 GLOO_PEER_GONE = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6037: Connection reset "

@@ -1,12 +1,12 @@
 """Globs bind to concrete module names; misses and conflicts are errors with locations."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import plancc
 from plancc.models import build_meta_model
-from plancc.resolve import glob_matches, glob_problem, resolve_plan
+from plancc.compiler.resolve import glob_matches, glob_problem, resolve_plan
 
 from .conftest import PLANS
 
@@ -95,3 +95,33 @@ def test_nested_fsdp_units_are_wrapped_inner_first_and_otherwise_as_written(writ
                                        "fsdp: {units: [model.embed_tokens, model.layers.*, model.layers.*.mlp]}\n"))
     assert resolve_plan(plan, tiny).fsdp_units == (
         "model.embed_tokens", "model.layers.0.mlp", "model.layers.0", "model.layers.1.mlp", "model.layers.1")
+
+
+def _reference_match(pattern: tuple[str, ...], name: tuple[str, ...]) -> bool:
+    """The glob semantics written out directly: the specification the tree walk must meet."""
+    from fnmatch import fnmatchcase
+
+    if not pattern:
+        return not name
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_reference_match(rest, name[i:]) for i in range(len(name) + 1))
+    return bool(name) and fnmatchcase(name[0], head) and _reference_match(rest, name[1:])
+
+
+_segments = st.sampled_from(["model", "layers", "0", "1", "12", "mlp", "up_proj", "self_attn", "q_proj", "norm"])
+_glob_segments = st.one_of(_segments, st.sampled_from(["*", "**", "?", "1*", "*_proj", "[01]", "q_*"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(names=st.lists(st.lists(_segments, min_size=1, max_size=5).map(".".join), min_size=1, max_size=30,
+                      unique=True),
+       pattern=st.lists(_glob_segments, min_size=1, max_size=6).map(".".join))
+def test_tree_matching_equals_the_glob_specification_in_module_order(names, pattern):
+    from plancc.compiler.globs import ModuleTree
+
+    # parents before children, as named_modules() lists them
+    ordered = sorted({".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2)},
+                     key=lambda n: (n.split("."),))
+    want = tuple(n for n in ordered if _reference_match(tuple(pattern.split(".")), tuple(n.split("."))))
+    assert ModuleTree(ordered).match(pattern) == want

@@ -14,9 +14,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from plancc.plan import parse_plan
-from plancc.schema import plan_schema
-from plancc.styles import (
+from plancc.compiler.plan import parse_plan
+from plancc.compiler.schema import plan_schema
+from plancc.compiler.styles import (
     ALIASES,
     STYLE_NAMES,
     STYLES,
@@ -128,7 +128,7 @@ def test_every_transformers_tp_plan_style_is_taken_or_refused_with_a_reason():
     for mod in pkgutil.iter_modules(transformers.distributed.__path__):
         importlib.import_module(f"transformers.distributed.{mod.name}")
 
-    from plancc.styles import HF_UNSUPPORTED, STYLE_NAMES
+    from plancc.compiler.styles import HF_UNSUPPORTED, STYLE_NAMES
 
     hf_names = set(ALL_PARALLEL_STYLES.valid_keys())
     assert hf_names, "transformers registered no TP styles"

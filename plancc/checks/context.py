@@ -3,48 +3,50 @@ plan resolved to concrete module names."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from torch import nn
+from transformers import PretrainedConfig
 
-from ..errors import SourceLoc
-from ..plan import Plan, Rule
-from ..resolve import ResolvedPlan
-from ..styles import Layouts, ModuleKind, canonical_style, layouts_of, module_kind
+from ..compiler.plan import Plan, Rule
+from ..compiler.resolve import ResolvedPlan
+from ..compiler.styles import Layouts, ModuleKind, built_style, layouts_of, module_kind
+from ..errors import Diagnostic, Severity, SourceLoc
+from ..layout import Layout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MeshSizes:
-    tp: int
-    cp: int
-    dp: int | None  # None when it cannot be inferred (reported by mesh-sizes)
-    world_size: int | None
-    dp_given: bool = False
+class Problem:
+    """What a check finds; the engine stamps the rule id (the check module's ``ID``) and
+    turns it into a ``Diagnostic``. A module that owns several rule ids names one in ``rule``."""
 
-    @classmethod
-    def infer(cls, *, tp: int, cp: int = 1, dp: int | None = None, world_size: int | None = None) -> "MeshSizes":
-        given = dp is not None
-        if dp is None:
-            dp = world_size // (tp * cp) if world_size and world_size % (tp * cp) == 0 else (None if world_size else 1)
-        if world_size is None and dp is not None:
-            world_size = dp * cp * tp
-        return cls(tp=tp, cp=cp, dp=dp, world_size=world_size, dp_given=given)
+    message: str
+    loc: SourceLoc
+    fix: str | None = None
+    severity: Severity = Severity.ERROR
+    rule: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckContext:
     plan: Plan
     model: nn.Module
-    config: object
-    mesh: MeshSizes
-    sequence_parallel: bool
+    config: PretrainedConfig
+    layout: Layout
     resolved: ResolvedPlan | None
     seq_len: int | None = None
+    # why the requested sizes do not fit (the mesh-sizes rule reports them); ``layout``
+    # then keeps the sizes that were given, so the other rules still run
+    layout_problems: tuple[Diagnostic, ...] = ()
 
     @property
     def tp(self) -> int:
-        return self.mesh.tp
+        return self.layout.tp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
 
     def assigned(self) -> Iterator[tuple[str, nn.Module, Rule, Layouts]]:
         """(module name, module, deciding rule, layouts of its style) for every styled module."""
@@ -52,7 +54,7 @@ class CheckContext:
             return
         modules = dict(self.model.named_modules())
         for name, rule in self.resolved.assignments.items():
-            yield name, modules[name], rule, layouts_of(canonical_style(rule.style.name).build(rule.style.overrides))
+            yield name, modules[name], rule, layouts_of(built_style(rule.style))
 
     def rule_for(self, name: str) -> Rule | None:
         return self.resolved.assignments.get(name) if self.resolved else None
@@ -65,7 +67,7 @@ class CheckContext:
         return self.plan.loc
 
 
-def text_config(config):
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The decoder config of multimodal wrappers, or the config itself."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config

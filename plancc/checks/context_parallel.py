@@ -4,31 +4,42 @@ does not support.
 Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
 length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split
 again over tp (a multiple of 2*cp*tp). Without cp, SP needs a multiple of tp.
-
-PASS  --cp 2 --seq-len 4096
-FAIL  --cp 2 --seq-len 4098 (pad by 2 to 4100)
-FAIL  --cp 2 on a model with attention logit soft-capping (the CP attention has none)
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-from ..errors import Diagnostic
-from .context import CheckContext, text_config
+from .context import CheckContext, Problem, text_config
+from .example import Example
 
 ID = "context-parallel"
 
 
-def check(ctx: CheckContext) -> Iterator[Diagnostic]:
-    cp, tp, seq = ctx.mesh.cp, ctx.mesh.tp, ctx.seq_len
+EXAMPLES = (
+    Example(verdict="PASS", text="--cp 2 --seq-len 4096", args={"cp": 2, "seq_len": 4096}),
+    Example(verdict="FAIL", text="--cp 2 --seq-len 4098 (pad by 2 to 4100)", args={"cp": 2, "seq_len": 4098}),
+    Example(
+        verdict="FAIL",
+        text="--cp 2 on a model with attention logit soft-capping (the CP attention has none)",
+        plan="gemma3.yaml",
+        model="gemma-3-1b",
+        config={"attn_logit_softcapping": 50.0},
+        args={"cp": 2},
+    ),
+)
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
+    cp, tp, seq = ctx.layout.cp, ctx.layout.tp, ctx.seq_len
     sp = ctx.sequence_parallel and tp > 1
     multiple = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
     if seq is not None and multiple > 1 and seq % multiple:
         pad = (-seq) % multiple
-        why = " x ".join(w for w in [f"2*cp={2 * cp}" if cp > 1 else "", f"tp={tp} (sequence parallel)" if sp else ""] if w)
-        yield Diagnostic(
-            rule=ID,
+        why = " x ".join(
+            w for w in [f"2*cp={2 * cp}" if cp > 1 else "", f"tp={tp} (sequence parallel)" if sp else ""] if w
+        )
+        yield Problem(
             loc=ctx.plan.loc,
             message=f"sequence length {seq} is not a multiple of {multiple} ({why}); it would be padded by {pad} "
             f"to {seq + pad}",
@@ -38,8 +49,7 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
         return
     cfg = text_config(ctx.config)
     if getattr(cfg, "attn_logit_softcapping", None):
-        yield Diagnostic(
-            rule=ID,
+        yield Problem(
             loc=ctx.plan.loc,
             message=f"context parallelism is not supported with attention logit soft-capping "
             f"(attn_logit_softcapping={cfg.attn_logit_softcapping}): the CP attention uses scaled dot-product "
@@ -48,8 +58,7 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
         )
     attention = [m for m in ctx.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
     if not attention:
-        yield Diagnostic(
-            rule=ID,
+        yield Problem(
             loc=ctx.plan.loc,
             message=f"context parallelism is not supported for {type(ctx.model).__name__}: it has no attention "
             "modules that call transformers' attention interface, which the CP attention replaces",

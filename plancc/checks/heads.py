@@ -1,22 +1,30 @@
 """attention-heads-divisible / kv-heads-divisible: colwise attention projections shard whole
 heads, so tp must divide the number of attention heads and of key/value heads.
-
-PASS  qwen3-8b (32 heads, 8 KV heads) at --tp 8
-FAIL  qwen3-8b at --tp 16: 16 does not divide 8 KV heads (a reshape error deep in attention)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from math import gcd
-from typing import Iterator
 
 from torch.distributed.tensor import Shard
 
-from ..errors import Diagnostic
-from .context import CheckContext, kind_of, text_config
+from .context import CheckContext, Problem, kind_of, text_config
+from .example import Example
 
 ATTN_ID = "attention-heads-divisible"
 KV_ID = "kv-heads-divisible"
+IDS = (ATTN_ID, KV_ID)
+
+
+EXAMPLES = (
+    Example(verdict="PASS", text="qwen3-8b (32 heads, 8 KV heads) at --tp 8", args={"tp": 8}),
+    Example(
+        verdict="FAIL",
+        text="qwen3-8b at --tp 16: 16 does not divide 8 KV heads (a reshape error deep in attention)",
+        args={"tp": 16},
+    ),
+)
 
 
 def _shards(ctx: CheckContext, suffixes: tuple[str, ...]) -> bool:
@@ -26,25 +34,25 @@ def _shards(ctx: CheckContext, suffixes: tuple[str, ...]) -> bool:
     )
 
 
-def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+def check(ctx: CheckContext) -> Iterator[Problem]:
     tp = ctx.tp
     if tp == 1:
         return
     cfg = text_config(ctx.config)
-    heads = getattr(cfg, "num_attention_heads", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    heads: int | None = getattr(cfg, "num_attention_heads", None)
     if not heads:
         return
+    kv: int = getattr(cfg, "num_key_value_heads", None) or heads
     valid = [t for t in range(1, gcd(heads, kv) + 1) if gcd(heads, kv) % t == 0]
     if _shards(ctx, ("q_proj",)) and heads % tp:
-        yield Diagnostic(
+        yield Problem(
             rule=ATTN_ID,
             loc=ctx.first_rule_loc("q_proj"),
             message=f"tp={tp} does not divide num_attention_heads={heads}",
             fix=f"use tp in {{{', '.join(map(str, valid))}}}",
         )
     if _shards(ctx, ("k_proj", "v_proj")) and kv % tp:
-        yield Diagnostic(
+        yield Problem(
             rule=KV_ID,
             loc=ctx.first_rule_loc("k_proj", "v_proj"),
             message=f"tp={tp} does not divide num_key_value_heads={kv}",

@@ -1,22 +1,34 @@
-"""style-module-kind: a style must fit the module it is applied to.
-
-PASS  model.layers.*.mlp.up_proj (Linear): colwise
-FAIL  model.layers.*.mlp (Qwen3MLP): colwise -> torch would raise NotImplementedError at run time
-FAIL  model.norm (RMSNorm): rotary_sp
-"""
+"""style-module-kind: a style must fit the module it is applied to."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-from ..errors import Diagnostic
-from ..styles import STYLES, canonical_style
-from .context import CheckContext, kind_of
+from ..compiler.styles import STYLES, canonical_style
+from .context import CheckContext, Problem, kind_of
+from .example import Example
 
 ID = "style-module-kind"
 
 
-def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+EXAMPLES = (
+    Example(verdict="PASS", text="model.layers.*.mlp.up_proj (Linear): colwise", args={"tp": 2}),
+    Example(
+        verdict="FAIL",
+        text="model.layers.*.mlp (Qwen3MLP): colwise -> torch would raise NotImplementedError at run time",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.layers.*.mlp", "colwise"),),
+    ),
+    Example(
+        verdict="FAIL",
+        text="model.norm (RMSNorm): rotary_sp",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.norm", "rotary_sp"),),
+    ),
+)
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
     reported: set[tuple[str, str]] = set()
     for name, module, rule, _ in ctx.assigned():
         spec = canonical_style(rule.style.name)
@@ -24,12 +36,14 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
         if kind in spec.module_kinds or (rule.pattern, rule.section) in reported:
             continue
         reported.add((rule.pattern, rule.section))
-        fitting = [s.name for s in STYLES.values() if kind in s.module_kinds and len(s.module_kinds) < 5]
-        yield Diagnostic(
-            rule=ID,
+        fitting = [s.name for s in STYLES.values() if kind in s.module_kinds and not s.fits_any_module]
+        yield Problem(
             loc=rule.loc,
             message=f"{name} is a {type(module).__name__} ({kind}); style {spec.name!r} applies to "
             f"{', '.join(sorted(map(str, spec.module_kinds)))} modules",
-            fix=(f"styles for {kind} modules: {', '.join(fitting)}" if fitting else
-                 "point the rule at the Linear/Embedding submodules instead"),
+            fix=(
+                f"styles for {kind} modules: {', '.join(fitting)}"
+                if fitting
+                else "point the rule at the Linear/Embedding submodules instead"
+            ),
         )

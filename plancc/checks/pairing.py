@@ -7,28 +7,43 @@ shard (Shard(1)); a projection reading it with a replicated-input style needs th
 gathered first, by its block (``gather_seq_input`` on ``self_attn``/``mlp``) or by itself
 (``colwise_seq``): a plain tensor carries no layout, and torch would silently treat the
 shard as the whole sequence.
-
-PASS  q/k/v_proj: colwise, o_proj: rowwise
-FAIL  q/k/v_proj: colwise, o_proj left out -> o_proj gets heads/tp features, a shape error
-FAIL  under SP: input_layernorm: sequence_parallel, q_proj: colwise, and self_attn not gathered
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Replicate, Shard
 
-from ..errors import Diagnostic
-from ..styles import ModuleKind, canonical_style, layouts_of
-from .context import CheckContext, kind_of
+from ..compiler.plan import Rule
+from ..compiler.styles import ModuleKind, built_style, layouts_of
+from .context import CheckContext, Problem, kind_of
+from .example import Example
 
 ID = "layout-pairing"
 
 _FEATURES = Shard(-1)
 _SEQUENCE = Shard(1)
+
+
+EXAMPLES = (
+    Example(verdict="PASS", text="q/k/v_proj: colwise, o_proj: rowwise", args={"tp": 2}),
+    Example(
+        verdict="FAIL",
+        text="q/k/v_proj: colwise, o_proj left out -> o_proj gets heads/tp features, a shape error",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.layers.*.self_attn.o_proj", None),),
+    ),
+    Example(
+        verdict="FAIL",
+        text="under SP: input_layernorm: sequence_parallel, q_proj: colwise, and self_attn not gathered",
+        args={"tp": 2, "sequence_parallel": True},
+        edits=(("sequence_parallel", "model.layers.*.self_attn", None),),
+    ),
+)
 
 
 def _parent(name: str) -> str:
@@ -41,44 +56,62 @@ def _block(name: str) -> str:
     return match.group(1) if match else ""
 
 
-def check(ctx: CheckContext) -> Iterator[Diagnostic]:
-    if ctx.resolved is None or ctx.tp == 1:
-        return
-    modules = dict(ctx.model.named_modules())
-    producers: dict[str, list[tuple[str, object]]] = defaultdict(list)
-    consumers: dict[str, list[tuple[str, object]]] = defaultdict(list)
-    seq_blocks: set[str] = set()
-    replicated_readers: list[tuple[str, object]] = []
-    for name, module, rule, lay in ctx.assigned():
-        if lay.output == _FEATURES and lay.local_output:
-            producers[_parent(name)].append((name, rule))
-        if lay.input == _FEATURES and lay.weight is not None:
-            consumers[_parent(name)].append((name, rule))
-        if lay.output == _SEQUENCE and _block(name):
-            seq_blocks.add(_block(name))
-        if lay.input == Replicate() and lay.weight is not None and kind_of(module) is ModuleKind.LINEAR \
-                and _block(name):
-            replicated_readers.append((name, rule))
-    reported: set[tuple[str, str]] = set()
+Named = tuple[str, Rule]  # a module name and the rule that styled it
 
-    def once(rule, key) -> bool:
+
+@dataclass(kw_only=True, slots=True)
+class _Flow:
+    """Who hands on and who accepts a sharded activation, per parent module."""
+
+    producers: dict[str, list[Named]] = field(default_factory=lambda: defaultdict(list))  # leave Shard(-1)
+    consumers: dict[str, list[Named]] = field(default_factory=lambda: defaultdict(list))  # read Shard(-1)
+    seq_blocks: set[str] = field(default_factory=set)  # blocks whose output is a sequence shard
+    replicated_readers: list[Named] = field(default_factory=list)  # linear layers reading a whole input
+    reported: set[tuple[str, str]] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, ctx: CheckContext) -> _Flow:
+        flow = cls()
+        for name, module, rule, lay in ctx.assigned():
+            if lay.output == _FEATURES and lay.local_output:
+                flow.producers[_parent(name)].append((name, rule))
+            if lay.input == _FEATURES and lay.weight is not None:
+                flow.consumers[_parent(name)].append((name, rule))
+            if lay.output == _SEQUENCE and _block(name):
+                flow.seq_blocks.add(_block(name))
+            if (
+                lay.input == Replicate()
+                and lay.weight is not None
+                and kind_of(module) is ModuleKind.LINEAR
+                and _block(name)
+            ):
+                flow.replicated_readers.append((name, rule))
+        return flow
+
+    def once(self, rule: Rule, key: str) -> bool:
+        """Report a rule's problem of one kind once, not once per layer."""
         token = (rule.pattern, key)
-        if token in reported:
+        if token in self.reported:
             return False
-        reported.add(token)
+        self.reported.add(token)
         return True
 
-    for parent, made in producers.items():
-        if consumers.get(parent):
+
+def _unconsumed(ctx: CheckContext, flow: _Flow) -> Iterator[Problem]:
+    modules = dict(ctx.model.named_modules())
+    for parent, made in flow.producers.items():
+        if flow.consumers.get(parent):
             continue
         name, rule = made[0]
-        whole = [n for n, m in modules.items() if _parent(n) == parent and kind_of(m) is ModuleKind.LINEAR
-                 and ctx.rule_for(n) is None]
-        if not once(rule, "producer"):
+        whole = [
+            n
+            for n, m in modules.items()
+            if _parent(n) == parent and kind_of(m) is ModuleKind.LINEAR and ctx.rule_for(n) is None
+        ]
+        if not flow.once(rule, "producer"):
             continue
         if not parent:  # a top-level module (lm_head): its output is the model's output
-            yield Diagnostic(
-                rule=ID,
+            yield Problem(
                 loc=rule.loc,
                 message=f"{name} hands the model's output back as plain tensors sharded on features "
                 "(shard(-1)): the loss would read one rank's slice of the vocabulary as if it were all of it",
@@ -86,37 +119,52 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
                 "combine), or colwise_rep to gather them",
             )
             continue
-        yield Diagnostic(
-            rule=ID,
+        yield Problem(
             loc=rule.loc,
             message=f"{name} leaves its output sharded on features (shard(-1)) but no module of "
             f"{parent} accepts that layout"
             + (f"; {', '.join(w.rpartition('.')[2] for w in whole)} left whole" if whole else ""),
-            fix=(f"add '{_glob(whole[0])}: rowwise'" if whole else
-                 f"make {name.rpartition('.')[2]} colwise_rep to gather its output"),
+            fix=(
+                f"add '{_glob(whole[0])}: rowwise'"
+                if whole
+                else f"make {name.rpartition('.')[2]} colwise_rep to gather its output"
+            ),
         )
-    for parent, used in consumers.items():
-        if producers.get(parent):
+
+
+def _unproduced(flow: _Flow) -> Iterator[Problem]:
+    for parent, used in flow.consumers.items():
+        if flow.producers.get(parent):
             continue
         name, rule = used[0]
-        if not once(rule, "consumer"):
+        if not flow.once(rule, "consumer"):
             continue
-        yield Diagnostic(
-            rule=ID,
+        yield Problem(
             loc=rule.loc,
             message=f"{name} expects feature-sharded input (shard(-1)) but no module of {parent} produces it",
             fix=f"make the projections feeding {name.rpartition('.')[2]} colwise, or use rowwise_rep",
         )
+
+
+def _ungathered_sequence(ctx: CheckContext, flow: _Flow) -> Iterator[Problem]:
+    for name, rule in flow.replicated_readers:
+        if _block(name) in flow.seq_blocks and not _gathered_above(ctx, name) and flow.once(rule, "sequence"):
+            yield Problem(
+                loc=rule.loc,
+                message=f"{name} reads the sequence-sharded residual stream of {_block(name)} "
+                f"but its style {rule.style.name!r} declares a replicated input",
+                fix=f"add '{_glob(_parent(name))}: gather_seq_input' to the sequence_parallel overlay",
+            )
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
+    if ctx.resolved is None or ctx.tp == 1:
+        return
+    flow = _Flow.of(ctx)
+    yield from _unconsumed(ctx, flow)
+    yield from _unproduced(flow)
     if ctx.resolved.sequence_parallel:
-        for name, rule in replicated_readers:
-            if _block(name) in seq_blocks and not _gathered_above(ctx, name) and once(rule, "sequence"):
-                yield Diagnostic(
-                    rule=ID,
-                    loc=rule.loc,
-                    message=f"{name} reads the sequence-sharded residual stream of {_block(name)} "
-                    f"but its style {rule.style.name!r} declares a replicated input",
-                    fix=f"add '{_glob(_parent(name))}: gather_seq_input' to the sequence_parallel overlay",
-                )
+        yield from _ungathered_sequence(ctx, flow)
 
 
 def _gathered_above(ctx: CheckContext, name: str) -> bool:
@@ -126,7 +174,7 @@ def _gathered_above(ctx: CheckContext, name: str) -> bool:
     while parent and parent != block:
         rule = ctx.rule_for(parent)
         if rule is not None:
-            lay = layouts_of(canonical_style(rule.style.name).build(rule.style.overrides))
+            lay = layouts_of(built_style(rule.style))
             if lay.input == _SEQUENCE and lay.output == Replicate():
                 return True
         parent = _parent(parent)

@@ -3,30 +3,45 @@
 Vocab dimensions (embedding rows, lm_head rows) may split unevenly: DTensor and the logprob
 evaluator handle uneven shards, at the cost of padding one rank's shard; that is a warning.
 Any other uneven split (FFN width, hidden size) is an error: HF reshapes assume equal shards.
-
-PASS  qwen3-8b at --tp 8 (intermediate 12288, vocab 151936)
-FAIL  a Qwen3 config with intermediate_size 11000 at --tp 16 (gate/up/down_proj)
-WARN  a vocab of 255 at --tp 2 (shards of 128 and 127)
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch.distributed.tensor import Shard
 
-from ..errors import Diagnostic, Severity
-from ..styles import ModuleKind
-from .context import CheckContext, kind_of
+from ..compiler.styles import ModuleKind
+from ..errors import Severity
+from .context import CheckContext, Problem, kind_of
+from .example import Example
 
 ID = "shape-divisible"
+
+
+EXAMPLES = (
+    Example(verdict="PASS", text="qwen3-8b at --tp 8 (intermediate 12288, vocab 151936)", args={"tp": 8}),
+    Example(
+        verdict="FAIL",
+        text="a Qwen3 config with intermediate_size 11000 at --tp 16 (gate/up/down_proj)",
+        config={"intermediate_size": 11000},
+        args={"tp": 16},
+    ),
+    Example(
+        verdict="WARN",
+        text="a vocab of 255 at --tp 2 (shards of 128 and 127)",
+        model="tiny-qwen3",
+        config={"vocab_size": 255},
+        args={"tp": 2},
+    ),
+)
 
 
 def _divisors_up_to(n: int, limit: int = 64) -> list[int]:
     return [t for t in range(1, min(n, limit) + 1) if n % t == 0]
 
 
-def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+def check(ctx: CheckContext) -> Iterator[Problem]:
     tp = ctx.tp
     if tp == 1:
         return
@@ -35,12 +50,11 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
         if rule.pattern in reported:
             continue
         kind = kind_of(module)
-        if lay.weight is None or not isinstance(lay.weight.get(kind), Shard):
-            continue
+        placement = lay.weight.get(kind) if lay.weight is not None else None
         weight = getattr(module, "weight", None)
-        if weight is None:
+        if not isinstance(placement, Shard) or weight is None:
             continue
-        dim = lay.weight[kind].dim
+        dim = placement.dim
         size = weight.shape[dim]
         if size % tp == 0:
             continue
@@ -50,8 +64,7 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
         per_rank = -(-size // tp)
         reported.add(rule.pattern)
         if vocab:
-            yield Diagnostic(
-                rule=ID,
+            yield Problem(
                 severity=Severity.WARNING,
                 loc=rule.loc,
                 message=f"{name}: vocab dim {size} splits unevenly over tp={tp} "
@@ -59,8 +72,7 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
                 fix=f"pad the vocab to a multiple of {tp} for even shards",
             )
         else:
-            yield Diagnostic(
-                rule=ID,
+            yield Problem(
                 loc=rule.loc,
                 message=f"{name}: dim {dim} of weight {tuple(weight.shape)} is {size}, not divisible by tp={tp}",
                 fix=f"use tp in {{{', '.join(map(str, _divisors_up_to(size)))}}}, or keep this module whole",

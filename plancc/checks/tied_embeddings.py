@@ -5,35 +5,52 @@ The embedding's weight is [vocab, hidden]; so is lm_head's. ``embedding_rowwise`
 vocab (Shard(0)) and ``colwise_logits`` on lm_head shards vocab too: consistent, and plancc
 re-ties the two after sharding. ``colwise`` on lm_head with the embedding left whole would
 give two different tensors for one parameter: a crash, or logits from a stale copy.
-
-PASS  qwen3-0.6b (tied) with plans/qwen3.yaml: embedding_rowwise + colwise_logits
-FAIL  llama-3.2-1b (tied) with lm_head: colwise and model.embed_tokens unlisted
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
-from torch.distributed.tensor import Replicate
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate
 
-from ..errors import Diagnostic
-from ..styles import canonical_style, format_layout, layouts_of
-from .context import CheckContext, kind_of, text_config
+from ..compiler.plan import Rule
+from ..compiler.styles import built_style, format_layout, layouts_of
+from .context import CheckContext, Problem, kind_of, text_config
+from .example import Example
 
 ID = "tied-embeddings"
 
 
-def _placement(ctx: CheckContext, name: str, module):
-    rule = ctx.rule_for(name)
+EXAMPLES = (
+    Example(
+        verdict="PASS",
+        text="qwen3-0.6b (tied) with plans/qwen3.yaml: embedding_rowwise + colwise_logits",
+        model="qwen3-0.6b",
+        args={"tp": 2},
+    ),
+    Example(
+        verdict="FAIL",
+        text="llama-3.2-1b (tied) with lm_head: colwise and model.embed_tokens unlisted",
+        plan="llama.yaml",
+        model="llama-3.2-1b",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "lm_head", "colwise"), ("tensor_parallel", "model.embed_tokens", None)),
+    ),
+)
+
+
+def _placement(ctx: CheckContext, name: str | None, module: nn.Module) -> tuple[Placement, Rule | None]:
+    rule = ctx.rule_for(name) if name is not None else None
     if rule is None:
         return Replicate(), None
-    lay = layouts_of(canonical_style(rule.style.name).build(rule.style.overrides))
+    lay = layouts_of(built_style(rule.style))
     if lay.weight is None:
         return Replicate(), rule
     return lay.weight.get(kind_of(module), Replicate()), rule
 
 
-def check(ctx: CheckContext) -> Iterator[Diagnostic]:
+def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.tp == 1 or not getattr(text_config(ctx.config), "tie_word_embeddings", False):
         return
     get_in = getattr(ctx.model, "get_input_embeddings", None)
@@ -49,9 +66,10 @@ def check(ctx: CheckContext) -> Iterator[Diagnostic]:
     head_p, head_rule = _placement(ctx, head_name, head)
     if emb_p == head_p:
         return
-    loc = (head_rule or emb_rule).loc
-    yield Diagnostic(
-        rule=ID,
+    decided = head_rule or emb_rule
+    assert decided is not None  # two unlisted modules both stay whole: equal placements, returned above
+    loc = decided.loc
+    yield Problem(
         loc=loc,
         message=f"{emb_name} and {head_name} share one weight (tie_word_embeddings) but the plan "
         f"places it as {format_layout(emb_p)} in {emb_name} and {format_layout(head_p)} in {head_name}",

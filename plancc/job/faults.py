@@ -28,5 +28,6 @@ def inject(point: str, *, rank: int, step: int | None = None) -> None:
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected failure ({entry.strip()}) on rank {rank}"
-                           + (f" at step {step}" if step is not None else ""))
+        raise RuntimeError(
+            f"injected failure ({entry.strip()}) on rank {rank}" + (f" at step {step}" if step is not None else "")
+        )

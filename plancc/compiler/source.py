@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .errors import Diagnostic, PlanError, SourceLoc
+from ..errors import Diagnostic, PlanError, SourceLoc
 
 JsonPath = tuple[str | int, ...]
 

@@ -8,14 +8,16 @@ messages that say what was found, what was allowed, and how to fix it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 from jsonschema import Draft202012Validator
 
-from .errors import Diagnostic, did_you_mean, closest
+from ..errors import Diagnostic, closest, did_you_mean
 from .source import JsonPath, SourceDoc
 from .styles import HF_UNSUPPORTED, STYLE_NAMES
 
@@ -23,7 +25,7 @@ SUPPORTED_VERSIONS = (1,)
 
 
 @cache
-def plan_schema() -> dict:
+def plan_schema() -> dict[str, Any]:
     return json.loads(resources.files("plancc").joinpath("schemas/plan.schema.json").read_text())
 
 
@@ -32,11 +34,11 @@ def _validator() -> Draft202012Validator:
     return Draft202012Validator(plan_schema())
 
 
-def _allowed_keys(schema: dict) -> list[str]:
+def _allowed_keys(schema: dict[str, Any]) -> list[str]:
     return sorted(schema.get("properties", {}))
 
 
-def _resolve(schema: dict) -> dict:
+def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
     ref = schema.get("$ref")
     if ref and ref.startswith("#/$defs/"):
         return plan_schema()["$defs"][ref.removeprefix("#/$defs/")]
@@ -44,99 +46,147 @@ def _resolve(schema: dict) -> dict:
 
 
 def _describe(value: Any) -> str:
-    kind = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    kind = {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
     if isinstance(value, (dict, list)):
         return kind
     return f"{kind} ({value!r})"
 
 
-_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string",
-               "boolean": "true or false", "integer": "an integer"}
+_TYPE_WORDS = {
+    "object": "a mapping",
+    "array": "a list",
+    "string": "a string",
+    "boolean": "true or false",
+    "integer": "an integer",
+}
 
 
 def _where(at: JsonPath) -> str:
     return ".".join(str(p) for p in at) or "the plan"
 
 
-def _diagnostics_for(error: jsonschema.ValidationError, doc: SourceDoc) -> Iterator[Diagnostic]:
-    at: JsonPath = tuple(error.absolute_path)
-    validator = error.validator
-    if validator == "additionalProperties":
-        allowed = _allowed_keys(error.schema)
-        for key in error.instance:
-            if key in allowed:
-                continue
-            hint = did_you_mean(key, allowed)
-            yield Diagnostic(
-                rule="unknown-key",
-                loc=doc.loc(at + (key,), key=True),
-                message=f"unknown key {key!r} in {_where(at)}; allowed: {', '.join(allowed)}",
-                fix=(hint + " " if hint else "") + f"remove {key!r} or use one of the allowed keys",
-            )
-        return
-    if validator == "required":
-        missing = [k for k in error.validator_value if k not in error.instance]
-        for key in missing:
-            yield Diagnostic(
-                rule="missing-key",
-                loc=doc.loc(at),
-                message=f"required key {key!r} is missing from {_where(at)}",
-                fix=f"add '{key}:' (see plans/qwen3.yaml for a complete plan)",
-            )
-        return
-    if validator == "const" and at == ("plancc",):
+# One function per kind of jsonschema verdict: (the error, where the value sits, the document)
+# -> the diagnostics it means. jsonschema types its attributes loosely (``Unset``); the
+# values are read once, typed, into ``_Verdict``.
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    error: jsonschema.ValidationError
+    at: JsonPath
+    instance: Any
+    expected: Any  # the validator's value: the required keys, the enum, the type
+    schema: dict[str, Any]
+
+
+def _unknown_keys(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    allowed = _allowed_keys(v.schema)
+    for key in v.instance:
+        if key in allowed:
+            continue
+        hint = did_you_mean(key, allowed)
         yield Diagnostic(
-            rule="unsupported-version",
-            loc=doc.loc(at),
-            message=f"plan format version {error.instance!r} is not supported; "
-            f"this plancc reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}",
-            fix="set 'plancc: 1' (or upgrade plancc)",
+            rule="unknown-key",
+            loc=doc.loc(v.at + (key,), key=True),
+            message=f"unknown key {key!r} in {_where(v.at)}; allowed: {', '.join(allowed)}",
+            fix=(hint + " " if hint else "") + f"remove {key!r} or use one of the allowed keys",
         )
-        return
-    if validator == "anyOf" and _is_style_position(at):
-        yield from _style_diagnostics(error, doc, at)
-        return
-    if validator == "anyOf" and len(at) == 2 and at[0] == "activation_checkpointing":
-        yield from _checkpoint_target_diagnostics(error, doc, at)
-        return
-    if validator == "enum":
-        allowed = [str(v) for v in error.validator_value]
-        hint = did_you_mean(str(error.instance), allowed)
+
+
+def _missing_keys(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    for key in [k for k in v.expected if k not in v.instance]:
         yield Diagnostic(
-            rule="invalid-value",
-            loc=doc.loc(at),
-            message=f"{_where(at)} is {_describe(error.instance)}; allowed: {', '.join(allowed)}",
-            fix=hint or f"use one of: {', '.join(allowed)}",
+            rule="missing-key",
+            loc=doc.loc(v.at),
+            message=f"required key {key!r} is missing from {_where(v.at)}",
+            fix=f"add '{key}:' (see plans/qwen3.yaml for a complete plan)",
         )
-        return
-    if validator == "pattern" and error.schema is _resolve({"$ref": "#/$defs/glob"}):
-        # propertyNames errors point at the mapping (the bad glob is a key); list items and
-        # `module:` values point at the value itself.
-        yield Diagnostic(
-            rule="invalid-glob",
-            loc=doc.loc(at) if _value_at(doc.data, at) == error.instance else doc.loc(at + (error.instance,), key=True),
-            message=f"{error.instance!r} is not a valid module glob",
-            fix="write a dotted module path such as 'model.layers.*.mlp.up_proj' "
-            "('*' matches one segment, '**' any number; no spaces or empty segments)",
-        )
-        return
-    if validator == "type":
-        expected = error.validator_value
-        words = " or ".join(_TYPE_WORDS.get(t, t) for t in ([expected] if isinstance(expected, str) else expected))
-        yield Diagnostic(
-            rule="wrong-type",
-            loc=doc.loc(at),
-            message=f"{_where(at)} is {_describe(error.instance)}; expected {words}",
-            fix=_type_fix(at, words),
-        )
-        return
+
+
+def _bad_version(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    yield Diagnostic(
+        rule="unsupported-version",
+        loc=doc.loc(v.at),
+        message=f"plan format version {v.instance!r} is not supported; "
+        f"this plancc reads versions {', '.join(map(str, SUPPORTED_VERSIONS))}",
+        fix="set 'plancc: 1' (or upgrade plancc)",
+    )
+
+
+def _not_in_enum(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    allowed = [str(x) for x in v.expected]
+    hint = did_you_mean(str(v.instance), allowed)
     yield Diagnostic(
         rule="invalid-value",
-        loc=doc.loc(at),
-        message=f"{_where(at)}: {error.message}",
-        fix=_value_fix(error),
+        loc=doc.loc(v.at),
+        message=f"{_where(v.at)} is {_describe(v.instance)}; allowed: {', '.join(allowed)}",
+        fix=hint or f"use one of: {', '.join(allowed)}",
     )
+
+
+def _bad_glob(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    # propertyNames errors point at the mapping (the bad glob is a key); list items and
+    # `module:` values point at the value itself.
+    on_value = _value_at(doc.data, v.at) == v.instance
+    yield Diagnostic(
+        rule="invalid-glob",
+        loc=doc.loc(v.at) if on_value else doc.loc(v.at + (v.instance,), key=True),
+        message=f"{v.instance!r} is not a valid module glob",
+        fix="write a dotted module path such as 'model.layers.*.mlp.up_proj' "
+        "('*' matches one segment, '**' any number; no spaces or empty segments)",
+    )
+
+
+def _wrong_type(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    types = [v.expected] if isinstance(v.expected, str) else v.expected
+    words = " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+    yield Diagnostic(
+        rule="wrong-type",
+        loc=doc.loc(v.at),
+        message=f"{_where(v.at)} is {_describe(v.instance)}; expected {words}",
+        fix=_type_fix(v.at, words),
+    )
+
+
+def _other(v: _Verdict, doc: SourceDoc) -> Iterator[Diagnostic]:
+    yield Diagnostic(
+        rule="invalid-value", loc=doc.loc(v.at), message=f"{_where(v.at)}: {v.error.message}", fix=_value_fix(v.error)
+    )
+
+
+def _handler(v: _Verdict) -> Callable[[_Verdict, SourceDoc], Iterator[Diagnostic]]:
+    validator, at = v.error.validator, v.at
+    if validator == "additionalProperties":
+        return _unknown_keys
+    if validator == "required":
+        return _missing_keys
+    if validator == "const" and at == ("plancc",):
+        return _bad_version
+    if validator == "anyOf" and _is_style_position(at):
+        return lambda v, doc: _style_diagnostics(v.error, doc, v.at)
+    if validator == "anyOf" and len(at) == 2 and at[0] == "activation_checkpointing":
+        return lambda v, doc: _checkpoint_target_diagnostics(v.error, doc, v.at)
+    if validator == "pattern" and v.schema is _resolve({"$ref": "#/$defs/glob"}):
+        return _bad_glob
+    return {"enum": _not_in_enum, "type": _wrong_type}.get(str(validator), _other)
+
+
+def _diagnostics_for(error: jsonschema.ValidationError, doc: SourceDoc) -> Iterator[Diagnostic]:
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    verdict = _Verdict(
+        error=error,
+        at=tuple(error.absolute_path),
+        instance=error.instance,
+        expected=error.validator_value,
+        schema=schema,
+    )
+    yield from _handler(verdict)(verdict, doc)
 
 
 def _value_at(data: Any, at: JsonPath) -> Any:
@@ -182,8 +232,9 @@ def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: Js
     )
 
 
-def _checkpoint_target_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc,
-                                   at: JsonPath) -> Iterator[Diagnostic]:
+def _checkpoint_target_diagnostics(
+    error: jsonschema.ValidationError, doc: SourceDoc, at: JsonPath
+) -> Iterator[Diagnostic]:
     """An ``activation_checkpointing`` item that is neither a glob nor a ``{module, save}``
     mapping: report the branch the user evidently meant."""
     branch = 1 if isinstance(error.instance, dict) else 0 if isinstance(error.instance, str) else None
@@ -192,7 +243,7 @@ def _checkpoint_target_diagnostics(error: jsonschema.ValidationError, doc: Sourc
             rule="wrong-type",
             loc=doc.loc(at),
             message=f"{_where(at)} is {_describe(error.instance)}; expected a module glob or "
-                    "a mapping {module: GLOB, save: [...]}",
+            "a mapping {module: GLOB, save: [...]}",
             fix="write e.g. 'model.layers.*.mlp' or '{module: model.layers.*, save: [matmul]}'",
         )
         return
@@ -220,13 +271,13 @@ def _unknown_style(name: str, doc: SourceDoc, at: JsonPath) -> Diagnostic:
 
 
 def _type_fix(at: JsonPath, words: str) -> str:
-    examples = {
+    examples: dict[JsonPath, str] = {
         ("architectures",): "write a list: architectures: [Qwen3ForCausalLM]",
         ("tensor_parallel",): "write a mapping of module glob to style, e.g. 'lm_head: colwise_logits'",
         ("sequence_parallel",): "write a mapping of module glob to style, e.g. 'model.norm: sequence_parallel'",
         ("fsdp",): "write 'fsdp: {units: [model.layers.*]}'",
         ("activation_checkpointing",): "write a list of module globs, e.g. [model.layers.*], or "
-                                       "{module: GLOB, save: [matmul]} items for selective checkpointing",
+        "{module: GLOB, save: [matmul]} items for selective checkpointing",
     }
     return examples.get(at, f"make {_where(at)} {words}")
 

@@ -9,37 +9,36 @@ here each gradient's local sum of squares is summed over exactly the axes it is 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 
 def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """The L2 norm of all gradients, as if the model were unsharded (fp32)."""
-    buckets: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
-    groups = {}
+    # (mesh, axes the gradient is sharded on) -> this rank's sum of squares of those gradients
+    buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], torch.Tensor] = {}
     device = None
     for p in parameters:
         g = p.grad
         if g is None:
             continue
+        mesh: DeviceMesh | None = None
+        axes: tuple[int, ...] = ()
+        local = g
         if isinstance(g, DTensor):
-            sharded_axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
-            key = (id(g.device_mesh), sharded_axes)
-            groups[key] = (g.device_mesh, sharded_axes)
-            local = g.to_local()
-        else:
-            key = (None, ())
-            local = g
+            mesh, local = g.device_mesh, g.to_local()
+            axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
         device = local.device
-        buckets[key] = buckets[key].to(device) + local.detach().float().pow(2).sum()
+        square = local.detach().float().pow(2).sum()
+        key = (mesh, axes)
+        buckets[key] = buckets[key] + square if key in buckets else square
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for key, sq in buckets.items():
-        mesh, axes = groups.get(key, (None, ()))
-        for axis in axes:
+    for (mesh, axes), sq in buckets.items():
+        for axis in axes:  # replicated axes already hold the same values: not summed again
+            assert mesh is not None
             dist.all_reduce(sq, group=mesh.get_group(axis))
         total = total + sq
     return total.sqrt()
@@ -54,5 +53,6 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
             for p in params:
+                assert p.grad is not None
                 p.grad.mul_(coef)
     return norm

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 
 import yaml
+from torch import nn
 
-from .errors import Diagnostic, PlanError, SourceLoc
-from .models import architecture_of, build_meta_model, load_config
-from .styles import ALIASES, HF_UNSUPPORTED, STYLES
+from ..compiler.styles import ALIASES, HF_UNSUPPORTED, STYLES
+from ..errors import Diagnostic, PlanError, SourceLoc
+from ..models import architecture_of, build_meta_model, load_config
 
 # HF style name -> plancc style (same layouts; see `plancc styles`)
 HF_STYLES = {
@@ -31,7 +32,7 @@ HF_STYLES = {
 }
 
 
-def _fsdp_units(model) -> list[str]:
+def _fsdp_units(model: nn.Module) -> list[str]:
     """Globs of the modules HF says must not be split (decoder layers): the FSDP units."""
     classes = set(getattr(model, "_no_split_modules", None) or [])
     shapes = []
@@ -49,15 +50,29 @@ def import_hf(model_spec: str) -> str:
     model = build_meta_model(config)
     hf_plan = dict(getattr(model, "_tp_plan", None) or {})
     if not hf_plan:
-        raise PlanError([Diagnostic(rule="import-hf", loc=SourceLoc(path=model_spec),
-                                    message=f"{type(model).__name__} has no Hugging Face TP plan",
-                                    fix="write a plan by hand; start from plans/llama.yaml")])
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="import-hf",
+                    loc=SourceLoc(path=model_spec),
+                    message=f"{type(model).__name__} has no Hugging Face TP plan",
+                    fix="write a plan by hand; start from plans/llama.yaml",
+                )
+            ]
+        )
     unknown = sorted({s for s in hf_plan.values() if s not in HF_STYLES})
     if unknown:
-        raise PlanError([Diagnostic(rule="import-hf", loc=SourceLoc(path=model_spec),
-                                    message="HF styles with no plancc equivalent: " + "; ".join(
-                                        f"{u} ({HF_UNSUPPORTED[u]})" if u in HF_UNSUPPORTED else u for u in unknown),
-                                    fix="write those rules by hand with `plancc styles`")])
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="import-hf",
+                    loc=SourceLoc(path=model_spec),
+                    message="HF styles with no plancc equivalent: "
+                    + "; ".join(f"{u} ({HF_UNSUPPORTED[u]})" if u in HF_UNSUPPORTED else u for u in unknown),
+                    fix="write those rules by hand with `plancc styles`",
+                )
+            ]
+        )
     tensor_parallel = {glob: HF_STYLES[style] for glob, style in hf_plan.items()}
     assert all(s in STYLES or s in ALIASES for s in tensor_parallel.values())
     arch = architecture_of(config)

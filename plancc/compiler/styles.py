@@ -17,13 +17,15 @@ Conventions shared by the whole vocabulary (they are what makes styles compose):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Mapping
+from functools import cache
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -62,7 +64,7 @@ class LeaveWhole(ParallelStyle):
     still lets the glob check catch typos, which silently omitting it would not.
     """
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return module
 
 
@@ -77,10 +79,10 @@ class RotaryUnderSequenceParallel(ParallelStyle):
     instead of computing wrong cos/sin. ``plancc.parallelize`` passes global position ids.
     """
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
 
-        def to_local(args, kwargs):
+        def to_local(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
             args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
             kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
             hidden = args[0] if args else kwargs.get("x")
@@ -99,7 +101,7 @@ class RotaryUnderSequenceParallel(ParallelStyle):
                 )
             return args, kwargs
 
-        def local_outputs(mod, args, kwargs, output):
+        def local_outputs(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if isinstance(output, tuple):
                 return type(output)(o.to_local() if isinstance(o, DTensor) else o for o in output)
             return output.to_local() if isinstance(output, DTensor) else output
@@ -125,14 +127,16 @@ class GatherSequenceInput(ParallelStyle):
         self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
 
-    def _gather(self, x, mesh):
+    def _gather(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
         x = x.redistribute(placements=self.desired_input_layouts)
         return x.to_local() if self.use_local_output else x
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def hook(mod, args, kwargs):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(
+            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
             if args and isinstance(args[0], torch.Tensor):
                 args = (self._gather(args[0], device_mesh), *args[1:])
             elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
@@ -158,6 +162,10 @@ class StyleSpec:
 
     def build(self, overrides: Mapping[str, Any] | None = None) -> ParallelStyle:
         return self.factory(**{**self.defaults, **(overrides or {})})
+
+    @property
+    def fits_any_module(self) -> bool:
+        return self.module_kinds == frozenset(ModuleKind)
 
 
 _LINEAR_OVERRIDES = frozenset({"input_layouts", "output_layouts", "use_local_output"})
@@ -313,10 +321,10 @@ ALIASES: dict[str, str] = {alias: spec.name for spec in _SPECS for alias in spec
 # must not be steered to the nearest-looking name when that name would shard differently.
 HF_UNSUPPORTED: dict[str, str] = {
     "packed_colwise": "fused projections (e.g. gate_up_proj) need each half sharded on its own; "
-                      "plain 'colwise' would give one rank all of gate and the other all of up",
+    "plain 'colwise' would give one rank all of gate and the other all of up",
     "packed_rowwise": "fused projections need each half sharded on its own; plain 'rowwise' would not",
     "embedding_colwise": "an embedding sharded on its hidden dim is not in plancc's vocabulary; "
-                         "'embedding_rowwise' (vocab-parallel) is",
+    "'embedding_rowwise' (vocab-parallel) is",
     "all_reduce": "a bare all-reduce of a module's output is not a plancc style",
     "mla_kv_a_proj": "multi-head latent attention projections are not supported yet",
     "moe_tp_experts": "mixture-of-experts layers are not supported yet",
@@ -326,13 +334,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "local_params": "locally-sharded parameters without DTensor are not a plancc style",
 }
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)
-OVERRIDE_KEYS: tuple[str, ...] = (
-    "input_layouts",
-    "output_layouts",
-    "desired_input_layouts",
-    "desired_output_layouts",
-    "use_local_output",
-)
 
 _LAYOUT_RE = re.compile(r"^(?:replicate|shard\((-?\d+)\))$")
 
@@ -340,6 +341,31 @@ _LAYOUT_RE = re.compile(r"^(?:replicate|shard\((-?\d+)\))$")
 def canonical_style(name: str) -> StyleSpec:
     """The spec for a style name or alias (names are validated by the schema first)."""
     return STYLES[ALIASES.get(name, name)]
+
+
+class StyleChoice(Protocol):
+    """What a plan rule says about a style (``plancc.compiler.plan.StyleRef``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def overrides(self) -> Mapping[str, Any]: ...
+
+
+def built_style(choice: StyleChoice) -> ParallelStyle:
+    """The torch style object of a plan's style choice, built once per distinct choice.
+
+    torch's styles keep no per-module state (``_apply`` only registers hooks that read the
+    style's layouts), so one object serves every module of a rule: a 1000-layer plan builds
+    a few dozen objects instead of thousands.
+    """
+    return _build(canonical_style(choice.name).name, tuple(sorted(choice.overrides.items())))
+
+
+@cache
+def _build(name: str, overrides: tuple[tuple[str, Any], ...]) -> ParallelStyle:
+    return STYLES[name].build(dict(overrides))
 
 
 def parse_layout(text: str) -> Placement:
@@ -395,16 +421,20 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             weight={kind: Replicate() for kind in ModuleKind},
         )
     if isinstance(style, (PrepareModuleInput, GatherSequenceInput)):
+        inputs, wanted = style.input_layouts, style.desired_input_layouts
+        assert inputs is not None and wanted is not None  # every spec sets both
         return Layouts(
-            input=style.input_layouts[0],
-            output=style.desired_input_layouts[0],
+            input=inputs[0],
+            output=wanted[0],
             local_output=style.use_local_output,
             weight=None,
         )
     if isinstance(style, PrepareModuleOutput):
+        outputs, desired = style.output_layouts, style.desired_output_layouts
+        assert outputs is not None and desired is not None  # every spec sets both
         return Layouts(
-            input=style.output_layouts[0],
-            output=style.desired_output_layouts[0],
+            input=outputs[0],
+            output=desired[0],
             local_output=style.use_local_output,
             weight=None,
         )

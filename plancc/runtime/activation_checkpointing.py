@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -28,27 +29,35 @@ def _packets(namespace: str, names: Iterable[str]) -> tuple:
 # The vocabulary of `save:` in a plan (the schema's enum is this table's keys).
 SAVE_GROUPS: Mapping[str, tuple] = {
     "matmul": _packets("aten", ["mm", "addmm", "bmm", "baddbmm"]),
-    "attention": _packets("aten", [
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_fused_attention_overrideable"]),
-    "collectives": _packets("_c10d_functional", [
-        "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"]),
+    "attention": _packets(
+        "aten",
+        [
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_fused_attention_overrideable",
+        ],
+    ),
+    "collectives": _packets(
+        "_c10d_functional", ["all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single"]
+    ),
 }
 
 
-def save_policy(groups: Iterable[str]) -> Callable:
+def save_policy(groups: Iterable[str]) -> Callable[..., CheckpointPolicy]:
     """A selective-checkpoint policy: keep the outputs of ``groups``' operators."""
     keep = frozenset(op for group in groups for op in SAVE_GROUPS[group])
 
-    def policy(ctx, op, *args, **kwargs):
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op.overloadpacket in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
 
-def apply_activation_checkpointing(model: nn.Module, names: Iterable[str],
-                                   saves: Mapping[str, tuple[str, ...]] | None = None) -> None:
+def apply_activation_checkpointing(
+    model: nn.Module, names: Iterable[str], saves: Mapping[str, tuple[str, ...]] | None = None
+) -> None:
     """Recompute each target's ``forward`` in backward instead of keeping its activations;
     targets in ``saves`` keep the outputs of the named operator groups.
 
@@ -61,11 +70,13 @@ def apply_activation_checkpointing(model: nn.Module, names: Iterable[str],
     saves = saves or {}
     for name in names:
         module = modules[name]
-        extra = {}
+        extra: dict[str, Any] = {}
         if saves.get(name):
             extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_policy(saves[name]))
 
-        def forward(*args, _inner=module.forward, _extra=extra, **kwargs):
+        def forward(
+            *args: Any, _inner: Callable[..., Any] = module.forward, _extra: dict[str, Any] = extra, **kwargs: Any
+        ) -> Any:
             return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **_extra, **kwargs)
 
-        module.forward = forward
+        module.forward = forward  # per instance, on purpose (see above)

@@ -3,14 +3,15 @@ every rule so later stages (resolve, checks, lowering) can point back at the use
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from .errors import Diagnostic, SourceLoc, raise_if_errors
+from ..errors import Diagnostic, SourceLoc, raise_if_errors
 from .schema import validate_doc
 from .source import SourceDoc, parse_yaml, read_yaml
-from .styles import ALIASES, canonical_style, parse_layout
+from .styles import ALIASES, canonical_style, format_layout, parse_layout
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,8 +30,6 @@ class StyleRef:
 
 
 def _show(value: Any) -> str:
-    from .styles import format_layout
-
     if isinstance(value, bool):
         return str(value).lower()
     return format_layout(value)
@@ -96,8 +95,7 @@ def _rules(doc: SourceDoc, section: str, problems: list[Diagnostic]) -> tuple[Ru
         rules.append(
             Rule(
                 pattern=pattern,
-                style=StyleRef(name=spec.name, overrides=overrides,
-                               written_as=written if written in ALIASES else ""),
+                style=StyleRef(name=spec.name, overrides=overrides, written_as=written if written in ALIASES else ""),
                 loc=doc.loc(at, key=True),
                 optional=optional,
                 section=section,

@@ -7,8 +7,12 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.run import get_args_parser, run
 
 from .runner import RunConfig
 
@@ -27,26 +31,31 @@ class LaunchOptions:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LaunchResult:
     ok: bool
-    result: dict | None
+    result: dict[str, Any] | None
     failures: dict[int, str]  # global rank -> error message
     first_failed: int | None = None  # the rank that failed first: the root cause
 
 
 def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
-    argv = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}",
-            f"--max-restarts={opts.max_restarts}", "--monitor-interval=0.2"]
+    argv = [
+        f"--nproc-per-node={opts.nproc_per_node}",
+        f"--nnodes={opts.nnodes}",
+        f"--max-restarts={opts.max_restarts}",
+        "--monitor-interval=0.2",
+    ]
     if opts.rdzv_endpoint:
-        argv += [f"--node-rank={opts.node_rank}", f"--rdzv-backend={opts.rdzv_backend}",
-                 f"--rdzv-endpoint={opts.rdzv_endpoint}", f"--rdzv-id={opts.rdzv_id or 'plancc'}"]
+        argv += [
+            f"--node-rank={opts.node_rank}",
+            f"--rdzv-backend={opts.rdzv_backend}",
+            f"--rdzv-endpoint={opts.rdzv_endpoint}",
+            f"--rdzv-id={opts.rdzv_id or 'plancc'}",
+        ]
     else:
         argv += ["--standalone"]  # single node: rendezvous on a free local port
-    return argv + ["--module", "plancc.runner", "--config", json.dumps(asdict(cfg)), "--result", result_path]
+    return argv + ["--module", "plancc.job.runner", "--config", cfg.to_json(), "--result", result_path]
 
 
 def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="plancc-") as tmp:
         result_path = str(Path(tmp) / "result.json")
@@ -75,8 +84,11 @@ class RankFailure:
 
 # What a rank says when a *peer* died under it: gloo/nccl/store errors. These ranks are
 # victims; naming one of them as "the rank that failed" sends the user to the wrong log.
-_PEER_ERROR = re.compile(r"closed by peer|reset by peer|remote worker|Broken pipe|DistNetworkError|"
-                         r"DistStoreError|NCCL.*(?:abort|watchdog)|ProcessGroup.*(?:abort|shut)", re.IGNORECASE)
+_PEER_ERROR = re.compile(
+    r"closed by peer|reset by peer|remote worker|Broken pipe|DistNetworkError|"
+    r"DistStoreError|NCCL.*(?:abort|watchdog)|ProcessGroup.*(?:abort|shut)",
+    re.IGNORECASE,
+)
 _SIGTERM = -15  # how the elastic agent stops the survivors
 
 
@@ -84,18 +96,20 @@ def root_cause(failures: list[RankFailure]) -> int | None:
     """The rank whose own failure started the cascade: a rank that raised or died of its own
     accord beats one that lost a peer, which beats one the agent stopped; earliest, then
     lowest rank, inside each class (torch's timestamps alone tie at one-second resolution)."""
+
     def cause_class(f: RankFailure) -> int:
         if _PEER_ERROR.search(f.message):
             return 1
         if f.exitcode == _SIGTERM and ("SIGTERM" in f.message or f.message.startswith("killed by")):
             return 2
         return 0
+
     if not failures:
         return None
     return min(failures, key=lambda f: (cause_class(f), f.timestamp, f.rank)).rank
 
 
-def _failure_message(failure) -> str:
+def _failure_message(failure: ProcessFailure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", message)

@@ -13,6 +13,7 @@ previous step and the previous ``latest`` untouched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -24,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .errors import Diagnostic, PlanError, SourceLoc
+from ..errors import Diagnostic, PlanError, SourceLoc
+from . import faults
 
 META = "plancc.json"
 
@@ -47,8 +49,6 @@ class CheckpointInfo:
 def model_signature(model: torch.nn.Module) -> str:
     """Names and global shapes of the parameters, as one string (layout independent)."""
     parts = [f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters()]
-    import hashlib
-
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -56,7 +56,7 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def save(root: str | Path, model, optimizer, info: CheckpointInfo) -> Path:
+def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> Path:
     """Collective: every rank calls it. Returns the finished step directory."""
     root = Path(root)
     final = _step_dir(root, info.step)
@@ -68,8 +68,6 @@ def save(root: str | Path, model, optimizer, info: CheckpointInfo) -> Path:
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    from . import faults
-
     faults.inject("save", rank=dist.get_rank())
     dist.barrier()
     if dist.get_rank() == 0:
@@ -97,8 +95,11 @@ def find(root: str | Path) -> Path:
         step = root / latest.read_text().strip()
         if (step / META).is_file():
             return step
-    raise _error(str(root), "no complete checkpoint here (no 'latest' pointing at a finished step)",
-                 "pass the --save directory of an earlier run")
+    raise _error(
+        str(root),
+        "no complete checkpoint here (no 'latest' pointing at a finished step)",
+        "pass the --save directory of an earlier run",
+    )
 
 
 def read_info(step_dir: Path) -> CheckpointInfo:
@@ -108,21 +109,27 @@ def read_info(step_dir: Path) -> CheckpointInfo:
         raise _error(str(step_dir), f"unreadable checkpoint metadata: {exc}", "resume from another step") from None
 
 
-def load(root: str | Path, model, optimizer, *, architecture: str, plan: str) -> CheckpointInfo:
+def load(
+    root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, architecture: str, plan: str
+) -> CheckpointInfo:
     """Collective: load model and optimizer state saved at any layout into this one."""
     step_dir = find(root)
     info = read_info(step_dir)
     if info.architecture != architecture or info.model_signature != model_signature(model):
-        raise _error(str(step_dir),
-                     f"checkpoint is of {info.architecture} (signature {info.model_signature}), this run builds "
-                     f"{architecture} (signature {model_signature(model)})",
-                     "resume with the --model the checkpoint was saved with")
+        raise _error(
+            str(step_dir),
+            f"checkpoint is of {info.architecture} (signature {info.model_signature}), this run builds "
+            f"{architecture} (signature {model_signature(model)})",
+            "resume with the --model the checkpoint was saved with",
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    try:
-        dcp.load(state, checkpoint_id=str(step_dir))
+    try:  # DCP loads in place, into the tensors of these two state dicts
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(step_dir))
     except Exception as exc:  # DCP reports mismatches deep inside; say what it means
-        raise _error(str(step_dir), f"checkpoint does not fit this model/plan: {str(exc).splitlines()[0][:300]}",
-                     f"resume with the plan the checkpoint was saved with ({info.plan})") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        raise _error(
+            str(step_dir),
+            f"checkpoint does not fit this model/plan: {str(exc).splitlines()[0][:300]}",
+            f"resume with the plan the checkpoint was saved with ({info.plan})",
+        ) from None
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return info

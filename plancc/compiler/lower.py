@@ -11,14 +11,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .plan import Plan
 from .resolve import ResolvedPlan, resolve_plan
-from .styles import canonical_style
+from .styles import built_style
 
 
 def lower(resolved: ResolvedPlan) -> dict[str, ParallelStyle]:
-    return {
-        name: canonical_style(rule.style.name).build(rule.style.overrides)
-        for name, rule in resolved.assignments.items()
-    }
+    return {name: built_style(rule.style) for name, rule in resolved.assignments.items()}
 
 
 def compile_plan(

@@ -14,10 +14,11 @@ import re
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
-from .resolve import ResolvedPlan
-from .styles import canonical_style, format_layout, layouts_of, module_kind
+from ..compiler.resolve import ResolvedPlan
+from ..compiler.styles import built_style, format_layout, layouts_of, module_kind
+from ..layout import Layout
 
 FP32 = 4
 
@@ -60,12 +61,25 @@ class Explanation:
         return {
             "tp": self.tp,
             "fsdp_ranks": self.fsdp_ranks,
-            "per_rank_bytes": {"parameters": self.param_bytes, "gradients": self.grad_bytes,
-                               "adamw_state": self.optimizer_bytes,
-                               "total": self.param_bytes + self.grad_bytes + self.optimizer_bytes},
-            "rows": [{"module": r.group, "count": r.count, "style": r.style, "param": r.param,
-                      "global_shape": list(r.global_shape), "local_shape": list(r.local_shape),
-                      "tp": r.tp_placement, "fsdp": r.fsdp_placement} for r in self.rows],
+            "per_rank_bytes": {
+                "parameters": self.param_bytes,
+                "gradients": self.grad_bytes,
+                "adamw_state": self.optimizer_bytes,
+                "total": self.param_bytes + self.grad_bytes + self.optimizer_bytes,
+            },
+            "rows": [
+                {
+                    "module": r.group,
+                    "count": r.count,
+                    "style": r.style,
+                    "param": r.param,
+                    "global_shape": list(r.global_shape),
+                    "local_shape": list(r.local_shape),
+                    "tp": r.tp_placement,
+                    "fsdp": r.fsdp_placement,
+                }
+                for r in self.rows
+            ],
         }
 
 
@@ -78,18 +92,18 @@ def _group(name: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
 
 
-def explain(model: nn.Module, resolved: ResolvedPlan | None, *, tp: int, dp: int = 1, cp: int = 1) -> Explanation:
-    fsdp_ranks = dp * cp
+def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> Explanation:
+    tp, fsdp_ranks = layout.tp, layout.fsdp_size
     rows: dict[tuple[str, str], ParamRow] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():
         rule = resolved.assignments.get(name) if resolved is not None and tp > 1 else None
-        lay = layouts_of(canonical_style(rule.style.name).build(rule.style.overrides)) if rule else None
+        lay = layouts_of(built_style(rule.style)) if rule else None
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights are held once
                 continue
             seen.add(id(param))
-            placement = Replicate()
+            placement: Placement = Replicate()
             if lay is not None and lay.weight is not None:
                 placement = lay.weight.get(module_kind(module), Replicate())
                 if p_name == "bias" and isinstance(placement, Shard):
@@ -106,32 +120,53 @@ def explain(model: nn.Module, resolved: ResolvedPlan | None, *, tp: int, dp: int
                 old = rows[key]
                 rows[key] = ParamRow(**{**{f: getattr(old, f) for f in ParamRow.__slots__}, "count": old.count + 1})
             else:
-                rows[key] = ParamRow(group=key[0], count=1, style=style, param=p_name,
-                                     global_shape=tuple(param.shape), local_shape=tuple(shape),
-                                     tp_placement=format_layout(placement) if tp > 1 else "-",
-                                     fsdp_placement="shard(0)" if fsdp_ranks > 1 else "-")
+                rows[key] = ParamRow(
+                    group=key[0],
+                    count=1,
+                    style=style,
+                    param=p_name,
+                    global_shape=tuple(param.shape),
+                    local_shape=tuple(shape),
+                    tp_placement=format_layout(placement) if tp > 1 else "-",
+                    fsdp_placement="shard(0)" if fsdp_ranks > 1 else "-",
+                )
     return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "TiB":
+            break
+    return f"{value:.2f} {unit}"
 
 
 def render(exp: Explanation) -> str:
     header = ["module", "n", "style", "param", "global shape", "rank-0 shard", "tp", "fsdp"]
-    body = [[r.group, str(r.count), r.style, r.param, "x".join(map(str, r.global_shape)),
-             "x".join(map(str, r.local_shape)), r.tp_placement, r.fsdp_placement] for r in exp.rows]
+    body = [
+        [
+            r.group,
+            str(r.count),
+            r.style,
+            r.param,
+            "x".join(map(str, r.global_shape)),
+            "x".join(map(str, r.local_shape)),
+            r.tp_placement,
+            r.fsdp_placement,
+        ]
+        for r in exp.rows
+    ]
     widths = [max(len(row[i]) for row in body + [header]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
     total = exp.param_bytes + exp.grad_bytes + exp.optimizer_bytes
     lines.append("")
-    lines.append(f"per rank (fp32 master weights, FSDP over {exp.fsdp_ranks} ranks, tp={exp.tp}): "
-                 f"parameters {human_bytes(exp.param_bytes)}, gradients {human_bytes(exp.grad_bytes)}, "
-                 f"AdamW state {human_bytes(exp.optimizer_bytes)}, total {human_bytes(total)}")
+    lines.append(
+        f"per rank (fp32 master weights, FSDP over {exp.fsdp_ranks} ranks, tp={exp.tp}): "
+        f"parameters {human_bytes(exp.param_bytes)}, gradients {human_bytes(exp.grad_bytes)}, "
+        f"AdamW state {human_bytes(exp.optimizer_bytes)}, total {human_bytes(total)}"
+    )
     return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""Runs every rule over one context and stamps each problem with its rule id, as yamllint's
+linter does: a rule module only says what it found and where."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..compiler.plan import Plan
+from ..compiler.resolve import ResolvedPlan, resolve_sections
+from ..errors import Diagnostic
+from ..layout import Layout
+from ..models import build_meta_model
+from . import (
+    architecture,
+    context_parallel,
+    heads,
+    mesh_sizes,
+    module_kinds,
+    pairing,
+    sequence_parallel,
+    shapes,
+    tied_embeddings,
+)
+from .context import CheckContext
+
+RULES: tuple[ModuleType, ...] = (
+    mesh_sizes,
+    architecture,
+    heads,
+    shapes,
+    tied_embeddings,
+    module_kinds,
+    pairing,
+    sequence_parallel,
+    context_parallel,
+)
+
+
+def rule_ids(rule: ModuleType) -> tuple[str, ...]:
+    """The ids a rule module reports under: its ``ID``, or its ``IDS`` when it owns several."""
+    return tuple(getattr(rule, "IDS", None) or (rule.ID,))
+
+
+def run_rules(ctx: CheckContext, rules: Iterable[ModuleType] = RULES) -> Iterator[Diagnostic]:
+    for rule in rules:
+        ids = rule_ids(rule)
+        for problem in rule.check(ctx):
+            rule_id = problem.rule or ids[0]
+            assert rule_id in ids, f"{rule.__name__} reported {rule_id!r}, not one of its ids {ids}"
+            yield Diagnostic(
+                rule=rule_id, loc=problem.loc, message=problem.message, fix=problem.fix, severity=problem.severity
+            )
+
+
+def _config_of(model: nn.Module) -> PretrainedConfig:
+    config: Any = model.config  # every Hugging Face model carries its config
+    return config
+
+
+def check_plan(
+    plan: Plan,
+    model_or_config: Any,
+    layout: Layout | None = None,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    dp: int | None = None,
+    world_size: int | None = None,
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+    resolved: Iterable[ResolvedPlan] | None = None,
+) -> list[Diagnostic]:
+    """Every problem of ``plan`` on this model at this layout, errors and warnings.
+
+    Pass a ``Layout``, or the sizes (``tp``, ``cp``, ``dp``, ``world_size``,
+    ``sequence_parallel``) to build one; sizes that do not fit are a ``mesh-sizes`` problem
+    and the other rules still run. Glob problems (``glob-no-match``, ``rule-conflict``) come
+    from resolving and are included; rules whose globs failed are not checked further.
+    """
+    problems: list[Diagnostic] = []
+    if layout is None:
+        layout, layout_problems = Layout.diagnose(
+            world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel, loc=plan.loc
+        )
+    else:
+        layout_problems = []
+    model = model_or_config if isinstance(model_or_config, nn.Module) else build_meta_model(model_or_config)
+    if resolved is None:
+        resolved, problems = resolve_sections(plan, model)
+    by_sp = {r.sequence_parallel: r for r in resolved}
+    ctx = CheckContext(
+        plan=plan,
+        model=model,
+        config=_config_of(model),
+        layout=layout,
+        seq_len=seq_len,
+        resolved=by_sp.get(layout.sequence_parallel) or by_sp.get(False),
+        layout_problems=tuple(layout_problems),
+    )
+    return problems + list(run_rules(ctx))

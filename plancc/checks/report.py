@@ -1,0 +1,167 @@
+"""``plancc validate``: load a plan, bind it to a model config, run every check, summarize.
+
+All problems found are reported together; nothing here needs a process group or weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..compiler.plan import Plan, load_plan
+from ..compiler.resolve import ResolvedPlan, resolve_sections
+from ..errors import Diagnostic
+from ..layout import Layout
+from ..models import ModelSpecError, architecture_of, build_meta_model, default_preset, load_config
+from .engine import check_plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationReport:
+    plan: Plan
+    model_name: str
+    layout: Layout
+    diagnostics: tuple[Diagnostic, ...]
+    resolved: tuple[ResolvedPlan, ...] = ()
+    meta_model: nn.Module | None = None  # the model the plan was checked on (meta device)
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
+
+    def resolved_for(self, sequence_parallel: bool) -> ResolvedPlan | None:
+        return next((r for r in self.resolved if r.sequence_parallel == sequence_parallel), None)
+
+    @property
+    def has_errors(self) -> bool:
+        return any(d.is_error for d in self.diagnostics)
+
+    def rule_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for resolved in self.resolved:
+            for r in resolved.rules:
+                if r.rule.section == "sequence_parallel" or not resolved.sequence_parallel:
+                    rows.append(
+                        {
+                            "section": r.rule.section,
+                            "pattern": r.rule.pattern,
+                            "style": r.rule.style.describe(),
+                            "matched": len(r.modules),
+                            "line": r.rule.loc.line,
+                        }
+                    )
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        errors = sum(d.is_error for d in self.diagnostics)
+        return {
+            "plan": self.plan.name,
+            "path": self.plan.path,
+            "model": self.model_name,
+            "tp": self.tp,
+            "sequence_parallel": self.sequence_parallel,
+            "rules": self.rule_rows(),
+            "fsdp_units": len(self.resolved[0].fsdp_units) if self.resolved else 0,
+            "fsdp_reshard_after_forward": self.plan.fsdp_reshard_after_forward,
+            "activation_checkpointing": len(self.resolved[0].activation_checkpointing) if self.resolved else 0,
+            "selective_checkpointing": len(self.resolved[0].checkpoint_saves) if self.resolved else 0,
+            "errors": errors,
+            "warnings": len(self.diagnostics) - errors,
+        }
+
+    def render(self) -> str:
+        s = self.summary()
+        lines = [
+            f"plan {s['plan']} ({s['path']}) on {s['model']}, tp={s['tp']}" + (" +sp" if s["sequence_parallel"] else "")
+        ]
+        rows = s["rules"]
+        if rows:
+            w_pat = max(len(r["pattern"]) for r in rows)
+            w_sty = max(len(r["style"]) for r in rows)
+            section = None
+            for r in rows:
+                if r["section"] != section:
+                    section = r["section"]
+                    lines.append(f"  {section}:")
+                lines.append(f"    {r['pattern']:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} modules")
+        kept = "" if s["fsdp_reshard_after_forward"] else " (kept gathered from forward to backward)"
+        selective = f" ({s['selective_checkpointing']} selective)" if s["selective_checkpointing"] else ""
+        lines.append(
+            f"  fsdp units: {s['fsdp_units']}{kept}   "
+            f"activation checkpointing: {s['activation_checkpointing']}{selective}"
+        )
+        verdict = "FAILED" if s["errors"] else "ok"
+        lines.append(f"{verdict}: {s['errors']} error(s), {s['warnings']} warning(s)")
+        return "\n".join(lines)
+
+
+def _model_or_default(plan: Plan, model: Any) -> Any:
+    if model is not None:
+        return model
+    preset = default_preset(plan.architectures)
+    if preset is None:
+        raise ModelSpecError(
+            [
+                Diagnostic(
+                    rule="unknown-model",
+                    loc=plan.loc,
+                    message=f"no built-in preset for {', '.join(plan.architectures)}",
+                    fix="pass --model with a Hugging Face model folder or config.json",
+                )
+            ]
+        )
+    return preset
+
+
+def validate_plan(
+    plan_path: str | Path | Plan,
+    *,
+    model: Any = None,
+    layout: Layout | None = None,
+    world_size: int | None = None,
+    dp: int | None = None,
+    cp: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+) -> ValidationReport:
+    """Everything ``plancc validate`` reports: schema, globs and every model-aware check at
+    ``layout`` (or at the sizes given). Raises ``PlanError`` when the plan file itself cannot
+    be read or is not a valid plan, ``ModelSpecError`` when ``model`` names nothing."""
+    plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
+    model = _model_or_default(plan, model)
+    config = load_config(model)
+    meta = build_meta_model(config)
+    resolved, problems = resolve_sections(plan, meta)
+    problems += check_plan(
+        plan,
+        meta,
+        layout,
+        world_size=world_size,
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        seq_len=seq_len,
+        resolved=resolved,
+    )
+    layout = (
+        layout or Layout.diagnose(world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel)[0]
+    )
+    problems.sort(key=lambda d: (not d.is_error, d.path, d.line, d.column))
+    name = model if isinstance(model, str) else architecture_of(config)
+    return ValidationReport(
+        plan=plan,
+        model_name=str(name),
+        layout=layout,
+        diagnostics=tuple(problems),
+        resolved=tuple(resolved),
+        meta_model=meta,
+    )

@@ -1,0 +1,131 @@
+"""Token batches for `plancc apply` / `plancc logprobs`.
+
+Synthetic batches are a pure function of (seed, step), and a JSONL file is read whole and
+validated before any step runs, so every layout (and a resumed run) sees the same global
+batch at the same step: that is what lets a resumed loss curve continue exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import Diagnostic, PlanError, SourceLoc
+
+
+class DataError(PlanError):
+    """Bad training data: reported as FILE:LINE diagnostics before any step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenDataset:
+    """Pre-tokenized sequences, each a list of ids, with where each came from."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    path: str = "<synthetic>"
+
+
+_EXAMPLE = 'write {"input_ids": [1, 2, 3]}'
+
+
+class _BadLine(Exception):
+    """Why one line of a data file is not a sequence (rule, message, fix)."""
+
+    def __init__(self, rule: str, message: str, fix: str = _EXAMPLE):
+        super().__init__(message)
+        self.rule, self.message, self.fix = rule, message, fix
+
+
+def _read_lines(path: str | Path) -> list[str]:
+    """The file's lines, split on newlines only: JSON strings may hold U+2028 and other
+    characters ``str.splitlines`` would also split on."""
+    fix = 'pass a UTF-8 JSONL file with one {"input_ids": [...]} per line'
+    try:
+        return Path(path).read_text(encoding="utf-8").split("\n")
+    except FileNotFoundError:
+        message = "no such data file"
+    except (OSError, UnicodeDecodeError) as exc:
+        message = f"cannot read the data file: {exc}"
+    raise DataError([Diagnostic(rule="data-file", loc=SourceLoc(path=str(path)), message=message, fix=fix)])
+
+
+def _parse_line(line: str, vocab_size: int) -> tuple[int, ...]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise _BadLine(
+            "data-json", f"not valid JSON: {exc.msg} (column {exc.colno})", "write one JSON object per line"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # a number of thousands of digits; nesting past the stack
+        why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        raise _BadLine("data-json", f"not readable as JSON: {why}") from None
+    if not isinstance(record, dict) or "input_ids" not in record:
+        raise _BadLine("data-input-ids", "the line has no 'input_ids'")
+    ids = record["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _BadLine("data-input-ids", "'input_ids' must be a non-empty list of integers")
+    out_of_range = [t for t in ids if t < 0 or t >= vocab_size]
+    if out_of_range:
+        raise _BadLine(
+            "data-token-range",
+            f"token id {out_of_range[0]} is outside the vocabulary [0, {vocab_size})",
+            "tokenize with the model's own tokenizer",
+        )
+    return tuple(ids)
+
+
+def read_jsonl(path: str | Path, *, vocab_size: int) -> TokenDataset:
+    """Read ``{"input_ids": [...]}`` per line; report every bad line, then raise."""
+    shown = str(path)
+    problems: list[Diagnostic] = []
+    sequences: list[tuple[int, ...]] = []
+    for line_no, line in enumerate(_read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            sequences.append(_parse_line(line, vocab_size))
+        except _BadLine as bad:
+            problems.append(
+                Diagnostic(
+                    rule=bad.rule, loc=SourceLoc(path=shown, line=line_no, column=1), message=bad.message, fix=bad.fix
+                )
+            )
+    if not problems and not sequences:
+        problems.append(
+            Diagnostic(
+                rule="data-empty",
+                loc=SourceLoc(path=shown),
+                message="the data file has no sequences",
+                fix='add at least one {"input_ids": [...]} line',
+            )
+        )
+    if problems:
+        raise DataError(problems)
+    return TokenDataset(sequences=tuple(sequences), path=shown)
+
+
+def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """Learnable synthetic tokens: each row counts from a random start with a random small
+    stride (mod vocab), so a working training loop visibly lowers the loss."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(0, vocab_size, (batch_size, 1), generator=gen)
+    stride = torch.randint(1, 4, (batch_size, 1), generator=gen)
+    return (start + stride * torch.arange(seq_len)) % vocab_size
+
+
+def dataset_batch(
+    data: TokenDataset, step: int, *, batch_size: int, seq_len: int, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``step*batch_size ...`` (cycling), each cut or right-padded to ``seq_len``.
+    Returns (input_ids, attention_mask)."""
+    ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch_size, seq_len), dtype=torch.long)
+    n = len(data.sequences)
+    for row in range(batch_size):
+        seq = data.sequences[(step * batch_size + row) % n][:seq_len]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+    return ids, mask

@@ -1,0 +1,494 @@
+"""The worker of `plancc apply`: one process per rank, started by torch's elastic launcher.
+
+build mesh -> meta model -> parallelize with the plan -> weights (HF folder or seeded init)
+-> [resume] -> train K steps (AdamW, global-norm clipping, warmup+cosine LR) -> [save]
+-> summary. With ``verify`` it trains alongside an unsharded reference and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from ..compiler.plan import Plan, load_plan
+from ..layout import Layout
+from ..models import architecture_of, build_model, default_preset, load_config
+from ..runtime.gradnorm import clip_grad_norm_
+from ..runtime.logprobs import token_logprobs
+from ..runtime.loss import batch_slice, reported_loss, sharded_loss
+from ..runtime.materialize import materialize
+from ..runtime.mesh import build_mesh, default_device_type, layout_of
+from ..runtime.parallelize import parallelize
+from ..runtime.weights import export_hf, has_safetensors, load_hf_weights
+from . import checkpoint, faults
+from .data import TokenDataset, dataset_batch, read_jsonl, synthetic_batch
+from .verify import TOLERANCES, verify_against_unsharded, within_tolerance
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    plan: str
+    layout: Layout = Layout()
+    model: str | None = None
+    steps: int = 5
+    data: str | None = None
+    batch_size: int = 4  # global, split over dp
+    seq_len: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 1
+    schedule_steps: int | None = None  # LR schedule horizon; default: resumed step + steps
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    save: str | None = None
+    resume: str | None = None
+    export_hf: str | None = None
+    verify: bool = False
+    mode: Literal["train", "logprobs"] = "train"
+    out: str | None = None  # logprobs: JSONL output path
+    pack: bool = False  # logprobs: pack each batch's sequences into one row (cu_seqlens)
+    device: str | None = None  # cpu or cuda; default: cuda when available
+    param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
+    timeout_s: int = 300  # collectives time out instead of hanging a job
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        fields = json.loads(text)
+        return cls(**{**fields, "layout": Layout(**fields["layout"])})
+
+
+def lr_lambda(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class _Progress:
+    """A rich progress bar on a terminal (rank 0); one plain line per step otherwise, so
+    logs and tests read the same numbers."""
+
+    def __init__(self, total: int):
+        self.bar = None
+        if dist.get_rank() == 0 and sys.stdout.isatty():
+            self.bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total)
+            self.bar.start()
+
+    def step(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line)
+            self.bar.advance(self.task)
+        else:
+            log(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _init(cfg: RunConfig) -> str:
+    device = cfg.device or default_device_type()
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return device
+
+
+def _from_folder(cfg: RunConfig) -> bool:
+    return bool(cfg.model) and Path(str(cfg.model)).is_dir() and has_safetensors(str(cfg.model))
+
+
+def _load_weights(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, device: str) -> str:
+    """Fill a parallelized meta model; returns where its weights came from."""
+    if _from_folder(cfg):
+        materialize(model, device)
+        load_hf_weights(model, str(cfg.model))
+        return f"safetensors from {cfg.model}"
+    # Seeded init, identical to an unsharded model built with the same seed: every rank
+    # builds the full model on the CPU and keeps its shards (fine for presets and tests;
+    # real models come from a folder).
+    torch.manual_seed(cfg.seed)
+    full = build_model(config, device="cpu")
+    state = {k: v.to(device) for k, v in full.state_dict().items()}
+    del full
+    materialize(model, device, full_state_dict=state)
+    return f"random init (seed {cfg.seed})"
+
+
+def _batches(
+    cfg: RunConfig, dataset: TokenDataset | None, vocab_size: int, start: int, count: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    for step in range(start, start + count):
+        if dataset is None:
+            ids = synthetic_batch(
+                step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.seq_len, vocab_size=vocab_size
+            )
+            yield ids, torch.ones_like(ids)
+        else:
+            yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Job:
+    """What every worker mode starts from: process group, mesh, plan, model config."""
+
+    device: str
+    mesh: DeviceMesh
+    plan: Plan
+    model_name: str
+    config: PretrainedConfig
+    dataset: TokenDataset | None = None  # the --data file, read and validated once
+    sequence_parallel: bool = False
+
+    @property
+    def layout(self) -> Layout:
+        return layout_of(self.mesh, sequence_parallel=self.sequence_parallel)
+
+
+def _setup(cfg: RunConfig) -> _Job:
+    device = _init(cfg)
+    layout = cfg.layout
+    if layout.world_size != dist.get_world_size():  # an elastic job (--nnodes MIN:MAX) got another size
+        layout = Layout.infer(
+            world_size=dist.get_world_size(), cp=layout.cp, tp=layout.tp, sequence_parallel=layout.sequence_parallel
+        )
+    mesh = build_mesh(layout, device_type=device)
+    plan = load_plan(cfg.plan)
+    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
+    assert model_name is not None, "the CLI resolves the model before launching"
+    config = load_config(model_name)
+    # validate the whole data file before any step (and before allocating the model)
+    dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size) if cfg.data else None
+    return _Job(
+        device=device,
+        mesh=mesh,
+        plan=plan,
+        model_name=model_name,
+        config=config,
+        dataset=dataset,
+        sequence_parallel=cfg.layout.sequence_parallel,
+    )
+
+
+def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
+    """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
+    dtype = getattr(torch, cfg.param_dtype) if cfg.param_dtype else None
+    model = build_model(copy.deepcopy(job.config), device="meta")  # its own config: cp changes it
+    parallelize(model, job.plan, job.mesh, sequence_parallel=cfg.layout.sequence_parallel, param_dtype=dtype)
+    return model, _load_weights(cfg, model, job.config, job.device)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Trainer:
+    """The optimizer, LR schedule and step loop of one training run."""
+
+    cfg: RunConfig
+    job: _Job
+    model: nn.Module
+    start: int = 0
+    optimizer: torch.optim.Optimizer = field(init=False)
+    schedule: torch.optim.lr_scheduler.LambdaLR = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+
+    def resume(self) -> None:
+        if self.cfg.resume:
+            info = checkpoint.load(
+                self.cfg.resume,
+                self.model,
+                self.optimizer,
+                architecture=architecture_of(self.job.config),
+                plan=self.job.plan.name,
+            )
+            self.start = info.step
+            log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp})")
+        for group in self.optimizer.param_groups:  # the base LR is configuration, not checkpointed state
+            group["initial_lr"] = self.cfg.lr
+        start, horizon, warmup = self.start, self.cfg.schedule_steps or self.total, self.cfg.warmup_steps
+        # The schedule is a function of the global step, so a resumed run needs no stored state.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s + start, warmup=warmup, total=horizon)
+        )
+
+    @property
+    def total(self) -> int:
+        return self.start + self.cfg.steps
+
+    def step(self, step: int, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on this rank's slice of the global batch; its metrics."""
+        mesh = self.job.mesh
+        faults.inject("train", rank=dist.get_rank(), step=step + 1)
+        t0 = time.perf_counter()
+        loss, _ = sharded_loss(self.model, ids, mask, mesh)
+        loss.backward()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        lr = self.schedule.get_last_lr()[0]  # the LR this step used
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mean_loss = reported_loss(loss, mesh)
+        dt = time.perf_counter() - t0
+        tokens = int(mask.sum()) * mesh["dp"].size()
+        return {
+            "step": step + 1,
+            "loss": mean_loss,
+            "grad_norm": float(grad_norm),
+            "lr": float(lr),
+            "tokens_per_s": tokens / dt,
+        }
+
+    def run(self) -> list[dict[str, float]]:
+        mine = batch_slice(self.job.mesh, self.cfg.batch_size)
+        device, history = self.job.device, []
+        progress = _Progress(self.cfg.steps)
+        batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.cfg.steps)
+        for step, (ids, mask) in enumerate(batches, start=self.start):
+            row = self.step(step, ids[mine].to(device), mask[mine].to(device))
+            history.append(row)
+            progress.step(
+                f"step {step + 1:>4}/{self.total}  loss {row['loss']:.6f}  "
+                f"grad_norm {row['grad_norm']:.4f}  lr {row['lr']:.2e}  tok/s {row['tokens_per_s']:,.0f}"
+            )
+        progress.close()
+        return history
+
+    def save(self) -> None:
+        if self.cfg.save:
+            info = checkpoint.CheckpointInfo(
+                step=self.total,
+                architecture=architecture_of(self.job.config),
+                model_signature=checkpoint.model_signature(self.model),
+                plan=self.job.plan.name,
+                **self.job.layout.sizes,
+            )
+            log(f"saved checkpoint {checkpoint.save(self.cfg.save, self.model, self.optimizer, info)}")
+        if self.cfg.export_hf:
+            export_hf(self.model, self.job.config, self.cfg.export_hf)
+            log(f"exported Hugging Face weights to {self.cfg.export_hf}")
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    job = _setup(cfg)
+    model, source = _parallel_model(cfg, job)
+    log(
+        f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
+        f"{job.layout.describe()} | {job.device} | weights: {source}"
+    )
+    trainer = _Trainer(cfg=cfg, job=job, model=model)
+    trainer.resume()
+    t_start = time.perf_counter()
+    history = trainer.run()
+    elapsed = time.perf_counter() - t_start
+    trainer.save()
+    summary = {
+        "steps": cfg.steps,
+        "first_loss": history[0]["loss"] if history else None,
+        "last_loss": history[-1]["loss"] if history else None,
+        "seconds": elapsed,
+        "history": history,
+    }
+    log(
+        f"summary: {cfg.steps} steps in {elapsed:.1f}s, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
+        if history
+        else "summary: no steps"
+    )
+    return summary
+
+
+def run_verify(cfg: RunConfig) -> dict[str, Any]:
+    job = _setup(cfg)
+    batches = list(_batches(cfg, job.dataset, job.config.vocab_size, 0, cfg.steps + 1))
+    report = verify_against_unsharded(
+        job.plan,
+        job.model_name,
+        job.mesh,
+        sequence_parallel=cfg.layout.sequence_parallel,
+        steps=cfg.steps,
+        seed=cfg.seed,
+        lr=cfg.lr,
+        max_grad_norm=cfg.max_grad_norm,
+        batches=batches,
+        device=job.device,
+    )
+    flags = torch.tensor([int(within_tolerance(report))], device=job.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    ok = bool(flags.item())
+    log(f"verify {job.plan.name} on {job.model_name} ({job.layout.describe()}) against the unsharded model:")
+    log(
+        f"  logits  max |diff| {report.logits_max_abs:.3e}  relative {report.logits_max_rel:.3e}  "
+        f"(tolerance {TOLERANCES['logits_rel']:.0e})"
+    )
+    log(f"  loss    |diff| {report.loss_abs:.3e}  (tolerance {TOLERANCES['loss_abs']:.0e})")
+    log(
+        f"  grads   max relative diff {report.grad_max_rel:.3e} in {report.worst_grad}  "
+        f"over {report.params_compared} parameters (tolerance {TOLERANCES['grad_rel']:.0e})"
+    )
+    for i, d in enumerate(report.step_loss_abs, start=1):
+        log(f"  loss after step {i}: |diff| {d:.3e}")
+    log(f"  replicated parameters identical across tp ranks: {report.replicas_identical}")
+    log("verify: OK" if ok else "verify: FAILED (beyond tolerance)")
+    return {"ok": ok, **report.as_dict()}
+
+
+def _reference_model(cfg: RunConfig, config: PretrainedConfig, device: str) -> nn.Module:
+    """The unsharded model with the same weights as the parallelized one."""
+    if _from_folder(cfg):
+        reference: nn.Module = AutoModelForCausalLM.from_pretrained(str(cfg.model))
+        return reference.to(device)
+    torch.manual_seed(cfg.seed)
+    # CPU init: the same weights on any device. A config of its own: cp switches the
+    # attention implementation on the parallelized model's config.
+    return build_model(copy.deepcopy(config), device="cpu").to(device)
+
+
+Rows = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # ids, attention mask, cu_seqlens
+
+
+def _padded_batch(seqs: list[tuple[int, ...]], multiple: int) -> Rows:
+    """Right-padded rows, as long as the longest sequence rounded up to ``multiple``."""
+    width = -(-max(len(x) for x in seqs) // multiple) * multiple
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, seq in enumerate(seqs):
+        ids[r, : len(seq)] = torch.tensor(seq)
+        mask[r, : len(seq)] = 1
+    return ids, mask, None
+
+
+def _packed_batch(seqs: list[tuple[int, ...]], multiple: int) -> Rows:
+    """One row of documents, each padded to ``multiple`` (cp shards every document), with
+    its cumulative lengths. Padding follows each document, so causal attention keeps it out
+    of the document's own log-probs."""
+    lengths = [-(-len(x) // multiple) * multiple for x in seqs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ids = torch.zeros((1, int(cu[-1])), dtype=torch.long)
+    for r, seq in enumerate(seqs):
+        ids[0, int(cu[r]) : int(cu[r]) + len(seq)] = torch.tensor(seq)
+    return ids, None, cu
+
+
+def _sequence_multiple(layout: Layout) -> int:
+    """Sequence lengths must split evenly over the sequence-sharding ranks (SP: tp; CP: 2*cp)."""
+    return (layout.tp if layout.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+
+
+def _gather_rows(results: dict[int, list[float]], worst: float, device: str) -> tuple[dict[int, list[float]], float]:
+    """Every rank's rows and the worst difference over all ranks."""
+    gathered: list[dict[int, list[float]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    worst_t = torch.tensor([worst], device=device)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    merged: dict[int, list[float]] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged, worst_t.item()
+
+
+def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
+    """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
+    job = _setup(cfg)
+    assert job.dataset is not None, "the CLI requires --data for logprobs"
+    sequences, mesh, device = job.dataset.sequences, job.mesh, job.device
+    model, source = _parallel_model(cfg, job)
+    model.eval()
+    reference = _reference_model(cfg, job.config, device).eval() if cfg.verify else None
+    multiple = _sequence_multiple(cfg.layout)
+    mine = list(range(mesh["dp"].get_local_rank(), len(sequences), mesh["dp"].size()))
+    results: dict[int, list[float]] = {}
+    worst = 0.0
+    for lo in range(0, len(mine), cfg.batch_size):
+        rows = mine[lo : lo + cfg.batch_size]
+        seqs = [sequences[i] for i in rows]
+        ids, mask, cu = (
+            t.to(device) if t is not None else None
+            for t in (_packed_batch if cfg.pack else _padded_batch)(seqs, multiple)
+        )
+        assert ids is not None
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, mesh=mesh)
+            if reference is not None:
+                want = token_logprobs(reference, ids, attention_mask=mask, cu_seqlens=cu)
+                worst = max(worst, (lp - want).abs().max().item())
+        for r, i in enumerate(rows):
+            row, start = (r, 0) if cu is None else (0, int(cu[r]))
+            results[i] = lp[row, start : start + len(seqs[r])].tolist()
+    merged, worst = _gather_rows(results, worst, device)
+    if dist.get_rank() == 0 and cfg.out:
+        with open(cfg.out, "w") as f:
+            for i in range(len(sequences)):
+                f.write(json.dumps({"logprobs": merged[i]}) + "\n")
+    log(
+        f"plancc logprobs: {job.plan.name} on {job.model_name} | {cfg.layout.describe()} | weights: {source} "
+        f"| {len(merged)} sequences" + (f" -> {cfg.out}" if cfg.out else "")
+    )
+    ok = True
+    if cfg.verify:
+        ok = worst <= 1e-5
+        log(
+            f"verify: max |logprob diff| vs the unsharded model {worst:.3e} (tolerance 1e-05): "
+            + ("OK" if ok else "FAILED")
+        )
+    return {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="plancc-worker")
+    parser.add_argument("--config", required=True, help="RunConfig as JSON")
+    parser.add_argument("--result", help="rank 0 writes its result here as JSON")
+    args = parser.parse_args(argv)
+    cfg = RunConfig.from_json(args.config)
+
+    @record
+    def worker() -> dict[str, Any]:
+        try:
+            if cfg.mode == "logprobs":
+                return run_logprobs(cfg)
+            return run_verify(cfg) if cfg.verify else train(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    result = worker()
+    assert result is not None  # record() returns what the worker returned
+    if args.result and int(os.environ.get("RANK", "0")) == 0:
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    return 0 if result.get("ok", True) else 3
+
+
+if __name__ == "__main__":
+    code = main()
+    # Skip interpreter finalization, as multiprocessing's workers do: after a DCP load on
+    # gloo (torch 2.13) a C++ thread still joinable at exit aborts the process with
+    # "terminate called without an active exception", turning a finished run into SIGABRT.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,140 @@
+"""The parallel layout of a job: how many ranks each mesh axis has, as one frozen value.
+
+A ``Layout`` cannot exist with sizes that do not multiply to its world size: the sizes are
+validated once, here, and the missing data-parallel size is inferred here and nowhere else.
+The checks, the CLI, the runner, the dry run and ``explain`` all take a ``Layout`` rather
+than loose ``dp``/``cp``/``tp``/``sp`` arguments; ``plancc.runtime.mesh`` turns one into a
+device mesh. Pure Python: nothing here needs torch or a process group.
+
+The axes, outermost first, are ``dp`` (data parallel: FSDP2 shards parameters over it), ``cp``
+(context parallel: sequence shards; FSDP shards over ``dp*cp`` because cp ranks hold the same
+parameters) and ``tp`` (tensor parallel, innermost so its collectives stay on one node).
+Sequence parallelism is not an axis: it reuses the tp ranks, so it is a flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from .errors import Diagnostic, PlanError, SourceLoc
+
+AXES: Final = ("dp", "cp", "tp")
+RULE: Final = "mesh-sizes"
+
+
+class LayoutError(PlanError, ValueError):
+    """Axis sizes that cannot describe this job (a usage error on the command line)."""
+
+    @classmethod
+    def from_message(cls, message: str, fix: str) -> LayoutError:
+        return cls([Diagnostic(rule=RULE, loc=SourceLoc(path="<layout>"), message=message, fix=fix)])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise LayoutError(
+                    [
+                        Diagnostic(
+                            rule=RULE,
+                            loc=SourceLoc(path="<layout>"),
+                            message=f"{axis} must be a positive integer, got {size!r}",
+                            fix=f"pass --{axis} 1 or more",
+                        )
+                    ]
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP shards parameters over: data- and context-parallel ranks together."""
+        return self.dp * self.cp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    def describe(self) -> str:
+        return f"dp={self.dp} cp={self.cp} tp={self.tp}" + (" +sp" if self.sequence_parallel else "")
+
+    @classmethod
+    def infer(
+        cls,
+        *,
+        world_size: int | None = None,
+        dp: int | None = None,
+        cp: int = 1,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        loc: SourceLoc | None = None,
+    ) -> Layout:
+        """The layout of ``world_size`` ranks with ``dp`` inferred when omitted; raises
+        ``LayoutError`` (rule ``mesh-sizes``) when the sizes cannot fit."""
+        layout, problems = cls.diagnose(
+            world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel, loc=loc
+        )
+        if problems:
+            raise LayoutError(problems)
+        return layout
+
+    @classmethod
+    def diagnose(
+        cls,
+        *,
+        world_size: int | None = None,
+        dp: int | None = None,
+        cp: int = 1,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        loc: SourceLoc | None = None,
+    ) -> tuple[Layout, list[Diagnostic]]:
+        """(layout, problems): the best layout these sizes describe and why they do not fit.
+
+        When they do not fit, the layout keeps cp, tp and sp as given (dp as given, or 1) so
+        that checks which depend only on those can still run and report their own problems.
+        """
+        where = loc or SourceLoc(path="<layout>")
+        bad = [
+            (axis, size)
+            for axis, size in (("cp", cp), ("tp", tp), ("dp", dp), ("world size", world_size))
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
+        ]
+        if bad:
+            axis, size = bad[0]
+            return cls(), [
+                Diagnostic(
+                    rule=RULE,
+                    loc=where,
+                    message=f"{axis} must be a positive integer, got {size!r}",
+                    fix="every axis size is 1 or more",
+                )
+            ]
+        if world_size is None:
+            return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel), []
+        inner = cp * tp
+        inferred = dp if dp is not None else (world_size // inner if world_size % inner == 0 else None)
+        if inferred is not None and inferred * inner == world_size:
+            return cls(dp=inferred, cp=cp, tp=tp, sequence_parallel=sequence_parallel), []
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        shown = f"dp={dp} x " if dp is not None else ""
+        why = "" if dp is not None else f" ({world_size} is not a multiple of cp*tp={inner})"
+        problem = Diagnostic(
+            rule=RULE,
+            loc=where,
+            message=f"{shown}cp={cp} x tp={tp} does not fit world size {world_size}{why}",
+            fix=f"choose cp*tp among the divisors of {world_size}: {divisors}"
+            + (", or drop --dp to infer it" if dp is not None else ""),
+        )
+        return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel), [problem]

@@ -1,0 +1,348 @@
+"""Context parallelism: load-balanced sequence shards and an attention that runs anywhere.
+
+Layout. Causal attention makes a contiguous split unbalanced (the last rank attends to
+everything before it). The sequence is cut into ``2*cp`` equal chunks and rank ``r`` holds
+chunks ``r`` and ``2*cp - 1 - r`` (the head-tail layout of Megatron, the reference
+``_get_tokens_on_this_cp_rank`` and torch's head-tail load balancer): every rank then does
+the same causal work. Packed documents are laid out the same way one document at a time.
+
+Attention. Each rank keeps its query shard, all-gathers keys and values over the cp group
+(GQA keeps them small: the Llama 3 paper's approach), and attends under a causal mask built
+from *global* positions, with key padding and document boundaries. It is registered as a
+transformers attention implementation ("plancc_cp") and uses only all-gather and
+reduce-scatter, so it runs on gloo/CPU as well as nccl/CUDA, with masks and packing, where
+torch's experimental ``context_parallel`` does neither.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .hooks import call_arguments
+
+
+# --------------------------------------------------------------------------- layout
+def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The global positions rank ``cp_rank`` holds, in order: chunks r and 2*cp-1-r."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is not a rank of a cp group of size {cp_size}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} is not a multiple of 2*cp={2 * cp_size}; "
+            f"pad it by {pad_amount(seq_len, cp_size)} (see plancc.cp.pad_to_multiple)"
+        )
+    chunk = seq_len // (2 * cp_size)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    tail_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+
+
+def pad_amount(seq_len: int, cp_size: int) -> int:
+    return (-seq_len) % (2 * cp_size)
+
+
+def pad_to_multiple(x: torch.Tensor, cp_size: int, dim: int = 1, value: float = 0) -> tuple[torch.Tensor, int]:
+    """Right-pad ``dim`` to a multiple of 2*cp; returns (padded, how many were added)."""
+    pad = pad_amount(x.shape[dim], cp_size)
+    if pad == 0:
+        return x, 0
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_full(shape, value)], dim=dim), pad
+
+
+def shard(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's load-balanced slice of ``x`` along ``dim`` (two views, concatenated)."""
+    if cp_size == 1:
+        return x
+    n = x.shape[dim]
+    load_balanced_indices(n, cp_size, cp_rank)  # validates
+    chunk = n // (2 * cp_size)
+    head = x.narrow(dim, cp_rank * chunk, chunk)
+    tail = x.narrow(dim, (2 * cp_size - 1 - cp_rank) * chunk, chunk)
+    return torch.cat([head, tail], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard`` given every rank's shard in rank order; no process group."""
+    cp_size = len(shards)
+    if cp_size == 1:
+        return shards[0]
+    chunk = shards[0].shape[dim] // 2
+    heads = [s.narrow(dim, 0, chunk) for s in shards]  # chunks 0 .. cp-1, in rank order
+    tails = [s.narrow(dim, chunk, chunk) for s in reversed(shards)]  # chunks cp .. 2cp-1
+    return torch.cat(heads + tails, dim=dim)
+
+
+def _doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    cu = [int(c) for c in cu_seqlens]
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def load_balanced_indices_packed(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Packed documents: the head-tail layout applied to each document (each a multiple of 2*cp)."""
+    out, start = [], 0
+    for length in _doc_lengths(cu_seqlens):
+        out.append(start + load_balanced_indices(length, cp_size, cp_rank))
+        start += length
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def shard_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    return x.index_select(dim, load_balanced_indices_packed(cu_seqlens, cp_size, cp_rank).to(x.device))
+
+
+def unshard_packed(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    cp_size = len(shards)
+    total = int(cu_seqlens[-1])
+    shape = list(shards[0].shape)
+    shape[dim] = total
+    out = shards[0].new_empty(shape)
+    for r, s in enumerate(shards):
+        out.index_copy_(dim, load_balanced_indices_packed(cu_seqlens, cp_size, r).to(s.device), s)
+    return out
+
+
+def pad_documents(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """cu_seqlens after padding every document to a multiple of 2*cp."""
+    lengths = [n + pad_amount(n, cp_size) for n in _doc_lengths(cu_seqlens)]
+    return torch.tensor([0] + lengths).cumsum(0)
+
+
+# --------------------------------------------------------------------------- gather
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """Forward: every rank's load-balanced shard -> the full sequence in original order.
+    Backward: each rank used the full sequence, so the gradient of a shard is the sum of all
+    ranks' gradients at its positions: one reduce-scatter, no all-reduce."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        ctx.group, ctx.dim, ctx.world, ctx.cu = group, dim, world, cu_seqlens
+        moved = x.movedim(dim, 0).contiguous()
+        if cu_seqlens is not None:  # packed: gather, then place every document's chunks
+            out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+            dist.all_gather_single(out, moved, group=group)
+            return unshard_packed(list(out.chunk(world, dim=0)), cu_seqlens, dim=0).movedim(0, dim)
+        # Head chunks arrive in rank order, which is their place in the sequence: gather them
+        # straight into the output. Tail chunks arrive in reverse: gather, then flip once.
+        c = moved.shape[0] // 2
+        out = moved.new_empty((2 * world * c, *moved.shape[1:]))
+        dist.all_gather_single(out[: world * c], moved[:c], group=group)
+        tail_slots = list(out[world * c :].view(world, c, *moved.shape[1:]).unbind(0))[::-1]
+        dist.all_gather(tail_slots, moved[c:], group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        world, dim = ctx.world, ctx.dim
+        g = grad.movedim(dim, 0).contiguous()
+        if ctx.cu is not None:
+            parts = [shard_packed(g, ctx.cu, world, r, dim=0) for r in range(world)]
+            pieces = torch.cat(parts, dim=0).contiguous()
+            out = pieces.new_empty((pieces.shape[0] // world, *pieces.shape[1:]))
+            dist.reduce_scatter_single(out, pieces, group=ctx.group)
+            return out.movedim(0, dim), None, None, None
+        half = g.shape[0] // 2
+        c = half // world
+        rest = g.shape[1:]
+        out = g.new_empty((2 * c, *rest))
+        # head chunks are already in rank order; tail chunks are flipped back into it
+        dist.reduce_scatter_single(out[:c], g[:half], group=ctx.group)
+        tails = g[half:].view(world, c, *rest).flip(0).reshape(half, *rest)
+        dist.reduce_scatter_single(out[c:], tails, group=ctx.group)
+        return out.movedim(0, dim), None, None, None
+
+
+def all_gather(
+    x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1, cu_seqlens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The full sequence from every cp rank's shard (original order), autograd-aware.
+    With ``cu_seqlens`` the shards are in the packed (per-document) layout. Works on any
+    backend that has all-gather and reduce-scatter (gloo included)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllGatherSequence.apply(x, group, dim, cu_seqlens)
+
+
+# --------------------------------------------------------------------------- attention
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CPBatch:
+    """Where the current batch's tokens are, set by the input hook before every forward."""
+
+    q_positions: torch.Tensor  # [B, S_local] global positions of local queries
+    key_positions: torch.Tensor  # [B, S] global position of every key (0.. per doc)
+    key_valid: torch.Tensor  # [B, S] bool, False for padding
+    doc_ids: torch.Tensor  # [B, S] document of every position (packing)
+    local_doc_ids: torch.Tensor  # [B, S_local]
+    cu_seqlens: torch.Tensor | None = None  # packed layout, or None
+
+
+@dataclass(kw_only=True, slots=True)
+class CPContext:
+    """The cp group of a model and what its attention needs about the current batch."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    batch: CPBatch | None = None
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window (0: none)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        return self.batch.cu_seqlens if self.batch is not None else None
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, S_local, S] bool: causal on global positions, same document, real keys."""
+        key = window or 0
+        if key not in self.masks:
+            b = self.batch
+            assert b is not None, "the input hook sets the batch before attention runs"
+            q = b.q_positions.unsqueeze(-1)  # positions within the document
+            k = b.key_positions.unsqueeze(1)
+            allowed = (k <= q) & b.key_valid.unsqueeze(1)
+            allowed &= b.local_doc_ids.unsqueeze(-1) == b.doc_ids.unsqueeze(1)
+            if window:
+                allowed &= (q - k) < window
+            # a padded query may see nothing: let it see itself, its output is ignored
+            allowed |= ~allowed.any(-1, keepdim=True) & (k == q)
+            self.masks[key] = allowed.unsqueeze(1)
+        return self.masks[key]
+
+
+def attach_context(module: torch.nn.Module, ctx: CPContext) -> None:
+    """Give a module the cp context of its model (read by the attention and the evaluator)."""
+    module.__dict__["_plancc_cp"] = ctx  # a plain attribute: nn.Module registers only tensors and modules
+
+
+def context_of(module: torch.nn.Module) -> CPContext | None:
+    """The cp context of a module of a model parallelized with cp > 1, else None."""
+    ctx = module.__dict__.get("_plancc_cp")
+    return ctx if isinstance(ctx, CPContext) else None
+
+
+def cp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: [B, H, S_local, D] queries against all-gathered K/V."""
+    ctx = context_of(module)
+    assert ctx is not None, "the cp attention runs only on modules enable_context_parallel prepared"
+    key = all_gather(key, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
+    value = all_gather(value, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    mask = ctx.mask(getattr(module, "sliding_window", None))
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None  # the cp attention builds its own mask from global positions
+
+
+def register_attention() -> str:
+    AttentionInterface.register("plancc_cp", cp_attention_forward)
+    AttentionMaskInterface.register("plancc_cp", _no_mask)
+    return "plancc_cp"
+
+
+class ShardSequenceInputs:
+    """Forward pre-hook on the decoder: full-length inputs in, this rank's shard to the model.
+
+    ``input_ids`` [B, S] (S a multiple of 2*cp, per document when packed) are replaced by
+    the load-balanced shard; global ``position_ids`` (restarting per document) go with them,
+    and the padding mask and document ids are kept whole for the attention. The model's
+    outputs are per local token; ``plancc.cp.all_gather`` restores the order.
+    """
+
+    def __init__(self, model: torch.nn.Module, ctx: CPContext):
+        self.signature = inspect.signature(model.forward)
+        self.ctx = ctx
+
+    def __call__(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[()], dict[str, Any]]:
+        values = call_arguments(self.signature, args, kwargs)
+        ids = values.get("input_ids")
+        if ids is None:
+            raise ValueError("context parallelism needs input_ids (inputs_embeds are not sharded)")
+        ctx = self.ctx
+        batch, seq = ids.shape
+        cu = values.pop("cu_seqlens", None)
+        if seq % (2 * ctx.size):
+            raise ValueError(
+                f"sequence length {seq} is not a multiple of 2*cp={2 * ctx.size}; "
+                f"pad by {pad_amount(seq, ctx.size)} (plancc.cp.pad_to_multiple)"
+            )
+        positions = values.get("position_ids")
+        if positions is None:
+            positions = torch.arange(seq, device=ids.device).unsqueeze(0)
+        positions = positions.expand(batch, -1)
+        # documents: a new one wherever positions do not continue (packing restarts them)
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        doc_ids = starts.long().cumsum(1)
+        mask = values.get("attention_mask")
+        if cu is not None:
+            index = load_balanced_indices_packed(cu, ctx.size, ctx.rank).to(ids.device)
+        else:
+            index = load_balanced_indices(seq, ctx.size, ctx.rank).to(ids.device)
+        ctx.batch = CPBatch(
+            q_positions=positions.index_select(1, index),
+            key_positions=positions,
+            key_valid=torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool(),
+            doc_ids=doc_ids,
+            local_doc_ids=doc_ids.index_select(1, index),
+            cu_seqlens=cu,
+        )
+        ctx.masks = {}
+        values["input_ids"] = ids.index_select(1, index)
+        values["position_ids"] = ctx.batch.q_positions
+        values["attention_mask"] = None  # the cp attention masks from global positions
+        return (), values
+
+
+def enable_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> CPContext:
+    """Switch a model to the cp attention over ``cp_mesh`` and shard its inputs.
+
+    transformers keeps the attention implementation on the config, which models built from
+    one config object share: give a cp model a config of its own.
+    """
+    ctx = CPContext(group=cp_mesh.get_group(), size=cp_mesh.size(), rank=cp_mesh.get_local_rank())
+    hf_model: Any = model  # a transformers PreTrainedModel
+    hf_model.set_attn_implementation(register_attention())
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+            attach_context(module, ctx)
+    # on the decoder, like the SP hook: model.model(...) called directly is sharded too
+    decoder = getattr(model, "model", model)
+    decoder.register_forward_pre_hook(ShardSequenceInputs(decoder, ctx), with_kwargs=True, prepend=True)
+    attach_context(model, ctx)
+    attach_context(decoder, ctx)
+    return ctx

@@ -1,0 +1,83 @@
+"""Allocate a parallelized model built on the meta device, and fill it.
+
+Kept apart from ``parallelize``: sharding decides where every parameter lives, this module
+gives the shards storage and values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+
+def materialize(
+    model: nn.Module, device: torch.device | str, *, full_state_dict: dict[str, Any] | None = None
+) -> nn.Module:
+    """Allocate a (parallelized) meta model on ``device`` and fill it.
+
+    With ``full_state_dict`` every rank passes the unsharded tensors and keeps its shards.
+    Non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) are in no state
+    dict: those built for real (``plancc.models.build_model``) are carried over, and those
+    built on meta (``with torch.device("meta"): AutoModelForCausalLM.from_config(...)``)
+    are recomputed by the model's own transformers initializer.
+    """
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
+    lost = [name for name, buf in model.named_buffers() if buf.is_meta and _is_non_persistent(model, name)]
+    model.to_empty(device=device)
+    modules = dict(model.named_modules())
+    for name, value in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        modules[owner]._buffers[attr] = value.to(device)
+    if lost:
+        _recompute_buffers(model, lost)
+    if full_state_dict is not None:
+        set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+    return model
+
+
+def _is_non_persistent(model: nn.Module, name: str) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(owner)._non_persistent_buffers_set
+
+
+def _recompute_buffers(model: nn.Module, names: list[str]) -> None:
+    """Recompute non-persistent buffers that were created on the meta device.
+
+    Without this, ``to_empty`` leaves rotary frequencies as uninitialized memory and the
+    model runs with silently wrong logits. transformers (5.x) builds its own models on meta
+    and recomputes these buffers in ``_init_weights``; plancc calls it on the owning modules
+    only, with the parameters swapped for meta stand-ins so that no weight is touched. A
+    NaN sentinel shows any buffer the initializer does not know.
+    """
+    init = getattr(model, "_init_weights", None)
+
+    def sentinel(buf: torch.Tensor) -> float | int:
+        return float("nan") if buf.is_floating_point() else torch.iinfo(buf.dtype).min
+
+    def untouched(buf: torch.Tensor) -> bool:
+        return bool((buf.isnan() if buf.is_floating_point() else buf == sentinel(buf)).all())
+
+    for name in names:
+        buf = model.get_buffer(name)
+        buf.fill_(sentinel(buf))
+    for owner in dict.fromkeys(name.rpartition(".")[0] for name in names):
+        module = model.get_submodule(owner)
+        params = dict(module._parameters)
+        module._parameters = {
+            k: None if p is None else nn.Parameter(torch.empty(p.shape, device="meta")) for k, p in params.items()
+        }
+        try:
+            if init is not None:
+                init(module)
+        finally:
+            module._parameters = params
+    unfilled = [name for name in names if untouched(model.get_buffer(name))]
+    if unfilled:
+        raise ValueError(
+            f"buffers {', '.join(unfilled)} were created on the meta device, are in no state dict, and "
+            f"{type(model).__name__} has no initializer that recomputes them; build the model with "
+            "plancc.models.build_model(config, device='meta'), which keeps buffers real"
+        )

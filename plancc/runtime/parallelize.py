@@ -1,0 +1,144 @@
+"""Apply a plan to a model on a (dp, cp, tp) mesh: TP/SP, then activation checkpointing,
+then FSDP2 per unit and the root (torchtitan's order: sharding decisions first, memory
+policies last, so FSDP sees the TP DTensors and builds 2-D shards).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ..compiler.lower import lower
+from ..compiler.plan import Plan
+from ..compiler.resolve import ResolvedPlan, resolve_plan
+from ..errors import Diagnostic, PlanError
+from .activation_checkpointing import apply_activation_checkpointing
+from .cp import enable_context_parallel
+from .hooks import GlobalSequenceInputs
+from .mesh import dp_cp_mesh, require_plancc_axes
+
+
+def tied_parameter_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that share one Parameter object."""
+    owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            owners[id(param)].append((mod_name, p_name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """``parallelize_module`` replaces each module's parameters independently, which unties
+    shared weights; point every user back at one (identically placed) parameter."""
+    modules = dict(model.named_modules())
+    for group in groups:
+        (first_mod, first_name), *rest = group
+        keep = getattr(modules[first_mod], first_name)
+        for mod_name, p_name in rest:
+            other = getattr(modules[mod_name], p_name)
+            same_layout = isinstance(keep, DTensor) == isinstance(other, DTensor) and (
+                not isinstance(keep, DTensor) or keep.placements == other.placements
+            )
+            if not same_layout:
+                raise PlanError(
+                    [
+                        Diagnostic(
+                            rule="tied-embeddings",
+                            message=f"{first_mod}.{first_name} and {mod_name}.{p_name} are one tied weight "
+                            "but the plan shards them differently",
+                            fix="run `plancc validate` with --tp for the fix",
+                        )
+                    ]
+                )
+            setattr(modules[mod_name], p_name, keep)
+
+
+def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, tp_mesh: DeviceMesh) -> nn.Module:
+    if tp_mesh.size() == 1:
+        return model
+    groups = tied_parameter_groups(model)
+    parallelize_module(model, tp_mesh, lower(resolved))
+    _retie(model, groups)
+    if resolved.sequence_parallel:
+        decoder = getattr(model, "model", model)
+        decoder.register_forward_pre_hook(GlobalSequenceInputs(decoder), with_kwargs=True)
+    return model
+
+
+def apply_fsdp(
+    model: nn.Module,
+    units: Iterable[str],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    modules = dict(model.named_modules())
+    unit_list = list(units)
+    for i, name in enumerate(unit_list):
+        # The last unit's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(
+            modules[name],
+            mesh=mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward and i < len(unit_list) - 1,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool | None = None,
+) -> nn.Module:
+    """TP/SP from the compiled plan, then activation checkpointing on the plan's targets,
+    then FSDP2 ``fully_shard`` on the plan's units and the root. Works on a meta-device model
+    (materialize it afterwards with ``plancc.materialize``).
+
+    ``activation_checkpointing``: None follows the plan, False disables, True requires the
+    plan to name targets.
+    """
+    require_plancc_axes(mesh)
+    resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
+    apply_tensor_parallel(model, resolved, mesh["tp"])
+    if mesh["cp"].size() > 1:
+        enable_context_parallel(model, mesh["cp"])
+    if activation_checkpointing is not False:
+        if activation_checkpointing and not resolved.activation_checkpointing:
+            raise PlanError(
+                [
+                    Diagnostic(
+                        rule="activation-checkpointing",
+                        loc=plan.loc,
+                        message="activation checkpointing was requested but the plan names no targets",
+                        fix="add 'activation_checkpointing: [model.layers.*]' to the plan",
+                    )
+                ]
+            )
+        apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
+    return apply_fsdp(
+        model,
+        resolved.fsdp_units,
+        dp_cp_mesh(mesh),
+        mp_policy=mp,
+        offload_policy=offload,
+        reshard_after_forward=plan.fsdp_reshard_after_forward,
+    )

@@ -1,0 +1,185 @@
+"""A dry run at the real world size, in one process, with no GPU and no memory.
+
+A fake process group (every collective returns at once) stands in for ``dp*cp*tp`` ranks,
+and fake tensors carry shapes, dtypes and placements without storage. The real
+architecture is built on meta, parallelized with the compiled plan and FSDP2 exactly as
+``plancc.parallelize`` does in a job, then runs a forward and a backward pass: layout
+mistakes that static checks cannot see fail here, and the failure is reported as a
+diagnostic naming the module that raised. The per-rank bytes of parameters and gradients
+are read off the resulting local shards (rank 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.hooks import RemovableHandle
+from transformers import PretrainedConfig
+
+from ..compiler.plan import Plan
+from ..errors import Diagnostic, Severity, SourceLoc, quiet_logger
+from ..layout import Layout
+from ..models import build_model
+from ..runtime.mesh import build_mesh
+from ..runtime.parallelize import parallelize
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DryRunReport:
+    layout: Layout
+    param_bytes: int  # this rank's local parameter shards
+    grad_bytes: int
+    optimizer_bytes: int  # AdamW: two fp32 moments per local parameter element
+    seconds: float
+    diagnostics: tuple[Diagnostic, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.is_error for d in self.diagnostics)
+
+
+class _ModuleTracker:
+    """Which module is executing, so an exception can name the innermost one."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.stack: list[str] = []
+        self.failed_in: str | None = None
+        self.handles: list[RemovableHandle] = []
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            self.stack.append(name)
+
+        return hook
+
+    def _leave(
+        self, module: torch.nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:  # must return None: a value would replace the output
+        self.stack.pop()
+
+    def innermost(self) -> str:
+        return self.stack[-1] if self.stack else "<model>"
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _local_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+@contextmanager
+def _fake_process_group(world: int) -> Iterator[None]:
+    """A fake process group of ``world`` ranks (this process is rank 0), unless one exists."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+@dataclass(kw_only=True, slots=True)
+class _Measured:
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    stage: str = "parallelize"
+
+
+def _forward_backward(
+    model: torch.nn.Module,
+    plan: Plan,
+    layout: Layout,
+    config: PretrainedConfig,
+    *,
+    seq_len: int,
+    batch: int,
+    measured: _Measured,
+) -> None:
+    """Parallelize on meta, then materialize, forward and backward on fake tensors."""
+    mesh = build_mesh(layout, device_type="cpu")
+    parallelize(model, plan, mesh, sequence_parallel=layout.sequence_parallel)  # on meta: no storage
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        measured.stage = "materialize"
+        model.to_empty(device="cpu")
+        measured.param_bytes = sum(_local_bytes(p) for p in model.parameters())
+        measured.stage = "forward"
+        ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+        logits = model(input_ids=ids, use_cache=False).logits
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        measured.stage = "backward"
+        local.float().sum().backward()
+        measured.grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters())
+
+
+def dry_run(
+    plan: Plan, config: PretrainedConfig, layout: Layout, *, seq_len: int = 256, batch: int = 1
+) -> DryRunReport:
+    """Parallelize and run fwd+bwd of ``config``'s model at ``layout``'s fake ranks (as rank 0)."""
+    started = time.perf_counter()
+    diagnostics: list[Diagnostic] = []
+    measured = _Measured()
+    # fake tensors log every op failure at ERROR; here the failure becomes a diagnostic instead
+    with _fake_process_group(layout.world_size), quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
+        # fp32 master weights, as FSDP mixed-precision training keeps them
+        model = build_model(copy.deepcopy(config), device="meta", dtype=torch.float32)
+        tracker = _ModuleTracker(model)
+        try:
+            _forward_backward(model, plan, layout, config, seq_len=seq_len, batch=batch, measured=measured)
+        except Exception as exc:  # a layout mistake: report where it happened
+            where = tracker.innermost() if measured.stage in ("forward", "backward") else "<model>"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            diagnostics.append(
+                Diagnostic(
+                    rule="dry-run",
+                    loc=plan.loc,
+                    message=f"{measured.stage} failed at {layout.world_size} ranks ({layout.describe()}) in {where}: "
+                    f"{type(exc).__name__}: {first[:400]}",
+                    fix="check the styles of this module and of the modules feeding it "
+                    "(`plancc explain` shows every layout)",
+                )
+            )
+        finally:
+            tracker.remove()
+    if not diagnostics and measured.grad_bytes == 0:
+        diagnostics.append(
+            Diagnostic(
+                rule="dry-run",
+                severity=Severity.WARNING,
+                loc=SourceLoc(path=plan.path),
+                message="backward produced no gradients",
+                fix="check requires_grad",
+            )
+        )
+    return DryRunReport(
+        layout=layout,
+        param_bytes=measured.param_bytes,
+        grad_bytes=measured.grad_bytes,
+        optimizer_bytes=2 * measured.param_bytes,  # fp32 params: AdamW's two moments match them
+        seconds=time.perf_counter() - started,
+        diagnostics=tuple(diagnostics),
+    )

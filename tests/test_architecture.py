@@ -1,0 +1,83 @@
+"""The layering rules that import-linter cannot express, read off the source.
+
+import-linter (``.importlinter``, run by ``.ci/run``) enforces that layers import only
+downward and that no layer has an import cycle. It sees ``torch`` only as one package, so the
+rule that the front end never touches process-group code, and the rule against project
+imports hidden inside functions, are checked here on the syntax tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+PACKAGE = ROOT / "plancc"
+FRONT_END = [*sorted((PACKAGE / "compiler").glob("*.py")), *sorted((PACKAGE / "checks").glob("*.py")),
+             PACKAGE / "layout.py", PACKAGE / "models.py", PACKAGE / "errors.py"]
+# DTensor placements and torch's ParallelStyle classes: plain values and objects whose
+# construction touches no process group. Everything else under torch.distributed does.
+ALLOWED_DISTRIBUTED = {"torch.distributed.tensor", "torch.distributed.tensor.parallel"}
+
+
+def _imports(path: Path) -> list[tuple[str, int, ast.AST]]:
+    """(module imported, relative level, node) for every import in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, 0, node) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.module or "", node.level, node))
+    return found
+
+
+@pytest.mark.parametrize("path", FRONT_END, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_front_end_never_imports_process_group_code(path):
+    bad = [name for name, level, _ in _imports(path)
+           if level == 0 and name.startswith("torch.distributed") and name not in ALLOWED_DISTRIBUTED]
+    assert not bad, f"{path.name} imports {bad}: the compiler and checks must run without a process group"
+
+
+def _function_level_project_imports(path: Path) -> list[int]:
+    lines = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").startswith("plancc")):
+                lines.append(node.lineno)
+            elif isinstance(node, ast.Import) and any(a.name.startswith("plancc") for a in node.names):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_project_modules_are_imported_at_the_top_of_a_module_except_by_the_cli():
+    """An import inside a function hides a dependency (and, before this rule, two import
+    cycles). The CLI alone imports its commands' modules lazily, so `plancc --help` does not
+    pay for torch and transformers."""
+    offenders = {str(p.relative_to(ROOT)): lines for p in sorted(PACKAGE.rglob("*.py"))
+                 if p.name != "cli.py" and (lines := _function_level_project_imports(p))}
+    assert offenders == {}
+
+
+def test_the_folders_show_the_layers():
+    layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert layers == {"compiler", "checks", "runtime", "job", "tools"}
+
+
+def test_validating_a_plan_initializes_no_process_group():
+    code = ("import torch.distributed as dist\n"
+            "from plancc.checks.report import validate_plan\n"
+            "report = validate_plan('plans/qwen3.yaml', model='tiny-qwen3', tp=2)\n"
+            "assert not report.has_errors, report.diagnostics\n"
+            "assert not dist.is_initialized()\n"
+            "import sys; print(sorted(m for m in sys.modules if m.startswith('plancc.')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    loaded = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded if m.startswith(("plancc.runtime", "plancc.job", "plancc.tools"))]
