@@ -56,14 +56,18 @@ def _emit(diagnostics: list[Diagnostic], fmt: Format, summary: dict | None = Non
         print(diag.format(), file=sys.stderr if diag.is_error else sys.stdout)
 
 
-def _fail(exc: PlanError, fmt: Format) -> typer.Exit:
+def _exit_code(exc: PlanError) -> int:
     from .models import ModelSpecError
 
-    _emit(exc.diagnostics, fmt)
     usage = isinstance(exc, ModelSpecError) or any(
         d.rule in ("file-not-found", "file-unreadable") for d in exc.diagnostics
     )
-    return typer.Exit(EXIT_USAGE if usage else EXIT_PLAN)
+    return EXIT_USAGE if usage else EXIT_PLAN
+
+
+def _fail(exc: PlanError, fmt: Format) -> typer.Exit:
+    _emit(exc.diagnostics, fmt)
+    return typer.Exit(_exit_code(exc))
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -74,7 +78,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 @app.command()
 def validate(
-    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    plan_paths: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="plan YAML files (one report each)")],
     model: ModelOpt = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
@@ -90,27 +94,52 @@ def validate(
     ] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
-    """Check a plan against a model config (no GPU, no weights) and summarize it."""
+    """Check plans against a model config (no GPU, no weights) and summarize each.
+
+    With several plans (as pre-commit passes them) every plan is checked and reported; the
+    exit code is the worst: 2 for a usage problem (a missing file), else 1 if any plan has an
+    error, else 0.
+    """
     from .checks.report import validate_plan  # imports in commands keep `plancc --help` fast
 
-    try:
-        report = validate_plan(
-            plan_path, model=model, world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, seq_len=seq_len
-        )
-    except PlanError as exc:
-        raise _fail(exc, fmt) from None
-    summary = report.summary()
-    diagnostics = list(report.diagnostics)
-    dry_line = None
-    if dry_run and not report.has_errors:
-        dry_line = _dry_run(report, seq_len, diagnostics, summary)
-    _emit(diagnostics, fmt, summary=summary if fmt is Format.json else None)
-    if fmt is Format.text:
-        print(report.render())
-        if dry_line:
-            print(dry_line)
-    if any(d.is_error for d in diagnostics):
-        raise typer.Exit(EXIT_PLAN)
+    worst, diagnostics, summaries, texts = 0, [], [], []
+    for plan_path in plan_paths:
+        try:
+            report = validate_plan(
+                plan_path,
+                model=model,
+                world_size=world_size,
+                dp=dp,
+                cp=cp,
+                tp=tp,
+                sequence_parallel=sp,
+                seq_len=seq_len,
+            )
+        except PlanError as exc:
+            diagnostics += exc.diagnostics
+            worst = max(worst, _exit_code(exc))
+            continue
+        found = list(report.diagnostics)
+        summary = report.summary()
+        text = report.render()
+        if dry_run and not report.has_errors:
+            text += "\n" + _dry_run(report, seq_len, found, summary)
+        diagnostics += found
+        summaries.append(summary)
+        texts.append(text)
+        worst = max(worst, EXIT_PLAN if any(d.is_error for d in found) else 0)
+    if fmt is Format.json:
+        payload: dict[str, Any] = {"diagnostics": [d.to_json() for d in diagnostics]}
+        if len(plan_paths) == 1 and summaries:
+            payload["summary"] = summaries[0]
+        else:
+            payload["summaries"] = summaries
+        print(json.dumps(payload, indent=2))
+    else:
+        _emit(diagnostics, fmt)
+        print("\n".join(texts))
+    if worst:
+        raise typer.Exit(worst)
 
 
 def _dry_run(
@@ -296,8 +325,8 @@ def apply(
     from .job.launch import LaunchOptions
     from .job.runner import RunConfig
 
-    model, layout, warnings = _prelaunch(
-        plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, data, fmt, seq_len=None if data else seq_len
+    model, layout, report = _prelaunch(
+        plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, seq_len=None if data else seq_len
     )
     cfg = RunConfig(
         plan=str(plan_path),
@@ -318,6 +347,7 @@ def apply(
         timeout_s=timeout,
         param_dtype=param_dtype,
     )
+    warnings = _preflight(cfg, report, fmt)
     opts = LaunchOptions(
         nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
     )
@@ -341,16 +371,14 @@ def _prelaunch(
     cp: int,
     tp: int | None,
     sp: bool,
-    data: Path | None,
     fmt: Format,
     seq_len: int | None = None,
-) -> tuple[str, Layout, tuple[Diagnostic, ...]]:
-    """Everything checked before a process starts: the layout, the plan against the model at
-    this layout, the data file. Returns (model name, layout, warnings)."""
+) -> tuple[str, Layout, ValidationReport]:
+    """The layout and the plan against the model at this layout, checked before a process
+    starts. Returns (model name, layout, the validation report)."""
     from .checks.report import validate_plan
     from .compiler.plan import load_plan
-    from .job.data import read_jsonl
-    from .models import default_preset, load_config
+    from .models import default_preset
 
     world = nproc_per_node * _world_size(nnodes)
     if tp is None:  # all ranks not taken by cp/dp go to tensor parallelism
@@ -367,21 +395,38 @@ def _prelaunch(
         plan = load_plan(plan_path)  # read once here; the workers read the file again themselves
         model = model or default_preset(plan.architectures, tiny=True)
         report = validate_plan(plan, model=model, layout=layout, seq_len=seq_len)
-        if data is not None:
-            read_jsonl(data, vocab_size=load_config(model).vocab_size)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
-    if report.has_errors or fmt is Format.text:  # json: warnings go into the one final document
-        _emit(list(report.diagnostics), fmt)
     if report.has_errors:
+        _emit(list(report.diagnostics), fmt)
         raise typer.Exit(EXIT_PLAN)
-    return report.model_name, layout, report.diagnostics
+    return report.model_name, layout, report
+
+
+def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format) -> tuple[Diagnostic, ...]:
+    """The run's inputs and outputs checked before a process starts (plancc.job.preflight);
+    returns the warnings, which text output prints now and JSON output keeps for the end."""
+    from .job.preflight import notices, preflight
+    from .models import load_config
+
+    assert report.meta_model is not None  # a report without errors has its model
+    problems = preflight(cfg, report.meta_model, load_config(report.model_name))
+    if problems:
+        _emit(problems, fmt)
+        raise typer.Exit(EXIT_PLAN)
+    warnings = (*report.diagnostics, *notices(cfg))
+    if fmt is Format.text:  # json: warnings go into the one final document
+        _emit(list(warnings), fmt)
+    return warnings
 
 
 def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warnings: tuple[Diagnostic, ...] = ()) -> None:
     from .job.launch import launch
 
     outcome = launch(opts, cfg)
+    if outcome.result is not None and outcome.result.get("diagnostics"):  # a worker stopped on a diagnosed problem
+        _emit([Diagnostic.from_json(d) for d in outcome.result["diagnostics"]], fmt)
+        raise typer.Exit(EXIT_PLAN)
     if outcome.result is not None and outcome.result.get("ok") is False:
         print("error: sharded model differs from the unsharded one beyond tolerance [verify]", file=sys.stderr)
         raise typer.Exit(EXIT_PLAN)
@@ -435,7 +480,7 @@ def logprobs(
     from .job.launch import LaunchOptions
     from .job.runner import RunConfig
 
-    model, layout, warnings = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, data, fmt)
+    model, layout, report = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt)
     cfg = RunConfig(
         plan=str(plan_path),
         layout=layout,
@@ -450,6 +495,7 @@ def logprobs(
         out=str(out) if out else None,
         pack=pack,
     )
+    warnings = _preflight(cfg, report, fmt)
     opts = LaunchOptions(
         nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
     )

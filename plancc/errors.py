@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class Severity(StrEnum):
@@ -65,12 +66,23 @@ class Diagnostic:
             text += f"\n  fix: {self.fix}"
         return text
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The stable JSON shape documented in docs/diagnostics.md."""
         data = asdict(self)
         loc = data.pop("loc")
         data["severity"] = str(self.severity)
         return {**loc, **data}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Diagnostic:
+        """The inverse of ``to_json`` (diagnostics a worker reports back to the launcher)."""
+        return cls(
+            rule=data["rule"],
+            message=data["message"],
+            fix=data.get("fix"),
+            severity=Severity(data.get("severity", "error")),
+            loc=SourceLoc(path=data.get("path", "<run>"), line=data.get("line", 0), column=data.get("column", 0)),
+        )
 
 
 class PlanError(Exception):

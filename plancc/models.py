@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .errors import Diagnostic, PlanError, SourceLoc, closest
+from .errors import Diagnostic, PlanError, SourceLoc, closest, quiet_logger
 
 if TYPE_CHECKING:  # transformers is imported where a config or model is built
     from transformers import PretrainedConfig
@@ -159,27 +159,118 @@ def load_config(model: str | Path | Any) -> PretrainedConfig:
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise _model_error(text, f"cannot read the model config: {exc}", "pass a valid config.json") from None
-        if not isinstance(data, dict) or "model_type" not in data:
-            raise _model_error(text, "config.json has no 'model_type'", "pass a Hugging Face config.json")
-        data = dict(data)
-        try:
-            return AutoConfig.for_model(data.pop("model_type"), **data)
-        except (ValueError, KeyError) as exc:
-            raise _model_error(
-                text,
-                f"transformers cannot build this config: {exc}",
-                "check model_type against the pinned transformers release",
-            ) from None
+        return check_config(_read_config_file(path), str(path))
     near = closest(text, presets())
     raise _model_error(
         text,
         "not a preset, a model folder or a config.json",
         (f"did you mean {near[0]!r}? " if near else "") + "see `plancc models` for presets",
     )
+
+
+class ConfigError(PlanError):
+    """A model config that transformers refuses or that no model can be built from (exit 1)."""
+
+
+def _config_error(path: str, message: str, fix: str) -> ConfigError:
+    return ConfigError([Diagnostic(rule="model-config", loc=SourceLoc(path=path), message=message, fix=fix)])
+
+
+def _read_config_file(path: Path) -> PretrainedConfig:
+    """A config.json read the way transformers reads it (its JSON encodings, such as
+    ``{"__float__": "Infinity"}``, and its own validation), every refusal a diagnostic."""
+    from transformers import AutoConfig
+
+    try:
+        head = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _config_error(
+            str(path), f"cannot read the model config: {str(exc)[:200]}", "pass a valid config.json"
+        ) from None
+    if not isinstance(head, dict) or "model_type" not in head:
+        raise _config_error(str(path), "config.json has no 'model_type'", "pass a Hugging Face config.json")
+    raw = head.get("text_config") if isinstance(head.get("text_config"), dict) else head
+    problems = _size_problems(raw, str(path))
+    if problems:  # before transformers sees them: it divides by some of these sizes
+        raise ConfigError(problems)
+    try:
+        with warnings.catch_warnings(), quiet_logger("transformers"):  # what it refuses, it raises
+            warnings.simplefilter("ignore")
+            return AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises ValueError, KeyError, TypeError and its strict-dataclass errors
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = " ".join(lines[:2])[:300] if lines else type(exc).__name__
+        raise _config_error(
+            str(path),
+            f"transformers refuses this config: {first}",
+            "compare the field it names with a config saved by the pinned transformers release",
+        ) from None
+
+
+# Sizes a decoder config must hold as positive integers, and the largest each may take
+# before building even a meta model stops making sense (a vocabulary of 10^9 rows is a typo).
+_SIZES = {
+    "vocab_size": 10**8,
+    "hidden_size": 10**6,
+    "num_hidden_layers": 10**4,
+    "num_attention_heads": 10**4,
+    "num_key_value_heads": 10**4,
+    "intermediate_size": 10**7,
+    "head_dim": 10**5,
+}
+
+
+def _size_problems(fields: Any, path: str) -> list[Diagnostic]:
+    """Sizes that are not integers in range, from a config or the raw JSON of one."""
+    problems = []
+    for field, limit in _SIZES.items():
+        value = fields.get(field) if isinstance(fields, dict) else getattr(fields, field, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+            problems.append(
+                Diagnostic(
+                    rule="model-config",
+                    loc=SourceLoc(path=path),
+                    message=f"{field} is {value!r}; it must be an integer from 1 to {limit}",
+                    fix=f"correct {field} in the config",
+                )
+            )
+    return problems
+
+
+def check_config(config: PretrainedConfig, path: str = "<config>") -> PretrainedConfig:
+    """Refuse a config no model can be built from, naming the field: zero, negative, huge or
+    non-integer sizes, and heads that do not split the hidden size. Returns the config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    problems = _size_problems(text, path)
+    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
+    head_dim = getattr(text, "head_dim", None)
+    # transformers derives head_dim = hidden // heads when the file gives none: a remainder is lost
+    derived = head_dim is None or (isinstance(hidden, int) and isinstance(heads, int) and head_dim == hidden // heads)
+    if not problems and isinstance(heads, int) and isinstance(hidden, int) and derived and hidden % heads:
+        problems.append(
+            Diagnostic(
+                rule="model-config",
+                loc=SourceLoc(path=path),
+                message=f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                "and no head_dim is given",
+                fix="set head_dim, or a hidden size heads divide",
+            )
+        )
+    kv = getattr(text, "num_key_value_heads", None)
+    if not problems and isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        problems.append(
+            Diagnostic(
+                rule="model-config",
+                loc=SourceLoc(path=path),
+                message=f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                fix="correct num_key_value_heads (grouped-query attention shares whole groups)",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+    return config
 
 
 def architecture_of(config: PretrainedConfig) -> str:

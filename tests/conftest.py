@@ -2,6 +2,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No test may depend on wall-clock speed: hypothesis' default 200 ms deadline per example and
+# its too-slow health check fail property tests on a loaded machine (CI saw it). Bounds that
+# catch a hang are per test (pytest-timeout), with room.
+settings.register_profile("plancc", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("plancc")
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
@@ -37,3 +44,31 @@ def cli():
         return result.exit_code, result.stdout, result.stderr
 
     return run
+
+
+def run_cli(*args, env=None, timeout=240, **popen):
+    """Run the plancc CLI in its own process, as a user would: (exit code, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "plancc.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, **popen)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def step_losses(stdout: str) -> list[float]:
+    return [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A checkpoint of the tiny Qwen3 saved by `plancc apply` at step 2 (tp=2), and the losses
+    of steps 3 and 4 resumed from it: the reference the checkpoint tests compare with. Shared
+    by every test that needs one (each works on its own copy), as saving costs a launch."""
+    root = tmp_path_factory.mktemp("tiny-checkpoint")
+    code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
+    assert code == 0, err
+    code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
+    assert code == 0, err
+    assert "resumed from step 2" in out
+    return root / "ck", step_losses(out)

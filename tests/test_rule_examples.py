@@ -18,13 +18,13 @@ CASES = [(rule, example) for rule in RULES for example in rule.EXAMPLES]
 
 def _plan_text(example: Example) -> str:
     data = yaml.safe_load((PLANS / example.plan).read_text())
-    for section, glob, style in example.edits:
-        if glob is None:
+    for section, key, value in example.edits:
+        if key is None:
             data.pop(section)
-        elif style is None:
-            data[section].pop(glob)
+        elif value is None:
+            data[section].pop(key)
         else:
-            data[section][glob] = style
+            data.setdefault(section, {})[key] = value
     return yaml.safe_dump(data, sort_keys=False)
 
 

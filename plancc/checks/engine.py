@@ -18,6 +18,7 @@ from ..models import build_meta_model
 from . import (
     architecture,
     context_parallel,
+    fsdp_units,
     heads,
     mesh_sizes,
     module_kinds,
@@ -38,6 +39,7 @@ RULES: tuple[ModuleType, ...] = (
     pairing,
     sequence_parallel,
     context_parallel,
+    fsdp_units,
 )
 
 

@@ -18,9 +18,9 @@ class Example:
     plan: str = "qwen3.yaml"  # a shipped plan, under plans/
     model: str = "qwen3-8b"  # a preset
     config: Mapping[str, Any] = field(default_factory=dict)  # overrides of the preset's config
-    # changes to the plan: (section, glob, style); style None removes the rule, and a
-    # section with glob None is removed whole
-    edits: tuple[tuple[str, str | None, str | None], ...] = ()
+    # changes to the plan: (section, key, value); value None removes the key, a key None
+    # removes the section whole
+    edits: tuple[tuple[str, str | None, Any], ...] = ()
     # the layout and sequence length, as `plancc validate` flags: tp, cp, dp, world_size,
     # sequence_parallel, seq_len
     args: Mapping[str, Any] = field(default_factory=dict)

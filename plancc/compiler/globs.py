@@ -18,6 +18,8 @@ from functools import cached_property
 
 from torch import nn
 
+from ..errors import closest
+
 _WILDCARD = re.compile(r"[*?\[]")
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
@@ -34,9 +36,14 @@ def _segment_ok(segment: str) -> bool:
     return depth == 0 and not ("**" in segment and segment != "**")
 
 
+MAX_SEGMENTS = 64  # module paths of real models are under a dozen segments deep
+
+
 def glob_problem(pattern: str) -> str | None:
     """Why a glob is malformed, or None. (The schema catches characters; this, structure.)"""
     segments = pattern.split(".")
+    if len(segments) > MAX_SEGMENTS:
+        return f"has {len(segments)} segments; module paths are at most {MAX_SEGMENTS} deep"
     if any(not s for s in segments):
         return "has an empty path segment"
     for s in segments:
@@ -62,6 +69,7 @@ class ModuleTree:
     every glob of a plan."""
 
     def __init__(self, names: Iterable[str] = ()):
+        self._suggested = 0
         self.names: list[str] = []
         self.root = _Node()
         for name in names:
@@ -98,6 +106,15 @@ class ModuleTree:
     def _add(self, node: _Node, name: str) -> None:
         node.order, node.name = len(self.names), name
         self.names.append(name)
+
+    # "did you mean" costs a fuzzy comparison with every module shape; a plan of 100k rules
+    # that all miss gets suggestions for the first ones only, and stays fast
+    SUGGESTIONS = 50
+
+    def suggest(self, pattern: str) -> list[str]:
+        """Up to three module shapes close to a glob that matched nothing."""
+        self._suggested += 1
+        return closest(pattern, self.shapes, n=3) if self._suggested <= self.SUGGESTIONS else []
 
     @cached_property
     def shapes(self) -> list[str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..errors import Diagnostic, PlanError, SourceLoc, closest, raise_if_errors
+from ..errors import Diagnostic, PlanError, SourceLoc, raise_if_errors
 from .globs import ModuleTree, glob_matches, glob_problem
 from .plan import Plan, Rule, StyleRef, TargetList
 
@@ -31,7 +31,7 @@ __all__ = [
 
 
 def no_match(pattern: str, loc: SourceLoc, tree: ModuleTree, what: str) -> Diagnostic:
-    near = closest(pattern, tree.shapes, n=3)
+    near = tree.suggest(pattern)
     return Diagnostic(
         rule="glob-no-match",
         loc=loc,

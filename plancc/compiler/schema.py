@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
 
@@ -252,6 +252,11 @@ def _checkpoint_target_diagnostics(
             yield from _diagnostics_for(sub, doc)
 
 
+@lru_cache(maxsize=1024)
+def _closest_style(name: str) -> list[str]:
+    return closest(name, STYLE_NAMES)
+
+
 def _unknown_style(name: str, doc: SourceDoc, at: JsonPath) -> Diagnostic:
     if name in HF_UNSUPPORTED:
         return Diagnostic(
@@ -260,7 +265,7 @@ def _unknown_style(name: str, doc: SourceDoc, at: JsonPath) -> Diagnostic:
             message=f"{name!r} is a transformers tp_plan style that plancc does not support: {HF_UNSUPPORTED[name]}",
             fix="leave the module out of the plan (its weight stays whole), or see `plancc styles`",
         )
-    near = closest(name, STYLE_NAMES)
+    near = _closest_style(name)
     return Diagnostic(
         rule="unknown-style",
         loc=doc.loc(at),

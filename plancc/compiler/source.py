@@ -48,49 +48,110 @@ def _loc(path: str, mark: yaml.Mark | None) -> SourceLoc:
     return SourceLoc(path=path, line=mark.line + 1, column=mark.column + 1)
 
 
+# A plan is a few hundred YAML nodes. Aliases repeat their anchor's content wherever they
+# appear, so 480 bytes of nested aliases can stand for billions of nodes ("billion laughs"):
+# the walk counts the nodes it expands and stops with a diagnostic at the alias that passed
+# the budget, in milliseconds, instead of expanding for minutes.
+MAX_EXPANDED = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+# libyaml's parser when PyYAML was built with it (its wheels are): a few MB of plan parse in
+# seconds instead of tens of seconds; the same nodes, marks and errors either way.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _TooLarge(Exception):
+    def __init__(self, node: yaml.Node):
+        self.node = node
+
+
 class _Walker:
-    def __init__(self, path: str, loader: yaml.SafeLoader):
+    def __init__(self, path: str, loader: Any):
         self.path = path
         self.loader = loader
         self.value_locs: dict[JsonPath, SourceLoc] = {}
         self.key_locs: dict[JsonPath, SourceLoc] = {}
         self.problems: list[Diagnostic] = []
+        self.expanded = 0  # nodes walked again because an alias names them
+        self._seen: set[int] = set()
+        self._merged: dict[int, int] = {}  # mapping node -> how many of its pairs came from '<<'
 
     def walk(self, node: yaml.Node, at: JsonPath) -> Any:
+        if id(node) in self._seen:
+            self.expanded += 1
+            if self.expanded > MAX_EXPANDED:
+                raise _TooLarge(node)
+        else:
+            self._seen.add(id(node))
         self.value_locs[at] = _loc(self.path, node.start_mark)
         if isinstance(node, yaml.MappingNode):
-            self.loader.flatten_mapping(node)  # resolves YAML merge keys (<<)
-            out: dict[str, Any] = {}
-            for key_node, value_node in node.value:
-                key = self.loader.construct_object(key_node, deep=True)
-                if not isinstance(key, str):
-                    self.problems.append(
-                        Diagnostic(
-                            rule="yaml-key-type",
-                            loc=_loc(self.path, key_node.start_mark),
-                            message=f"key {key!r} is a {type(key).__name__}; plan keys are strings",
-                            fix=f"quote the key: '{key}'",
-                        )
-                    )
-                    key = str(key)
-                if key in out:
-                    first = self.key_locs[at + (key,)]
-                    self.problems.append(
-                        Diagnostic(
-                            rule="duplicate-key",
-                            loc=_loc(self.path, key_node.start_mark),
-                            message=f"duplicate key {key!r} (first defined at line {first.line}); "
-                            "YAML would silently keep only the last one",
-                            fix="remove one of the two entries or merge them",
-                        )
-                    )
-                    continue
-                self.key_locs[at + (key,)] = _loc(self.path, key_node.start_mark)
-                out[key] = self.walk(value_node, at + (key,))
-            return out
+            return self._mapping(node, at)
         if isinstance(node, yaml.SequenceNode):
             return [self.walk(item, at + (i,)) for i, item in enumerate(node.value)]
-        return self.loader.construct_object(node, deep=True)
+        return self._scalar(node)
+
+    def _scalar(self, node: yaml.Node) -> Any:
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except ValueError as exc:  # an integer past Python's digit limit, a bad timestamp, ...
+            self.problems.append(
+                Diagnostic(
+                    rule="yaml-value",
+                    loc=_loc(self.path, node.start_mark),
+                    message=f"value cannot be read: {str(exc).split(';')[0][:200]}",
+                    fix="write a plain string, number or boolean",
+                )
+            )
+            return None
+
+    def _merge(self, node: yaml.MappingNode) -> int:
+        """Resolve YAML merge keys (``<<``) once per node; how many pairs they put first."""
+        if id(node) not in self._merged:
+            explicit = sum(1 for key, _ in node.value if key.tag != _MERGE_TAG)
+            self.loader.flatten_mapping(node)
+            self._merged[id(node)] = len(node.value) - explicit
+        return self._merged[id(node)]
+
+    def _mapping(self, node: yaml.MappingNode, at: JsonPath) -> dict[str, Any]:
+        merged = self._merge(node)
+        out: dict[str, Any] = {}
+        from_merge: set[str] = set()
+        for i, (key_node, value_node) in enumerate(node.value):
+            key = self._key(key_node)
+            if key in out and key not in from_merge:
+                first = self.key_locs[at + (key,)]
+                self.problems.append(
+                    Diagnostic(
+                        rule="duplicate-key",
+                        loc=_loc(self.path, key_node.start_mark),
+                        message=f"duplicate key {key!r} (first defined at line {first.line}); "
+                        "YAML would silently keep only the last one",
+                        fix="remove one of the two entries or merge them",
+                    )
+                )
+                continue
+            if key in out and i < merged:  # an earlier merged mapping wins over a later one
+                continue
+            # a key written beside '<<: *base' overrides the merged one: that is what merge keys are for
+            from_merge.discard(key)
+            if i < merged:
+                from_merge.add(key)
+            self.key_locs[at + (key,)] = _loc(self.path, key_node.start_mark)
+            out[key] = self.walk(value_node, at + (key,))
+        return out
+
+    def _key(self, key_node: yaml.Node) -> str:
+        key = self._scalar(key_node)
+        if isinstance(key, str):
+            return key
+        self.problems.append(
+            Diagnostic(
+                rule="yaml-key-type",
+                loc=_loc(self.path, key_node.start_mark),
+                message=f"key {key!r} is a {type(key).__name__}; plan keys are strings",
+                fix=f"quote the key: '{key}'",
+            )
+        )
+        return str(key)
 
 
 def _syntax_error(path: str, exc: Exception, text: str = "") -> Diagnostic:
@@ -116,7 +177,7 @@ def parse_yaml(text: str, path: str) -> SourceDoc:
     """Parse YAML text; raise ``PlanError`` on syntax errors, duplicate keys or an empty file."""
     loader = None
     try:
-        loader = yaml.SafeLoader(text)  # the reader already rejects control characters here
+        loader = _LOADER(text)  # the reader already rejects control characters here
         root = loader.get_single_node()
         if root is None:
             raise PlanError(
@@ -134,6 +195,18 @@ def parse_yaml(text: str, path: str) -> SourceDoc:
         data = walker.walk(root, ())
     except yaml.YAMLError as exc:
         raise PlanError([_syntax_error(path, exc, text)]) from None
+    except _TooLarge as exc:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="yaml-too-large",
+                    loc=_loc(path, exc.node.start_mark),
+                    message=f"aliases here repeat more than {MAX_EXPANDED} YAML nodes "
+                    "(aliases repeat the content of their anchors)",
+                    fix="write the plan out without nested aliases; a plan is a few hundred nodes",
+                )
+            ]
+        ) from None
     except RecursionError:
         raise PlanError(
             [

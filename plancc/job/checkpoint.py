@@ -1,38 +1,69 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), saved atomically, resumable at
-another (dp, cp, tp) layout.
+"""Checkpoints with torch.distributed.checkpoint (DCP): saved atomically, never destroyed by a
+later save, resumable at another (dp, cp, tp) layout, and read without executing anything
+from the folder.
 
 Layout of a checkpoint directory::
 
     DIR/step-000005/      DCP shards + .metadata, plus plancc.json (what was saved, how)
     DIR/latest            the name of the newest complete step directory
+    DIR/.lock             held by the run that saves into DIR (a second one is refused)
 
-A step is written into ``DIR/.partial-step-000005`` and renamed only after every rank has
-finished writing, then ``latest`` is replaced atomically: a crash mid-save leaves the
-previous step and the previous ``latest`` untouched.
+A step is written into ``DIR/.partial-step-000005-<token>`` and moved into place only after
+every rank has finished writing and plancc.json is on disk. Re-saving a step that exists
+moves the old one aside (``.replaced-...``) before the new one is moved in, and deletes it
+only after ``latest`` names the new one; ``latest`` is replaced through a fresh temporary file
+(never a name an attacker could plant a link at). Whatever point a crash hits, the newest
+complete step is still found: ``find`` falls back to scanning complete steps when ``latest``
+names nothing usable.
+
+Reading: DCP's ``.metadata`` is a pickle and its non-tensor items are ``torch.load``ed with
+``weights_only=False``; a checkpoint shared between people must not run code on resume, so
+plancc reads the metadata with an unpickler that admits DCP's own metadata classes only, loads
+non-tensor items with ``weights_only=True``, and refuses shard paths outside the folder.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import io
 import json
 import os
+import pickle
+import re
 import shutil
-from dataclasses import asdict, dataclass
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..errors import Diagnostic, PlanError, SourceLoc
 from . import faults
 
 META = "plancc.json"
+LATEST = "latest"
+LOCK = ".lock"
+_STEP_NAME = re.compile(r"^step-\d{6,}$")
 
 
 class CheckpointError(PlanError):
-    """A checkpoint that cannot be resumed here (missing, partial, or another model)."""
+    """A checkpoint that cannot be saved or resumed here (missing, partial, another model,
+    hostile, or a failed write)."""
+
+
+def _error(path: str | Path, message: str, fix: str) -> CheckpointError:
+    return CheckpointError([Diagnostic(rule="checkpoint", loc=SourceLoc(path=str(path)), message=message, fix=fix)])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,11 +75,19 @@ class CheckpointInfo:
     dp: int
     cp: int
     tp: int
+    # name -> global shape of every parameter, to say which one differs (absent in plancc 0.1)
+    parameters: dict[str, list[int]] = field(default_factory=dict)
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Names and global shapes of the parameters (layout independent: DTensors report their
+    global shape, and a meta-device model gives the same as a parallelized one)."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
 def model_signature(model: torch.nn.Module) -> str:
-    """Names and global shapes of the parameters, as one string (layout independent)."""
-    parts = [f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters()]
+    """Names and global shapes of the parameters, as one short hash."""
+    parts = [f"{name}:{tuple(shape)}" for name, shape in parameter_shapes(model).items()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -56,57 +95,342 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
+# --------------------------------------------------------------------------- the folder lock
+class FolderLock:
+    """An exclusive lock on a checkpoint folder, held by one process for a whole run.
+
+    ``flock`` is released by the kernel when the holder dies, so a crashed run never leaves
+    the folder locked; a second run saving into the same folder is refused with the first
+    one's pid instead of interleaving its steps with the first one's.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._fd: int | None = None
+
+    def acquire(self) -> FolderLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise _error(
+                self.root,
+                f"another run ({holder}) is saving checkpoints into this folder",
+                "wait for it to finish, or pass another --save folder",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def check_save_folder(root: str | Path) -> None:
+    """Before a run starts: the folder can be created and written, and no other run holds it."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise _error(path, "--save names an existing file, not a folder", "pass a folder (it is created if missing)")
+    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK | os.X_OK) or str(path.resolve()).startswith(("/proc", "/sys", "/dev")):
+        raise _error(path, f"cannot write checkpoints here ({probe} is not writable)", "pass a writable folder")
+    if path.is_dir():
+        FolderLock(path).acquire().release()
+
+
+# --------------------------------------------------------------------------- saving
+def _write_file_atomically(path: Path, text: str) -> None:
+    """Write through a fresh temporary file in the same folder, then rename over ``path``:
+    readers see the old or the new content, and a link planted at a predictable temporary
+    name is never followed (mkstemp creates its file exclusively)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the pointer from other users of a shared folder
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        faults.inject("latest" if path.name == LATEST else "meta", rank=0)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _publish(root: Path, partial: Path, final: Path, token: str) -> Path | None:
+    """Move a finished step into place; returns the old copy of the same step, moved aside."""
+    aside = None
+    if final.exists():
+        aside = root / f".replaced-{final.name}-{token}"
+        os.rename(final, aside)
+        faults.inject("publish", rank=0)  # a crash here: the old copy is found by find()'s scan
+    os.rename(partial, final)
+    return aside
+
+
+def _remove_leftovers(root: Path, keep: Path | None) -> None:
+    """Unfinished steps and moved-aside copies of crashed runs: once a newer step is
+    published (and this run holds the folder's lock) nothing can still be writing them."""
+    for entry in root.iterdir():
+        if (
+            entry.is_dir()
+            and not entry.is_symlink()
+            and entry != keep
+            and entry.name.startswith((".partial-step-", ".replaced-step-"))
+        ):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _shared_token() -> str:
+    token = [uuid.uuid4().hex[:8]]
+    dist.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
 def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> Path:
     """Collective: every rank calls it. Returns the finished step directory."""
     root = Path(root)
     final = _step_dir(root, info.step)
-    partial = root / f".partial-{final.name}"
+    partial = root / f".partial-{final.name}-{_shared_token()}"
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise _error(
+            final,
+            f"saving step {info.step} failed: {_first_line(exc)}",
+            "free disk space or pass another --save folder; the previous checkpoint is intact",
+        ) from None
     faults.inject("save", rank=dist.get_rank())
     dist.barrier()
     if dist.get_rank() == 0:
-        (partial / META).write_text(json.dumps(asdict(info), indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(partial, final)
-        tmp = root / ".latest.tmp"
-        tmp.write_text(final.name + "\n")
-        os.replace(tmp, root / "latest")
+        _write_file_atomically(partial / META, json.dumps(asdict(info), indent=2))
+        aside = _publish(root, partial, final, partial.name.rsplit("-", 1)[1])
+        _write_file_atomically(root / LATEST, final.name + "\n")
+        _remove_leftovers(root, keep=aside)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def _error(path: str, message: str, fix: str) -> CheckpointError:
-    return CheckpointError([Diagnostic(rule="checkpoint", loc=SourceLoc(path=path), message=message, fix=fix)])
+def _wrapped(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's CheckpointException ((exception, traceback) pairs)."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of the root cause of a (DCP-wrapped) failure."""
+    inner = _wrapped(exc)
+    if inner:
+        exc = inner[0]
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+# --------------------------------------------------------------------------- finding
+def _is_complete(step_dir: Path) -> bool:
+    return (step_dir / META).is_file() and (step_dir / ".metadata").is_file()
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Complete step folders, newest step first (a step moved aside counts, after its twin)."""
+    found = []
+    for entry in root.iterdir() if root.is_dir() else ():
+        name = entry.name
+        replaced = name.startswith(".replaced-step-")
+        if entry.is_dir() and not entry.is_symlink() and (_STEP_NAME.match(name) or replaced) and _is_complete(entry):
+            step = int(re.findall(r"step-(\d+)", name)[0])
+            found.append((step, not replaced, entry))
+    return [entry for _, _, entry in sorted(found, key=lambda t: (t[0], t[1]), reverse=True)]
+
+
+def _latest_target(root: Path) -> Path | None:
+    """The step ``latest`` names, if it is a plain step name of this folder."""
+    pointer = root / LATEST
+    if not pointer.is_file() or pointer.is_symlink():
+        return None
+    name = pointer.read_text(errors="replace").strip()
+    if not _STEP_NAME.match(name):  # '../..', absolute paths and anything else: not followed
+        return None
+    return root / name
 
 
 def find(root: str | Path) -> Path:
     """The newest complete step directory under ``root`` (or ``root`` itself if it is one)."""
     root = Path(root)
-    if (root / META).is_file():
+    if not root.exists():
+        raise _error(root, "no such checkpoint folder", "pass the --save folder of an earlier run")
+    if _is_complete(root):
         return root
-    latest = root / "latest"
-    if latest.is_file():
-        step = root / latest.read_text().strip()
-        if (step / META).is_file():
-            return step
+    target = _latest_target(root)
+    if target is not None and _is_complete(target):
+        return target
+    candidates = _candidates(root)
+    if candidates:  # 'latest' is missing, hostile or names an unfinished step: the newest complete one
+        return candidates[0]
     raise _error(
-        str(root),
-        "no complete checkpoint here (no 'latest' pointing at a finished step)",
-        "pass the --save directory of an earlier run",
+        root,
+        "no complete checkpoint here (no step folder with .metadata and plancc.json)",
+        "pass the --save folder of an earlier run",
     )
 
 
 def read_info(step_dir: Path) -> CheckpointInfo:
     try:
-        return CheckpointInfo(**json.loads((step_dir / META).read_text()))
-    except (OSError, ValueError, TypeError) as exc:
-        raise _error(str(step_dir), f"unreadable checkpoint metadata: {exc}", "resume from another step") from None
+        data = json.loads((step_dir / META).read_text())
+        return CheckpointInfo(**data)
+    except (OSError, ValueError, TypeError, RecursionError) as exc:
+        raise _error(
+            step_dir / META, f"unreadable checkpoint metadata: {str(exc)[:200]}", "resume from another step"
+        ) from None
+
+
+def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shapes: dict[str, list[int]]) -> None:
+    """Refuse a checkpoint of another model, naming the first parameter that differs."""
+    if info.architecture != architecture:
+        raise _error(
+            step_dir,
+            f"checkpoint is of {info.architecture}, this run builds {architecture}",
+            "resume with the --model the checkpoint was saved with",
+        )
+    signature = hashlib.sha256("\n".join(f"{n}:{tuple(s)}" for n, s in shapes.items()).encode()).hexdigest()[:16]
+    if info.model_signature == signature:
+        return
+    for name in sorted(set(info.parameters) | set(shapes)):
+        saved, built = info.parameters.get(name), shapes.get(name)
+        if saved != built and info.parameters:
+            raise _error(
+                step_dir,
+                f"checkpoint is of {info.architecture} with parameter {name} of shape "
+                f"{saved or 'absent'}, this run builds it {built or 'absent'}",
+                "resume with the --model the checkpoint was saved with",
+            )
+    raise _error(
+        step_dir,
+        f"checkpoint is of {info.architecture} (signature {info.model_signature}), this run "
+        f"builds {architecture} (signature {signature})",
+        "resume with the --model the checkpoint was saved with",
+    )
+
+
+# --------------------------------------------------------------------------- reading safely
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits what DCP writes into ``.metadata`` and nothing else: a pickle naming any other
+    global (``os.system``, ``builtins.eval``, ...) is refused before it is called."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+        "collections": {"OrderedDict"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"the checkpoint metadata names {module}.{name}, which a DCP checkpoint never holds"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with a restricted metadata unpickler and shard paths kept inside
+    the checkpoint folder."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+            raise _error(
+                path,
+                f"refused checkpoint metadata: {str(exc)[:200]}",
+                "resume only from checkpoints plancc saved; this file is damaged or was crafted",
+            ) from None
+        if not isinstance(metadata, Metadata):
+            raise _error(
+                path,
+                f"checkpoint metadata is a {type(metadata).__name__}, not DCP metadata",
+                "resume only from checkpoints plancc saved",
+            )
+        _check_shards(path, metadata)
+        # what FileSystemReader.read_metadata does after unpickling
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+def _check_shards(path: Path, metadata: Metadata) -> None:
+    """Every byte range the metadata names lies inside a shard file of the folder: a path
+    outside the folder is refused, and a truncated shard is named before DCP reads it."""
+    folder = path.parent.resolve()
+    needed: dict[Path, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        shard = (folder / str(getattr(info, "relative_path", ""))).resolve()
+        if shard.parent != folder:
+            raise _error(
+                path,
+                f"checkpoint metadata points at {shard}, outside the checkpoint folder",
+                "resume only from checkpoints plancc saved",
+            )
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[shard] = max(needed.get(shard, 0), end)
+    for shard, end in needed.items():
+        size = shard.stat().st_size if shard.is_file() else -1
+        if size < end:
+            state = "is missing" if size < 0 else f"holds {size} bytes, the metadata needs {end}"
+            raise _error(
+                shard,
+                f"checkpoint shard {shard.name} {state}: the checkpoint is damaged",
+                "resume from another step, or copy the checkpoint folder again",
+            )
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor items (optimizer hyper-parameters) loaded with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:  # weights_only refuses any global it does not know
+            raise _error(
+                read_item.dest_index.fqn,
+                f"refused a non-tensor checkpoint item: {str(exc)[:200]}",
+                "resume only from checkpoints plancc saved",
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def load(
@@ -115,21 +439,35 @@ def load(
     """Collective: load model and optimizer state saved at any layout into this one."""
     step_dir = find(root)
     info = read_info(step_dir)
-    if info.architecture != architecture or info.model_signature != model_signature(model):
-        raise _error(
-            str(step_dir),
-            f"checkpoint is of {info.architecture} (signature {info.model_signature}), this run builds "
-            f"{architecture} (signature {model_signature(model)})",
-            "resume with the --model the checkpoint was saved with",
-        )
+    compatible(info, step_dir, architecture=architecture, shapes=parameter_shapes(model))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:  # DCP loads in place, into the tensors of these two state dicts
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(step_dir))
-    except Exception as exc:  # DCP reports mismatches deep inside; say what it means
+        dcp.load(
+            {"model": model_sd, "optim": optim_sd},
+            storage_reader=SafeFileSystemReader(str(step_dir)),
+            planner=SafeLoadPlanner(),
+        )
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP reports mismatches deep inside; say what it means
+        refused = _refusal(exc)
+        if refused is not None:
+            raise refused from None
         raise _error(
-            str(step_dir),
-            f"checkpoint does not fit this model/plan: {str(exc).splitlines()[0][:300]}",
-            f"resume with the plan the checkpoint was saved with ({info.plan})",
+            step_dir,
+            f"checkpoint does not fit this model/plan or is damaged: {_first_line(exc)}",
+            f"resume with the plan the checkpoint was saved with ({info.plan}), or from another step",
         ) from None
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return info
+
+
+def _refusal(exc: BaseException) -> CheckpointError | None:
+    """A plancc refusal raised inside DCP (it wraps exceptions of every rank)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    for inner in _wrapped(exc):
+        if isinstance(inner, CheckpointError):
+            return inner
+    cause = exc.__cause__ or exc.__context__
+    return _refusal(cause) if cause is not None and cause is not exc else None

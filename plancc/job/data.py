@@ -52,7 +52,7 @@ def _read_lines(path: str | Path) -> list[str]:
     raise DataError([Diagnostic(rule="data-file", loc=SourceLoc(path=str(path)), message=message, fix=fix)])
 
 
-def _parse_line(line: str, vocab_size: int) -> tuple[int, ...]:
+def _parse_line(line: str, vocab_size: int, min_tokens: int, max_tokens: int | None) -> tuple[int, ...]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -67,6 +67,19 @@ def _parse_line(line: str, vocab_size: int) -> tuple[int, ...]:
     ids = record["input_ids"]
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise _BadLine("data-input-ids", "'input_ids' must be a non-empty list of integers")
+    if len(ids) < min_tokens:  # a lone token predicts nothing: training on it would report a loss of 0
+        raise _BadLine(
+            "data-too-short",
+            f"the line has {len(ids)} token; training needs at least {min_tokens} "
+            "(one to predict from, one to predict)",
+            "drop lines of one token or join them to others",
+        )
+    if max_tokens is not None and len(ids) > max_tokens:  # a batch pads every line to its longest one
+        raise _BadLine(
+            "data-too-long",
+            f"the line has {len(ids)} tokens; the model takes at most {max_tokens} (max_position_embeddings)",
+            "split or truncate the line",
+        )
     out_of_range = [t for t in ids if t < 0 or t >= vocab_size]
     if out_of_range:
         raise _BadLine(
@@ -77,8 +90,11 @@ def _parse_line(line: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def read_jsonl(path: str | Path, *, vocab_size: int) -> TokenDataset:
-    """Read ``{"input_ids": [...]}`` per line; report every bad line, then raise."""
+def read_jsonl(
+    path: str | Path, *, vocab_size: int, min_tokens: int = 1, max_tokens: int | None = None
+) -> TokenDataset:
+    """Read ``{"input_ids": [...]}`` per line; report every bad line, then raise. Training
+    reads with ``min_tokens=2``: a sequence of one token has nothing to predict."""
     shown = str(path)
     problems: list[Diagnostic] = []
     sequences: list[tuple[int, ...]] = []
@@ -86,7 +102,7 @@ def read_jsonl(path: str | Path, *, vocab_size: int) -> TokenDataset:
         if not line.strip():
             continue
         try:
-            sequences.append(_parse_line(line, vocab_size))
+            sequences.append(_parse_line(line, vocab_size, min_tokens, max_tokens))
         except _BadLine as bad:
             problems.append(
                 Diagnostic(

@@ -2,10 +2,14 @@
 
 ``PLANCC_FAULT`` holds ``POINT:ACTION@RANK[#STEP]`` entries, comma separated:
 
-- POINT: ``train`` (before a training step) or ``save`` (after the checkpoint's shards are
-  written, before the checkpoint is made visible)
-- ACTION: ``raise`` (an exception: a failing rank) or ``kill`` (SIGKILL: a lost process)
-- RANK: the global rank that fails; STEP (train only): the 1-based step
+- POINT: ``train`` (before a training step), ``loss`` (the loss a step computed), ``save``
+  (after a checkpoint's shards are written, before it is made visible), ``meta`` (writing
+  its plancc.json), ``publish`` (after an existing copy of the same step was moved aside,
+  before the new one is moved in) or ``latest`` (after the new ``latest`` is written to a
+  temporary file, before it replaces the old one)
+- ACTION: ``raise`` (an exception: a failing rank), ``kill`` (SIGKILL: a lost process) or,
+  at ``loss`` only, ``nan`` (the loss becomes NaN: a diverging run)
+- RANK: the global rank that fails; STEP (train and loss only): the 1-based step
 
 Unset, it costs one environment lookup per call.
 """
@@ -14,9 +18,11 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 
-def inject(point: str, *, rank: int, step: int | None = None) -> None:
+def _entries(point: str, rank: int, step: int | None) -> Iterator[tuple[str, str]]:
+    """(action, entry) of every fault aimed at this point, rank and step."""
     spec = os.environ.get("PLANCC_FAULT")
     if not spec:
         return
@@ -24,10 +30,20 @@ def inject(point: str, *, rank: int, step: int | None = None) -> None:
         where, _, target = entry.strip().partition("@")
         f_point, _, action = where.partition(":")
         f_rank, _, f_step = target.partition("#")
-        if f_point != point or int(f_rank) != rank or (f_step and step is not None and int(f_step) != step):
-            continue
+        if f_point == point and int(f_rank) == rank and not (f_step and step is not None and int(f_step) != step):
+            yield action, entry.strip()
+
+
+def inject(point: str, *, rank: int, step: int | None = None) -> None:
+    for action, entry in _entries(point, rank, step):
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(
-            f"injected failure ({entry.strip()}) on rank {rank}" + (f" at step {step}" if step is not None else "")
-        )
+        if action == "raise":
+            raise RuntimeError(
+                f"injected failure ({entry}) on rank {rank}" + (f" at step {step}" if step is not None else "")
+            )
+
+
+def poisoned(point: str, *, rank: int, step: int | None = None) -> bool:
+    """Whether a ``nan`` fault is aimed here (the caller makes its value NaN)."""
+    return any(action == "nan" for action, _ in _entries(point, rank, step))

@@ -4,6 +4,7 @@ the same rendezvous, multi-node flags, restarts and failure reporting)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -14,7 +15,10 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
+from ..errors import quiet_logger
 from .runner import RunConfig
+
+SHUTDOWN_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +46,9 @@ def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list
         f"--nnodes={opts.nnodes}",
         f"--max-restarts={opts.max_restarts}",
         "--monitor-interval=0.2",
+        # the agent's grace between SIGTERM and SIGKILL when the job ends or is signalled (torch
+        # 2.13 still waits its fixed 30 s when it stops a group after a worker failed)
+        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
     ]
     if opts.rdzv_endpoint:
         argv += [
@@ -63,7 +70,9 @@ def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
         failures: dict[int, str] = {}
         first = None
         try:
-            run(args)
+            # the agent logs each failed worker at ERROR; the CLI names the failure itself
+            with quiet_logger("torch.distributed.elastic", logging.CRITICAL):
+                run(args)
         except ChildFailedError as exc:
             seen = []
             for rank, failure in sorted(exc.failures.items()):
@@ -89,18 +98,39 @@ _PEER_ERROR = re.compile(
     r"DistStoreError|NCCL.*(?:abort|watchdog)|ProcessGroup.*(?:abort|shut)",
     re.IGNORECASE,
 )
+# What a rank says when a collective waited past --timeout for a peer that never came: it is
+# a victim of that peer (stopped, hung, or deadlocked), not the cause.
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _SIGTERM = -15  # how the elastic agent stops the survivors
+_SIGKILL = -9  # how it stops a rank that ignores SIGTERM (a stopped or hung one)
 
 
 def root_cause(failures: list[RankFailure]) -> int | None:
     """The rank whose own failure started the cascade: a rank that raised or died of its own
     accord beats one that lost a peer, which beats one the agent stopped; earliest, then
-    lowest rank, inside each class (torch's timestamps alone tie at one-second resolution)."""
+    lowest rank, inside each class (torch's timestamps alone tie at one-second resolution).
+
+    When ranks timed out waiting, the cause is the rank they waited for, which never raised:
+    the one the agent had to stop. A rank stopped with SIGSTOP (or hung) is killed by the
+    agent long after its peers' timeouts, so neither time nor "who raised" points at it.
+    """
+    waited = any(_TIMEOUT.search(f.message) for f in failures)
+
+    def signalled(f: RankFailure) -> bool:
+        return f.message.startswith("killed by") or "SIGTERM" in f.message or "SIGKILL" in f.message
 
     def cause_class(f: RankFailure) -> int:
+        if waited:
+            # the rank everyone waited for ignored the agent's SIGTERM (stopped or hung) and
+            # was killed; a rank that took SIGTERM may be it too, or a bystander
+            if f.exitcode == _SIGKILL and signalled(f):
+                return 0
+            if f.exitcode == _SIGTERM and signalled(f):
+                return 1
+            return 2 if _TIMEOUT.search(f.message) or _PEER_ERROR.search(f.message) else 0
         if _PEER_ERROR.search(f.message):
             return 1
-        if f.exitcode == _SIGTERM and ("SIGTERM" in f.message or f.message.startswith("killed by")):
+        if f.exitcode == _SIGTERM and signalled(f):
             return 2
         return 0
 

@@ -12,7 +12,9 @@ import copy
 import json
 import math
 import os
+import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,9 +28,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
+from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import architecture_of, build_model, default_preset, load_config
 from ..runtime.gradnorm import clip_grad_norm_
@@ -185,7 +189,11 @@ def _setup(cfg: RunConfig) -> _Job:
     assert model_name is not None, "the CLI resolves the model before launching"
     config = load_config(model_name)
     # validate the whole data file before any step (and before allocating the model)
-    dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size) if cfg.data else None
+    dataset = (
+        read_jsonl(cfg.data, vocab_size=config.vocab_size, min_tokens=2 if cfg.mode == "train" else 1)
+        if cfg.data
+        else None
+    )
     return _Job(
         device=device,
         mesh=mesh,
@@ -248,13 +256,17 @@ class _Trainer:
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
         t0 = time.perf_counter()
         loss, _ = sharded_loss(self.model, ids, mask, mesh)
+        if faults.poisoned("loss", rank=dist.get_rank(), step=step + 1):
+            loss = loss * float("nan")
         loss.backward()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        mean_loss = reported_loss(loss, mesh)
+        if not (math.isfinite(mean_loss) and math.isfinite(float(grad_norm))):  # the same verdict on every rank
+            raise _non_finite(self.model, step + 1, mean_loss, float(grad_norm), self.cfg)
         lr = self.schedule.get_last_lr()[0]  # the LR this step used
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        mean_loss = reported_loss(loss, mesh)
         dt = time.perf_counter() - t0
         tokens = int(mask.sum()) * mesh["dp"].size()
         return {
@@ -282,17 +294,70 @@ class _Trainer:
 
     def save(self) -> None:
         if self.cfg.save:
+            layout = self.job.layout
             info = checkpoint.CheckpointInfo(
                 step=self.total,
                 architecture=architecture_of(self.job.config),
                 model_signature=checkpoint.model_signature(self.model),
                 plan=self.job.plan.name,
-                **self.job.layout.sizes,
+                dp=layout.dp,
+                cp=layout.cp,
+                tp=layout.tp,
+                parameters=checkpoint.parameter_shapes(self.model),
             )
             log(f"saved checkpoint {checkpoint.save(self.cfg.save, self.model, self.optimizer, info)}")
         if self.cfg.export_hf:
-            export_hf(self.model, self.job.config, self.cfg.export_hf)
+            export_hf(
+                self.model,
+                self.job.config,
+                self.cfg.export_hf,
+                source=self.cfg.model if self.cfg.model and Path(self.cfg.model).is_dir() else None,
+            )
             log(f"exported Hugging Face weights to {self.cfg.export_hf}")
+
+
+EXIT_DIAGNOSED = 4  # a worker stopped on a problem it reported as a diagnostic (result file)
+
+
+def _non_finite(model: nn.Module, step: int, loss: float, grad_norm: float, cfg: RunConfig) -> PlanError:
+    """The problem of a step whose loss or gradient norm is not finite, naming the first
+    parameter (in model order, over all ranks) whose gradient holds a NaN or inf."""
+    names = [name for name, _ in model.named_parameters()]
+    flags = torch.zeros(len(names), dtype=torch.int32)
+    for i, (_, p) in enumerate(model.named_parameters()):
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        flags[i] = int(grad is not None and not bool(torch.isfinite(grad).all()))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    bad = [name for name, flag in zip(names, flags.tolist()) if flag]
+    where = f"; first non-finite gradient: {bad[0]}" if bad else ""
+    kept = "the optimizer did not step; " + ("no checkpoint was written by this run" if cfg.save else "nothing saved")
+    return PlanError(
+        [
+            Diagnostic(
+                rule="non-finite",
+                loc=SourceLoc(path=cfg.plan),
+                message=f"step {step}: loss {loss:.6g}, gradient norm {grad_norm:.6g}{where}; {kept}",
+                fix="check the model config (eps, scales) and the data; lower --lr; resume from the last checkpoint",
+            )
+        ]
+    )
+
+
+def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
+    """Rank 0 holds the --save folder's lock for the whole run; every rank learns the verdict."""
+    if not cfg.save:
+        return None
+    lock = None
+    problem: list[list[Diagnostic] | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            lock = checkpoint.FolderLock(cfg.save).acquire()
+        except checkpoint.CheckpointError as exc:
+            problem = [exc.diagnostics]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise checkpoint.CheckpointError(problem[0])
+    return lock
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -303,11 +368,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         f"{job.layout.describe()} | {job.device} | weights: {source}"
     )
     trainer = _Trainer(cfg=cfg, job=job, model=model)
+    lock = _lock_save_folder(cfg)
     trainer.resume()
     t_start = time.perf_counter()
     history = trainer.run()
     elapsed = time.perf_counter() - t_start
     trainer.save()
+    if lock is not None:
+        lock.release()
     summary = {
         "steps": cfg.steps,
         "first_loss": history[0]["loss"] if history else None,
@@ -459,12 +527,59 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     return {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
 
 
+EXIT_ORPHANED = 5
+PARENT_POLL_S = 0.5
+
+
+class _LauncherWatch:
+    """End this worker within a second of its launcher's death.
+
+    The elastic agent runs inside the ``plancc`` process; if that process is SIGKILLed
+    nothing tells the workers, and they would train to the end (and write checkpoints no
+    one asked for any more). A daemon thread watches the parent pid; once the worker is
+    re-parented it exits at once, and local rank 0 first removes the temporary folders the
+    launcher can no longer clean up (plancc's result folder, the agent's log folder).
+    Polling rather than ``PR_SET_PDEATHSIG``: the agent starts workers from a thread, and the
+    signal would fire when that thread ends. Whichever way the worker ends while orphaned
+    (the watch, or a collective failing first), ``main`` cleans up the same way.
+    """
+
+    def __init__(self, result_path: str | None):
+        self.parent = os.getppid()
+        self.leftovers = [Path(result_path).parent] if result_path else []
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            self.leftovers += [p for p in Path(error_file).parents if p.name.startswith("torchelastic_")]
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self.parent
+
+    def exit_if_orphaned(self) -> None:
+        if not self.orphaned():
+            return
+        if os.environ.get("LOCAL_RANK") == "0":
+            for folder in self.leftovers:
+                if folder.name.startswith(("plancc-", "torchelastic_")):
+                    shutil.rmtree(folder, ignore_errors=True)
+        os._exit(EXIT_ORPHANED)
+
+    def start(self) -> _LauncherWatch:
+        def watch() -> None:
+            while True:
+                time.sleep(PARENT_POLL_S)
+                self.exit_if_orphaned()
+
+        threading.Thread(target=watch, name="plancc-launcher-watch", daemon=True).start()
+        return self
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plancc-worker")
     parser.add_argument("--config", required=True, help="RunConfig as JSON")
     parser.add_argument("--result", help="rank 0 writes its result here as JSON")
     args = parser.parse_args(argv)
     cfg = RunConfig.from_json(args.config)
+    launcher = _LauncherWatch(args.result).start()
 
     @record
     def worker() -> dict[str, Any]:
@@ -472,15 +587,22 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.mode == "logprobs":
                 return run_logprobs(cfg)
             return run_verify(cfg) if cfg.verify else train(cfg)
+        except PlanError as exc:  # a diagnosed problem (every rank sees it): reported, not a traceback
+            return {"ok": False, "diagnostics": [d.to_json() for d in exc.diagnostics]}
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    result = worker()
+    try:
+        result = worker()
+    finally:
+        launcher.exit_if_orphaned()
     assert result is not None  # record() returns what the worker returned
     if args.result and int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
+    if result.get("diagnostics"):
+        return EXIT_DIAGNOSED
     return 0 if result.get("ok", True) else 3
 
 

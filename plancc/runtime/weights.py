@@ -11,7 +11,9 @@ Export: the full state dict gathered on rank 0 and written with ``save_pretraine
 
 from __future__ import annotations
 
-import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +25,18 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
+from ..errors import Diagnostic, PlanError, SourceLoc
 from ..models import build_model
+from .hf_folder import check_folder, has_weights, read_folder
 
 
 def has_safetensors(folder: str | Path) -> bool:
-    folder = Path(folder)
-    return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    return has_weights(folder)
 
 
 def _files(folder: Path) -> dict[str, Path]:
-    """tensor name -> the file that holds it."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
+    """tensor name -> the file that holds it (the folder checked as ``check_folder`` does)."""
+    return {name: entry.file for name, entry in read_folder(folder).items()}
 
 
 Slice = tuple[tuple[int, ...], tuple[int, ...]]  # (local shape, global offset)
@@ -81,6 +78,11 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path) -> None:
     """
     folder = Path(folder)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # rank 0 checks the folder against the model: every rank stops on one verdict, before a byte is sent
+    verdict: list[list[Diagnostic] | None] = [check_folder(folder, model) if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise PlanError(verdict[0])
     files = _files(folder) if rank == 0 else {}
     names: list[list[str] | None] = [list(files)] if rank == 0 else [None]
     dist.broadcast_object_list(names, src=0)
@@ -120,11 +122,83 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path) -> None:
     set_model_state_dict(model, dict(loaded), options=StateDictOptions(strict=False))
 
 
-def export_hf(model: torch.nn.Module, config: PretrainedConfig, folder: str | Path) -> None:
-    """Collective: write the model's full weights as a ``save_pretrained`` folder (rank 0)."""
+# What a model folder holds besides weights and config that a user of the export needs:
+# tokenizer (Hugging Face and sentencepiece), chat template, generation defaults.
+_COMPANIONS = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "preprocessor_config.json",
+)
+
+
+def check_export_target(target: str | Path, source: str | Path | None = None) -> list[Diagnostic]:
+    """Problems writing a Hugging Face folder to ``target`` (checked before a run starts):
+    never over a file, never into the folder the model is read from, never over a folder
+    that is not a model folder."""
+    path, fix = Path(target), "pass a new folder (or an earlier export) to --export-hf"
+    if path.exists() and not path.is_dir():
+        return [_export_problem(path, "--export-hf names an existing file", fix)]
+    if source is not None and Path(source).is_dir():
+        src, dst = Path(source).resolve(), path.resolve()
+        if dst == src or src in dst.parents or dst in src.parents:
+            return [
+                _export_problem(path, f"--export-hf would write into the folder the model is read from ({src})", fix)
+            ]
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
+        return [_export_problem(path, "--export-hf names a folder that is not empty and holds no model", fix)]
+    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return [_export_problem(path, f"cannot write here ({probe} is not writable)", fix)]
+    return []
+
+
+def _export_problem(path: Path, message: str, fix: str) -> Diagnostic:
+    return Diagnostic(rule="export-hf", loc=SourceLoc(path=str(path)), message=message, fix=fix)
+
+
+def export_hf(
+    model: torch.nn.Module, config: PretrainedConfig, folder: str | Path, *, source: str | Path | None = None
+) -> None:
+    """Collective: write the model's full weights as a ``save_pretrained`` folder (rank 0),
+    with the tokenizer and generation files of ``source`` (the folder the model came from).
+
+    The folder is written beside its destination and moved into place whole: an earlier
+    export there is replaced only once the new one is complete, and no shard of it (nor its
+    index) survives to be mixed with the new one.
+    """
+    problems = check_export_target(folder, source)
+    if problems:
+        raise PlanError(problems)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
+        target = Path(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".partial-{target.name}-", dir=target.parent))
         plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
         plain.load_state_dict(state, strict=False)
-        plain.save_pretrained(str(folder))
+        plain.save_pretrained(str(partial))
+        _copy_companions(source, partial)
+        aside = target.parent / f".replaced-{partial.name}" if target.exists() else None
+        if aside is not None:
+            os.rename(target, aside)
+        os.rename(partial, target)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
+
+
+def _copy_companions(source: str | Path | None, destination: Path) -> None:
+    if source is None or not Path(source).is_dir():
+        return
+    for name in _COMPANIONS:
+        if (Path(source) / name).is_file() and not (destination / name).exists():
+            shutil.copy2(Path(source) / name, destination / name)

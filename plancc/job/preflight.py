@@ -1,0 +1,124 @@
+"""Everything about a run that can be checked before a process starts.
+
+A mistake found here costs a user a second, with the file and the reason; found inside the
+workers it costs the launch, a model build and a traceback per rank. So every input and
+output a run names is checked here first: the data file, the model folder's weights, the
+checkpoint to resume (readable without executing anything, and of this model), the
+checkpoint folder to save into (writable, not held by another run) and the export target
+(never a file, never the folder the model is read from).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..errors import Diagnostic, PlanError, Severity, SourceLoc
+from ..models import architecture_of
+from ..runtime.hf_folder import check_folder, has_weights, other_weight_files
+from ..runtime.weights import check_export_target
+from . import checkpoint
+from .data import read_jsonl
+from .runner import RunConfig
+
+
+def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
+    try:
+        step_dir = checkpoint.find(resume)
+        info = checkpoint.read_info(step_dir)
+        checkpoint.compatible(
+            info, step_dir, architecture=architecture_of(config), shapes=checkpoint.parameter_shapes(model)
+        )
+        checkpoint.SafeFileSystemReader(str(step_dir)).read_metadata()
+    except PlanError as exc:
+        return exc.diagnostics
+    return []
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model takes (logprobs pads a batch to its longest line)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _output_problems(out: Path) -> list[Diagnostic]:
+    def problem(message: str) -> list[Diagnostic]:
+        return [
+            Diagnostic(
+                rule="output",
+                loc=SourceLoc(path=str(out)),
+                message=message,
+                fix="pass --out a file in an existing, writable folder",
+            )
+        ]
+
+    if out.is_dir():
+        return problem("--out is a folder, not a file")
+    if not out.parent.is_dir():
+        return problem(f"--out names a file in {out.parent}, which does not exist")
+    if not os.access(out.parent, os.W_OK) or str(out.resolve()).startswith(("/proc", "/sys")):
+        return problem(f"--out cannot be written ({out.parent} is not writable)")
+    return []
+
+
+def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
+    """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
+    meta, as ``plancc validate`` builds it). Empty when the run can start."""
+    problems: list[Diagnostic] = []
+    folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
+    if folder is not None:
+        problems += check_folder(folder, model)
+    if cfg.out:
+        problems += _output_problems(Path(cfg.out))
+    if cfg.data:
+        try:
+            read_jsonl(
+                cfg.data,
+                vocab_size=config.vocab_size,
+                min_tokens=2 if cfg.mode == "train" else 1,
+                max_tokens=max_positions(config) if cfg.mode == "logprobs" else None,
+            )
+        except PlanError as exc:
+            problems += exc.diagnostics
+    if cfg.resume:
+        problems += _resume_problems(cfg.resume, model, config)
+    if cfg.save:
+        try:
+            checkpoint.check_save_folder(cfg.save)
+        except PlanError as exc:
+            problems += exc.diagnostics
+    if cfg.export_hf:
+        problems += check_export_target(cfg.export_hf, folder)
+    return problems
+
+
+def notices(cfg: RunConfig) -> list[Diagnostic]:
+    """What the run will do that a user may not expect (warnings, the run still starts)."""
+    found = []
+    folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
+    if folder is not None and not has_weights(folder) and not other_weight_files(folder):
+        found.append(
+            Diagnostic(
+                rule="random-init",
+                loc=SourceLoc(path=str(folder)),
+                severity=Severity.WARNING,
+                message="the folder holds a config but no weights: the model starts from random "
+                f"init (seed {cfg.seed})",
+                fix="add model.safetensors to the folder to start from its weights",
+            )
+        )
+    if cfg.mode == "train" and not cfg.data and not cfg.verify:
+        found.append(
+            Diagnostic(
+                rule="synthetic-data",
+                loc=SourceLoc(path=cfg.plan),
+                severity=Severity.WARNING,
+                message="no --data: training on synthetic token sequences",
+                fix='pass --data FILE.jsonl with one {"input_ids": [...]} per line',
+            )
+        )
+    return found
