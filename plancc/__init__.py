@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .compiler.resolve import ResolvedPlan, resolve_plan
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
     from .layout import Layout, LayoutError
+    from .runtime.gradnorm import clip_grad_norm_
+    from .runtime.loss import causal_lm_loss
     from .runtime.materialize import materialize
     from .runtime.mesh import MeshError, MeshSpec, build_mesh, layout_of
     from .runtime.parallelize import parallelize
@@ -36,6 +38,8 @@ _HOMES = {
     **dict.fromkeys(["Diagnostic", "PlanError", "Severity", "SourceLoc"], "plancc.errors"),
     **dict.fromkeys(["Layout", "LayoutError"], "plancc.layout"),
     "materialize": "plancc.runtime.materialize",
+    "causal_lm_loss": "plancc.runtime.loss",
+    "clip_grad_norm_": "plancc.runtime.gradnorm",
     **dict.fromkeys(["MeshError", "MeshSpec", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
 }
@@ -55,7 +59,9 @@ __all__ = [
     "SourceLoc",
     "StyleRef",
     "build_mesh",
+    "causal_lm_loss",
     "check_plan",
+    "clip_grad_norm_",
     "compile_plan",
     "cp",
     "layout_of",

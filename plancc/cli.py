@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .errors import Diagnostic, PlanError, format_json
+from .errors import Diagnostic, PlanError, SourceLoc, format_json
 from .layout import Layout, LayoutError
 
 if TYPE_CHECKING:
@@ -29,6 +30,24 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"plancc {version('plancc')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    """Declarative parallelization plans for Hugging Face models on DTensor/FSDP2."""
+
+
 EXIT_PLAN = 1
 EXIT_USAGE = 2
 
@@ -42,6 +61,21 @@ FormatOpt = Annotated[Format, typer.Option("--format", help="text for people, js
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="preset name (see `plancc models`), HF model folder, or config.json"),
+]
+
+
+# Launch options shared by `apply` and `logprobs`, spelled as torchrun spells them too.
+NprocOpt = Annotated[
+    int, typer.Option("--nproc-per-node", "--nproc_per_node", min=1, help="workers on this node (one per GPU)")
+]
+NnodesOpt = Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX for elastic jobs")]
+NodeRankOpt = Annotated[int, typer.Option("--node-rank", "--node_rank", min=0, help="this node's rank (multi-node)")]
+RdzvEndpointOpt = Annotated[
+    str | None, typer.Option("--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the rendezvous (multi-node)")
+]
+RdzvIdOpt = Annotated[str | None, typer.Option("--rdzv-id", "--rdzv_id", help="job id shared by all nodes")]
+MaxRestartsOpt = Annotated[
+    int, typer.Option("--max-restarts", "--max_restarts", min=0, help="restarts of the worker group before failing")
 ]
 
 
@@ -284,11 +318,12 @@ def models(fmt: FormatOpt = Format.text) -> None:
 def apply(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     model: ModelOpt = None,
-    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="workers on this node")] = 2,
-    nnodes: Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX for elastic jobs")] = "1",
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT (multi-node)")] = None,
-    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id", help="job id shared by all nodes")] = None,
+    nproc_per_node: NprocOpt = 2,
+    nnodes: NnodesOpt = "1",
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_id: RdzvIdOpt = None,
+    max_restarts: MaxRestartsOpt = 0,
     tp: Annotated[int | None, typer.Option("--tp", min=1, help="tensor-parallel degree (default: all ranks)")] = None,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
     dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
@@ -346,10 +381,16 @@ def apply(
         device=device,
         timeout_s=timeout,
         param_dtype=param_dtype,
+        json_output=fmt is Format.json,
     )
     warnings = _preflight(cfg, report, fmt)
     opts = LaunchOptions(
-        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
     )
     _launch_and_report(opts, cfg, fmt, warnings)
 
@@ -386,10 +427,8 @@ def _prelaunch(
     try:
         layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
     except LayoutError as exc:
-        for d in exc.diagnostics:
-            print(
-                f"error: {d.message} [{d.rule}]\n  fix: choose --tp/--cp/--dp whose product is {world}", file=sys.stderr
-            )
+        fix = f"choose --tp/--cp/--dp whose product is {world}"
+        _emit([replace(d, loc=SourceLoc(path=str(plan_path)), fix=fix) for d in exc.diagnostics], fmt)
         raise typer.Exit(EXIT_USAGE) from None
     try:
         plan = load_plan(plan_path)  # read once here; the workers read the file again themselves
@@ -413,10 +452,11 @@ def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format) -> tuple[D
     problems = preflight(cfg, report.meta_model, load_config(report.model_name))
     if problems:
         _emit(problems, fmt)
-        raise typer.Exit(EXIT_PLAN)
+        raise typer.Exit(EXIT_USAGE if any(d.rule == "usage" for d in problems) else EXIT_PLAN)
     warnings = (*report.diagnostics, *notices(cfg))
-    if fmt is Format.text:  # json: warnings go into the one final document
-        _emit(list(warnings), fmt)
+    if fmt is Format.text:  # on stderr: stdout may carry data; json: into the one final document
+        for warning in warnings:
+            print(warning.format(), file=sys.stderr)
     return warnings
 
 
@@ -427,21 +467,42 @@ def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warning
     if outcome.result is not None and outcome.result.get("diagnostics"):  # a worker stopped on a diagnosed problem
         _emit([Diagnostic.from_json(d) for d in outcome.result["diagnostics"]], fmt)
         raise typer.Exit(EXIT_PLAN)
+    run_path = SourceLoc(path=cfg.plan)
     if outcome.result is not None and outcome.result.get("ok") is False:
-        print("error: sharded model differs from the unsharded one beyond tolerance [verify]", file=sys.stderr)
+        _emit(
+            [
+                Diagnostic(
+                    rule="verify",
+                    loc=run_path,
+                    message="the sharded model differs from the unsharded one beyond tolerance",
+                    fix="see the comparison above; `plancc validate --dry-run` and `plancc explain` show the layouts",
+                )
+            ],
+            fmt,
+            summary=outcome.result,
+        )
         raise typer.Exit(EXIT_PLAN)
     if not outcome.ok:
         first = outcome.first_failed if outcome.first_failed in outcome.failures else min(outcome.failures)
-        print(f"error: rank {first} failed: {outcome.failures[first]} [rank-failed]", file=sys.stderr)
         others = [r for r in outcome.failures if r != first]
-        if others:
-            print(
-                f"  then stopped: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} "
-                f"(every worker exits when one fails)",
-                file=sys.stderr,
+        stopped = (
+            (
+                f"; then stopped: rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} (every "
+                "worker exits when one fails)"
             )
-        print(
-            "  fix: read the failing rank's error above; --timeout bounds how long a collective waits", file=sys.stderr
+            if others
+            else ""
+        )
+        _emit(
+            [
+                Diagnostic(
+                    rule="rank-failed",
+                    loc=run_path,
+                    message=f"rank {first} failed: {outcome.failures[first]}{stopped}",
+                    fix="read the failing rank's error above; --timeout bounds how long a collective waits",
+                )
+            ],
+            fmt,
         )
         raise typer.Exit(EXIT_PLAN)
     if fmt is Format.json and outcome.result is not None:
@@ -453,11 +514,12 @@ def logprobs(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     data: Annotated[Path, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]} per line')],
     model: ModelOpt = None,
-    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1)] = 2,
-    nnodes: Annotated[str, typer.Option("--nnodes")] = "1",
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint")] = None,
-    rdzv_id: Annotated[str | None, typer.Option("--rdzv-id")] = None,
+    nproc_per_node: NprocOpt = 2,
+    nnodes: NnodesOpt = "1",
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_id: RdzvIdOpt = None,
+    max_restarts: MaxRestartsOpt = 0,
     tp: Annotated[int | None, typer.Option("--tp", min=1)] = None,
     cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
     dp: Annotated[int | None, typer.Option("--dp", min=1)] = None,
@@ -494,10 +556,16 @@ def logprobs(
         mode="logprobs",
         out=str(out) if out else None,
         pack=pack,
+        json_output=fmt is Format.json,
     )
     warnings = _preflight(cfg, report, fmt)
     opts = LaunchOptions(
-        nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=max_restarts,
     )
     _launch_and_report(opts, cfg, fmt, warnings)
 

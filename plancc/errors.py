@@ -60,6 +60,9 @@ class Diagnostic:
     def is_error(self) -> bool:
         return self.severity is Severity.ERROR
 
+    def __str__(self) -> str:
+        return self.format()
+
     def format(self) -> str:
         text = f"{self.loc}: {self.severity}: {self.message} [{self.rule}]"
         if self.fix:

@@ -28,6 +28,17 @@ from .distributed import launch
 QWEN3 = PLANS / "qwen3.yaml"
 
 
+@pytest.fixture(autouse=True)
+def own_tmpdir(tmp_path, monkeypatch):
+    """Each test's launches get their own TMPDIR: the launcher's result folder is in it, and
+    workers name it on their command line, so a test counts its own workers only (other
+    jobs on the machine, concurrent test runs, do not count)."""
+    tmp = tmp_path / "launcher-tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
 def run(*args, env=None, timeout=240, **popen):
     proc = subprocess.run([sys.executable, "-m", "plancc.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, **popen)
@@ -45,8 +56,10 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def leftover_workers() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "plancc.job.runner" in line and "ps -eo" not in line]
+    """This test's workers still alive (matched by the TMPDIR its launches got)."""
+    mine = os.environ["TMPDIR"]
+    ps = subprocess.run(["ps", "-eww", "-o", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "plancc.job.runner" in line and mine in line and " Z" not in line]
 
 
 def no_workers_within(seconds: float) -> bool:
@@ -81,8 +94,8 @@ def resumes_exactly(ck: Path, good) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault,steps", [
     ("publish:kill@0", 0),  # re-saving step 2: old copy moved aside, new one not yet in place
-    ("meta:kill@0", 1),     # step 3's shards written, its plancc.json half way
     ("latest:kill@0", 1),   # step 3 in place, 'latest' about to be replaced
+    # (a kill after the shards, before publishing: tests/test_reliability.py, save:kill@0)
 ])
 def test_a_crash_at_any_point_of_a_save_keeps_a_checkpoint_that_resumes_bitwise(good, tmp_path, fault, steps):
     ck = copy_of(good, tmp_path)
@@ -277,9 +290,9 @@ def test_a_run_that_goes_non_finite_stops_at_that_step_and_keeps_the_last_checkp
     (line,) = [x for x in err.splitlines() if "[non-finite]" in x]
     assert "step 4: loss nan" in line and "first non-finite gradient: model.embed_tokens.weight" in line
     assert "step    3/5" in out and "step    4/5" not in out
+    # byte for byte the checkpoint that resumes to the reference losses (the fixture's resume)
     assert {k: v for k, v in snapshot(ck).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
     assert no_workers_within(10)
-    resumes_exactly(ck, good)
 
 
 @pytest.mark.slow
@@ -327,12 +340,10 @@ def test_a_merge_key_override_is_not_a_duplicate_and_a_line_separator_in_a_strin
 # --------------------------------------------------------------------------- 8, 9: process faults
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_killing_the_launcher_takes_every_worker_and_its_temp_folder_with_it(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_killing_the_launcher_takes_every_worker_and_its_temp_folder_with_it(own_tmpdir):
+    tmp = own_tmpdir
     launcher = subprocess.Popen([sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "100000"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env={**os.environ, "TMPDIR": str(tmp)})
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in launcher.stdout:  # wait until the workers train
             if line.startswith("step "):
@@ -401,6 +412,8 @@ def test_a_disk_that_fills_during_save_is_one_line_and_the_last_checkpoint_survi
     assert {k: v for k, v in snapshot(ck).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
 
 
+@pytest.mark.slow  # the shared checkpoint costs a launch
+@pytest.mark.timeout(600)
 def test_resume_problems_are_found_before_any_process_starts(good, cli, tmp_path):
     ck = copy_of(good, tmp_path)
     cases = []
@@ -415,6 +428,8 @@ def test_resume_problems_are_found_before_any_process_starts(good, cli, tmp_path
         assert code == 1 and expected in err and "[checkpoint]" in err and "plancc apply:" not in out, err
 
 
+@pytest.mark.slow  # the shared checkpoint costs a launch
+@pytest.mark.timeout(600)
 def test_a_truncated_shard_is_named_before_launch(good, cli, tmp_path):
     ck = copy_of(good, tmp_path)
     shard = ck / "step-000002" / "__1_0.distcp"

@@ -168,9 +168,11 @@ def plancc_cli(*args, env=None, timeout=300):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def leftover_workers() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "plancc.job.runner" in line and "ps -eo" not in line]
+def leftover_workers(tag: str = "") -> list[str]:
+    """Workers still alive; with ``tag`` (the TMPDIR a launch got, on its workers' command
+    line) only that launch's, so other jobs on the machine do not count."""
+    ps = subprocess.run(["ps", "-eww", "-o", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "plancc.job.runner" in line and tag in line and "ps -eo" not in line]
 
 
 GLOO_PEER_GONE = ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6037: Connection reset "
@@ -214,10 +216,16 @@ def test_a_raising_rank_beats_ranks_the_agent_stopped_and_the_earliest_of_equals
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("action", ["raise", "kill"])
-def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action):
+def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action, tmp_path):
     t0 = time.perf_counter()
+    as_json = action == "raise"  # --format json: the failure is the one JSON document on stdout
     code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 4, "--timeout", 30,
-                                env={"PLANCC_FAULT": f"train:{action}@1#2"})
+                                *(["--format", "json"] if as_json else []),
+                                env={"PLANCC_FAULT": f"train:{action}@1#2", "TMPDIR": str(tmp_path)})
+    if as_json:
+        (problem,) = json.loads(out)["diagnostics"]
+        assert problem["rule"] == "rank-failed"
+        err, out = f"error: {problem['message']}\n" + err, err  # the log is on stderr
     elapsed = time.perf_counter() - t0
     assert code == 1
     assert elapsed < 180, elapsed  # a hang check: ~10 s on a quiet machine, minutes only if stuck
@@ -225,7 +233,7 @@ def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action):
     assert "error: rank 1 failed:" in err and expected in err.split("error: rank 1 failed:")[1].splitlines()[0]
     assert "step    1/4" in out and "step    2/4" not in out
     time.sleep(1)
-    assert leftover_workers() == []
+    assert leftover_workers(str(tmp_path)) == []
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -252,7 +260,8 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, t
 def test_same_seed_and_layout_give_bitwise_equal_losses():
     runs = [plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json") for _ in range(2)]
     assert all(code == 0 for code, _, _ in runs), runs[0][2]
-    histories = [json.loads(out[out.index("{"):])["history"] for _, out, _ in runs]
+    histories = [json.loads(out)["history"] for _, out, _ in runs]  # stdout is one JSON document
+    assert all("plancc apply:" in err for _, _, err in runs)  # the log went to stderr
     assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]  # exact, not approx
     assert [h["grad_norm"] for h in histories[0]] == [h["grad_norm"] for h in histories[1]]
 

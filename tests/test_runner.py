@@ -119,12 +119,14 @@ def test_logprobs_cli_verifies_with_tp_and_cp(tmp_path):
     gen = torch.Generator().manual_seed(0)
     data.write_text("".join(json.dumps({"input_ids": torch.randint(0, 256, (int(n),), generator=gen).tolist()}) + "\n"
                             for n in torch.randint(3, 40, (6,), generator=gen)))
-    for args in (["--tp", 2], ["--cp", 2], ["--cp", 2, "--pack"]):
-        code, out, err = plancc_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify",
-                                    "--out", tmp_path / "out.jsonl")
+    for args, to_file in ((["--tp", 2], True), (["--cp", 2], True), (["--cp", 2, "--pack"], False)):
+        out_args = ["--out", tmp_path / "out.jsonl"] if to_file else []  # without --out: JSONL on stdout
+        code, out, err = plancc_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify", *out_args)
         assert code == 0, err + out
-        assert "verify: max |logprob diff|" in out and "OK" in out
-        lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+        log = out if to_file else err
+        assert "verify: max |logprob diff|" in log and "OK" in log
+        written = (tmp_path / "out.jsonl").read_text() if to_file else out
+        lines = [json.loads(x) for x in written.splitlines()]
         inputs = [json.loads(x) for x in data.read_text().splitlines()]
         assert [len(x["logprobs"]) for x in lines] == [len(x["input_ids"]) for x in inputs]
         assert all(x["logprobs"][0] == 0.0 and all(v < 0 for v in x["logprobs"][1:]) for x in lines)

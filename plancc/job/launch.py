@@ -8,10 +8,13 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
@@ -46,8 +49,7 @@ def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list
         f"--nnodes={opts.nnodes}",
         f"--max-restarts={opts.max_restarts}",
         "--monitor-interval=0.2",
-        # the agent's grace between SIGTERM and SIGKILL when the job ends or is signalled (torch
-        # 2.13 still waits its fixed 30 s when it stops a group after a worker failed)
+        # the agent's grace between SIGTERM and SIGKILL (see _prompt_shutdown for the failure path)
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
     ]
     if opts.rdzv_endpoint:
@@ -62,6 +64,24 @@ def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list
     return argv + ["--module", "plancc.job.runner", "--config", cfg.to_json(), "--result", result_path]
 
 
+@contextmanager
+def _prompt_shutdown(grace_s: int) -> Iterator[None]:
+    """torch 2.13's process context stops the workers of a failed group with ``close()``'s
+    default 30 s between SIGTERM and SIGKILL, whatever ``--shutdown-timeout`` says: a worker
+    that cannot take SIGTERM (SIGSTOPped, stuck in the kernel) kept a failed job alive 30 s
+    more. While plancc's launcher runs the agent, the default is the configured grace; a
+    torch whose ``close`` has another signature is left alone."""
+    close = PContext.close
+    if close.__defaults__ != (None, 30):
+        yield
+        return
+    close.__defaults__ = (None, grace_s)
+    try:
+        yield
+    finally:
+        close.__defaults__ = (None, 30)
+
+
 def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="plancc-") as tmp:
@@ -71,7 +91,7 @@ def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
         first = None
         try:
             # the agent logs each failed worker at ERROR; the CLI names the failure itself
-            with quiet_logger("torch.distributed.elastic", logging.CRITICAL):
+            with quiet_logger("torch.distributed.elastic", logging.CRITICAL), _prompt_shutdown(SHUTDOWN_TIMEOUT_S):
                 run(args)
         except ChildFailedError as exc:
             seen = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -22,7 +23,7 @@ from ..runtime.hf_folder import check_folder, has_weights, other_weight_files
 from ..runtime.weights import check_export_target
 from . import checkpoint
 from .data import read_jsonl
-from .runner import RunConfig
+from .runner import PARAM_DTYPES, RunConfig
 
 
 def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
@@ -43,6 +44,32 @@ def max_positions(config: PretrainedConfig) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     value = getattr(text, "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None
+
+
+def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
+    def problem(flag: str, message: str, fix: str) -> Diagnostic:
+        return Diagnostic(rule="usage", loc=SourceLoc(path=flag), message=message, fix=fix)
+
+    found = []
+    if cfg.param_dtype is not None and cfg.param_dtype not in PARAM_DTYPES:
+        found.append(
+            problem(
+                "--param-dtype",
+                f"--param-dtype {cfg.param_dtype!r} is not a dtype plancc trains in",
+                f"use one of {', '.join(sorted(PARAM_DTYPES))}",
+            )
+        )
+    if cfg.device not in (None, "cpu", "cuda"):
+        found.append(problem("--device", f"--device {cfg.device!r} is neither cpu nor cuda", "pass cpu or cuda"))
+    elif cfg.device == "cuda" and not torch.cuda.is_available():
+        found.append(
+            problem(
+                "--device",
+                "--device cuda, but torch sees no CUDA device on this machine",
+                "pass --device cpu (gloo), or run on a GPU machine with the CUDA build of torch",
+            )
+        )
+    return found
 
 
 def _output_problems(out: Path) -> list[Diagnostic]:
@@ -68,7 +95,7 @@ def _output_problems(out: Path) -> list[Diagnostic]:
 def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
     """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
     meta, as ``plancc validate`` builds it). Empty when the run can start."""
-    problems: list[Diagnostic] = []
+    problems = _flag_problems(cfg)
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
     if folder is not None:
         problems += check_folder(folder, model)

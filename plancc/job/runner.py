@@ -46,6 +46,18 @@ from . import checkpoint, faults
 from .data import TokenDataset, dataset_batch, read_jsonl, synthetic_batch
 from .verify import TOLERANCES, verify_against_unsharded, within_tolerance
 
+# --param-dtype: torch's names and the short ones people type
+PARAM_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
@@ -71,6 +83,12 @@ class RunConfig:
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
+    json_output: bool = False  # --format json: the CLI prints one JSON document on stdout
+
+    @property
+    def log_to_stderr(self) -> bool:
+        """Whether stdout carries data (a JSON document, or log-probs without --out)."""
+        return self.json_output or (self.mode == "logprobs" and not self.out)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -90,7 +108,12 @@ def lr_lambda(step: int, *, warmup: int, total: int) -> float:
 
 def log(msg: str) -> None:
     if dist.get_rank() == 0:
-        print(msg, flush=True)
+        print(msg, flush=True, file=_LOG_STREAM[0])
+
+
+# Where rank 0's log lines go: stdout for people, stderr when stdout carries data (JSON output,
+# or log-probs written to stdout). Set once by main().
+_LOG_STREAM = [sys.stdout]
 
 
 class _Progress:
@@ -207,7 +230,7 @@ def _setup(cfg: RunConfig) -> _Job:
 
 def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
-    dtype = getattr(torch, cfg.param_dtype) if cfg.param_dtype else None
+    dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
     model = build_model(copy.deepcopy(job.config), device="meta")  # its own config: cp changes it
     parallelize(model, job.plan, job.mesh, sequence_parallel=cfg.layout.sequence_parallel, param_dtype=dtype)
     return model, _load_weights(cfg, model, job.config, job.device)
@@ -513,6 +536,9 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
         with open(cfg.out, "w") as f:
             for i in range(len(sequences)):
                 f.write(json.dumps({"logprobs": merged[i]}) + "\n")
+    elif dist.get_rank() == 0 and not cfg.json_output:
+        for i in range(len(sequences)):  # no --out: JSONL on stdout, for a pipe
+            print(json.dumps({"logprobs": merged[i]}), flush=True)
     log(
         f"plancc logprobs: {job.plan.name} on {job.model_name} | {cfg.layout.describe()} | weights: {source} "
         f"| {len(merged)} sequences" + (f" -> {cfg.out}" if cfg.out else "")
@@ -524,7 +550,10 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
             f"verify: max |logprob diff| vs the unsharded model {worst:.3e} (tolerance 1e-05): "
             + ("OK" if ok else "FAILED")
         )
-    return {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
+    result: dict[str, Any] = {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
+    if not cfg.out and cfg.json_output:  # --format json: the log-probs go into the one document
+        result["logprobs"] = [merged[i] for i in range(len(sequences))]
+    return result
 
 
 EXIT_ORPHANED = 5
@@ -579,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", help="rank 0 writes its result here as JSON")
     args = parser.parse_args(argv)
     cfg = RunConfig.from_json(args.config)
+    _LOG_STREAM[0] = sys.stderr if cfg.log_to_stderr else sys.stdout
     launcher = _LauncherWatch(args.result).start()
 
     @record

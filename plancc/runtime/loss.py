@@ -68,3 +68,21 @@ def batch_slice(mesh: DeviceMesh, global_batch: int) -> slice:
     dp, rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = global_batch // dp
     return slice(rank * per, (rank + 1) * per)
+
+
+def causal_lm_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, mesh: DeviceMesh, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The next-token cross entropy of a model parallelized by ``plancc.parallelize``, for an
+    own training loop: this rank passes its data-parallel slice of the batch (full-length
+    sequences, also under context parallelism) and back-propagates the result.
+
+    The loss is the mean over the slice's predicted tokens (padding excluded), computed from
+    vocab-parallel logits without gathering them (``model(..., labels=...).loss`` fails on
+    the DTensor logits of the shipped plans: "mixed torch.Tensor and DTensor"); FSDP's
+    gradient average over the dp ranks then gives the gradient of the global mean when the
+    slices hold equal numbers of tokens.
+    """
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    loss, _ = sharded_loss(model, input_ids, mask, mesh)
+    return loss
