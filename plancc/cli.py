@@ -340,6 +340,13 @@ def apply(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     save: Annotated[Path | None, typer.Option("--save", help="DCP checkpoint directory")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="checkpoint directory to continue from")] = None,
+    metrics: Annotated[
+        Path | None,
+        typer.Option(
+            "--metrics",
+            help="write one JSON line per step here (loss, grad norm, lr, tok/s, peak memory); a resumed run appends",
+        ),
+    ] = None,
     export_hf: Annotated[
         Path | None, typer.Option("--export-hf", help="write final weights with save_pretrained")
     ] = None,
@@ -382,6 +389,7 @@ def apply(
         timeout_s=timeout,
         param_dtype=param_dtype,
         json_output=fmt is Format.json,
+        metrics=str(metrics) if metrics else None,
     )
     warnings = _preflight(cfg, report, fmt)
     opts = LaunchOptions(

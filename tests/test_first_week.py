@@ -54,3 +54,8 @@ def test_torchrun_spellings_and_a_version(cli):
 
     diag = plancc.Diagnostic(rule="r", message="m", loc=plancc.SourceLoc(path="p", line=1, column=2))
     assert str(diag) == "p:1:2: error: m [r]"
+
+
+def test_a_metrics_file_that_cannot_be_written_is_refused_before_launch(cli, tmp_path):
+    code, out, err = cli("apply", QWEN3, "--metrics", tmp_path / "no" / "such" / "m.jsonl")
+    assert code == 1 and "--metrics names a file in" in err and "[output]" in err and "plancc apply:" not in out

@@ -257,10 +257,15 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, t
 # --------------------------------------------------------------------------- determinism
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_same_seed_and_layout_give_bitwise_equal_losses():
-    runs = [plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json") for _ in range(2)]
+def test_same_seed_and_layout_give_bitwise_equal_losses(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    runs = [plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json", *extra)
+            for extra in ([], ["--metrics", metrics])]
     assert all(code == 0 for code, _, _ in runs), runs[0][2]
     histories = [json.loads(out)["history"] for _, out, _ in runs]  # stdout is one JSON document
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # --metrics: a line per step
+    assert [{k: r[k] for k in histories[1][0]} for r in rows] == histories[1]
+    assert all(r["peak_memory_bytes"] > 0 and r["elapsed_s"] > 0 for r in rows)
     assert all("plancc apply:" in err for _, _, err in runs)  # the log went to stderr
     assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]  # exact, not approx
     assert [h["grad_norm"] for h in histories[0]] == [h["grad_norm"] for h in histories[1]]

@@ -72,23 +72,23 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
     return found
 
 
-def _output_problems(out: Path) -> list[Diagnostic]:
+def _output_problems(out: Path, flag: str = "--out") -> list[Diagnostic]:
     def problem(message: str) -> list[Diagnostic]:
         return [
             Diagnostic(
                 rule="output",
                 loc=SourceLoc(path=str(out)),
                 message=message,
-                fix="pass --out a file in an existing, writable folder",
+                fix=f"pass {flag} a file in an existing, writable folder",
             )
         ]
 
     if out.is_dir():
-        return problem("--out is a folder, not a file")
+        return problem(f"{flag} is a folder, not a file")
     if not out.parent.is_dir():
-        return problem(f"--out names a file in {out.parent}, which does not exist")
+        return problem(f"{flag} names a file in {out.parent}, which does not exist")
     if not os.access(out.parent, os.W_OK) or str(out.resolve()).startswith(("/proc", "/sys")):
-        return problem(f"--out cannot be written ({out.parent} is not writable)")
+        return problem(f"{flag} cannot be written ({out.parent} is not writable)")
     return []
 
 
@@ -101,6 +101,8 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
         problems += check_folder(folder, model)
     if cfg.out:
         problems += _output_problems(Path(cfg.out))
+    if cfg.metrics:
+        problems += _output_problems(Path(cfg.metrics), "--metrics")
     if cfg.data:
         try:
             read_jsonl(

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import resource
 import shutil
 import sys
 import threading
@@ -84,6 +85,7 @@ class RunConfig:
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
     json_output: bool = False  # --format json: the CLI prints one JSON document on stdout
+    metrics: str | None = None  # train: one JSON line per step (rank 0), appended when resuming
 
     @property
     def log_to_stderr(self) -> bool:
@@ -236,6 +238,29 @@ def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
     return model, _load_weights(cfg, model, job.config, job.device)
 
 
+class _MetricsFile:
+    """``--metrics FILE.jsonl``: rank 0 writes one JSON line per step (the numbers the
+    progress line shows, plus this rank's peak memory and the time since the run started),
+    flushed at once so a killed run keeps every finished step. A resumed run appends."""
+
+    def __init__(self, path: str | None, *, resumed: bool, device: str):
+        self.file = open(path, "a" if resumed else "w") if path and dist.get_rank() == 0 else None  # noqa: SIM115
+        self.device = device
+        self.started = time.perf_counter()
+
+    def peak_memory(self) -> int:
+        if self.device == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def write(self, row: dict[str, float]) -> None:
+        if self.file is None:
+            return
+        line = {**row, "peak_memory_bytes": self.peak_memory(), "elapsed_s": time.perf_counter() - self.started}
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+
 @dataclass(kw_only=True, slots=True)
 class _Trainer:
     """The optimizer, LR schedule and step loop of one training run."""
@@ -304,10 +329,12 @@ class _Trainer:
         mine = batch_slice(self.job.mesh, self.cfg.batch_size)
         device, history = self.job.device, []
         progress = _Progress(self.cfg.steps)
+        metrics = _MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device)
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.cfg.steps)
         for step, (ids, mask) in enumerate(batches, start=self.start):
             row = self.step(step, ids[mine].to(device), mask[mine].to(device))
             history.append(row)
+            metrics.write(row)
             progress.step(
                 f"step {step + 1:>4}/{self.total}  loss {row['loss']:.6f}  "
                 f"grad_norm {row['grad_norm']:.4f}  lr {row['lr']:.2e}  tok/s {row['tokens_per_s']:,.0f}"
