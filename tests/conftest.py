@@ -72,3 +72,10 @@ def tiny_checkpoint(tmp_path_factory):
     assert code == 0, err
     assert "resumed from step 2" in out
     return root / "ck", step_losses(out)
+
+
+@pytest.fixture(scope="session")
+def fp32_run():
+    """`plancc apply --steps 3 --format json` on the tiny Qwen3 (the defaults: tp=2, fp32, seed 0):
+    (exit code, stdout, stderr). The baseline the determinism and mixed-precision tests share."""
+    return run_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json")

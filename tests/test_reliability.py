@@ -257,10 +257,9 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, t
 # --------------------------------------------------------------------------- determinism
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_same_seed_and_layout_give_bitwise_equal_losses(tmp_path):
+def test_same_seed_and_layout_give_bitwise_equal_losses(tmp_path, fp32_run):
     metrics = tmp_path / "metrics.jsonl"
-    runs = [plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json", *extra)
-            for extra in ([], ["--metrics", metrics])]
+    runs = [fp32_run, plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json", "--metrics", metrics)]
     assert all(code == 0 for code, _, _ in runs), runs[0][2]
     histories = [json.loads(out)["history"] for _, out, _ in runs]  # stdout is one JSON document
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # --metrics: a line per step
