@@ -181,11 +181,10 @@ def _dry_run(
 ) -> str:
     """Run the dry run of a validated plan; add its findings to ``diagnostics`` and
     ``summary``; return the line that reports it."""
-    from .models import load_config
     from .tools.dryrun import dry_run
     from .tools.explain import human_bytes
 
-    result = dry_run(report.plan, load_config(report.model_name), report.layout, seq_len=seq_len or 256)
+    result = dry_run(report.plan, report.config, report.layout, seq_len=seq_len or 256)
     diagnostics += list(result.diagnostics)
     summary["dry_run"] = {
         "world_size": result.world_size,
@@ -454,10 +453,9 @@ def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format) -> tuple[D
     """The run's inputs and outputs checked before a process starts (plancc.job.preflight);
     returns the warnings, which text output prints now and JSON output keeps for the end."""
     from .job.preflight import notices, preflight
-    from .models import load_config
 
     assert report.meta_model is not None  # a report without errors has its model
-    problems = preflight(cfg, report.meta_model, load_config(report.model_name))
+    problems = preflight(cfg, report.meta_model, report.config)  # the model and config validate built
     if problems:
         _emit(problems, fmt)
         raise typer.Exit(EXIT_USAGE if any(d.rule == "usage" for d in problems) else EXIT_PLAN)

@@ -27,6 +27,7 @@ class ValidationReport:
     diagnostics: tuple[Diagnostic, ...]
     resolved: tuple[ResolvedPlan, ...] = ()
     meta_model: nn.Module | None = None  # the model the plan was checked on (meta device)
+    config: Any = None  # its PretrainedConfig, as read from --model
 
     @property
     def tp(self) -> int:
@@ -164,4 +165,5 @@ def validate_plan(
         diagnostics=tuple(problems),
         resolved=tuple(resolved),
         meta_model=meta,
+        config=config,
     )

@@ -87,7 +87,11 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 
 def model_signature(model: torch.nn.Module) -> str:
     """Names and global shapes of the parameters, as one short hash."""
-    parts = [f"{name}:{tuple(shape)}" for name, shape in parameter_shapes(model).items()]
+    return _signature(parameter_shapes(model))
+
+
+def _signature(shapes: dict[str, list[int]]) -> str:
+    parts = [f"{name}:{tuple(shape)}" for name, shape in shapes.items()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -308,7 +312,7 @@ def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shape
             f"checkpoint is of {info.architecture}, this run builds {architecture}",
             "resume with the --model the checkpoint was saved with",
         )
-    signature = hashlib.sha256("\n".join(f"{n}:{tuple(s)}" for n, s in shapes.items()).encode()).hexdigest()[:16]
+    signature = _signature(shapes)
     if info.model_signature == signature:
         return
     for name in sorted(set(info.parameters) | set(shapes)):
