@@ -1,13 +1,20 @@
-"""Log-prob evaluator benchmark: plancc vs naive ``log_softmax(logits.float()).gather`` vs the
-reference (NeMo-RL) un-chunked vocab-parallel design, re-written here for comparison only.
+"""Log-probs from hidden states: naive vs the logits path vs plancc's fused evaluator.
 
-    python bench/logprobs.py                 # CPU: [4, 1024, 32768], bf16 and fp32, tp=1 and tp=2 (gloo)
-    python bench/logprobs.py --device cuda   # one GPU: tp=1, memory from the CUDA allocator
+    python bench/logprobs.py                    # CPU: N=4096, H=1024, V=32768 fp32, tp=1 and tp=2 (gloo)
+    python bench/logprobs.py --device cuda --n 16384 --h 4096 --v 151936 --dtype bfloat16   # one GPU
 
-Every measurement runs in a fresh process. Extra memory is the peak above what the process
-held with the logits (and targets) allocated: peak RSS delta on CPU (ru_maxrss), peak
-allocated bytes on CUDA (torch.cuda.max_memory_allocated). Time is the median of repeats.
-Ratios are plancc / naive; the targets are in docs/performance.md.
+- naive: ``log_softmax(h @ W.T).gather`` (tp=2: each rank gathers the vocab of its logits first)
+- logits: ``h @ W_local.T`` then ``plancc.logprobs.vocab_parallel_logprobs``
+- fused: ``plancc.logprobs.fused_logprobs`` (backward recomputes each chunk: any downstream loss)
+- fused-loss: ``plancc.logprobs.fused_nll_loss`` (a weighted sum of log-probs, the training
+  loss: gradients formed in forward). fwd+bwd only.
+- liger / cce (CUDA, tp=1, when installed): LigerFusedLinearCrossEntropyLoss and
+  cut_cross_entropy.linear_cross_entropy with reduction="none", for comparison only.
+
+fwd+bwd back-propagates ``sum(g * logprobs)`` with a fixed random ``g``. Extra memory is the
+peak above h, W, the targets and g: on CPU every tensor allocation counted by torch's
+MemTracker, on CUDA the allocator's peak. Time: median of repeats after a warm-up, every
+method in the same process, side by side. Ratios are method / naive at the same tp.
 """
 
 from __future__ import annotations
@@ -15,205 +22,211 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-SHAPE = (4, 1024, 32768)
 
-
-# --------------------------------------------------------------------------- the three designs
-def naive(logits, targets, group):
+def _naive(h, w, t, group):
     import torch
     import torch.distributed as dist
 
-    if group is not None and dist.get_world_size(group) > 1:  # a naive user gathers the vocab first
-        import warnings
-
+    logits = h @ w.T
+    if group is not None and dist.get_world_size(group) > 1:
         from torch.distributed.nn.functional import all_gather
 
-        warnings.filterwarnings("ignore", category=UserWarning)
         logits = torch.cat(all_gather(logits.contiguous(), group=group), dim=-1)
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits.float(), -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
 
-def reference_design(logits, targets, group):
-    """The reference's un-chunked design: fp32 copy, softmax kept for backward."""
-    import torch
-    import torch.distributed as dist
-
-    class Ref(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, t):
-            rank = dist.get_rank(group) if group is not None else 0
-            v = x.shape[-1]
-            start = rank * v
-            x = x.float()
-            m = x.max(dim=-1, keepdim=True).values
-            if group is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            x = x - m
-            e = x.exp()
-            s = e.sum(dim=-1, keepdim=True)
-            if group is not None:
-                dist.all_reduce(s, group=group)
-            mask = (t < start) | (t >= start + v)
-            local_t = (t - start).clamp(0, v - 1)
-            picked = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
-            picked[mask] = 0.0
-            if group is not None:
-                dist.all_reduce(picked, group=group)
-            out = picked - s.squeeze(-1).log()
-            e.div_(s)
-            ctx.save_for_backward(e, local_t, mask)
-            return out
-
-        @staticmethod
-        def backward(ctx, g):
-            softmax, local_t, mask = ctx.saved_tensors
-            grad = -softmax * g.unsqueeze(-1)
-            onehot = torch.zeros_like(grad).scatter_(-1, local_t.unsqueeze(-1), 1.0)
-            onehot[mask] = 0
-            grad += onehot * g.unsqueeze(-1)
-            return grad, None
-
-    return Ref.apply(logits, targets)
-
-
-def plancc_design(logits, targets, group):
+def _logits_path(h, w, t, group):
     from plancc.logprobs import vocab_parallel_logprobs
 
-    return vocab_parallel_logprobs(logits, targets, group=group)
+    return vocab_parallel_logprobs(h @ w.T, t, group=group)
 
 
-IMPLS = {"plancc": plancc_design, "naive": naive, "reference": reference_design}
+def _fused(h, w, t, group):
+    from plancc.logprobs import fused_logprobs
+
+    return fused_logprobs(h, w, t, group=group)
 
 
-# --------------------------------------------------------------------------- one measurement
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _liger(h, w, t, group):
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return -LigerFusedLinearCrossEntropyLoss(reduction="none")(w, h, t)
 
 
-def measure(impl, dtype_name, phase, device, group=None, tp=1, repeats=3, shape=SHAPE):
+def _cce(h, w, t, group):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(h, w, t, reduction="none")
+
+
+METHODS = {"naive": _naive, "logits": _logits_path, "fused": _fused, "liger": _liger, "cce": _cce}
+
+
+def _available(name: str, device: str, tp: int) -> bool:
+    if name in ("liger", "cce"):
+        if device != "cuda" or tp != 1:
+            return False
+        try:
+            __import__("liger_kernel" if name == "liger" else "cut_cross_entropy")
+        except ImportError:
+            return False
+    return True
+
+
+class _Peak:
+    """Peak bytes allocated above the level at entry (CUDA allocator, or MemTracker on CPU)."""
+
+    def __init__(self, device: str, *inputs):
+        self.device, self.inputs = device, inputs
+
+    def __enter__(self):
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            # the inputs are known up front: views of them made inside are not new memory
+            self.tracker = MemTracker()
+            self.tracker.track_external(*self.inputs)
+            self.base = self._total("current")
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.extra = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.tracker.__exit__(*exc)
+            self.extra = self._total("peak") - self.base
+        return False
+
+    def _total(self, which):
+        return int(sum(d["Total"] for d in self.tracker.get_tracker_snapshot(which).values()))
+
+
+def measure(args, group=None, tp=1, rank=0):
     import torch
 
-    torch.manual_seed(0)
-    dtype = getattr(torch, dtype_name)
-    b, s, v = shape
-    v_local = v // tp
-    logits = torch.randn(b, s, v_local, device=device, dtype=dtype)  # no larger temporary: it would raise the baseline peak
-    targets = torch.randint(0, v, (b, s), device=device)
-    grad_out = torch.ones(b, s, device=device)
-    if phase == "fwd+bwd":
-        logits.requires_grad_(True)
-    fn = IMPLS[impl]
+    from plancc.logprobs import fused_nll_loss
 
-    def once():
+    device, dtype = args.device, getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    v_local = args.v // tp
+    h = torch.randn(args.n, args.h, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(args.v, args.h, generator=gen) * 0.02)[rank * v_local : (rank + 1) * v_local].to(device, dtype)
+    t = torch.randint(0, args.v, (args.n,), generator=gen).to(device)
+    g = torch.rand(args.n, generator=gen).to(device)
+    rows = {}
+
+    def run(name, phase):
         if phase == "fwd":
             with torch.no_grad():
-                return fn(logits, targets, group)
-        out = fn(logits, targets, group)
-        out.backward(grad_out)
-        grad = logits.grad
-        logits.grad = None
-        return grad
+                return METHODS[name](h, w, t, group)
+        hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        if name == "fused-loss":
+            loss, _ = fused_nll_loss(hh, ww, t, -g, group=group)
+            loss.backward()
+        else:
+            (METHODS[name](hh, ww, t, group) * g).sum().backward()
+        return hh.grad, ww.grad
 
-    # Warm up on a sliver first: the first call of a kernel maps its code pages (RSS) and
-    # sizes thread pools, which is not the algorithm's memory.
-    small = logits[:1, :4].detach().clone().requires_grad_(phase == "fwd+bwd")
-    if phase == "fwd":
-        with torch.no_grad():
-            fn(small, targets[:1, :4], group)
-    else:
-        fn(small, targets[:1, :4], group).backward(grad_out[:1, :4])
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        result = once()
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
-    else:
-        base = _rss_bytes()
-        result = once()
-        extra = max(0, _rss_bytes() - base)
-    del result
-    times = []
-    for _ in range(repeats):
+    def sync():
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        once()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"extra_bytes": extra, "seconds": statistics.median(times),
-            "logits_bytes": logits.numel() * logits.element_size()}
+
+    names = [n for n in METHODS if _available(n, device, tp)]
+    for phase in ("fwd", "fwd+bwd"):
+        for name in names + (["fused-loss"] if phase == "fwd+bwd" else []):
+            try:
+                run(name, phase)  # warm-up: kernels, thread pools, allocator
+                with _Peak(device, h, w, t, g) as peak:
+                    out = run(name, phase)
+                del out
+                times = []
+                for _ in range(args.repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    run(name, phase)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                rows[f"{name} {phase}"] = {"seconds": statistics.median(times), "extra_bytes": peak.extra}
+            except (MemoryError, torch.OutOfMemoryError):
+                rows[f"{name} {phase}"] = {"seconds": float("nan"), "extra_bytes": float("nan"), "oom": True}
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    rows["_sizes"] = {
+        "logits_fp32_bytes": args.n * v_local * 4,
+        "grads_bytes": (args.n * args.h + v_local * args.h) * itemsize,
+    }
+    return rows
 
 
-def _tp_worker(impl, dtype_name, phase):
+def _tp_worker(args_json):
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    args = argparse.Namespace(**json.loads(args_json))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
     try:
-        return measure(impl, dtype_name, phase, "cpu", group=dist.group.WORLD, tp=dist.get_world_size())
+        return measure(args, group=dist.group.WORLD, tp=dist.get_world_size(), rank=dist.get_rank())
     finally:
         dist.destroy_process_group()
 
 
-def run_one(impl, dtype_name, phase, tp, device, shape=SHAPE):
-    if tp == 1:
-        cmd = [sys.executable, __file__, "--one", json.dumps([impl, dtype_name, phase, device, list(shape)])]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
-    from tests.distributed import launch
-
-    results = launch(_tp_worker, tp, impl, dtype_name, phase, timeout_s=900)
-    return max(results.values(), key=lambda r: r["extra_bytes"])  # the worst rank
+def report(rows, tp, args):
+    sizes = rows.pop("_sizes")
+    logits_b, grads_b = sizes["logits_fp32_bytes"], sizes["grads_bytes"]
+    print(f"\ntp={tp}  N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}: "
+          f"fp32 logits per rank {logits_b / 2**20:.0f} MiB, grads of h and W {grads_b / 2**20:.0f} MiB")
+    print(f"{'method':<18}{'seconds':>9}{'x naive':>9}{'extra MiB':>11}{'extra/logits':>14}")
+    for key, row in rows.items():
+        name, phase = key.rsplit(" ", 1)
+        base = rows[f"naive {phase}"]["seconds"]
+        extra = row["extra_bytes"]
+        over = extra - (grads_b if phase == "fwd+bwd" else 0)  # what it holds beyond the gradients
+        print(f"{key:<18}{row['seconds']:>9.3f}{row['seconds'] / base:>9.3f}{extra / 2**20:>11.1f}"
+              f"{over / logits_b:>14.3f}")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--one")
-    parser.add_argument("--tp", type=int, nargs="*", default=None)
-    parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
-    parser.add_argument("--shape", type=int, nargs=3, default=list(SHAPE), help="batch seq vocab")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--h", type=int, default=1024)
+    parser.add_argument("--v", type=int, default=32768)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tp", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if args.one:
-        impl, dtype_name, phase, device, shape = json.loads(args.one)
-        import torch
+    import torch
 
-        if device == "cpu":
-            torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-        try:
-            print(json.dumps(measure(impl, dtype_name, phase, device, shape=tuple(shape))))
-        except (MemoryError, torch.OutOfMemoryError):  # reported as a row, not a crash
-            print(json.dumps({"extra_bytes": float("nan"), "seconds": float("nan"), "logits_bytes": 1, "oom": True}))
-        return
-    tps = args.tp or ([1, 2] if args.device == "cpu" else [1])
-    shape = tuple(args.shape)
-    print(f"logits {list(shape)} on {args.device}; extra memory = peak above the logits; time = median of 3")
-    print(f"{'dtype':<9}{'tp':>3} {'phase':<8} {'impl':<10}{'extra MiB':>10}{'x logits':>9}{'ms':>9}"
-          f"{'mem/naive':>10}{'time/naive':>11}")
-    for dtype_name in args.dtypes:
-        for tp in tps:
-            for phase in ("fwd", "fwd+bwd"):
-                rows = {impl: run_one(impl, dtype_name, phase, tp, args.device, shape) for impl in IMPLS}
-                for impl, r in rows.items():
-                    n = rows["naive"]
-                    mem_ratio = r["extra_bytes"] / n["extra_bytes"] if n["extra_bytes"] else float("nan")
-                    print(f"{dtype_name:<9}{tp:>3} {phase:<8} {impl:<10}{r['extra_bytes'] / 2**20:>10.1f}"
-                          f"{r['extra_bytes'] / r['logits_bytes']:>9.3f}{r['seconds'] * 1e3:>9.1f}"
-                          f"{mem_ratio:>10.3f}{r['seconds'] / n['seconds']:>11.3f}", flush=True)
+    if args.device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 2)
+    print("extra/logits: extra memory (fwd+bwd: beyond the gradients of h and W) over the fp32 logits' bytes")
+    for tp in args.tp:
+        if tp == 1:
+            rows = measure(args)
+        else:
+            from tests.distributed import launch
+
+            results = launch(_tp_worker, tp, json.dumps(vars(args)), timeout_s=1800)
+            rows = results[0]
+        report(rows, tp, args)
 
 
 if __name__ == "__main__":

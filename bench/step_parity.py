@@ -90,7 +90,7 @@ def worker(steps: int, layers: int):
             model, opt = models[name]
             torch.distributed.barrier()
             t0 = time.perf_counter()
-            loss, _ = sharded_loss(model, ids, mask, mesh)
+            loss = sharded_loss(model, ids, mask, mesh)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

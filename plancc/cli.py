@@ -531,6 +531,12 @@ def logprobs(
     dp: Annotated[int | None, typer.Option("--dp", min=1)] = None,
     sp: Annotated[bool, typer.Option("--sp")] = False,
     out: Annotated[Path | None, typer.Option("--out", help='JSONL output: {"logprobs": [...]} per line')] = None,
+    entropy: Annotated[
+        bool, typer.Option("--entropy", help='also the entropy of each position\'s distribution: "entropy": [...]')
+    ] = False,
+    temperature: Annotated[
+        float, typer.Option("--temperature", min=1e-6, help="log-probs under the sampler's temperature")
+    ] = 1.0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
     pack: Annotated[
         bool,
@@ -562,6 +568,8 @@ def logprobs(
         mode="logprobs",
         out=str(out) if out else None,
         pack=pack,
+        entropy=entropy,
+        temperature=temperature,
         json_output=fmt is Format.json,
     )
     warnings = _preflight(cfg, report, fmt)

@@ -1,6 +1,10 @@
-"""``plancc.logprobs``, the documented path of the log-prob evaluator (``plancc.runtime.logprobs``)."""
+"""``plancc.logprobs``, the documented path of the log-prob evaluator (``plancc.runtime.logprobs``
+and ``plancc.runtime.fused_logprobs``)."""
 
+from .runtime.fused_logprobs import fused_logprobs, fused_nll_loss
 from .runtime.logprobs import (
+    IGNORE_INDEX,
+    fusable,
     packed_position_ids,
     per_position,
     token_logprobs,
@@ -8,4 +12,14 @@ from .runtime.logprobs import (
     vocab_parallel_logprobs,
 )
 
-__all__ = ["packed_position_ids", "per_position", "token_logprobs", "vocab_layout", "vocab_parallel_logprobs"]
+__all__ = [
+    "IGNORE_INDEX",
+    "fusable",
+    "fused_logprobs",
+    "fused_nll_loss",
+    "packed_position_ids",
+    "per_position",
+    "token_logprobs",
+    "vocab_layout",
+    "vocab_parallel_logprobs",
+]

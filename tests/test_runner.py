@@ -2,6 +2,7 @@
 resumed at another layout, verified against the unsharded model; HF weights load exactly."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -119,7 +120,7 @@ def test_logprobs_cli_verifies_with_tp_and_cp(tmp_path):
     gen = torch.Generator().manual_seed(0)
     data.write_text("".join(json.dumps({"input_ids": torch.randint(0, 256, (int(n),), generator=gen).tolist()}) + "\n"
                             for n in torch.randint(3, 40, (6,), generator=gen)))
-    for args, to_file in ((["--tp", 2], True), (["--cp", 2], True), (["--cp", 2, "--pack"], False)):
+    for args, to_file in ((["--tp", 2, "--entropy"], True), (["--cp", 2], True), (["--cp", 2, "--pack"], False)):
         out_args = ["--out", tmp_path / "out.jsonl"] if to_file else []  # without --out: JSONL on stdout
         code, out, err = plancc_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify", *out_args)
         assert code == 0, err + out
@@ -130,6 +131,11 @@ def test_logprobs_cli_verifies_with_tp_and_cp(tmp_path):
         inputs = [json.loads(x) for x in data.read_text().splitlines()]
         assert [len(x["logprobs"]) for x in lines] == [len(x["input_ids"]) for x in inputs]
         assert all(x["logprobs"][0] == 0.0 and all(v < 0 for v in x["logprobs"][1:]) for x in lines)
+        if "--entropy" in args:  # beside each log-prob: the entropy of the distribution it came from
+            assert all(len(x["entropy"]) == len(x["logprobs"]) and x["entropy"][0] == 0.0 for x in lines)
+            assert all(0 < v <= math.log(256) + 1e-5 for x in lines for v in x["entropy"][1:])
+        else:
+            assert all("entropy" not in x for x in lines)
 
 
 def test_bf16_mixed_precision_tracks_the_fp32_run(fp32_run):

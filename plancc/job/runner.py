@@ -81,6 +81,8 @@ class RunConfig:
     mode: Literal["train", "logprobs"] = "train"
     out: str | None = None  # logprobs: JSONL output path
     pack: bool = False  # logprobs: pack each batch's sequences into one row (cu_seqlens)
+    entropy: bool = False  # logprobs: the entropy of every position's distribution as well
+    temperature: float = 1.0  # logprobs: under the sampler's temperature
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
     timeout_s: int = 300  # collectives time out instead of hanging a job
@@ -303,7 +305,7 @@ class _Trainer:
         mesh = self.job.mesh
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
         t0 = time.perf_counter()
-        loss, _ = sharded_loss(self.model, ids, mask, mesh)
+        loss = sharded_loss(self.model, ids, mask, mesh)
         if faults.poisoned("loss", rank=dist.get_rank(), step=step + 1):
             loss = loss * float("nan")
         loss.backward()
@@ -518,13 +520,16 @@ def _sequence_multiple(layout: Layout) -> int:
     return (layout.tp if layout.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
 
 
-def _gather_rows(results: dict[int, list[float]], worst: float, device: str) -> tuple[dict[int, list[float]], float]:
+Row = dict[str, list[float]]  # {"logprobs": [...]} and, with --entropy, {"entropy": [...]}
+
+
+def _gather_rows(results: dict[int, Row], worst: float, device: str) -> tuple[dict[int, Row], float]:
     """Every rank's rows and the worst difference over all ranks."""
-    gathered: list[dict[int, list[float]] | None] = [None] * dist.get_world_size()
+    gathered: list[dict[int, Row] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     worst_t = torch.tensor([worst], device=device)
     dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
-    merged: dict[int, list[float]] = {}
+    merged: dict[int, Row] = {}
     for part in gathered:
         merged.update(part or {})
     return merged, worst_t.item()
@@ -540,8 +545,9 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     reference = _reference_model(cfg, job.config, device).eval() if cfg.verify else None
     multiple = _sequence_multiple(cfg.layout)
     mine = list(range(mesh["dp"].get_local_rank(), len(sequences), mesh["dp"].size()))
-    results: dict[int, list[float]] = {}
+    results: dict[int, dict[str, list[float]]] = {}
     worst = 0.0
+    options: dict[str, Any] = {"mesh": mesh, "temperature": cfg.temperature}
     for lo in range(0, len(mine), cfg.batch_size):
         rows = mine[lo : lo + cfg.batch_size]
         seqs = [sequences[i] for i in rows]
@@ -551,21 +557,26 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
         )
         assert ids is not None
         with torch.no_grad():
-            lp = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, mesh=mesh)
+            if cfg.entropy:
+                lp, ent = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, entropy=True, **options)
+            else:
+                lp, ent = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, **options), None
             if reference is not None:
-                want = token_logprobs(reference, ids, attention_mask=mask, cu_seqlens=cu)
+                want = token_logprobs(reference, ids, attention_mask=mask, cu_seqlens=cu, temperature=cfg.temperature)
                 worst = max(worst, (lp - want).abs().max().item())
         for r, i in enumerate(rows):
             row, start = (r, 0) if cu is None else (0, int(cu[r]))
-            results[i] = lp[row, start : start + len(seqs[r])].tolist()
+            results[i] = {"logprobs": lp[row, start : start + len(seqs[r])].tolist()}
+            if ent is not None:
+                results[i]["entropy"] = ent[row, start : start + len(seqs[r])].tolist()
     merged, worst = _gather_rows(results, worst, device)
     if dist.get_rank() == 0 and cfg.out:
         with open(cfg.out, "w") as f:
             for i in range(len(sequences)):
-                f.write(json.dumps({"logprobs": merged[i]}) + "\n")
+                f.write(json.dumps(merged[i]) + "\n")
     elif dist.get_rank() == 0 and not cfg.json_output:
         for i in range(len(sequences)):  # no --out: JSONL on stdout, for a pipe
-            print(json.dumps({"logprobs": merged[i]}), flush=True)
+            print(json.dumps(merged[i]), flush=True)
     log(
         f"plancc logprobs: {job.plan.name} on {job.model_name} | {cfg.layout.describe()} | weights: {source} "
         f"| {len(merged)} sequences" + (f" -> {cfg.out}" if cfg.out else "")
@@ -579,7 +590,9 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
         )
     result: dict[str, Any] = {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
     if not cfg.out and cfg.json_output:  # --format json: the log-probs go into the one document
-        result["logprobs"] = [merged[i] for i in range(len(sequences))]
+        result["logprobs"] = [merged[i]["logprobs"] for i in range(len(sequences))]
+        if cfg.entropy:
+            result["entropy"] = [merged[i]["entropy"] for i in range(len(sequences))]
     return result
 
 

@@ -13,7 +13,10 @@ one fp32 chunk, whatever the logits' size or dtype.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .cp import all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
+from .fused_logprobs import fused_logprobs
 
 # Rows per chunk, chosen so one fp32 chunk is about this many bytes. On CPU a chunk that
 # stays in cache between the passes is fastest. On GPU each chunk costs a handful of kernel
@@ -49,6 +53,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         vocab_start: int,
         chunk: int,
+        ignore_index: int,
     ) -> torch.Tensor:
         v_local = logits.shape[-1]
         rows = logits.reshape(-1, v_local)
@@ -75,16 +80,17 @@ class _VocabParallelLogprob(torch.autograd.Function):
             lse = m + stacked[0].log()
             picked = stacked[1]
         ctx.save_for_backward(logits, targets, lse)
-        ctx.vocab_start, ctx.chunk = vocab_start, chunk
-        return (picked - lse).reshape(targets.shape)
+        ctx.vocab_start, ctx.chunk, ctx.ignore_index = vocab_start, chunk, ignore_index
+        valid = flat_t != ignore_index
+        return torch.where(valid, picked - lse, torch.zeros_like(lse)).reshape(targets.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         logits, targets, lse = ctx.saved_tensors
         v_local = logits.shape[-1]
         rows = logits.reshape(-1, v_local)
         flat_t = targets.reshape(-1)
-        g = grad_out.reshape(-1).float()
+        g = grad_out.reshape(-1).float() * (flat_t != ctx.ignore_index)  # ignored targets: no gradient
         grad = torch.empty_like(rows)
         in_place = grad.dtype == torch.float32  # compute straight into the gradient
         for lo in range(0, rows.shape[0], ctx.chunk):
@@ -102,7 +108,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
             if not in_place:
                 grad[lo:hi] = p
             del p  # free this chunk before the next one is allocated
-        return grad.reshape(logits.shape), None, None, None, None
+        return grad.reshape(logits.shape), None, None, None, None, None
 
 
 def _shard_start(logits_local: torch.Tensor, group: dist.ProcessGroup | None) -> int:
@@ -121,8 +127,12 @@ def vocab_parallel_logprobs(
     group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     chunk_size: int | None = None,
+    ignore_index: int = -100,
 ) -> torch.Tensor:
     """log p(target) from this rank's vocab shard of the logits; fp32, identical on every rank.
+    ``ignore_index`` targets give 0 and no gradient; any other target outside the vocabulary
+    is an error. Pass contiguous logits (a ``[:, :-1]`` slice of a batch is copied whole):
+    to drop the last position, give it the ``ignore_index`` target instead.
 
     ``logits``: ``[..., V_local]``, a plain tensor (with ``group``; ``vocab_start`` is derived
     from the shard widths when omitted) or a DTensor sharded on its last dim (group and start
@@ -144,7 +154,20 @@ def vocab_parallel_logprobs(
         )
     rows = logits.numel() // max(1, logits.shape[-1])
     chunk = chunk_size or _default_chunk(rows, logits.shape[-1], logits.device)
-    return _VocabParallelLogprob.apply(logits, targets, group, vocab_start, chunk)
+    _check_targets(targets, logits.shape[-1], group, ignore_index)
+    return _VocabParallelLogprob.apply(logits, targets, group, vocab_start, chunk, ignore_index)
+
+
+def _check_targets(targets: torch.Tensor, v_local: int, group: dist.ProcessGroup | None, ignore_index: int) -> None:
+    """A target outside the vocabulary would silently give -logsumexp: refuse it (under TP
+    only negative ones: the upper bound is the sum of the shards)."""
+    bad = (targets != ignore_index) & (targets < 0)
+    if group is None or dist.get_world_size(group) == 1:
+        bad |= targets >= v_local
+    if bool(bad.any()):
+        raise ValueError(
+            f"target {int(targets[bad].flatten()[0])} is outside the vocabulary and is not ignore_index={ignore_index}"
+        )
 
 
 def _dtensor_layout(logits: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup | None, int]:
@@ -185,6 +208,52 @@ def vocab_layout(
     return local, group, None
 
 
+# Config fields with which a causal LM transforms the lm_head's output before returning it
+# (Gemma2's soft-capping, Cohere's and Granite's scales): the fused evaluator applies the
+# lm_head itself and would skip them, so such models take the logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    config: Any = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def fusable(model: torch.nn.Module) -> bool:
+    """Whether the model's logits are exactly ``lm_head(hidden)`` of a bias-free linear head,
+    so log-probs can be taken from the hidden states without building the logits.
+    ``PLANCC_FUSED_LM_HEAD=0`` turns the fused path off everywhere (the logits path, to
+    compare with or for a model that transforms its logits in a way plancc does not know)."""
+    if os.environ.get("PLANCC_FUSED_LM_HEAD", "1") == "0":
+        return False
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return False
+    config = _text_config(model)
+    return all(getattr(config, name, None) in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS)
+
+
+@contextmanager
+def lm_head_bypassed(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, the model's lm_head computes nothing: a forward fills the yielded dict
+    with the lm_head's input (``hidden``, after the plan's input layout hooks: gathered
+    from sequence shards under SP, a replicated DTensor under TP) and its weight as FSDP
+    presents it during that forward (``weight``). The model returns empty logits."""
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]  # transformers' PreTrainedModel
+    seen: dict[str, torch.Tensor] = {}
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        seen["hidden"], seen["weight"] = hidden, head.weight
+        return hidden[..., :0]  # what the output hooks and the model's own code see
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ still runs the hooks
+    try:
+        yield seen
+    finally:
+        del head.forward
+
+
 def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position ids that restart at every document of a packed row: [1, total]."""
     bounds = cu_seqlens[1:-1].long()
@@ -218,6 +287,63 @@ def _cp_size(cp: DeviceMesh) -> int:
     return (cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp).size()
 
 
+IGNORE_INDEX = -100
+
+
+def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """The token each position predicts; the last position predicts nothing (ignored)."""
+    targets = torch.roll(input_ids, shifts=-1, dims=1)
+    targets[:, -1] = IGNORE_INDEX
+    return targets
+
+
+def _positions_logprobs(
+    model: torch.nn.Module,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
+    *,
+    mesh: DeviceMesh | None,
+    temperature: float,
+    chunk_size: int | None,
+    entropy: bool,
+    top_k: int | None,
+    top_p: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of ``targets`` at every position the model computes, entropy or None).
+
+    Fused: the decoder runs with its lm_head bypassed and the evaluator applies the lm_head
+    weight chunk by chunk, so no logits exist. Models whose logits are more than
+    ``lm_head(hidden)`` take the logits path (log-probs only)."""
+    if fusable(model):
+        with lm_head_bypassed(model) as seen:
+            model(**inputs)
+        result = fused_logprobs(
+            seen["hidden"],
+            seen["weight"],
+            targets,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            ignore_index=IGNORE_INDEX,
+            entropy=entropy,
+            chunk_size=chunk_size,
+        )
+        return result if isinstance(result, tuple) else (result, None)
+    if entropy or top_k is not None or top_p is not None:
+        raise ValueError(
+            f"entropy, top_k and top_p need a model whose logits are lm_head(hidden); {type(model).__name__} "
+            f"transforms them ({', '.join(_LOGIT_TRANSFORMS)})"
+        )
+    local, group, start = vocab_layout(model(**inputs).logits, model, mesh)
+    if temperature != 1.0:
+        local = local / temperature
+    lp = vocab_parallel_logprobs(
+        local, targets, group=group, vocab_start=start, chunk_size=chunk_size, ignore_index=IGNORE_INDEX
+    )
+    return lp, None
+
+
+@overload
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -229,8 +355,47 @@ def token_logprobs(
     temperature: float = 1.0,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int | None = None,
-) -> torch.Tensor:
-    """log p(token_i | tokens_<i) for every position: ``[B, S]`` fp32.
+    entropy: Literal[False] = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    mesh: DeviceMesh | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp: DeviceMesh | None = None,
+    temperature: float = 1.0,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    entropy: Literal[True],
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    mesh: DeviceMesh | None = None,
+    position_ids: torch.Tensor | None = None,
+    cp: DeviceMesh | None = None,
+    temperature: float = 1.0,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(token_i | tokens_<i) for every position: ``[B, S]`` fp32; with ``entropy=True``
+    also the entropy of the distribution each position's token was drawn from: a pair.
 
     Position 0 (and the first token of every packed document) is 0; padded positions
     (``attention_mask == 0``, left or right padding) are 0, and so is the first real token
@@ -239,6 +404,9 @@ def token_logprobs(
     name its mesh explicitly).
     Packed sequences: ``input_ids`` is one row ``[1, T]`` and ``cu_seqlens`` the document
     boundaries ``[0, l0, l0+l1, ..., T]``; attention never crosses a boundary.
+    ``temperature``, ``top_k``, ``top_p``: the distribution as the sampler saw it
+    (``plancc.logprobs.fused_logprobs``). The logits are never built unless the model
+    transforms them after its lm_head (soft-capping, logit scales).
     """
     cp_enabled = context_of(model) is not None
     if not cp_enabled and cp is not None and _cp_size(cp) > 1:
@@ -246,71 +414,57 @@ def token_logprobs(
             f"cp={_cp_size(cp)} was given but the model was not parallelized with it "
             "(plancc.parallelize with a mesh whose cp axis is > 1)"
         )
-    if cp_enabled:
-        # a model parallelized with cp > 1 hands back logits of its sequence shard only:
-        # the cp path is the only right one, whether or not the caller passed ``cp``
-        return _cp_token_logprobs(
-            model,
-            input_ids,
-            mesh=mesh,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            temperature=temperature,
-            cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size,
-        )
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "temperature": temperature,
+        "chunk_size": chunk_size,
+        "entropy": entropy,
+        "top_k": top_k,
+        "top_p": top_p,
+    }
     if cu_seqlens is not None:
         if input_ids.shape[0] != 1:
             raise ValueError("packed sequences are one row: input_ids [1, T] with cu_seqlens")
         position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
     # use_cache=False: transformers only detects packed documents when there is no KV cache
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    local, group, start = vocab_layout(out.logits, model, mesh)
-    shifted = local[:, :-1]
-    if temperature != 1.0:
-        shifted = shifted / temperature
-    lp = vocab_parallel_logprobs(shifted, input_ids[:, 1:], group=group, vocab_start=start, chunk_size=chunk_size)
-    return per_position(lp, attention_mask, cu_seqlens)
+    inputs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "use_cache": False,
+    }
+    targets = _next_tokens(input_ids)
+    if cp_enabled:
+        # a model parallelized with cp > 1 computes its sequence shard only: the cp path is
+        # the only right one, whether or not the caller passed ``cp``
+        lp, ent = _cp_positions_logprobs(model, inputs, targets, cu_seqlens, options)
+    else:
+        lp, ent = _positions_logprobs(model, inputs, targets, **options)
+    lp = per_position(lp[:, :-1], attention_mask, cu_seqlens)
+    if ent is None:
+        return lp
+    return lp, per_position(ent[:, :-1], attention_mask, cu_seqlens)
 
 
-def _cp_token_logprobs(
+def _cp_positions_logprobs(
     model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    mesh: DeviceMesh | None,
-    attention_mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    temperature: float,
+    inputs: dict[str, Any],
+    targets: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
-    chunk_size: int | None,
-) -> torch.Tensor:
-    """``token_logprobs`` for a model parallelized with cp > 1 (the cp group is the model's own).
-
-    Every cp rank passes the same full-length batch;
-    each computes its shard's log-probs (targets shifted globally, then sharded), and the
-    shards are gathered back in order: the result is the full ``[B, S]`` on every rank.
-    """
+    options: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_positions_logprobs`` for a model parallelized with cp > 1 (its cp group is the
+    model's own). Every cp rank passes the same full-length batch; each evaluates its
+    load-balanced shard of the positions (targets shifted globally, then sharded), and the
+    shards are gathered back in order: the full ``[B, S]`` on every rank."""
     ctx = context_of(model)
     assert ctx is not None, "token_logprobs takes this path only for a model with a cp context"
     if cu_seqlens is not None:
-        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
-    seq = input_ids.shape[1]
-    targets = torch.roll(input_ids, shifts=-1, dims=1)  # token i predicts token i+1 (global shift)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **({"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}),
-    )
-    local, group, start = vocab_layout(out.logits, model, mesh)
-    if temperature != 1.0:
-        local = local / temperature
-    if cu_seqlens is not None:
+        inputs = {**inputs, "cu_seqlens": cu_seqlens}
         index = load_balanced_indices_packed(cu_seqlens, ctx.size, ctx.rank)
     else:
-        index = load_balanced_indices(seq, ctx.size, ctx.rank)
+        index = load_balanced_indices(targets.shape[1], ctx.size, ctx.rank)
     local_targets = targets.index_select(1, index.to(targets.device))
-    lp_local = vocab_parallel_logprobs(local, local_targets, group=group, vocab_start=start, chunk_size=chunk_size)
-    lp = all_gather(lp_local, ctx.group, dim=1, cu_seqlens=cu_seqlens)
-    return per_position(lp[:, :-1], attention_mask, cu_seqlens)
+    lp, ent = _positions_logprobs(model, inputs, local_targets, **options)
+    lp = all_gather(lp, ctx.group, dim=1, cu_seqlens=cu_seqlens)
+    return lp, (all_gather(ent, ctx.group, dim=1, cu_seqlens=cu_seqlens) if ent is not None else None)

@@ -1,7 +1,9 @@
 """The training loss of a parallelized causal LM, from vocab-parallel logits.
 
-The full ``[B, S, V]`` logits are never gathered (``F.cross_entropy`` would need them): the
-loss is built from ``plancc.logprobs``' exact per-token log-probs of this rank's vocab shard.
+The logits are never built where the model's logits are ``lm_head(hidden)``: the loss comes
+from the hidden states and the (vocab-sharded) lm_head weight (``fused_nll_loss``); other
+models' logits stay vocab-sharded and are never gathered (``F.cross_entropy`` would need
+them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from .cp import load_balanced_indices
-from .logprobs import vocab_layout, vocab_parallel_logprobs
+from .fused_logprobs import fused_nll_loss
+from .logprobs import IGNORE_INDEX, fusable, lm_head_bypassed, vocab_layout, vocab_parallel_logprobs
 from .mesh import dp_cp_mesh
 
 
@@ -24,33 +27,36 @@ def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: 
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
-def sharded_loss(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, mesh: DeviceMesh
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate, the model's logits as it returned them) for one dp slice.
+def sharded_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The loss to backpropagate for one dp slice: the masked next-token mean.
 
-    The loss is the masked next-token mean, computed from vocab-parallel logits where the
-    plan leaves them sharded (``plancc.logprobs``): the full ``[B, S, V]`` logits are never
-    gathered, as ``F.cross_entropy`` would need. With cp each rank holds a load-balanced
-    shard of the positions: targets are shifted on the whole sequence, then sharded, and the
-    rank's sum is scaled by cp / (valid targets of the slice); FSDP's average over the dp_cp
-    ranks then yields exactly the gradient of the slice's mean loss.
+    Fused where the model allows (``fusable``): the decoder runs with its lm_head bypassed
+    and ``fused_nll_loss`` applies the lm_head weight (vocab-sharded under TP) chunk by
+    chunk, forming the gradients as it goes, so no logits exist. Otherwise the exact
+    vocab-parallel log-probs of the logits the model returns. With cp each rank holds a
+    load-balanced shard of the positions: targets are shifted on the whole sequence, then
+    sharded, and the rank's sum is scaled by cp / (valid targets of the slice); FSDP's
+    average over the dp_cp ranks then yields exactly the gradient of the slice's mean loss.
     """
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    local, group, start = vocab_layout(logits, model, mesh)
     cp = mesh["cp"].size()
     targets = torch.roll(ids, -1, dims=1)
     valid = mask.clone()
     valid[:, :-1] = mask[:, 1:]  # a position counts when the token it predicts is real
     valid[:, -1] = 0  # the last position predicts nothing
+    targets = targets.masked_fill(valid == 0, IGNORE_INDEX)
     if cp > 1:
         index = load_balanced_indices(ids.shape[1], cp, mesh["cp"].get_local_rank()).to(ids.device)
-        targets, local_valid = targets.index_select(1, index), valid.index_select(1, index)
-    else:
-        local_valid = valid
-    logprobs = vocab_parallel_logprobs(local, targets, group=group, vocab_start=start)
-    total = -(logprobs * local_valid.to(logprobs.dtype)).sum()
-    return total * cp / valid.sum().clamp(min=1), logits
+        targets = targets.index_select(1, index)
+    weights = (targets != IGNORE_INDEX).float() * (cp / valid.sum().clamp(min=1))
+    inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    if fusable(model):
+        with lm_head_bypassed(model) as seen:
+            model(**inputs)
+        loss, _ = fused_nll_loss(seen["hidden"], seen["weight"], targets, weights, ignore_index=IGNORE_INDEX)
+        return loss
+    local, group, start = vocab_layout(model(**inputs).logits, model, mesh)
+    logprobs = vocab_parallel_logprobs(local, targets, group=group, vocab_start=start, ignore_index=IGNORE_INDEX)
+    return -(logprobs * weights).sum()
 
 
 def reported_loss(loss: torch.Tensor, mesh: DeviceMesh) -> float:
@@ -84,5 +90,4 @@ def causal_lm_loss(
     slices hold equal numbers of tokens.
     """
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    loss, _ = sharded_loss(model, input_ids, mask, mesh)
-    return loss
+    return sharded_loss(model, input_ids, mask, mesh)

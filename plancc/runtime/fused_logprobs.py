@@ -1,0 +1,536 @@
+"""Log-probs, entropy and the training loss straight from hidden states: the lm_head fused
+into the evaluator, so the ``[N, V]`` logits (``[N, V/tp]`` under TP) never exist.
+
+For a chunk of tokens at a time: the local matmul ``h_c @ W_local.T`` in fp32 (exact fp32
+accumulation whatever the input dtype), then per token the max, the sum of exponentials and
+the target's logit over the local vocabulary. Under TP these three numbers per token are
+combined over the tp group with two small all-reduces after the loop, so the collectives
+carry O(tokens), never O(tokens x vocab).
+
+Two backward strategies, because a gradient that depends on the caller's ``grad_output``
+cannot be formed before it exists:
+
+- ``fused_logprobs``: any downstream function (RL ratios, clipping, KL). Backward recomputes
+  each chunk's logits and accumulates the gradients of hidden and weight: 4 matmuls in all.
+- ``fused_nll_loss``: a loss that is a weighted sum of the log-probs (the SFT/pre-training
+  loss, weights = mask / count). The weights are known in forward, so the gradients are
+  formed right there, chunk by chunk, while the logits are hot: 3 matmuls, as many as the
+  naive ``log_softmax(h @ W.T)`` forward and backward, and backward only scales them.
+
+Sampler-filtered log-probs (``top_k`` / ``top_p``) need the whole vocabulary of a token to
+rank it, so that mode gathers each chunk's logits over tp (one chunk, never all of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# Chunk bounds: on CPU small enough to stay near the cache between the matmul and the
+# reductions; on GPU large enough that each chunk's kernel launches are noise.
+CPU_CHUNK_BYTES = 16 * 2**20
+GPU_CHUNK_BYTES = 128 * 2**20
+MIN_ROWS = 16
+
+
+def default_chunk(n: int, v_local: int, device: torch.device) -> int:
+    """Tokens per chunk. CPU: about 3% of the tokens (one fp32 chunk is then ~3% of the logits
+    it replaces) within CPU_CHUNK_BYTES; GPU: GPU_CHUNK_BYTES of fp32 logits."""
+    row_bytes = 4 * max(1, v_local)
+    if device.type == "cpu":
+        return max(1, min(max(MIN_ROWS, n // 32), CPU_CHUNK_BYTES // row_bytes))
+    return max(1, GPU_CHUNK_BYTES // row_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Vocab:
+    """How this rank's lm_head rows sit in the vocabulary, and how logits are turned into a
+    distribution (the sampler's temperature and filters)."""
+
+    group: dist.ProcessGroup | None
+    start: int
+    size: int  # global vocabulary (rows of the whole lm_head)
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    ignore_index: int = -100
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k is not None or self.top_p is not None
+
+
+def _matmul_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``h @ w.T`` as fp32 with fp32 accumulation (bf16/fp16 inputs: their products are exact
+    in fp32, so only the accumulation order differs from an fp64 reference).
+
+    Computed as ``(w @ h.T).T``: for a chunk of few rows, ``h @ w.T`` makes CPU BLAS copy the
+    whole transposed weight first (measured: +128 MiB and 30% slower at V=32768, H=1024);
+    the result is a transposed view, which every reduction here reads as it is."""
+    if h.dtype == torch.float32 and w.dtype == torch.float32:
+        return (w @ h.T).T
+    if h.is_cuda:
+        return torch.mm(h, w.T, out_dtype=torch.float32)
+    return (w.float() @ h.float().T).T
+
+
+def _target_columns(targets: torch.Tensor, vocab: _Vocab, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local column of each target clamped into range, whether this rank holds it)."""
+    local = targets - vocab.start
+    here = (local >= 0) & (local < v_local) & (targets != vocab.ignore_index)
+    return local.clamp(0, v_local - 1), here
+
+
+def _keep_mask(full: torch.Tensor, vocab: _Vocab) -> torch.Tensor:
+    """Which entries of whole-vocabulary logits ``[c, V]`` the sampler keeps: the top k
+    (ties at the k-th value kept), then the smallest head of the renormalized distribution
+    whose mass reaches top_p (the entry that crosses top_p is kept)."""
+    keep = torch.ones_like(full, dtype=torch.bool)
+    if vocab.top_k is not None and vocab.top_k < full.shape[-1]:
+        kth = full.topk(vocab.top_k, dim=-1).values[:, -1:]
+        keep &= full >= kth
+    if vocab.top_p is not None and vocab.top_p < 1.0:
+        masked = full.masked_fill(~keep, float("-inf"))
+        probs, order = masked.softmax(-1).sort(dim=-1, descending=True)
+        before = probs.cumsum(-1) - probs  # mass strictly ahead of each entry
+        keep_sorted = before < vocab.top_p
+        keep_sorted[:, 0] = True
+        keep &= torch.zeros_like(keep).scatter_(1, order, keep_sorted)
+    return keep
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkStats:
+    """Per-token partial statistics over one rank's columns, relative to ``m``."""
+
+    m: torch.Tensor  # max logit
+    s: torch.Tensor  # sum of exp(x - m)
+    picked: torch.Tensor  # the target's logit where this rank holds it, else 0
+    t: torch.Tensor | None  # sum of exp(x - m) * (x - m): for the entropy
+
+
+def _stats(x: torch.Tensor, cols: torch.Tensor, here: torch.Tensor, entropy: bool) -> tuple[_ChunkStats, torch.Tensor]:
+    """Partial statistics of a chunk of logits, and ``exp(x - m)``, computed in the storage of
+    ``x`` (consumed: one chunk buffer, not three)."""
+    hit = x.gather(1, cols.unsqueeze(1)).squeeze(1)
+    picked = torch.where(here, hit, torch.zeros_like(hit))
+    m = x.amax(dim=1)  # not max(): it also computes indices, at several times the cost
+    z = x.sub_(m.unsqueeze(1))
+    if not entropy:
+        e = z.exp_()
+        return _ChunkStats(m, e.sum(1), picked, None), e
+    e = z.exp()
+    return _ChunkStats(m, e.sum(1), picked, (e * z).sum(1)), e
+
+
+def _combine(
+    parts: _ChunkStats, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logsumexp, target logit, entropy or None) over the whole vocabulary, from every tp
+    rank's partial statistics: two all-reduces of O(tokens) values."""
+    m, s, picked, t = parts.m, parts.s, parts.picked, parts.t
+    if group is not None and dist.get_world_size(group) > 1:
+        g = m.clone()
+        dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
+        scale = (m - g).exp()
+        rows = [s * scale, picked] + ([(t + (m - g) * s) * scale] if t is not None else [])
+        stacked = torch.stack(rows)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+        m, s, picked = g, stacked[0], stacked[1]
+        t = stacked[2] if t is not None else None
+    lse = m + s.log()
+    # H = lse - E[x] and E[x] = m + t / s, both relative to the same max
+    ent = (s.log() - t / s) if t is not None else None
+    return lse, picked, ent
+
+
+def _gather_vocab(x: torch.Tensor, group: dist.ProcessGroup | None, widths: list[int]) -> torch.Tensor:
+    """The whole-vocabulary logits of one chunk from every rank's columns."""
+    if group is None or len(widths) == 1:
+        return x
+    # equal sizes for every backend (gloo requires them): pad to the widest shard, then trim
+    widest = max(widths)
+    padded = torch.nn.functional.pad(x, (0, widest - x.shape[1]))
+    parts = [torch.empty_like(padded) for _ in widths]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:, :w] for part, w in zip(parts, widths, strict=True)], dim=1)
+
+
+def _filtered_chunk(
+    x: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, widths: list[int], entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(log-prob, log-normalizer, entropy, keep mask) of a chunk under the sampler's filters."""
+    full = _gather_vocab(x, vocab.group, widths)
+    keep = _keep_mask(full, vocab)
+    kept = full.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(kept, dim=1)
+    valid = targets != vocab.ignore_index
+    cols = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+    lp = kept.gather(1, cols).squeeze(1) - lse
+    ent = None
+    if entropy:
+        p = (kept - lse.unsqueeze(1)).exp()
+        ent = -(p * (full - lse.unsqueeze(1)).masked_fill(~keep, 0.0)).sum(1)
+        ent = torch.where(valid, ent, torch.zeros_like(ent))
+    return torch.where(valid, lp, torch.zeros_like(lp)), lse, ent, keep
+
+
+def _local_grad_logits(
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    vocab: _Vocab,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """d(sum g_lp*lp + g_ent*H) / d x for one chunk of local logits ``x`` (already divided by
+    the temperature), computed in the storage of ``x`` (consumed):
+    d lp_t / d x_j = 1[j = t] - p_j and d H / d x_j = -p_j (x_j - lse + H)."""
+    valid = (targets != vocab.ignore_index).to(x.dtype)
+    z = x.sub_(lse.unsqueeze(1))
+    shifted = z + ent.unsqueeze(1) if (g_ent is not None and ent is not None) else None
+    p = z.exp_()
+    if keep is not None:
+        p.masked_fill_(~keep, 0.0)
+    return _finish_grad(p, targets, g_lp * valid, vocab, shifted, None if g_ent is None else g_ent * valid)
+
+
+def _finish_grad(
+    p: torch.Tensor,
+    targets: torch.Tensor,
+    g_lp: torch.Tensor,
+    vocab: _Vocab,
+    shifted: torch.Tensor | None = None,
+    g_ent: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """From probabilities ``p`` (consumed) to the gradient of the chunk's logits."""
+    cols, here = _target_columns(targets, vocab, p.shape[1])
+    if shifted is not None and g_ent is not None:
+        shifted.mul_(p).mul_(-g_ent.unsqueeze(1))
+        grad = p.mul_(-g_lp.unsqueeze(1)).add_(shifted)
+    else:
+        grad = p.mul_(-g_lp.unsqueeze(1))
+    grad.scatter_add_(1, cols.unsqueeze(1), torch.where(here, g_lp, torch.zeros_like(g_lp)).unsqueeze(1))
+    if vocab.temperature != 1.0:
+        grad.div_(vocab.temperature)
+    return grad
+
+
+def _rank_slice(full: torch.Tensor, vocab: _Vocab, v_local: int) -> torch.Tensor:
+    return full[:, vocab.start : vocab.start + v_local]
+
+
+def _widths(v_local: int, group: dist.ProcessGroup | None) -> list[int]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [v_local]
+    widths: list[int] = [0] * dist.get_world_size(group)
+    dist.all_gather_object(widths, v_local, group=group)
+    return widths
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, vocab: _Vocab) -> torch.Tensor:
+    x = _matmul_fp32(h, w)
+    if vocab.temperature != 1.0:
+        x /= vocab.temperature
+    return x
+
+
+def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class _FusedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab: _Vocab,
+        chunk: int,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        widths = _widths(weight.shape[0], vocab.group)
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if entropy else lp.new_empty(0)
+        # Statistics of the plain path are combined once for all chunks (2 collectives in
+        # all); the filtered path combines per chunk inside _filtered_chunk.
+        if vocab.filtered:
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                x = _chunk_logits(hidden[lo:hi], weight, vocab)
+                lp[lo:hi], lse[lo:hi], e, keep = _filtered_chunk(x, targets[lo:hi], vocab, widths, entropy)
+                if e is not None:
+                    ent[lo:hi] = e
+                del x, keep
+        else:
+            m, s, picked = torch.empty_like(lp), torch.empty_like(lp), torch.empty_like(lp)
+            t = torch.empty_like(lp) if entropy else None
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                x = _chunk_logits(hidden[lo:hi], weight, vocab)
+                cols, here = _target_columns(targets[lo:hi], vocab, x.shape[1])
+                st = _stats(x, cols, here, entropy)[0]
+                m[lo:hi], s[lo:hi], picked[lo:hi] = st.m, st.s, st.picked
+                if t is not None and st.t is not None:
+                    t[lo:hi] = st.t
+                del x
+            full_lse, full_picked, full_ent = _combine(_ChunkStats(m, s, picked, t), vocab.group)
+            lse.copy_(full_lse)
+            lp.copy_(torch.where(targets != vocab.ignore_index, full_picked - full_lse, torch.zeros_like(full_lse)))
+            if entropy and full_ent is not None:
+                ent.copy_(torch.where(targets != vocab.ignore_index, full_ent, torch.zeros_like(full_ent)))
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.vocab, ctx.chunk, ctx.entropy, ctx.widths = vocab, chunk, entropy, widths
+        ctx.mark_non_differentiable(lse)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        vocab: _Vocab = ctx.vocab
+        n = hidden.shape[0]
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float()
+        g_ent = g_ent.float() if (ctx.entropy and g_ent is not None) else None
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        w32 = weight if weight.dtype == torch.float32 else weight.float()
+        for lo in range(0, n, ctx.chunk):
+            hi = min(n, lo + ctx.chunk)
+            h = hidden[lo:hi]
+            x = _chunk_logits(h, weight, vocab)
+            e = ent[lo:hi] if ctx.entropy else None
+            if vocab.filtered:
+                _, _, _, keep = _filtered_chunk(x, targets[lo:hi], vocab, ctx.widths, False)
+                keep = _rank_slice(keep, vocab, x.shape[1])
+            else:
+                keep = None
+            gx = _local_grad_logits(
+                x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_ent[lo:hi] if g_ent is not None else None, vocab, keep
+            )
+            grad_h[lo:hi] = gx @ w32
+            grad_w.addmm_(gx.T, h if h.dtype == torch.float32 else h.float())
+            del x, gx
+        # every tp rank holds a partial sum over its columns; the hidden states are replicated
+        _all_reduce_sum(grad_h, vocab.group)
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None
+
+
+class _FusedNllLoss(torch.autograd.Function):
+    """``-sum(weights * logprobs)`` with the gradients formed in forward (weights known)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        weights: torch.Tensor,
+        vocab: _Vocab,
+        chunk: int,
+        need_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        w32 = weight if weight.dtype == torch.float32 else weight.float()
+        g = -weights.float()
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            h = hidden[lo:hi]
+            x = _chunk_logits(h, weight, vocab)
+            cols, here = _target_columns(targets[lo:hi], vocab, x.shape[1])
+            st, e = _stats(x, cols, here, False)
+            lse, picked, _ = _combine(st, vocab.group)  # per chunk: the gradient needs it now
+            valid = targets[lo:hi] != vocab.ignore_index
+            lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
+            if grad_h is not None and grad_w is not None:
+                p = e.mul_((st.m - lse).exp_().unsqueeze(1))  # softmax over the whole vocabulary
+                gx = _finish_grad(p, targets[lo:hi], g[lo:hi] * valid, vocab)
+                grad_h[lo:hi] = gx @ w32
+                grad_w.addmm_(gx.T, h if h.dtype == torch.float32 else h.float())
+                del p, gx
+            del x, e  # every name of this chunk's storage: the next chunk must not coexist with it
+        if grad_h is not None:
+            _all_reduce_sum(grad_h, vocab.group)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(lp)
+        return -(weights.float() * lp).sum(), lp
+
+    @staticmethod
+    def backward(ctx: Any, g_loss: torch.Tensor, _g_lp: torch.Tensor | None) -> tuple[Any, ...]:
+        grad_h, grad_w = ctx.saved_tensors
+        if not bool(g_loss == 1):  # loss.backward() passes 1: hand over what forward formed, no copy
+            grad_h, grad_w = grad_h * g_loss, grad_w * g_loss
+        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+
+
+def _vocab_of(
+    weight: torch.Tensor, group: dist.ProcessGroup | None, vocab_start: int | None
+) -> tuple[torch.Tensor, dist.ProcessGroup | None, int, int]:
+    """(local rows, tp group or None, first row, global rows) of an lm_head weight: a plain
+    tensor (with ``group`` for a vocab shard) or a DTensor sharded on dim 0."""
+    if isinstance(weight, DTensor):
+        placements = weight.placements
+        if any(isinstance(p, Shard) and p.dim != 0 for p in placements) or not all(
+            isinstance(p, (Shard, Replicate)) for p in placements
+        ):
+            raise ValueError(f"the lm_head weight must be sharded on the vocab dim (0) only, got {placements}")
+        size = weight.shape[0]
+        if not any(isinstance(p, Shard) for p in placements):
+            return weight.to_local(), None, 0, size
+        if weight.device_mesh.ndim != 1:
+            raise ValueError("a vocab-sharded lm_head weight must live on a 1-D (tp) mesh")
+        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
+        return weight.to_local(), weight.device_mesh.get_group(), offset[0], size
+    local_rows = weight.shape[0]
+    if group is None or dist.get_world_size(group) == 1:
+        return weight, None, 0, local_rows
+    widths = _widths(local_rows, group)
+    start = sum(widths[: dist.get_rank(group)]) if vocab_start is None else vocab_start
+    return weight, group, start, sum(widths)
+
+
+def _prepare(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    vocab_start: int | None,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    ignore_index: int,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Vocab, int]:
+    local_w, group, start, size = _vocab_of(weight, group, vocab_start)
+    if isinstance(hidden, DTensor):
+        if not all(isinstance(p, Replicate) for p in hidden.placements):
+            raise ValueError(f"hidden states must be replicated over tp, got {hidden.placements}")
+        hidden = hidden.to_local()
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape)} without the hidden dim"
+        )
+    if hidden.shape[-1] != local_w.shape[-1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match the lm_head weight {tuple(local_w.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    flat_t = targets.reshape(-1)
+    bad = (flat_t != ignore_index) & ((flat_t < 0) | (flat_t >= size))
+    if bool(bad.any()):
+        raise ValueError(
+            f"target {int(flat_t[bad][0])} is outside the vocabulary [0, {size}) and is not ignore_index={ignore_index}"
+        )
+    vocab = _Vocab(
+        group=group,
+        start=start,
+        size=size,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        ignore_index=ignore_index,
+    )
+    chunk = chunk_size or default_chunk(targets.numel(), local_w.shape[0], hidden.device)
+    return hidden.reshape(-1, hidden.shape[-1]), local_w, flat_t, vocab, chunk
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    ignore_index: int = -100,
+    entropy: bool = False,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) under ``softmax(hidden @ weight.T / temperature)`` without building the
+    logits: fp32 ``[...]`` for ``hidden [..., H]`` and ``targets [...]``, identical on every
+    tp rank. With ``entropy=True``: ``(logprobs, entropy)`` of each token's distribution.
+
+    ``weight``: the lm_head weight ``[V, H]``, or this rank's vocab rows of it -- a DTensor
+    sharded on dim 0 (its mesh gives the group and offset), or a plain shard with ``group``
+    (``vocab_start`` is derived from the shard sizes when omitted). ``hidden``: the same
+    tokens on every tp rank (a replicated DTensor is accepted).
+    ``top_k`` / ``top_p``: the distribution as a sampler saw it (temperature, then top-k, then
+    top-p; filtered-out targets get -inf). ``ignore_index`` targets give 0 (log-prob and
+    entropy) and no gradient;
+    any other target outside the vocabulary is an error.
+    Differentiable in ``hidden`` and ``weight`` (log-probs and entropy).
+    """
+    h, w, t, vocab, chunk = _prepare(
+        hidden,
+        weight,
+        targets,
+        group=group,
+        vocab_start=vocab_start,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+    )
+    lp, ent = _FusedLogprobs.apply(h, w, t, vocab, chunk, entropy)
+    if entropy:
+        return lp.reshape(targets.shape), ent.reshape(targets.shape)
+    return lp.reshape(targets.shape)
+
+
+def fused_nll_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-sum(weights * logprobs), logprobs)``: a training loss from hidden states and the
+    lm_head weight (same layouts as ``fused_logprobs``), with its gradients formed during
+    forward while each chunk's logits are in hand. The log-probs come back detached."""
+    h, w, t, vocab, chunk = _prepare(
+        hidden,
+        weight,
+        targets,
+        group=group,
+        vocab_start=vocab_start,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+    )
+    if weights.shape != targets.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} do not match targets {tuple(targets.shape)}")
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    loss, lp = _FusedNllLoss.apply(h, w, t, weights.reshape(-1), vocab, chunk, need_grad)
+    return loss, lp.reshape(targets.shape)

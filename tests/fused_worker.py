@@ -1,0 +1,120 @@
+"""Rank-side code of the fused evaluator tests (spawned by tests/distributed.py)."""
+
+from __future__ import annotations
+
+from .distributed import init_gloo
+
+
+def reference(h, w, targets, *, temperature=1.0, top_k=None, top_p=None, ignore_index=-100):
+    """fp64 log-probs and entropy from the full logits (filtered like a sampler)."""
+    import torch
+
+    x = (h.double() @ w.double().T) / temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if top_k is not None:
+        keep &= x >= x.topk(min(top_k, x.shape[-1]), -1).values[..., -1:]
+    if top_p is not None:
+        probs, order = x.masked_fill(~keep, float("-inf")).softmax(-1).sort(-1, descending=True)
+        kept = (probs.cumsum(-1) - probs) < top_p
+        kept[..., 0] = True
+        keep &= torch.zeros_like(keep).scatter(-1, order, kept)
+    ls = torch.log_softmax(x.masked_fill(~keep, float("-inf")), -1)
+    valid = targets != ignore_index
+    lp = torch.where(valid, ls.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    ent = torch.where(valid, -(ls.exp() * ls.masked_fill(~keep, 0.0)).sum(-1), 0.0)
+    return lp, ent
+
+
+def check_fused_cases(cases):
+    """Each case runs at tp in {1, 2, 4} on 4 ranks (tp=2: two groups of two): every rank
+    takes its (uneven) rows of the same lm_head weight; returns, per case and tp, the worst
+    forward / entropy / gradient errors against fp64 on the full logits, relative to scale."""
+    import torch
+    import torch.distributed as dist
+
+    from plancc.logprobs import fused_logprobs, fused_nll_loss
+
+    rank, world = init_gloo()
+    assert world == 4
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {1: (None, 0, 1), 2: (pairs[rank // 2], rank % 2, 2), 4: (dist.group.WORLD, rank, 4)}
+    out = []
+    try:
+        for case in cases:
+            gen = torch.Generator().manual_seed(case["seed"])
+            dtype = getattr(torch, case["dtype"])
+            n, hdim, vocab = case["n"], case["h"], case["v"]
+            h_full = torch.randn(n, hdim, generator=gen).to(dtype)
+            w_full = (torch.randn(vocab, hdim, generator=gen) * case.get("w_scale", 1.0)).to(dtype)
+            targets = torch.randint(0, vocab, (n,), generator=gen)
+            targets[:: max(2, n // 3)] = -100  # some ignored positions
+            g_lp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+            opts = case.get("opts", {})
+            ref_h = h_full.double().requires_grad_(True)
+            ref_w = w_full.double().requires_grad_(True)
+            ref_lp, ref_ent = reference(ref_h, ref_w, targets, **opts)
+            finite = torch.isfinite(ref_lp)
+            ((torch.where(finite, ref_lp, 0.0) * g_lp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
+            for tp in (1, 2, 4):
+                group, tp_rank, size = groups[tp]
+                bounds = _split(vocab, size, case["uneven"])
+                lo, hi = bounds[tp_rank], bounds[tp_rank + 1]
+                h = h_full.clone().requires_grad_(True)
+                w = w_full[lo:hi].clone().requires_grad_(True)
+                lp, ent = fused_logprobs(h, w, targets, group=group, entropy=True, chunk_size=case["chunk"], **opts)
+                ((torch.where(torch.isfinite(lp), lp, 0.0) * g_lp).sum() + (ent * g_ent).sum()).backward()
+                row = {"case": case["name"], "tp": tp, "dtype": case["dtype"]}
+                row |= _errors(lp, ent, h.grad, w.grad, ref_lp, ref_ent, ref_h.grad, ref_w.grad[lo:hi], dtype)
+                row["same_inf"] = bool((torch.isfinite(lp) == finite).all())
+                if not opts:  # the weighted loss with gradients formed in forward
+                    h2 = h_full.clone().requires_grad_(True)
+                    w2 = w_full[lo:hi].clone().requires_grad_(True)
+                    weights = torch.rand(n, generator=torch.Generator().manual_seed(1))
+                    loss, _ = fused_nll_loss(h2, w2, targets, weights, group=group, chunk_size=case["chunk"])
+                    loss.backward()
+                    rh = h_full.double().requires_grad_(True)
+                    rw = w_full.double().requires_grad_(True)
+                    want = -(reference(rh, rw, targets)[0] * weights.double()).sum()
+                    want.backward()
+                    row["loss"] = abs(loss.item() - want.item()) / max(1.0, abs(want.item()))
+                    row["loss_grad"] = max(_grad_error(h2.grad, rh.grad, dtype), _grad_error(w2.grad, rw.grad[lo:hi], dtype))
+                out.append(row)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _split(vocab, size, uneven):
+    """Row bounds of each rank's shard; uneven: the first rank gets about a third more."""
+    if size == 1:
+        return [0, vocab]
+    base = vocab // size
+    widths = [base] * size
+    if uneven:
+        widths[0] += base // 3
+        widths[-1] -= base // 3
+    widths[-1] += vocab - sum(widths)
+    return [0, *__import__("itertools").accumulate(widths)]
+
+
+def _grad_error(got, want, dtype):
+    """Worst gradient error relative to the gradient's scale, after allowing the rounding of
+    the fp64 reference to the parameter dtype (a bf16 gradient cannot be closer than that)."""
+    import torch
+
+    scale = max(1e-30, want.abs().max().item())
+    rounding = (want.to(dtype).double() - want).abs() if dtype != torch.float32 else torch.zeros_like(want)
+    return (((got.double() - want).abs() - rounding).clamp(min=0).max() / scale).item()
+
+
+def _errors(lp, ent, gh, gw, ref_lp, ref_ent, ref_gh, ref_gw, dtype):
+    import torch
+
+    finite = torch.isfinite(ref_lp) & torch.isfinite(lp)
+    scale = max(1.0, ref_lp[finite].abs().max().item())
+    return {
+        "lp": ((lp.double() - ref_lp)[finite].abs().max() / scale).item(),
+        "ent": ((ent.double() - ref_ent).abs().max() / max(1.0, ref_ent.abs().max().item())).item(),
+        "grad_h": _grad_error(gh, ref_gh, dtype),
+        "grad_w": _grad_error(gw, ref_gw, dtype),
+    }
