@@ -5,11 +5,13 @@ from __future__ import annotations
 from .distributed import init_gloo
 
 
-def reference(h, w, targets, *, temperature=1.0, top_k=None, top_p=None, ignore_index=-100):
-    """fp64 log-probs and entropy from the full logits (filtered like a sampler)."""
+def reference(h, w, targets, *, temperature=1.0, top_k=None, top_p=None, ignore_index=-100, dtype=None):
+    """fp64 log-probs and entropy from the full logits (filtered like a sampler); with
+    ``dtype=torch.float32`` the same computed naively in fp32 (the noise floor of fp32)."""
     import torch
 
-    x = (h.double() @ w.double().T) / temperature
+    dtype = dtype or torch.float64
+    x = (h.to(dtype) @ w.to(dtype).T) / temperature
     keep = torch.ones_like(x, dtype=torch.bool)
     if top_k is not None:
         keep &= x >= x.topk(min(top_k, x.shape[-1]), -1).values[..., -1:]

@@ -6,7 +6,7 @@ temperature and the sampler's top-k / top-p."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from plancc.logprobs import fused_logprobs, fused_nll_loss, vocab_parallel_logprobs
@@ -29,6 +29,8 @@ FORWARD_TOL, GRAD_TOL = 1e-6, 1e-5
     top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
     seed=st.integers(0, 2**16),
 )
+# two tokens share the mass after top-p: fp32's own gradient error here is 1.9e-5
+@example(n=5, hdim=8, vocab=42, dtype="float32", chunk=None, temperature=0.7, top_k=None, top_p=0.25, seed=52)
 def test_one_rank_matches_fp64_full_logits(n, hdim, vocab, dtype, chunk, temperature, top_k, top_p, seed):
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
@@ -50,8 +52,16 @@ def test_one_rank_matches_fp64_full_logits(n, hdim, vocab, dtype, chunk, tempera
     g = torch.randn(n, generator=gen)
     ((torch.where(torch.isfinite(lp), lp, 0.0) * g).sum() + ent.sum()).backward()
     ((torch.where(finite, ref_lp, 0.0) * g.double()).sum() + ref_ent.sum()).backward()
-    assert _grad_error(h.grad, ref_h.grad, dt) <= GRAD_TOL
-    assert _grad_error(w.grad, ref_w.grad, dt) <= GRAD_TOL
+    # Where the entropy's gradient -p (log p + H) nearly cancels (a few tokens sharing the
+    # mass), fp32 logits alone are off by more than 1e-5: the bound is then twice what the
+    # naive fp32 computation misses on the same example, measured here (never below 1e-5).
+    h32, w32 = h.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    n_lp, n_ent = reference(h32, w32, targets, dtype=torch.float32, **opts)
+    ((torch.where(torch.isfinite(n_lp), n_lp, 0.0) * g).sum() + n_ent.sum()).backward()
+    tol_h = max(GRAD_TOL, 2 * _grad_error(h32.grad, ref_h.grad, torch.float32))
+    tol_w = max(GRAD_TOL, 2 * _grad_error(w32.grad, ref_w.grad, torch.float32))
+    assert _grad_error(h.grad, ref_h.grad, dt) <= tol_h
+    assert _grad_error(w.grad, ref_w.grad, dt) <= tol_w
 
 
 @pytest.mark.slow
