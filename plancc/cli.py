@@ -66,12 +66,32 @@ ModelOpt = Annotated[
 
 # Launch options shared by `apply` and `logprobs`, spelled as torchrun spells them too.
 NprocOpt = Annotated[
-    int, typer.Option("--nproc-per-node", "--nproc_per_node", min=1, help="workers on this node (one per GPU)")
+    int | None,
+    typer.Option(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        min=1,
+        help="workers on this node (default: one per GPU on CUDA, 2 on CPU)",
+    ),
+]
+# --tp defaults to 1: the ranks --cp and --dp leave go to data parallelism (FSDP), as torchrun
+# users expect; a plan's tensor parallelism is asked for by size.
+TpOpt = Annotated[
+    int, typer.Option("--tp", min=1, help="tensor-parallel degree (default 1: the other ranks go to data parallelism)")
 ]
 NnodesOpt = Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX for elastic jobs")]
 NodeRankOpt = Annotated[int, typer.Option("--node-rank", "--node_rank", min=0, help="this node's rank (multi-node)")]
 RdzvEndpointOpt = Annotated[
     str | None, typer.Option("--rdzv-endpoint", "--rdzv_endpoint", help="HOST:PORT of the rendezvous (multi-node)")
+]
+MasterAddrOpt = Annotated[
+    str, typer.Option("--master-addr", "--master_addr", help="rank 0's host when no --rdzv-endpoint is given")
+]
+MasterPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--master-port", "--master_port", min=1, max=65535, help="rank 0's port: rendezvous at --master-addr:PORT"
+    ),
 ]
 RdzvIdOpt = Annotated[str | None, typer.Option("--rdzv-id", "--rdzv_id", help="job id shared by all nodes")]
 MaxRestartsOpt = Annotated[
@@ -94,7 +114,7 @@ def _exit_code(exc: PlanError) -> int:
     from .models import ModelSpecError
 
     usage = isinstance(exc, ModelSpecError) or any(
-        d.rule in ("file-not-found", "file-unreadable") for d in exc.diagnostics
+        d.rule in ("file-not-found", "file-unreadable", "usage") for d in exc.diagnostics
     )
     return EXIT_USAGE if usage else EXIT_PLAN
 
@@ -234,6 +254,21 @@ def explain(
     print(render(exp))
 
 
+@app.command()
+def plot(
+    metrics_file: Annotated[Path, typer.Argument(metavar="METRICS.jsonl", help="a file plancc apply --metrics wrote")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write")] = Path("metrics.png"),
+) -> None:
+    """Draw loss, gradient norm and throughput per step from a --metrics file."""
+    from .tools.plot import plot as draw
+
+    try:
+        steps = draw(metrics_file, out)
+    except PlanError as exc:
+        raise _fail(exc, Format.text) from None
+    print(f"plotted {steps} step{'s' if steps != 1 else ''} of {metrics_file} -> {out}")
+
+
 @app.command("import-hf")
 def import_hf_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="preset, HF model folder or config.json")],
@@ -317,26 +352,33 @@ def models(fmt: FormatOpt = Format.text) -> None:
 def apply(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     model: ModelOpt = None,
-    nproc_per_node: NprocOpt = 2,
+    nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = "1",
     node_rank: NodeRankOpt = 0,
     rdzv_endpoint: RdzvEndpointOpt = None,
     rdzv_id: RdzvIdOpt = None,
+    master_addr: MasterAddrOpt = "127.0.0.1",
+    master_port: MasterPortOpt = None,
     max_restarts: MaxRestartsOpt = 0,
-    tp: Annotated[int | None, typer.Option("--tp", min=1, help="tensor-parallel degree (default: all ranks)")] = None,
+    tp: TpOpt = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
     dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
-    steps: Annotated[int, typer.Option("--steps", min=0)] = 5,
+    steps: Annotated[int, typer.Option("--steps", min=0, help="optimizer steps to run")] = 5,
     data: Annotated[Path | None, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="global batch (split over dp)")] = 4,
-    seq_len: Annotated[int, typer.Option("--seq-len", min=2)] = 32,
-    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", min=1, help="global batch, split over dp (default: 4, or dp if larger)"),
+    ] = None,
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", min=2, help="tokens per synthetic sequence (without --data)")
+    ] = 32,
+    lr: Annotated[float, typer.Option("--lr", help="peak learning rate (AdamW, warmup then cosine)")] = 1e-3,
     schedule_steps: Annotated[
         int | None,
         typer.Option("--schedule-steps", min=1, help="LR schedule horizon (set it when a run will be resumed)"),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the initial weights and the synthetic data")] = 0,
     save: Annotated[Path | None, typer.Option("--save", help="DCP checkpoint directory")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="checkpoint directory to continue from")] = None,
     metrics: Annotated[
@@ -345,6 +387,19 @@ def apply(
             "--metrics",
             help="write one JSON line per step here (loss, grad norm, lr, tok/s, peak memory); a resumed run appends",
         ),
+    ] = None,
+    save_every: Annotated[
+        int | None,
+        typer.Option(
+            "--save-every", min=1, help="also checkpoint every N steps into --save (atomic; resume takes the newest)"
+        ),
+    ] = None,
+    keep: Annotated[
+        int | None, typer.Option("--keep", min=1, help="keep only the newest K checkpoints in --save")
+    ] = None,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option("--tensorboard", help="TensorBoard event files here (needs the tensorboard extra)"),
     ] = None,
     export_hf: Annotated[
         Path | None, typer.Option("--export-hf", help="write final weights with save_pretrained")
@@ -366,9 +421,12 @@ def apply(
     from .job.launch import LaunchOptions
     from .job.runner import RunConfig
 
+    nproc_per_node = _default_nproc(nproc_per_node, device)
     model, layout, report = _prelaunch(
         plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, seq_len=None if data else seq_len
     )
+    if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
+        batch_size = layout.dp * -(-4 // layout.dp)
     cfg = RunConfig(
         plan=str(plan_path),
         layout=layout,
@@ -389,17 +447,33 @@ def apply(
         param_dtype=param_dtype,
         json_output=fmt is Format.json,
         metrics=str(metrics) if metrics else None,
+        save_every=save_every,
+        keep=keep,
+        tensorboard=str(tensorboard) if tensorboard else None,
     )
     warnings = _preflight(cfg, report, fmt)
     opts = LaunchOptions(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
+        # torchrun's --master-addr/--master-port name the same meeting point as --rdzv-endpoint
+        rdzv_endpoint=rdzv_endpoint or (f"{master_addr}:{master_port}" if master_port else None),
         rdzv_id=rdzv_id,
         max_restarts=max_restarts,
     )
     _launch_and_report(opts, cfg, fmt, warnings)
+
+
+def _default_nproc(given: int | None, device: str | None) -> int:
+    """--nproc-per-node when not given: one worker per visible GPU (so a 1-GPU machine runs
+    the bare command), 2 on CPU (enough for a 2-rank mesh anywhere)."""
+    if given is not None:
+        return given
+    if device == "cpu":
+        return 2
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def _world_size(nnodes: str) -> int:
@@ -417,7 +491,7 @@ def _prelaunch(
     nnodes: str,
     dp: int | None,
     cp: int,
-    tp: int | None,
+    tp: int,
     sp: bool,
     fmt: Format,
     seq_len: int | None = None,
@@ -429,8 +503,6 @@ def _prelaunch(
     from .models import default_preset
 
     world = nproc_per_node * _world_size(nnodes)
-    if tp is None:  # all ranks not taken by cp/dp go to tensor parallelism
-        tp = world // (cp * (dp or 1)) if world % (cp * (dp or 1)) == 0 else 1
     try:
         layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
     except LayoutError as exc:
@@ -470,6 +542,8 @@ def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warning
     from .job.launch import launch
 
     outcome = launch(opts, cfg)
+    if outcome.interrupted:
+        _report_interruption(outcome.interrupted, outcome.result, cfg, fmt)
     if outcome.result is not None and outcome.result.get("diagnostics"):  # a worker stopped on a diagnosed problem
         _emit([Diagnostic.from_json(d) for d in outcome.result["diagnostics"]], fmt)
         raise typer.Exit(EXIT_PLAN)
@@ -515,21 +589,47 @@ def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warning
         print(json.dumps({**outcome.result, "diagnostics": [d.to_json() for d in warnings]}, indent=2))
 
 
+def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunConfig, fmt: Format) -> None:
+    """One line for a run stopped by Ctrl-C / SIGTERM: where it stopped and what is kept."""
+    import signal
+
+    from .job import checkpoint
+
+    info = (result or {}).get("interrupted") or {}
+    last = info.get("last_checkpoint")
+    if last is None and cfg.save:  # the workers could not say (stopped before reporting): look
+        try:
+            last = str(checkpoint.find(cfg.save))
+        except checkpoint.CheckpointError:
+            last = None
+    step = info.get("step")
+    where = f"at step {step}" if step is not None else "before the workers reported a step"
+    line = f"interrupted {where}; last checkpoint: {last or 'none'}"
+    if fmt is Format.json:
+        name = signal.Signals(signum).name
+        print(json.dumps({**(result or {}), "interrupted": {"signal": name, "step": step, "last_checkpoint": last}}))
+    else:
+        print(line, file=sys.stderr)
+    raise typer.Exit(128 + signum)
+
+
 @app.command()
 def logprobs(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     data: Annotated[Path, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]} per line')],
     model: ModelOpt = None,
-    nproc_per_node: NprocOpt = 2,
+    nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = "1",
     node_rank: NodeRankOpt = 0,
     rdzv_endpoint: RdzvEndpointOpt = None,
     rdzv_id: RdzvIdOpt = None,
+    master_addr: MasterAddrOpt = "127.0.0.1",
+    master_port: MasterPortOpt = None,
     max_restarts: MaxRestartsOpt = 0,
-    tp: Annotated[int | None, typer.Option("--tp", min=1)] = None,
-    cp: Annotated[int, typer.Option("--cp", min=1)] = 1,
-    dp: Annotated[int | None, typer.Option("--dp", min=1)] = None,
-    sp: Annotated[bool, typer.Option("--sp")] = False,
+    tp: TpOpt = 1,
+    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
+    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
+    sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
     out: Annotated[Path | None, typer.Option("--out", help='JSONL output: {"logprobs": [...]} per line')] = None,
     entropy: Annotated[
         bool, typer.Option("--entropy", help='also the entropy of each position\'s distribution: "entropy": [...]')
@@ -537,23 +637,26 @@ def logprobs(
     temperature: Annotated[
         float, typer.Option("--temperature", min=1e-6, help="log-probs under the sampler's temperature")
     ] = 1.0,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1)] = 4,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, help="sequences per forward pass on each dp rank")
+    ] = 4,
     pack: Annotated[
         bool,
         typer.Option("--pack", help="pack each batch's sequences into one row (documents never attend to each other)"),
     ] = False,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the initial weights and the synthetic data")] = 0,
     verify: Annotated[
         bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond 1e-5")
     ] = False,
-    device: Annotated[str | None, typer.Option("--device")] = None,
-    timeout: Annotated[int, typer.Option("--timeout", min=10)] = 300,
+    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
+    timeout: Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")] = 300,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Per-token log-probs of each input line from the parallelized model."""
     from .job.launch import LaunchOptions
     from .job.runner import RunConfig
 
+    nproc_per_node = _default_nproc(nproc_per_node, device)
     model, layout, report = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt)
     cfg = RunConfig(
         plan=str(plan_path),
@@ -577,15 +680,37 @@ def logprobs(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
+        # torchrun's --master-addr/--master-port name the same meeting point as --rdzv-endpoint
+        rdzv_endpoint=rdzv_endpoint or (f"{master_addr}:{master_port}" if master_port else None),
         rdzv_id=rdzv_id,
         max_restarts=max_restarts,
     )
     _launch_and_report(opts, cfg, fmt, warnings)
 
 
+class Interrupted(BaseException):
+    """Ctrl-C or SIGTERM outside a launched job (while checking a plan, before workers start):
+    a BaseException, so click does not turn it into "Aborted!" and exit 1."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
 def main() -> None:  # console-script entry point
-    app()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    try:
+        app()
+    except Interrupted as stop:  # nothing was launched yet: nothing to stop or report but the fact
+        print("interrupted before any worker started", file=sys.stderr)
+        sys.exit(128 + stop.signum)
 
 
 if __name__ == "__main__":

@@ -126,12 +126,17 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
 
 @contextmanager
 def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
-    """Raise one logger's threshold for the duration of a block, never process-wide: for
-    torch messages that a plancc diagnostic replaces or that an accepted cost repeats."""
-    logger = logging.getLogger(name)
-    before = logger.level
-    logger.setLevel(level)
+    """Raise one logger's threshold (and its descendants': torch sets a level on each module's
+    own logger, so the parent's alone does not hold them) for the duration of a block, never
+    process-wide: for torch messages that a plancc diagnostic replaces or that an accepted
+    cost repeats."""
+    names = [name] + [n for n in logging.Logger.manager.loggerDict if n.startswith(name + ".")]
+    loggers = [logging.getLogger(n) for n in names]
+    before = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(before)
+        for logger, old in zip(loggers, before, strict=True):
+            logger.setLevel(old)

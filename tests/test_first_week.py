@@ -59,3 +59,43 @@ def test_torchrun_spellings_and_a_version(cli):
 def test_a_metrics_file_that_cannot_be_written_is_refused_before_launch(cli, tmp_path):
     code, out, err = cli("apply", QWEN3, "--metrics", tmp_path / "no" / "such" / "m.jsonl")
     assert code == 1 and "--metrics names a file in" in err and "[output]" in err and "plancc apply:" not in out
+
+
+def test_plot_draws_a_metrics_file_and_places_a_broken_line(cli, tmp_path):
+    rows = [{"step": s, "loss": 5.5 - 0.1 * s, "grad_norm": 1.5, "lr": 1e-3, "tokens_per_s": 900.0 + s}
+            for s in range(1, 6)]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = cli("plot", metrics, "-o", tmp_path / "loss.png")
+    assert code == 0 and "plotted 5 steps" in out
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    metrics.write_text(json.dumps(rows[0]) + "\n" + '{"step": 2, "loss": \n')
+    code, _, err = cli("plot", metrics, "-o", tmp_path / "broken.png")
+    assert code == 1 and f"{metrics}:2:1: error:" in err and "[metrics-file]" in err
+    assert not (tmp_path / "broken.png").exists()
+
+
+@pytest.mark.parametrize("flag", ["--save-every", "--keep"])
+def test_periodic_checkpoint_flags_without_a_folder_are_refused_before_launch(cli, flag):
+    code, out, err = cli("apply", QWEN3, flag, 2)
+    assert code == 2 and f"{flag} 2 without --save" in err and "plancc apply:" not in out
+
+
+def test_a_glob_typo_leaves_the_summary_unresolved_not_zero_and_counts_read_right(cli, write_plan):
+    typo = write_plan(QWEN3.read_text().replace("model.layers.*.mlp.up_proj", "model.layer.*.mlp.up_proj"))
+    code, out, _ = cli("validate", typo)
+    assert code == 1 and "fsdp units, activation checkpointing: not resolved" in out and "fsdp units: 0" not in out
+    code, out, _ = cli("validate", typo, "--format", "json")
+    assert json.loads(out)["summary"]["fsdp_units"] is None
+    code, out, _ = cli("validate", QWEN3, "--model", "tiny-qwen3")
+    assert "   1 module\n" in out and " 1 modules" not in out
+
+
+def test_torchrun_master_port_names_the_rendezvous(cli, monkeypatch):
+    from plancc.job import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "launch", lambda opts, cfg: seen.setdefault("opts", opts) and 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # stopped right where the job would start
+        cli("apply", QWEN3, "--master_port", 29577, "--master-addr", "127.0.0.2", "--nnodes", 1)
+    assert seen["opts"].rdzv_endpoint == "127.0.0.2:29577"

@@ -437,3 +437,36 @@ def test_a_truncated_shard_is_named_before_launch(good, cli, tmp_path):
     code, out, err = cli("apply", QWEN3, "--resume", ck)
     assert code == 1 and "plancc apply:" not in out
     assert f"{shard}: error: checkpoint shard __1_0.distcp holds 1000 bytes" in err
+
+
+# --------------------------------------------------------------------------- long runs: Ctrl-C, SIGTERM
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_run_says_where_it_stopped_keeps_its_checkpoints_and_leaves_no_process(tmp_path, how):
+    """Ctrl-C reaches the launcher and every worker at once (the terminal signals the whole
+    process group); a scheduler's SIGTERM reaches the launcher alone. Either way: one line,
+    128 + the signal, the periodic checkpoints intact, nothing left running."""
+    ck = tmp_path / "ck"
+    launcher = subprocess.Popen([sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "100000",
+                                 "--save-every", "2", "--save", str(ck)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step    3/"):
+                break
+        if how == "ctrl-c":
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:
+            launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+        assert launcher.returncode == (130 if how == "ctrl-c" else 143), err
+        assert "Traceback" not in err + out
+        (said,) = [line for line in err.splitlines() if line.startswith("interrupted")]
+        step = int(said.split()[3].rstrip(";"))
+        assert step >= 3  # stopped at a step boundary after the one it was interrupted in
+        newest = checkpoint.find(ck)
+        assert said.endswith(f"last checkpoint: {newest}") and newest.name == f"step-{step - step % 2:06d}"
+        assert no_workers_within(10), leftover_workers()
+    finally:
+        launcher.kill()

@@ -258,13 +258,25 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, t
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_seed_and_layout_give_bitwise_equal_losses(tmp_path, fp32_run):
-    metrics = tmp_path / "metrics.jsonl"
-    runs = [fp32_run, plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json", "--metrics", metrics)]
+    """Bitwise-equal losses also while the second run writes metrics, TensorBoard events and a
+    checkpoint every step (keeping the newest two): none of that perturbs training."""
+    metrics, board, ck = tmp_path / "metrics.jsonl", tmp_path / "tb", tmp_path / "ck"
+    runs = [fp32_run, plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json",
+                                 "--metrics", metrics, "--tensorboard", board,
+                                 "--save", ck, "--save-every", 1, "--keep", 2)]
     assert all(code == 0 for code, _, _ in runs), runs[0][2]
     histories = [json.loads(out)["history"] for _, out, _ in runs]  # stdout is one JSON document
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]  # --metrics: a line per step
     assert [{k: r[k] for k in histories[1][0]} for r in rows] == histories[1]
     assert all(r["peak_memory_bytes"] > 0 and r["elapsed_s"] > 0 for r in rows)
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-000002", "step-000003"]
+    assert (ck / "latest").read_text().strip() == "step-000003"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(board)).Reload()
+    scalars = events.Scalars("train/loss")
+    assert [e.step for e in scalars] == [r["step"] for r in rows]
+    assert [e.value for e in scalars] == pytest.approx([r["loss"] for r in rows])  # stored as fp32
     assert all("plancc apply:" in err for _, _, err in runs)  # the log went to stderr
     assert [h["loss"] for h in histories[0]] == [h["loss"] for h in histories[1]]  # exact, not approx
     assert [h["grad_norm"] for h in histories[0]] == [h["grad_norm"] for h in histories[1]]

@@ -8,6 +8,9 @@ Layout of a checkpoint directory::
     DIR/latest            the name of the newest complete step directory
     DIR/.lock             held by the run that saves into DIR (a second one is refused)
 
+``--save-every N`` writes a step every N steps; ``--keep K`` then removes all but the newest K
+(``prune``), never the one ``latest`` names.
+
 A step is written into ``DIR/.partial-step-000005-<token>`` and moved into place only after
 every rank has finished writing and plancc.json is on disk. Re-saving a step that exists
 moves the old one aside (``.replaced-...``) before the new one is moved in, and deletes it
@@ -187,7 +190,7 @@ def _remove_leftovers(root: Path, keep: Path | None) -> None:
             entry.is_dir()
             and not entry.is_symlink()
             and entry != keep
-            and entry.name.startswith((".partial-step-", ".replaced-step-"))
+            and entry.name.startswith((".partial-step-", ".replaced-step-", ".removing-step-"))
         ):
             shutil.rmtree(entry, ignore_errors=True)
 
@@ -229,6 +232,26 @@ def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
             shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def prune(root: str | Path, *, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete steps (``--keep``); returns what went.
+    Rank 0, while holding the folder's lock, after a newer step is published. The step
+    ``latest`` names is never removed; each old step is renamed out of the step namespace
+    first (one atomic rename), so a crash mid-removal leaves no half step that ``find``
+    could take for a checkpoint."""
+    root = Path(root)
+    steps = [p for p in _candidates(root) if _STEP_NAME.match(p.name)]  # newest first
+    latest = _latest_target(root)
+    removed = []
+    for old in steps[keep:]:
+        if latest is not None and old == latest:
+            continue
+        doomed = root / f".removing-{old.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(old)
+    return removed
 
 
 def _wrapped(exc: BaseException) -> list[BaseException]:

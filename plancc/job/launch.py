@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import signal
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.api import PContext
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
@@ -41,6 +42,7 @@ class LaunchResult:
     result: dict[str, Any] | None
     failures: dict[int, str]  # global rank -> error message
     first_failed: int | None = None  # the rank that failed first: the root cause
+    interrupted: int = 0  # SIGINT / SIGTERM that stopped the job (the workers stop at a step boundary)
 
 
 def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
@@ -89,6 +91,8 @@ def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
         args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
         failures: dict[int, str] = {}
         first = None
+        interrupted = 0
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             # the agent logs each failed worker at ERROR; the CLI names the failure itself
             with quiet_logger("torch.distributed.elastic", logging.CRITICAL), _prompt_shutdown(SHUTDOWN_TIMEOUT_S):
@@ -99,8 +103,20 @@ def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
                 failures[rank] = _failure_message(failure)
                 seen.append(RankFailure(rank, failures[rank], failure.exitcode, failure.timestamp))
             first = root_cause(seen)
+        except SignalException as exc:  # the agent stopped the workers (with the same signal) and re-raised
+            interrupted = int(exc.sigval)
+        finally:  # the agent's process context installed its own handlers: the caller's come back
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
         result = json.loads(Path(result_path).read_text()) if Path(result_path).is_file() else None
-    return LaunchResult(ok=not failures, result=result, failures=failures, first_failed=first)
+    return LaunchResult(
+        ok=not failures and not interrupted,
+        result=result,
+        failures=failures,
+        first_failed=first,
+        interrupted=interrupted,
+    )
 
 
 @dataclass(frozen=True, slots=True)

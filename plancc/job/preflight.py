@@ -10,6 +10,7 @@ checkpoint folder to save into (writable, not held by another run) and the expor
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -67,6 +68,23 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "--device",
                 "--device cuda, but torch sees no CUDA device on this machine",
                 "pass --device cpu (gloo), or run on a GPU machine with the CUDA build of torch",
+            )
+        )
+    for flag, value in (("--save-every", cfg.save_every), ("--keep", cfg.keep)):
+        if value is not None and not cfg.save:
+            found.append(
+                problem(
+                    flag,
+                    f"{flag} {value} without --save: there is no folder to keep checkpoints in",
+                    f"add --save DIR, or drop {flag}",
+                )
+            )
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter writes with it
+        found.append(
+            problem(
+                "--tensorboard",
+                "--tensorboard needs the tensorboard package, which is not installed",
+                "pip install 'plancc[tensorboard]' (or pip install tensorboard), or use --metrics",
             )
         )
     return found

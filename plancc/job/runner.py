@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -88,6 +89,9 @@ class RunConfig:
     timeout_s: int = 300  # collectives time out instead of hanging a job
     json_output: bool = False  # --format json: the CLI prints one JSON document on stdout
     metrics: str | None = None  # train: one JSON line per step (rank 0), appended when resuming
+    save_every: int | None = None  # train: a checkpoint every N steps as well as at the end
+    keep: int | None = None  # train: keep the newest K checkpoints in --save (default: all)
+    tensorboard: str | None = None  # train: TensorBoard event files (rank 0)
 
     @property
     def log_to_stderr(self) -> bool:
@@ -118,6 +122,31 @@ def log(msg: str) -> None:
 # Where rank 0's log lines go: stdout for people, stderr when stdout carries data (JSON output,
 # or log-probs written to stdout). Set once by main().
 _LOG_STREAM = [sys.stdout]
+
+
+class _StopRequest:
+    """SIGINT / SIGTERM ask the run to stop at the next step boundary instead of killing it
+    mid-step (no traceback, no half-written checkpoint). Ctrl-C reaches every worker at
+    once, and the launcher forwards the signal again; every signal only sets the flag, and
+    the launcher's shutdown grace (SIGKILL after it) bounds how long a stuck worker lingers.
+    Ranks agree on stopping through a one-integer all-reduce per step, so all stop together."""
+
+    signum = 0
+
+    @classmethod
+    def install(cls) -> None:
+        def request(signum: int, _frame: Any) -> None:
+            cls.signum = cls.signum or signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, request)
+
+    @classmethod
+    def agreed(cls, device: str) -> int:
+        """The signal any rank received (0: none), the same on every rank (a collective)."""
+        flag = torch.tensor([cls.signum], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
 
 class _Progress:
@@ -243,10 +272,17 @@ def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
 class _MetricsFile:
     """``--metrics FILE.jsonl``: rank 0 writes one JSON line per step (the numbers the
     progress line shows, plus this rank's peak memory and the time since the run started),
-    flushed at once so a killed run keeps every finished step. A resumed run appends."""
+    flushed at once so a killed run keeps every finished step. A resumed run appends.
+    ``--tensorboard DIR``: the same numbers as TensorBoard scalars (``train/loss``, ...)."""
 
-    def __init__(self, path: str | None, *, resumed: bool, device: str):
-        self.file = open(path, "a" if resumed else "w") if path and dist.get_rank() == 0 else None  # noqa: SIM115
+    def __init__(self, path: str | None, *, resumed: bool, device: str, tensorboard: str | None = None):
+        rank0 = dist.get_rank() == 0
+        self.file = open(path, "a" if resumed else "w") if path and rank0 else None  # noqa: SIM115
+        self.board: Any = None
+        if tensorboard and rank0:
+            from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked before launch
+
+            self.board = SummaryWriter(log_dir=tensorboard)
         self.device = device
         self.started = time.perf_counter()
 
@@ -256,11 +292,23 @@ class _MetricsFile:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     def write(self, row: dict[str, float]) -> None:
-        if self.file is None:
+        if self.file is None and self.board is None:
             return
         line = {**row, "peak_memory_bytes": self.peak_memory(), "elapsed_s": time.perf_counter() - self.started}
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+        if self.board is not None:
+            for key, value in line.items():
+                if key != "step":
+                    self.board.add_scalar(f"train/{key}", value, global_step=int(row["step"]))
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.board is not None:
+            self.board.close()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -271,6 +319,10 @@ class _Trainer:
     job: _Job
     model: nn.Module
     start: int = 0
+    done: int = 0  # the global step after the last finished step
+    interrupted: int = 0  # the signal that stopped the run early, or 0
+    last_checkpoint: int = -1  # the step of the newest checkpoint this run wrote
+    last_checkpoint_path: str | None = None
     optimizer: torch.optim.Optimizer = field(init=False)
     schedule: torch.optim.lr_scheduler.LambdaLR = field(init=False)
 
@@ -286,7 +338,7 @@ class _Trainer:
                 architecture=architecture_of(self.job.config),
                 plan=self.job.plan.name,
             )
-            self.start = info.step
+            self.start = self.done = info.step
             log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp})")
         for group in self.optimizer.param_groups:  # the base LR is configuration, not checkpointed state
             group["initial_lr"] = self.cfg.lr
@@ -331,33 +383,55 @@ class _Trainer:
         mine = batch_slice(self.job.mesh, self.cfg.batch_size)
         device, history = self.job.device, []
         progress = _Progress(self.cfg.steps)
-        metrics = _MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device)
+        metrics = _MetricsFile(
+            self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard
+        )
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.cfg.steps)
-        for step, (ids, mask) in enumerate(batches, start=self.start):
-            row = self.step(step, ids[mine].to(device), mask[mine].to(device))
-            history.append(row)
-            metrics.write(row)
-            progress.step(
-                f"step {step + 1:>4}/{self.total}  loss {row['loss']:.6f}  "
-                f"grad_norm {row['grad_norm']:.4f}  lr {row['lr']:.2e}  tok/s {row['tokens_per_s']:,.0f}"
-            )
-        progress.close()
+        try:
+            for step, (ids, mask) in enumerate(batches, start=self.start):
+                self.interrupted = _StopRequest.agreed(device)
+                if self.interrupted:
+                    break
+                row = self.step(step, ids[mine].to(device), mask[mine].to(device))
+                self.done = step + 1
+                history.append(row)
+                metrics.write(row)
+                progress.step(
+                    f"step {step + 1:>4}/{self.total}  loss {row['loss']:.6f}  "
+                    f"grad_norm {row['grad_norm']:.4f}  lr {row['lr']:.2e}  tok/s {row['tokens_per_s']:,.0f}"
+                )
+                every = self.cfg.save_every
+                if every and self.done % every == 0 and self.done < self.total:
+                    self.save_checkpoint()
+        finally:
+            progress.close()
+            metrics.close()
         return history
 
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the steps done so far into --save (atomic), then the oldest beyond
+        --keep removed. Collective."""
+        if not self.cfg.save or self.last_checkpoint == self.done:
+            return
+        layout = self.job.layout
+        info = checkpoint.CheckpointInfo(
+            step=self.done,
+            architecture=architecture_of(self.job.config),
+            model_signature=checkpoint.model_signature(self.model),
+            plan=self.job.plan.name,
+            dp=layout.dp,
+            cp=layout.cp,
+            tp=layout.tp,
+            parameters=checkpoint.parameter_shapes(self.model),
+        )
+        path = checkpoint.save(self.cfg.save, self.model, self.optimizer, info)
+        self.last_checkpoint, self.last_checkpoint_path = self.done, str(path)
+        if self.cfg.keep and dist.get_rank() == 0:
+            checkpoint.prune(self.cfg.save, keep=self.cfg.keep)
+        log(f"saved checkpoint {path}")
+
     def save(self) -> None:
-        if self.cfg.save:
-            layout = self.job.layout
-            info = checkpoint.CheckpointInfo(
-                step=self.total,
-                architecture=architecture_of(self.job.config),
-                model_signature=checkpoint.model_signature(self.model),
-                plan=self.job.plan.name,
-                dp=layout.dp,
-                cp=layout.cp,
-                tp=layout.tp,
-                parameters=checkpoint.parameter_shapes(self.model),
-            )
-            log(f"saved checkpoint {checkpoint.save(self.cfg.save, self.model, self.optimizer, info)}")
+        self.save_checkpoint()
         if self.cfg.export_hf:
             export_hf(
                 self.model,
@@ -425,22 +499,41 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     history = trainer.run()
     elapsed = time.perf_counter() - t_start
-    trainer.save()
+    if not trainer.interrupted:  # a stop request ends the run now: the periodic checkpoints stand
+        trainer.save()
     if lock is not None:
         lock.release()
-    summary = {
-        "steps": cfg.steps,
+    summary: dict[str, Any] = {
+        "steps": len(history),
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
         "seconds": elapsed,
         "history": history,
     }
+    if trainer.interrupted:
+        summary["interrupted"] = {
+            "signal": signal.Signals(trainer.interrupted).name,
+            "step": trainer.done,
+            "last_checkpoint": trainer.last_checkpoint_path or _newest_checkpoint(cfg.save),
+        }
+        return summary
+    steps = f"{len(history)} step{'' if len(history) == 1 else 's'}"
     log(
-        f"summary: {cfg.steps} steps in {elapsed:.1f}s, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
+        f"summary: {steps} in {elapsed:.1f}s, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
         if history
         else "summary: no steps"
     )
     return summary
+
+
+def _newest_checkpoint(folder: str | None) -> str | None:
+    """The newest complete checkpoint in --save (an earlier run's), if any."""
+    if not folder:
+        return None
+    try:
+        return str(checkpoint.find(folder))
+    except checkpoint.CheckpointError:
+        return None
 
 
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
@@ -649,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = RunConfig.from_json(args.config)
     _LOG_STREAM[0] = sys.stderr if cfg.log_to_stderr else sys.stdout
+    _StopRequest.install()
     launcher = _LauncherWatch(args.result).start()
 
     @record

@@ -1,0 +1,88 @@
+"""``plancc plot``: the loss curve, gradient norm and throughput of a ``--metrics`` file, as a
+PNG (matplotlib, an optional extra: ``pip install 'plancc[plot]'``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from ..errors import Diagnostic, PlanError, SourceLoc
+
+PANELS = (("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens / s"))
+
+
+def _problem(path: Path, line: int, message: str, fix: str, rule: str = "metrics-file") -> PlanError:
+    return PlanError(
+        [
+            Diagnostic(
+                rule=rule, loc=SourceLoc(path=str(path), line=line, column=1 if line else 0), message=message, fix=fix
+            )
+        ]
+    )
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """The rows of a ``--metrics`` JSONL file; a line that is not one is an error at its line."""
+    if not path.is_file():
+        raise _problem(path, 0, "no such metrics file", "pass the file plancc apply --metrics wrote", "file-not-found")
+    rows = []
+    with path.open(errors="replace") as f:
+        for number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise _problem(
+                    path, number, f"not a JSON line: {exc.msg}", "pass a file written by --metrics"
+                ) from None
+            if (
+                not isinstance(row, dict)
+                or not isinstance(row.get("step"), int)
+                or not isinstance(row.get("loss"), int | float)
+            ):
+                raise _problem(
+                    path,
+                    number,
+                    'a metrics line needs "step" (an integer) and "loss" (a number)',
+                    "pass a file written by --metrics",
+                )
+            rows.append(row)
+    if not rows:
+        raise _problem(path, 0, "the metrics file has no steps", "plot after at least one step has finished")
+    return rows
+
+
+def plot(path: Path, out: Path) -> int:
+    """Draw the panels into ``out``; returns the number of steps drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="usage",
+                    loc=SourceLoc(path="plot"),
+                    message="plancc plot needs matplotlib, which is not installed",
+                    fix="pip install 'plancc[plot]' (or pip install matplotlib)",
+                )
+            ]
+        )
+    rows = read_metrics(path)
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 8), sharex=True)
+    for ax, (key, label) in zip(axes, PANELS, strict=True):
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(path.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return len(rows)
