@@ -66,9 +66,9 @@ def tiny_checkpoint(tmp_path_factory):
     of steps 3 and 4 resumed from it: the reference the checkpoint tests compare with. Shared
     by every test that needs one (each works on its own copy), as saving costs a launch."""
     root = tmp_path_factory.mktemp("tiny-checkpoint")
-    code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
+    code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--tp", 2, "--save", root / "ck")
     assert code == 0, err
-    code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
+    code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--tp", 2, "--resume", root / "ck")
     assert code == 0, err
     assert "resumed from step 2" in out
     return root / "ck", step_losses(out)
@@ -76,6 +76,6 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fp32_run():
-    """`plancc apply --steps 3 --format json` on the tiny Qwen3 (the defaults: tp=2, fp32, seed 0):
-    (exit code, stdout, stderr). The baseline the determinism and mixed-precision tests share."""
-    return run_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--format", "json")
+    """`plancc apply --steps 3 --tp 2 --format json` on the tiny Qwen3 (fp32, seed 0): (exit code,
+    stdout, stderr). The baseline the determinism and mixed-precision tests share."""
+    return run_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json")

@@ -27,7 +27,9 @@ def rules_and_lines(path):
 
 
 CASES = {
-    "yaml-syntax": ("plancc: 1\nname: [unclosed\narchitectures: []\n", "yaml-syntax", 3),
+    "yaml-syntax": ("plancc: 1\nname: [unclosed\narchitectures: []\n", "yaml-syntax", 2),  # at the '[', not
+    # where the parser gave up
+    "unclosed-quote": ('plancc: 1\nname: "unclosed\narchitectures: []\n', "yaml-syntax", 2),
     "bad-indent": ("plancc: 1\nname: x\n  architectures: [A]\n", "yaml-syntax", 3),
     "empty": ("", "empty-plan", 1),
     "comment-only": ("# nothing here\n", "empty-plan", 1),
@@ -126,4 +128,4 @@ def test_real_entry_point_prints_no_traceback(write_plan):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert f"{path}:3:" in proc.stderr
+    assert f"{path}:2:7:" in proc.stderr  # at the unclosed "["

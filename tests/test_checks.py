@@ -131,8 +131,9 @@ def test_shipped_plans_validate_on_their_default_models(cli):
     (dict(tp=2, seq_len=33, sequence_parallel=True), 1),
 ])
 def test_sequence_length_off_the_multiple_reports_the_pad(kwargs, pad):
-    diags = [d for d in check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs) if d.rule == "context-parallel"]
+    diags = [d for d in check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs) if d.rule == "sequence-length"]
     assert len(diags) == 1 and f"padded by {pad}" in diags[0].message
+    assert diags[0].loc.line == 0  # a command-line value, not a line of the plan
     assert check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **{**kwargs, "seq_len": kwargs["seq_len"] + pad}) == []
 
 

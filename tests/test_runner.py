@@ -26,10 +26,10 @@ def losses(stdout):
     return [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
-def test_apply_with_no_flags_trains_a_tiny_qwen3_on_two_processes():
+def test_apply_with_no_flags_trains_a_tiny_qwen3_data_parallel_on_two_processes():
     code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml")
     assert code == 0, err
-    assert "dp=1 cp=1 tp=2" in out and "tiny-qwen3" in out
+    assert "dp=2 cp=1 tp=1" in out and "tiny-qwen3" in out  # torchrun's default: data parallelism
     assert len(losses(out)) == 5 and "summary:" in out
 
 
@@ -60,8 +60,8 @@ def test_broken_plan_fails_validation_before_any_process_starts(tmp_path):
 
 
 def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(tmp_path):
-    common = ["--steps", 3, "--schedule-steps", 6]
-    code, straight, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 6)
+    common = ["--steps", 3, "--schedule-steps", 6, "--tp", 2]
+    code, straight, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2)
     assert code == 0, err
     code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", *common, "--save", tmp_path / "ck")
     assert code == 0, err
@@ -143,7 +143,7 @@ def test_bf16_mixed_precision_tracks_the_fp32_run(fp32_run):
     code, out, err = fp32_run
     assert code == 0, err
     fp32 = [h["loss"] for h in json.loads(out)["history"]]
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--param-dtype", "bfloat16",
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--param-dtype", "bfloat16",
                                 "--format", "json")
     assert code == 0, err
     bf16 = [h["loss"] for h in json.loads(out)["history"]]

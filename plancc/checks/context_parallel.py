@@ -1,5 +1,5 @@
-"""context-parallel: sequence lengths that shard evenly, and combinations the CP attention
-does not support.
+"""context-parallel: combinations the CP attention does not support; sequence-length:
+sequence lengths that shard evenly over cp (and tp under sequence parallelism).
 
 Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
 length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..errors import SourceLoc
 from .context import CheckContext, Problem, text_config
 from .example import Example
 
 ID = "context-parallel"
+IDS = ("context-parallel", "sequence-length")
 
 
 EXAMPLES = (
@@ -40,7 +42,8 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             w for w in [f"2*cp={2 * cp}" if cp > 1 else "", f"tp={tp} (sequence parallel)" if sp else ""] if w
         )
         yield Problem(
-            loc=ctx.plan.loc,
+            rule="sequence-length",
+            loc=SourceLoc(path=ctx.plan.path),  # a command-line value: the plan as a whole, no line of it
             message=f"sequence length {seq} is not a multiple of {multiple} ({why}); it would be padded by {pad} "
             f"to {seq + pad}",
             fix=f"use --seq-len {seq + pad} (or pad with plancc.cp.pad_to_multiple)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..errors import SourceLoc
 from .context import CheckContext, Problem
 from .example import Example
 
@@ -33,4 +34,7 @@ EXAMPLES = (
 
 def check(ctx: CheckContext) -> Iterator[Problem]:
     for problem in ctx.layout_problems:
-        yield Problem(loc=ctx.plan.loc, message=problem.message, fix=problem.fix, severity=problem.severity)
+        # the sizes come from the command line: the plan as a whole, no line of it
+        yield Problem(
+            loc=SourceLoc(path=ctx.plan.path), message=problem.message, fix=problem.fix, severity=problem.severity
+        )

@@ -69,10 +69,11 @@ class ValidationReport:
             "tp": self.tp,
             "sequence_parallel": self.sequence_parallel,
             "rules": self.rule_rows(),
-            "fsdp_units": len(self.resolved[0].fsdp_units) if self.resolved else 0,
+            # None when the globs could not be bound (a typo): a count of 0 would read as "no units"
+            "fsdp_units": len(self.resolved[0].fsdp_units) if self.resolved else None,
             "fsdp_reshard_after_forward": self.plan.fsdp_reshard_after_forward,
-            "activation_checkpointing": len(self.resolved[0].activation_checkpointing) if self.resolved else 0,
-            "selective_checkpointing": len(self.resolved[0].checkpoint_saves) if self.resolved else 0,
+            "activation_checkpointing": len(self.resolved[0].activation_checkpointing) if self.resolved else None,
+            "selective_checkpointing": len(self.resolved[0].checkpoint_saves) if self.resolved else None,
             "errors": errors,
             "warnings": len(self.diagnostics) - errors,
         }
@@ -91,13 +92,17 @@ class ValidationReport:
                 if r["section"] != section:
                     section = r["section"]
                     lines.append(f"  {section}:")
-                lines.append(f"    {r['pattern']:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} modules")
+                plural = "" if r["matched"] == 1 else "s"
+                lines.append(f"    {r['pattern']:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} module{plural}")
         kept = "" if s["fsdp_reshard_after_forward"] else " (kept gathered from forward to backward)"
         selective = f" ({s['selective_checkpointing']} selective)" if s["selective_checkpointing"] else ""
-        lines.append(
-            f"  fsdp units: {s['fsdp_units']}{kept}   "
-            f"activation checkpointing: {s['activation_checkpointing']}{selective}"
-        )
+        if s["fsdp_units"] is None:
+            lines.append("  fsdp units, activation checkpointing: not resolved (the plan's globs have errors)")
+        else:
+            lines.append(
+                f"  fsdp units: {s['fsdp_units']}{kept}   "
+                f"activation checkpointing: {s['activation_checkpointing']}{selective}"
+            )
         verdict = "FAILED" if s["errors"] else "ok"
         lines.append(f"{verdict}: {s['errors']} error(s), {s['warnings']} warning(s)")
         return "\n".join(lines)

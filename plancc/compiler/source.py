@@ -157,6 +157,14 @@ class _Walker:
 def _syntax_error(path: str, exc: Exception, text: str = "") -> Diagnostic:
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context, opened = getattr(exc, "context", None) or "", getattr(exc, "context_mark", None)
+    if opened and context.startswith(("while parsing a flow", "while scanning a quoted")) and mark:
+        # an unclosed '[', '{' or quote: the parser gives up far below (often lines later);
+        # the place to fix is where the collection or string was opened
+        gave_up = f"{mark.line + 1}:{mark.column + 1}"
+        what = context.removeprefix("while parsing a ").removeprefix("while scanning a ")
+        problem = f"this {what} is never closed ({problem} at {gave_up})"
+        mark = opened
     if mark:
         loc = _loc(path, mark)
     elif isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow

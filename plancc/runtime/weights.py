@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
-from ..errors import Diagnostic, PlanError, SourceLoc
+from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
 from ..models import build_model
 from .hf_folder import check_folder, has_weights, read_folder
 
@@ -178,14 +180,18 @@ def export_hf(
     problems = check_export_target(folder, source)
     if problems:
         raise PlanError(problems)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning per
+    # tensor on every rank: an accepted cost of a one-off export, not news for the user
+    with quiet_logger("torch.distributed.tensor"):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         target = Path(folder)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".partial-{target.name}-", dir=target.parent))
         plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
         plain.load_state_dict(state, strict=False)
-        plain.save_pretrained(str(partial))
+        with _no_progress_bars():  # the CLI says what was exported, in one line
+            plain.save_pretrained(str(partial))
         _copy_companions(source, partial)
         aside = target.parent / f".replaced-{partial.name}" if target.exists() else None
         if aside is not None:
@@ -194,6 +200,19 @@ def export_hf(
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
     dist.barrier()
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _copy_companions(source: str | Path | None, destination: Path) -> None:
