@@ -168,6 +168,7 @@ def validate(
                 tp=tp,
                 sequence_parallel=sp,
                 seq_len=seq_len,
+                skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
             )
         except PlanError as exc:
             diagnostics += exc.diagnostics
@@ -239,7 +240,7 @@ def explain(
     from .tools.explain import render
 
     try:
-        report = validate_plan(plan_path, model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
+        report = validate_plan(plan_path, model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, skeleton=False)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or report.meta_model is None:

@@ -62,13 +62,13 @@ def step_losses(stdout: str) -> list[float]:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    """A checkpoint of the tiny Qwen3 saved by `plancc apply` at step 2 (tp=2), and the losses
+    """A checkpoint of the tiny Qwen3 saved by `plancc apply` at step 2 (the default layout: dp=2), and the losses
     of steps 3 and 4 resumed from it: the reference the checkpoint tests compare with. Shared
     by every test that needs one (each works on its own copy), as saving costs a launch."""
     root = tmp_path_factory.mktemp("tiny-checkpoint")
-    code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--tp", 2, "--save", root / "ck")
+    code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
     assert code == 0, err
-    code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--tp", 2, "--resume", root / "ck")
+    code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
     assert code == 0, err
     assert "resumed from step 2" in out
     return root / "ck", step_losses(out)

@@ -19,7 +19,7 @@ from .conftest import ROOT
 
 PACKAGE = ROOT / "plancc"
 FRONT_END = [*sorted((PACKAGE / "compiler").glob("*.py")), *sorted((PACKAGE / "checks").glob("*.py")),
-             PACKAGE / "layout.py", PACKAGE / "models.py", PACKAGE / "errors.py"]
+             PACKAGE / "skeleton.py", PACKAGE / "layout.py", PACKAGE / "models.py", PACKAGE / "errors.py"]
 # DTensor placements and torch's ParallelStyle classes: plain values and objects whose
 # construction touches no process group. Everything else under torch.distributed does.
 ALLOWED_DISTRIBUTED = {"torch.distributed.tensor", "torch.distributed.tensor.parallel"}

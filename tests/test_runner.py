@@ -54,7 +54,7 @@ def test_apply_through_an_explicit_c10d_rendezvous_endpoint():
 def test_broken_plan_fails_validation_before_any_process_starts(tmp_path):
     broken = tmp_path / "no-o-proj.yaml"
     broken.write_text((PLANS / "qwen3.yaml").read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", ""))
-    code, out, err = plancc_cli("apply", broken, "--nproc-per-node", 2)
+    code, out, err = plancc_cli("apply", broken, "--nproc-per-node", 2, "--tp", 2)
     assert code == 1
     assert "[layout-pairing]" in err and "plancc apply:" not in out  # no worker ever printed
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
-from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, Rule
 from ..compiler.resolve import ResolvedPlan
 from ..compiler.styles import Layouts, ModuleKind, built_style, layouts_of, module_kind
 from ..errors import Diagnostic, Severity, SourceLoc
 from ..layout import Layout
+
+if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
 from ..compiler.resolve import ResolvedPlan, resolve_sections
@@ -41,6 +40,9 @@ RULES: tuple[ModuleType, ...] = (
     context_parallel,
     fsdp_units,
 )
+
+if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan
+    from transformers import PretrainedConfig
 
 
 def rule_ids(rule: ModuleType) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from ..compiler.resolve import ResolvedPlan, resolve_sections
 from ..errors import Diagnostic
 from ..layout import Layout
 from ..models import ModelSpecError, architecture_of, build_meta_model, default_preset, load_config
+from ..skeleton import load_skeleton
 from .engine import check_plan
 
 
@@ -137,14 +138,24 @@ def validate_plan(
     tp: int = 1,
     sequence_parallel: bool = False,
     seq_len: int | None = None,
+    skeleton: bool = True,
 ) -> ValidationReport:
     """Everything ``plancc validate`` reports: schema, globs and every model-aware check at
     ``layout`` (or at the sizes given). Raises ``PlanError`` when the plan file itself cannot
-    be read or is not a valid plan, ``ModelSpecError`` when ``model`` names nothing."""
+    be read or is not a valid plan, ``ModelSpecError`` when ``model`` names nothing.
+
+    A built-in preset is checked on its shipped skeleton (``plancc.skeleton``: the same tree,
+    shapes and config, without importing transformers' modeling code) unless ``skeleton`` is
+    false; the report's model and config are then that skeleton's, which cannot run."""
     plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
     model = _model_or_default(plan, model)
-    config = load_config(model)
-    meta = build_meta_model(config)
+    loaded = load_skeleton(model) if skeleton and isinstance(model, str) else None
+    config: Any  # a transformers PretrainedConfig, or a skeleton's stand-in for one
+    if loaded is not None:
+        config, meta = loaded
+    else:
+        config = load_config(model)
+        meta = build_meta_model(config)
     resolved, problems = resolve_sections(plan, meta)
     problems += check_plan(
         plan,
