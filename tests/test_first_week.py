@@ -99,3 +99,10 @@ def test_torchrun_master_port_names_the_rendezvous(cli, monkeypatch):
     with pytest.raises(ZeroDivisionError):  # stopped right where the job would start
         cli("apply", QWEN3, "--master_port", 29577, "--master-addr", "127.0.0.2", "--nnodes", 1)
     assert seen["opts"].rdzv_endpoint == "127.0.0.2:29577"
+
+
+def test_sizes_from_the_command_line_are_reported_at_the_plan_file_not_a_line_of_it(cli):
+    code, _, err = cli("validate", QWEN3, "--tp", 3, "--world-size", 4)
+    assert code == 1 and f"{QWEN3}: error: cp=1 x tp=3 does not fit world size 4" in err and "[mesh-sizes]" in err
+    code, _, err = cli("validate", QWEN3, "--model", "tiny-qwen3", "--tp", 2, "--sp", "--seq-len", 33)
+    assert code == 1 and f"{QWEN3}: error: sequence length 33" in err and "[sequence-length]" in err
