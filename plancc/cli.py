@@ -598,11 +598,8 @@ def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunCon
 
     info = (result or {}).get("interrupted") or {}
     last = info.get("last_checkpoint")
-    if last is None and cfg.save:  # the workers could not say (stopped before reporting): look
-        try:
-            last = str(checkpoint.find(cfg.save))
-        except checkpoint.CheckpointError:
-            last = None
+    if last is None and (found := checkpoint.newest(cfg.save)):  # the workers could not say: look
+        last = str(found)
     step = info.get("step")
     where = f"at step {step}" if step is not None else "before the workers reported a step"
     line = f"interrupted {where}; last checkpoint: {last or 'none'}"

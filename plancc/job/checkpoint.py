@@ -297,6 +297,16 @@ def _latest_target(root: Path) -> Path | None:
     return root / name
 
 
+def newest(root: str | Path | None) -> Path | None:
+    """``find(root)``, or None where there is no folder or no complete step in it."""
+    if not root:
+        return None
+    try:
+        return find(root)
+    except CheckpointError:
+        return None
+
+
 def find(root: str | Path) -> Path:
     """The newest complete step directory under ``root`` (or ``root`` itself if it is one)."""
     root = Path(root)

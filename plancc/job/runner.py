@@ -322,7 +322,6 @@ class _Trainer:
     done: int = 0  # the global step after the last finished step
     interrupted: int = 0  # the signal that stopped the run early, or 0
     last_checkpoint: int = -1  # the step of the newest checkpoint this run wrote
-    last_checkpoint_path: str | None = None
     optimizer: torch.optim.Optimizer = field(init=False)
     schedule: torch.optim.lr_scheduler.LambdaLR = field(init=False)
 
@@ -425,7 +424,7 @@ class _Trainer:
             parameters=checkpoint.parameter_shapes(self.model),
         )
         path = checkpoint.save(self.cfg.save, self.model, self.optimizer, info)
-        self.last_checkpoint, self.last_checkpoint_path = self.done, str(path)
+        self.last_checkpoint = self.done
         if self.cfg.keep and dist.get_rank() == 0:
             checkpoint.prune(self.cfg.save, keep=self.cfg.keep)
         log(f"saved checkpoint {path}")
@@ -514,7 +513,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         summary["interrupted"] = {
             "signal": signal.Signals(trainer.interrupted).name,
             "step": trainer.done,
-            "last_checkpoint": trainer.last_checkpoint_path or _newest_checkpoint(cfg.save),
+            # this run's newest checkpoint, or an earlier run's in the same folder
+            "last_checkpoint": str(path) if (path := checkpoint.newest(cfg.save)) else None,
         }
         return summary
     steps = f"{len(history)} step{'' if len(history) == 1 else 's'}"
@@ -524,16 +524,6 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         else "summary: no steps"
     )
     return summary
-
-
-def _newest_checkpoint(folder: str | None) -> str | None:
-    """The newest complete checkpoint in --save (an earlier run's), if any."""
-    if not folder:
-        return None
-    try:
-        return str(checkpoint.find(folder))
-    except checkpoint.CheckpointError:
-        return None
 
 
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
