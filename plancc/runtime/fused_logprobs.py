@@ -19,6 +19,9 @@ cannot be formed before it exists:
 
 Sampler-filtered log-probs (``top_k`` / ``top_p``) need the whole vocabulary of a token to
 rank it, so that mode gathers each chunk's logits over tp (one chunk, never all of them).
+
+On CUDA (with Triton) the per-chunk statistics and the logits' gradient are single-pass
+kernels (``fused_kernels``); elsewhere, and for the filtered mode, the PyTorch chunk math.
 """
 
 from __future__ import annotations
@@ -31,20 +34,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from . import fused_kernels
+
 # Chunk bounds: on CPU small enough to stay near the cache between the matmul and the
 # reductions; on GPU large enough that each chunk's kernel launches are noise.
 CPU_CHUNK_BYTES = 16 * 2**20
-GPU_CHUNK_BYTES = 128 * 2**20
+GPU_CHUNK_BYTES = 256 * 2**20
+GPU_ROW_TILE = 128  # the matmul's row tile: a chunk of 220 rows would pay for 256
+# Gradient chunks on GPU are larger: each one adds its gx.T @ h into the fp32 [V, H] weight
+# gradient, a read and a write of all of it, so few chunks keep that traffic well below the
+# matmuls' time (measured on an H100, docs/gpu.md: 2048 rows 137 ms, 1024 rows 145 ms, 512
+# rows 177 ms at 16k x 152k x 4096). Powers of two: 1664-row chunks measured 154 ms.
+GPU_GRAD_CHUNK_BYTES = 1280 * 2**20
 MIN_ROWS = 16
 
 
-def default_chunk(n: int, v_local: int, device: torch.device) -> int:
+def default_chunk(n: int, v_local: int, device: torch.device, *, grad: bool = False) -> int:
     """Tokens per chunk. CPU: about 3% of the tokens (one fp32 chunk is then ~3% of the logits
-    it replaces) within CPU_CHUNK_BYTES; GPU: GPU_CHUNK_BYTES of fp32 logits."""
+    it replaces) within CPU_CHUNK_BYTES; GPU: whole row tiles within GPU_CHUNK_BYTES of fp32
+    logits, or where the chunk forms gradients a power of two within GPU_GRAD_CHUNK_BYTES."""
     row_bytes = 4 * max(1, v_local)
     if device.type == "cpu":
         return max(1, min(max(MIN_ROWS, n // 32), CPU_CHUNK_BYTES // row_bytes))
-    return max(1, GPU_CHUNK_BYTES // row_bytes)
+    if grad:
+        return 1 << max(0, (GPU_GRAD_CHUNK_BYTES // row_bytes).bit_length() - 1)
+    rows = GPU_CHUNK_BYTES // row_bytes
+    return max(1, rows - rows % GPU_ROW_TILE if rows >= GPU_ROW_TILE else rows)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,12 +90,37 @@ def _matmul_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     Computed as ``(w @ h.T).T``: for a chunk of few rows, ``h @ w.T`` makes CPU BLAS copy the
     whole transposed weight first (measured: +128 MiB and 30% slower at V=32768, H=1024);
-    the result is a transposed view, which every reduction here reads as it is."""
+    the result is a transposed view, which every reduction here reads as it is. cuBLAS takes
+    either operand transposed without a copy, so on CUDA the rows come out contiguous, as the
+    kernels want them."""
+    if h.is_cuda:
+        return h @ w.T if h.dtype == torch.float32 else torch.mm(h, w.T, out_dtype=torch.float32)
     if h.dtype == torch.float32 and w.dtype == torch.float32:
         return (w @ h.T).T
-    if h.is_cuda:
-        return torch.mm(h, w.T, out_dtype=torch.float32)
     return (w.float() @ h.float().T).T
+
+
+def _grad_matmuls(
+    gx: torch.Tensor,
+    weight: torch.Tensor,
+    w32: torch.Tensor | None,
+    h: torch.Tensor,
+    grad_h_rows: torch.Tensor,
+    grad_w: torch.Tensor,
+) -> None:
+    """``grad_h_rows = gx @ weight`` and ``grad_w += gx.T @ h``, both fp32.
+
+    ``gx`` in fp32 (CPU, or fp32 inputs): fp32 products. ``gx`` in the inputs' 16-bit dtype (the
+    CUDA kernels write it so): tensor-core products with fp32 accumulation and output, so the
+    weight's gradient is summed over chunks in fp32 -- the same rounding of the logits'
+    gradient as autograd of the naive ``log_softmax(h @ W.T)`` applies, none more."""
+    if gx.dtype == torch.float32:
+        assert w32 is not None, "fp32 gradients of the logits need the fp32 weight"
+        grad_h_rows.copy_(gx @ w32)
+        grad_w.addmm_(gx.T, h if h.dtype == torch.float32 else h.float())
+        return
+    grad_h_rows.copy_(torch.mm(gx, weight, out_dtype=torch.float32))
+    torch.addmm(grad_w, gx.T, h, out_dtype=torch.float32, out=grad_w)
 
 
 def _target_columns(targets: torch.Tensor, vocab: _Vocab, v_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,6 +292,56 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return t
 
 
+def _fp32_weight(weight: torch.Tensor, fast: bool) -> torch.Tensor | None:
+    """The weight the fp32 gradient matmuls take (one cast for all chunks); the kernels'
+    16-bit gradients take the weight as it is."""
+    if fast and weight.dtype != torch.float32:
+        return None
+    return weight if weight.dtype == torch.float32 else weight.float()
+
+
+def _chunk_stats(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, entropy: bool
+) -> tuple[_ChunkStats, torch.Tensor]:
+    """A chunk's partial statistics, and its storage: on the PyTorch path ``exp(x - m)``
+    computed in place, on the kernel path the unscaled logits, read once and left as they are."""
+    x = _matmul_fp32(h, weight)
+    cols, here = _target_columns(targets, vocab, x.shape[1])
+    if not fused_kernels.active(x.device):
+        if vocab.temperature != 1.0:
+            x /= vocab.temperature
+        return _stats(x, cols, here, entropy)
+    scale = 1.0 / vocab.temperature
+    m, s, t = fused_kernels.chunk_stats(x, scale, entropy)
+    hit = x.gather(1, cols.unsqueeze(1)).squeeze(1) * scale
+    return _ChunkStats(m, s, torch.where(here, hit, torch.zeros_like(hit)), t), x
+
+
+def _kernel_grad(
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    vocab: _Vocab,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``_local_grad_logits`` on the kernel path, from unscaled logits ``x``, in ``dtype``."""
+    cols, here = _target_columns(targets, vocab, x.shape[1])
+    valid = (targets != vocab.ignore_index).float()
+    return fused_kernels.grad_logits(
+        x,
+        1.0 / vocab.temperature,
+        lse,
+        ent,
+        g_lp * valid,
+        None if g_ent is None else g_ent * valid,
+        torch.where(here, cols, torch.full_like(cols, -1)),
+        dtype,
+    )
+
+
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -260,10 +350,10 @@ class _FusedLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         vocab: _Vocab,
-        chunk: int,
+        chunks: tuple[int, int],
         entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
+        n, chunk = hidden.shape[0], chunks[0]
         widths = _widths(weight.shape[0], vocab.group)
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(lp)
@@ -283,20 +373,17 @@ class _FusedLogprobs(torch.autograd.Function):
             t = torch.empty_like(lp) if entropy else None
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                x = _chunk_logits(hidden[lo:hi], weight, vocab)
-                cols, here = _target_columns(targets[lo:hi], vocab, x.shape[1])
-                st = _stats(x, cols, here, entropy)[0]
+                st = _chunk_stats(hidden[lo:hi], weight, targets[lo:hi], vocab, entropy)[0]
                 m[lo:hi], s[lo:hi], picked[lo:hi] = st.m, st.s, st.picked
                 if t is not None and st.t is not None:
                     t[lo:hi] = st.t
-                del x
             full_lse, full_picked, full_ent = _combine(_ChunkStats(m, s, picked, t), vocab.group)
             lse.copy_(full_lse)
             lp.copy_(torch.where(targets != vocab.ignore_index, full_picked - full_lse, torch.zeros_like(full_lse)))
             if entropy and full_ent is not None:
                 ent.copy_(torch.where(targets != vocab.ignore_index, full_ent, torch.zeros_like(full_ent)))
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.vocab, ctx.chunk, ctx.entropy, ctx.widths = vocab, chunk, entropy, widths
+        ctx.vocab, ctx.chunk, ctx.entropy, ctx.widths = vocab, chunks[1], entropy, widths
         ctx.mark_non_differentiable(lse)
         return lp, ent
 
@@ -309,22 +396,24 @@ class _FusedLogprobs(torch.autograd.Function):
         g_ent = g_ent.float() if (ctx.entropy and g_ent is not None) else None
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        w32 = weight if weight.dtype == torch.float32 else weight.float()
+        fast = fused_kernels.active(hidden.device) and not vocab.filtered
+        w32 = _fp32_weight(weight, fast)
         for lo in range(0, n, ctx.chunk):
             hi = min(n, lo + ctx.chunk)
             h = hidden[lo:hi]
-            x = _chunk_logits(h, weight, vocab)
             e = ent[lo:hi] if ctx.entropy else None
-            if vocab.filtered:
-                _, _, _, keep = _filtered_chunk(x, targets[lo:hi], vocab, ctx.widths, False)
-                keep = _rank_slice(keep, vocab, x.shape[1])
+            g_e = g_ent[lo:hi] if g_ent is not None else None
+            if fast:
+                x = _matmul_fp32(h, weight)
+                gx = _kernel_grad(x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_e, vocab, weight.dtype)
             else:
+                x = _chunk_logits(h, weight, vocab)
                 keep = None
-            gx = _local_grad_logits(
-                x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_ent[lo:hi] if g_ent is not None else None, vocab, keep
-            )
-            grad_h[lo:hi] = gx @ w32
-            grad_w.addmm_(gx.T, h if h.dtype == torch.float32 else h.float())
+                if vocab.filtered:
+                    _, _, _, keep = _filtered_chunk(x, targets[lo:hi], vocab, ctx.widths, False)
+                    keep = _rank_slice(keep, vocab, x.shape[1])
+                gx = _local_grad_logits(x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_e, vocab, keep)
+            _grad_matmuls(gx, weight, w32, h, grad_h[lo:hi], grad_w)
             del x, gx
         # every tp rank holds a partial sum over its columns; the hidden states are replicated
         _all_reduce_sum(grad_h, vocab.group)
@@ -342,31 +431,32 @@ class _FusedNllLoss(torch.autograd.Function):
         targets: torch.Tensor,
         weights: torch.Tensor,
         vocab: _Vocab,
-        chunk: int,
+        chunks: tuple[int, int],
         need_grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
+        n, chunk = hidden.shape[0], chunks[1] if need_grad else chunks[0]
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        w32 = weight if weight.dtype == torch.float32 else weight.float()
+        fast = fused_kernels.active(hidden.device)
+        w32 = _fp32_weight(weight, fast) if need_grad else None
         g = -weights.float()
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             h = hidden[lo:hi]
-            x = _chunk_logits(h, weight, vocab)
-            cols, here = _target_columns(targets[lo:hi], vocab, x.shape[1])
-            st, e = _stats(x, cols, here, False)
+            st, x = _chunk_stats(h, weight, targets[lo:hi], vocab, False)
             lse, picked, _ = _combine(st, vocab.group)  # per chunk: the gradient needs it now
             valid = targets[lo:hi] != vocab.ignore_index
             lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
             if grad_h is not None and grad_w is not None:
-                p = e.mul_((st.m - lse).exp_().unsqueeze(1))  # softmax over the whole vocabulary
-                gx = _finish_grad(p, targets[lo:hi], g[lo:hi] * valid, vocab)
-                grad_h[lo:hi] = gx @ w32
-                grad_w.addmm_(gx.T, h if h.dtype == torch.float32 else h.float())
-                del p, gx
-            del x, e  # every name of this chunk's storage: the next chunk must not coexist with it
+                g_lp = g[lo:hi] * valid
+                if fast:
+                    gx = _kernel_grad(x, targets[lo:hi], lse, None, g_lp, None, vocab, weight.dtype)
+                else:  # x holds exp(x - m) now: the softmax over the whole vocabulary is one scale away
+                    gx = _finish_grad(x.mul_((st.m - lse).exp_().unsqueeze(1)), targets[lo:hi], g_lp, vocab)
+                _grad_matmuls(gx, weight, w32, h, grad_h[lo:hi], grad_w)
+                del gx
+            del x  # every name of this chunk's storage: the next chunk must not coexist with it
         if grad_h is not None:
             _all_reduce_sum(grad_h, vocab.group)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
@@ -420,7 +510,9 @@ def _prepare(
     top_p: float | None,
     ignore_index: int,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Vocab, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Vocab, tuple[int, int]]:
+    """Flat hidden states, local weight, flat targets, the vocabulary, and the tokens per chunk
+    (forward, gradient)."""
     local_w, group, start, size = _vocab_of(weight, group, vocab_start)
     if isinstance(hidden, DTensor):
         if not all(isinstance(p, Replicate) for p in hidden.placements):
@@ -453,8 +545,12 @@ def _prepare(
         top_p=top_p,
         ignore_index=ignore_index,
     )
-    chunk = chunk_size or default_chunk(targets.numel(), local_w.shape[0], hidden.device)
-    return hidden.reshape(-1, hidden.shape[-1]), local_w, flat_t, vocab, chunk
+    n, v_local = targets.numel(), local_w.shape[0]
+    chunks = (
+        chunk_size or default_chunk(n, v_local, hidden.device),
+        chunk_size or default_chunk(n, v_local, hidden.device, grad=True),
+    )
+    return hidden.reshape(-1, hidden.shape[-1]), local_w, flat_t, vocab, chunks
 
 
 def fused_logprobs(
@@ -485,7 +581,7 @@ def fused_logprobs(
     any other target outside the vocabulary is an error.
     Differentiable in ``hidden`` and ``weight`` (log-probs and entropy).
     """
-    h, w, t, vocab, chunk = _prepare(
+    h, w, t, vocab, chunks = _prepare(
         hidden,
         weight,
         targets,
@@ -497,7 +593,7 @@ def fused_logprobs(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
     )
-    lp, ent = _FusedLogprobs.apply(h, w, t, vocab, chunk, entropy)
+    lp, ent = _FusedLogprobs.apply(h, w, t, vocab, chunks, entropy)
     if entropy:
         return lp.reshape(targets.shape), ent.reshape(targets.shape)
     return lp.reshape(targets.shape)
@@ -517,7 +613,7 @@ def fused_nll_loss(
     """``(-sum(weights * logprobs), logprobs)``: a training loss from hidden states and the
     lm_head weight (same layouts as ``fused_logprobs``), with its gradients formed during
     forward while each chunk's logits are in hand. The log-probs come back detached."""
-    h, w, t, vocab, chunk = _prepare(
+    h, w, t, vocab, chunks = _prepare(
         hidden,
         weight,
         targets,
@@ -532,5 +628,5 @@ def fused_nll_loss(
     if weights.shape != targets.shape:
         raise ValueError(f"weights {tuple(weights.shape)} do not match targets {tuple(targets.shape)}")
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-    loss, lp = _FusedNllLoss.apply(h, w, t, weights.reshape(-1), vocab, chunk, need_grad)
+    loss, lp = _FusedNllLoss.apply(h, w, t, weights.reshape(-1), vocab, chunks, need_grad)
     return loss, lp.reshape(targets.shape)
