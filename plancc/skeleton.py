@@ -3,9 +3,10 @@ importing transformers' modeling code.
 
 Checking a plan needs the module tree (names, classes, which modules are linear, embedding
 or norm layers, which run a forward of their own), every parameter's shape and tying, the
-attributes the checks read (``layer_idx``) and the config with transformers' defaults filled
-in. Building a Hugging Face model for that costs ~2.5 s of imports and initialization on a
-laptop, paid on every ``validate`` and by every commit through the pre-commit hook. So each
+attributes the checks read (``layer_idx``), the config with transformers' defaults filled
+in, and which module outputs feed which modules (``plancc.dataflow``, one meta forward).
+Building a Hugging Face model for that costs ~2.5 s of imports and initialization on a laptop,
+paid on every ``validate`` and by every commit through the pre-commit hook. So each
 preset's tree is recorded once, with the pinned transformers, and shipped
 (``plancc/presets/skeletons/*.json``, written by ``python -m plancc.skeleton``); a skeleton is
 an ``nn.Module`` tree on the meta device with the same names, class names, torch base classes,
@@ -29,9 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dataflow import Flow, remember, trace
 from .models import build_meta_model, load_config, presets
 
-FORMAT = 1
+FORMAT = 2  # 2: the forward's wiring (plancc.dataflow) recorded
 
 # torch classes a skeleton module may derive from, most specific first: the checks ask
 # isinstance() of these (module kinds), and of nothing else
@@ -110,6 +112,7 @@ def describe(model: nn.Module, config: Any) -> dict[str, Any]:
         "input_embeddings": names.get(id(inputs)) if inputs is not None else None,
         "output_embeddings": names.get(id(outputs)) if outputs is not None else None,
         "modules": modules,
+        "flow": trace(model).to_json(),
     }
 
 
@@ -167,6 +170,7 @@ def build_skeleton(record: dict[str, Any]) -> nn.Module:
     inputs, outputs = record["input_embeddings"], record["output_embeddings"]
     root.get_input_embeddings = lambda: built[inputs] if inputs is not None else None  # type: ignore[assignment]
     root.get_output_embeddings = lambda: built[outputs] if outputs is not None else None  # type: ignore[assignment]
+    remember(root, Flow.from_json(record["flow"]))
     return root
 
 

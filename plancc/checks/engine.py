@@ -24,6 +24,7 @@ from . import (
     pairing,
     sequence_parallel,
     shapes,
+    sharded_params,
     tied_embeddings,
 )
 from .context import CheckContext
@@ -36,6 +37,7 @@ RULES: tuple[ModuleType, ...] = (
     tied_embeddings,
     module_kinds,
     pairing,
+    sharded_params,
     sequence_parallel,
     context_parallel,
     fsdp_units,

@@ -262,12 +262,14 @@ _SPECS: tuple[StyleSpec, ...] = (
     ),
     StyleSpec(
         name="qk_norm",
-        summary="norm over the head dim of head-sharded q/k; gradients summed over tp",
+        summary="weights replicated, gradients summed over tp: a module with parameters inside a tp "
+        "region (per-head q/k norms, learnable activations)",
         factory=SequenceParallel,
         # q/k enter the norm as [batch, seq, heads, head_dim] with heads sharded by the
-        # colwise projection: the norm's weight gradient is a sum over heads, i.e. over tp.
+        # colwise projection (an MLP activation: [batch, seq, features], features sharded):
+        # dim 2 either way, and the weight's gradient is a sum over it, i.e. over tp.
         defaults={"sequence_dim": 2, "use_local_output": True},
-        module_kinds=frozenset({ModuleKind.NORM}),
+        module_kinds=frozenset({ModuleKind.NORM, ModuleKind.OTHER}),
         aliases=("replicated_with_grad_allreduce",),
     ),
     StyleSpec(

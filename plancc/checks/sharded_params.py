@@ -1,0 +1,126 @@
+"""sharded-region-params: a module with parameters that reads a tp-sharded activation must
+sum its gradients over tp.
+
+Between a colwise projection and the rowwise one that reduces its output, each tp rank holds
+only its shard of the features (or heads). A module left whole in that region -- an
+activation with learnable parameters (Apertus' xIELU), a per-head norm (Qwen3's q_norm), a
+bias added by hand -- computes on every rank with the same weights but from a different
+shard, so each rank's gradient of those weights is a partial sum: the replicas drift apart
+and nothing fails. Its weights must be replicated with their gradients all-reduced
+(``replicated_with_grad_allreduce``, alias of ``qk_norm``), or the activation gathered first.
+
+Which module reads which output is in the model's forward, not its tree: the rule reads the
+wiring recorded by ``plancc.dataflow`` (one forward on the meta device; shipped with the
+presets' skeletons).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from torch.distributed.tensor import Shard
+
+from ..compiler.styles import built_style, canonical_style, layouts_of
+from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
+from ..errors import Severity
+from ..models import build_meta_model
+from .context import CheckContext, Problem
+from .example import Example
+
+ID = "sharded-region-params"
+
+EXAMPLES = (
+    Example(verdict="PASS", text="q_proj: colwise, q_norm: qk_norm (gradients summed over tp)", args={"tp": 2}),
+    Example(
+        verdict="FAIL",
+        text="q_proj: colwise and q_norm left whole -> its weight's gradient is one rank's heads only",
+        args={"tp": 2},
+        edits=(
+            ("tensor_parallel", "model.layers.*.self_attn.q_norm", None),
+            ("tensor_parallel", "model.layers.*.self_attn.k_norm", None),
+        ),
+    ),
+)
+
+
+def _glob(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def _flow(ctx: CheckContext) -> Flow | str:
+    """The model's recorded wiring, or why it could not be recorded."""
+    flow = recorded_flow(ctx.model)
+    if flow is not None:
+        return flow
+    on_meta = all(p.is_meta for p in ctx.model.parameters())
+    try:
+        flow = trace(ctx.model if on_meta else build_meta_model(ctx.config))
+    except TraceError as exc:
+        return str(exc)
+    remember(ctx.model, flow)
+    return flow
+
+
+def _shards_features(ctx: CheckContext, name: str) -> bool:
+    """Whether the style of ``name`` hands on a local shard of features or heads (colwise)."""
+    rule = ctx.rule_for(name)
+    if rule is None:
+        return False
+    out = layouts_of(built_style(rule.style)).output
+    return isinstance(out, Shard) and out.dim != 1  # Shard(1) is the sequence: SP's business
+
+
+def _left_whole(ctx: CheckContext, name: str) -> bool:
+    rule = ctx.rule_for(name)
+    return rule is None or canonical_style(rule.style.name).name == "replicate"
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
+    if ctx.resolved is None or ctx.tp == 1:
+        return
+    flow = _flow(ctx)
+    if isinstance(flow, str):
+        yield Problem(
+            loc=ctx.plan.loc,
+            severity=Severity.WARNING,
+            message=f"the model's forward could not be traced on the meta device ({flow}), so parameters "
+            "reading tp-sharded activations were not checked",
+            fix="check that modules with parameters between colwise and rowwise projections have "
+            "replicated_with_grad_allreduce",
+        )
+        return
+    origin: dict[str, str] = {}  # leaf call whose output is tp-sharded -> the colwise module it comes from
+    modules = dict(ctx.model.named_modules())
+    reported: set[str] = set()
+
+    def problem(reader: str, params: list[str], sources: list[str], owner: str) -> Iterator[Problem]:
+        key = _glob(owner)
+        if key in reported:
+            return
+        reported.add(key)
+        producer = origin[sources[0]]
+        rule = ctx.rule_for(producer)
+        assert rule is not None  # origins are styled modules
+        kind = type(modules[owner]).__name__ if owner in modules else "module"
+        yield Problem(
+            loc=rule.loc,
+            message=f"{_glob(reader)} ({kind}) has parameters {', '.join(params)} and reads the tp-sharded "
+            f"output of {_glob(producer)} ({rule.style.name}): each rank would form their gradients from its "
+            "own shard, so the tp replicas drift apart",
+            fix=f"add '{key}: replicated_with_grad_allreduce' (weights replicated, gradients summed over tp)",
+        )
+
+    for call in flow.calls:
+        fed = sorted(s for s in call.sources if s in origin)
+        if _shards_features(ctx, call.reader):
+            origin[call.reader] = call.reader
+        elif fed and _left_whole(ctx, call.reader):
+            origin[call.reader] = origin[fed[0]]  # a whole module on a shard hands on a shard
+            if call.params:
+                yield from problem(call.reader, list(call.params), fed, call.reader)
+    for use in flow.param_uses:
+        fed = sorted(s for s in use.sources if s in origin)
+        owner, _, param = use.reader.rpartition(".")
+        if fed and _left_whole(ctx, owner):
+            yield from problem(owner, [param], fed, owner)

@@ -1,0 +1,163 @@
+"""Which module outputs flow into which modules and parameters: one forward of the model on
+the meta device, recorded.
+
+The module tree says what a model holds, not how its forward wires it: that an MLP's
+activation (xIELU's learnable ``alpha_p``/``alpha_n``) reads ``up_proj``'s output, or that
+Qwen3's ``q_norm`` reads ``q_proj``'s, is in the Python of ``forward``. A plan that shards
+``up_proj`` colwise without a style for ``act_fn`` trains wrong (each rank forms the
+activation's gradients from its shard of the features) though every shape fits, so the checks
+need that wiring. It is recorded by running the model once on meta tensors (no memory, no
+arithmetic), with a provenance set on every tensor:
+
+- a *leaf* module (one with no submodules) marks its outputs with its own name;
+- every other operation gives its outputs the union of its inputs' provenance, so residual
+  adds, reshapes, masks and rotary products pass it on;
+- each leaf call is recorded with the provenance of its inputs, and each parameter used by a
+  non-leaf module directly (attention sinks, say) with the provenance of what it met.
+
+Only the wiring is kept, not the tensors; skeletons of the built-in presets ship it
+(``plancc.skeleton``), so validating a preset does not need transformers to run this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+FLOW_ATTRIBUTE = "_plancc_flow"  # where a model (or a skeleton) carries its recorded flow
+TRACE_TOKENS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """``reader`` (a leaf module's name, or a parameter's qualified name) took inputs computed
+    from the outputs of the leaf modules ``sources``. ``params``: a leaf's own parameters."""
+
+    reader: str
+    sources: frozenset[str]
+    params: tuple[str, ...] = ()
+
+    def to_json(self) -> list[Any]:
+        return [self.reader, sorted(self.sources), list(self.params)]
+
+    @classmethod
+    def from_json(cls, entry: list[Any]) -> Read:
+        return cls(reader=entry[0], sources=frozenset(entry[1]), params=tuple(entry[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    calls: tuple[Read, ...]  # leaf-module calls, in the order the forward made them
+    param_uses: tuple[Read, ...]  # parameters used directly by non-leaf modules
+
+    def to_json(self) -> dict[str, Any]:
+        return {"calls": [r.to_json() for r in self.calls], "param_uses": [r.to_json() for r in self.param_uses]}
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Flow:
+        return cls(
+            calls=tuple(Read.from_json(e) for e in record["calls"]),
+            param_uses=tuple(Read.from_json(e) for e in record["param_uses"]),
+        )
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors inside a forward's arguments or outputs (tuples, dicts, HF output classes)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):  # HF ModelOutput is a dict too
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.provenance: dict[int, frozenset[str]] = {}
+        self.alive: list[torch.Tensor] = []  # ids stay unique while every marked tensor lives
+        self.calls: list[Read] = []
+        self.param_uses: list[Read] = []
+        self.param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.in_leaf = 0
+
+    def of(self, value: Any) -> frozenset[str]:
+        found: set[str] = set()
+        for t in _tensors(value):
+            found |= self.provenance.get(id(t), frozenset())
+        return frozenset(found)
+
+    def mark(self, value: Any, sources: frozenset[str]) -> None:
+        for t in _tensors(value):
+            self.provenance[id(t)] = sources
+            self.alive.append(t)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        sources = self.of((args, kwargs))
+        if sources and not self.in_leaf:
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, nn.Parameter) and id(arg) in self.param_names:
+                    self.param_uses.append(Read(reader=self.param_names[id(arg)], sources=sources))
+        if sources:
+            self.mark(out, sources)
+        return out
+
+
+class TraceError(Exception):
+    """The model's forward could not run on meta tensors."""
+
+
+def trace(model: nn.Module) -> Flow:
+    """Run ``model`` once on meta ``input_ids`` and record its wiring (see the module doc)."""
+    recorder = _Recorder(model)
+    handles = []
+
+    def before(name: str, module: nn.Module) -> Any:
+        own = tuple(n for n, p in module.named_parameters(recurse=False) if p is not None)
+
+        def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
+            recorder.calls.append(Read(reader=name, sources=recorder.of((args, kwargs)), params=own))
+            recorder.in_leaf += 1
+
+        return hook
+
+    def after(name: str) -> Any:
+        def hook(_m: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            recorder.in_leaf -= 1
+            recorder.mark(output, frozenset({name}))
+
+        return hook
+
+    for name, module in model.named_modules():
+        if next(module.children(), None) is None:
+            handles.append(module.register_forward_pre_hook(before(name, module), with_kwargs=True))
+            handles.append(module.register_forward_hook(after(name), with_kwargs=True))
+    ids = torch.zeros(1, TRACE_TOKENS, dtype=torch.long, device="meta")
+    try:
+        with recorder, torch.no_grad():
+            model(input_ids=ids)
+    except Exception as exc:  # any failure of a third-party forward on meta tensors
+        raise TraceError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Flow(calls=tuple(recorder.calls), param_uses=tuple(recorder.param_uses))
+
+
+def recorded_flow(model: nn.Module) -> Flow | None:
+    """The flow a model carries (skeletons ship theirs; ``trace`` results are kept here)."""
+    flow = getattr(model, FLOW_ATTRIBUTE, None)
+    return flow if isinstance(flow, Flow) else None
+
+
+def remember(model: nn.Module, flow: Flow) -> None:
+    object.__setattr__(model, FLOW_ATTRIBUTE, flow)  # a plain attribute, not a submodule

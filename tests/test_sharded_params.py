@@ -1,0 +1,92 @@
+"""sharded-region-params: a module with parameters that reads a tp-sharded activation and is
+left whole trains wrong without an error; validate must refuse it, and accept it once its
+gradients are summed over tp (replicated_with_grad_allreduce) -- which then trains exactly."""
+
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoConfig
+
+import plancc
+from plancc import dataflow
+from plancc.checks import check_plan
+from plancc.tools.import_hf import import_hf
+
+from .conftest import PLANS
+
+QWEN3 = PLANS / "qwen3.yaml"
+ACT_FN_FIX = "  model.layers.*.mlp.act_fn: replicated_with_grad_allreduce\n"
+
+
+def _errors(diags, rule="sharded-region-params"):
+    return [d for d in diags if d.rule == rule and d.is_error]
+
+
+@pytest.fixture(scope="module")
+def apertus(tmp_path_factory):
+    """A tiny Apertus (xIELU activation with learnable alpha_p / alpha_n) and the plan
+    ``plancc import-hf`` writes for it from transformers' own TP plan."""
+    folder = tmp_path_factory.mktemp("apertus")
+    config = AutoConfig.for_model(
+        "apertus", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+    )
+    config.architectures = ["ApertusForCausalLM"]
+    config.save_pretrained(folder)
+    return folder, import_hf(str(folder))
+
+
+def test_per_head_norms_left_whole_are_refused(write_plan):
+    text = "".join(line for line in QWEN3.read_text().splitlines(keepends=True) if "_norm: {style: qk_norm" not in line)
+    found = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2))
+    assert sorted(d.message.split(" ")[0] for d in found) == [
+        "model.layers.*.self_attn.k_norm", "model.layers.*.self_attn.q_norm",
+    ]
+    q = next(d for d in found if "q_norm" in d.message.split(" ")[0])
+    assert "weight" in q.message and "model.layers.*.self_attn.q_proj" in q.message
+    assert q.line == text.splitlines().index("  model.layers.*.self_attn.q_proj: colwise") + 1
+    assert "model.layers.*.self_attn.q_norm: replicated_with_grad_allreduce" in q.fix
+
+
+def test_the_shipped_plan_passes_and_tp1_has_nothing_to_sum():
+    plan = plancc.load_plan(QWEN3)
+    assert _errors(check_plan(plan, "tiny-qwen3", tp=2)) == []
+    assert _errors(check_plan(plan, "tiny-qwen3", tp=1)) == []
+
+
+def test_an_activation_with_parameters_fails_then_passes_when_fixed(apertus, write_plan):
+    folder, imported = apertus
+    (found,) = _errors(check_plan(plancc.load_plan(write_plan(imported)), str(folder), tp=2))
+    assert found.message.startswith("model.layers.*.mlp.act_fn (XIELUActivation) has parameters alpha_p, alpha_n")
+    assert "model.layers.*.mlp.up_proj" in found.message
+    down = "  model.layers.*.mlp.down_proj: rowwise\n"
+    fixed = imported.replace(down, ACT_FN_FIX + down)
+    assert [d for d in check_plan(plancc.load_plan(write_plan(fixed)), str(folder), tp=2) if d.is_error] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_fixed_plan_trains_exactly_at_tp2(apertus, tmp_path):
+    """The grad-allreduce style on a non-norm module: logits, gradients (alpha_p, alpha_n
+    included) and two optimizer steps equal the unsharded model's."""
+    folder, imported = apertus
+    plan = tmp_path / "apertus.yaml"
+    plan.write_text(imported.replace("  model.layers.*.mlp.down_proj:", ACT_FN_FIX + "  model.layers.*.mlp.down_proj:"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "plancc.cli", "apply", plan, "--model", folder, "--tp", "2", "--steps", "2", "--verify"],
+        capture_output=True, text=True, timeout=240,
+    )
+    code, out = proc.returncode, proc.stdout
+    assert code == 0, proc.stderr
+    assert "verify: OK" in out
+
+
+def test_a_forward_that_cannot_run_on_meta_is_a_warning_not_a_pass(monkeypatch, write_plan):
+    def refuse(model):
+        raise dataflow.TraceError("RuntimeError: data-dependent op on meta")
+
+    monkeypatch.setattr("plancc.checks.sharded_params.trace", refuse)
+    config = plancc.models.load_config("tiny-qwen3")  # a config, so no skeleton carries a flow
+    diags = [d for d in check_plan(plancc.load_plan(QWEN3), config, tp=2) if d.rule == "sharded-region-params"]
+    assert len(diags) == 1 and not diags[0].is_error and "could not be traced" in diags[0].message
