@@ -26,15 +26,9 @@ def _errors(diags, rule="sharded-region-params"):
 @pytest.fixture(scope="module")
 def apertus(tmp_path_factory):
     """A tiny Apertus (xIELU activation with learnable alpha_p / alpha_n) and the plan
-    ``plancc import-hf`` writes for it from transformers' own TP plan."""
-    folder = tmp_path_factory.mktemp("apertus")
-    config = AutoConfig.for_model(
-        "apertus", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-    )
-    config.architectures = ["ApertusForCausalLM"]
-    config.save_pretrained(folder)
-    return folder, import_hf(str(folder))
+    ``plancc import-hf`` writes for it."""
+    folder = _tiny_config(tmp_path_factory.mktemp("apertus"), "apertus")
+    return folder, import_hf(folder)
 
 
 def test_per_head_norms_left_whole_are_refused(write_plan):
@@ -55,8 +49,41 @@ def test_the_shipped_plan_passes_and_tp1_has_nothing_to_sum():
     assert _errors(check_plan(plan, "tiny-qwen3", tp=1)) == []
 
 
+def _tiny_config(folder, model_type):
+    config = AutoConfig.for_model(
+        model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+    )
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def test_import_hf_adds_the_grad_allreduce_rule_hf_lacks(apertus):
+    _, imported = apertus
+    assert ACT_FN_FIX in imported
+
+
+def test_import_hf_leaves_out_rules_that_match_nothing_in_the_config(tmp_path, write_plan):
+    """Doge's class plan has MoE rules (router_gate, up_embed, down_embed); a dense config has none
+    of those modules, and a plan with them would fail glob-no-match."""
+    folder = _tiny_config(tmp_path / "doge", "doge")
+    text = import_hf(folder)
+    assert "router_gate" not in text and "mlp.up_proj: colwise" in text
+    assert [d for d in check_plan(plancc.load_plan(write_plan(text)), folder, tp=2) if d.is_error] == []
+
+
+def test_import_hf_refuses_styles_it_cannot_map_as_unsupported_style(tmp_path):
+    folder = _tiny_config(tmp_path / "mixtral", "mixtral")
+    with pytest.raises(plancc.PlanError) as refused:
+        import_hf(folder)
+    (diag,) = refused.value.diagnostics
+    assert diag.rule == "unsupported-style" and "moe_tp_experts" in diag.message and "packed_colwise" in diag.message
+
+
 def test_an_activation_with_parameters_fails_then_passes_when_fixed(apertus, write_plan):
     folder, imported = apertus
+    imported = imported.replace(ACT_FN_FIX, "")  # what transformers' own TP plan says
     (found,) = _errors(check_plan(plancc.load_plan(write_plan(imported)), str(folder), tp=2))
     assert found.message.startswith("model.layers.*.mlp.act_fn (XIELUActivation) has parameters alpha_p, alpha_n")
     assert "model.layers.*.mlp.up_proj" in found.message
@@ -72,7 +99,7 @@ def test_the_fixed_plan_trains_exactly_at_tp2(apertus, tmp_path):
     included) and two optimizer steps equal the unsharded model's."""
     folder, imported = apertus
     plan = tmp_path / "apertus.yaml"
-    plan.write_text(imported.replace("  model.layers.*.mlp.down_proj:", ACT_FN_FIX + "  model.layers.*.mlp.down_proj:"))
+    plan.write_text(imported)  # with the act_fn rule import-hf adds
     proc = subprocess.run(
         [sys.executable, "-m", "plancc.cli", "apply", plan, "--model", folder, "--tp", "2", "--steps", "2", "--verify"],
         capture_output=True, text=True, timeout=240,

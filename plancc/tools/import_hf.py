@@ -3,7 +3,12 @@
 transformers models carry ``base_model_tp_plan`` (config) and ``_tp_plan`` (class) as
 ``{glob: style name}``; the merged plan of a built model is ``model._tp_plan``. Their style
 names map onto plancc's where the meaning is the same; a name with no plancc equivalent is
-an error naming it, not a silently dropped rule.
+an ``unsupported-style`` error naming it, not a silently dropped rule.
+
+Two things the HF plan gets wrong for a given config are corrected: rules that match no module
+of it (a class's plan covers every variant: MoE rules on a dense config) are left out, and a
+module with parameters that reads a tp-sharded activation without an HF style (Apertus'
+xIELU activation) gets ``replicated_with_grad_allreduce``, as ``sharded-region-params`` asks.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import re
 import yaml
 from torch import nn
 
+from ..checks import check_plan
+from ..compiler.globs import glob_matches
+from ..compiler.plan import parse_plan
 from ..compiler.styles import ALIASES, HF_UNSUPPORTED, STYLES
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..models import architecture_of, build_meta_model, load_config
@@ -60,12 +68,15 @@ def import_hf(model_spec: str) -> str:
                 )
             ]
         )
+    # HF globs name modules or, for fused expert weights, parameters
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    hf_plan = {glob: style for glob, style in hf_plan.items() if any(glob_matches(glob, n) for n in names)}
     unknown = sorted({s for s in hf_plan.values() if s not in HF_STYLES})
     if unknown:
         raise PlanError(
             [
                 Diagnostic(
-                    rule="import-hf",
+                    rule="unsupported-style",
                     loc=SourceLoc(path=model_spec),
                     message="HF styles with no plancc equivalent: "
                     + "; ".join(f"{u} ({HF_UNSUPPORTED[u]})" if u in HF_UNSUPPORTED else u for u in unknown),
@@ -88,4 +99,20 @@ def import_hf(model_spec: str) -> str:
     if units:
         plan["fsdp"] = {"units": units}
     header = "# yaml-language-server: $schema=../schemas/plan.schema.json\n"
+    text = header + yaml.safe_dump(plan, sort_keys=False, width=120)
+    missing = _grad_allreduce_rules(text, model)
+    if not missing:
+        return text
+    tensor_parallel.update(dict.fromkeys(missing, "replicated_with_grad_allreduce"))
     return header + yaml.safe_dump(plan, sort_keys=False, width=120)
+
+
+def _grad_allreduce_rules(text: str, model: nn.Module) -> list[str]:
+    """Globs of modules with parameters that the plan leaves whole in a tp-sharded region (what
+    the sharded-region-params check reports at tp=2; its fix names the rule to add)."""
+    found = check_plan(parse_plan(text, "<import-hf>"), model, tp=2)
+    return [
+        d.fix.split("'")[1].rpartition(":")[0]
+        for d in found
+        if d.rule == "sharded-region-params" and d.is_error and d.fix
+    ]
