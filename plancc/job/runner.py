@@ -545,14 +545,17 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     ok = bool(flags.item())
     log(f"verify {job.plan.name} on {job.model_name} ({job.layout.describe()}) against the unsharded model:")
+    if report.dropout_off:
+        log(f"  dropout off in both models for the comparison ({', '.join(report.dropout_off)})")
     log(
         f"  logits  max |diff| {report.logits_max_abs:.3e}  relative {report.logits_max_rel:.3e}  "
-        f"(tolerance {TOLERANCES['logits_rel']:.0e})"
+        f"(tolerance {report.tolerance('logits_rel'):.1e})"
     )
     log(f"  loss    |diff| {report.loss_abs:.3e}  (tolerance {TOLERANCES['loss_abs']:.0e})")
     log(
         f"  grads   max relative diff {report.grad_max_rel:.3e} in {report.worst_grad}  "
-        f"over {report.params_compared} parameters (tolerance {TOLERANCES['grad_rel']:.0e})"
+        f"over {report.params_compared} parameters (tolerance {report.tolerance('grad_rel'):.1e}; "
+        f"fp32 vs fp64 of the unsharded model: {report.grad_floor:.1e})"
     )
     for i, d in enumerate(report.step_loss_abs, start=1):
         log(f"  loss after step {i}: |diff| {d:.3e}")
