@@ -227,12 +227,14 @@ def _size_problems(fields: Any, path: str) -> list[Diagnostic]:
         value = fields.get(field) if isinstance(fields, dict) else getattr(fields, field, None)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+        # per-layer sizes (Gemma3n's intermediate_size) are lists of such integers
+        values = value if isinstance(value, list) and value else [value]
+        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= limit for v in values):
             problems.append(
                 Diagnostic(
                     rule="model-config",
                     loc=SourceLoc(path=path),
-                    message=f"{field} is {value!r}; it must be an integer from 1 to {limit}",
+                    message=f"{field} is {value!r}; it must be an integer from 1 to {limit} (or a list of them)",
                     fix=f"correct {field} in the config",
                 )
             )
@@ -256,6 +258,16 @@ def check_config(config: PretrainedConfig, path: str = "<config>") -> Pretrained
                 message=f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
                 "and no head_dim is given",
                 fix="set head_dim, or a hidden size heads divide",
+            )
+        )
+    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+    if not problems and isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        problems.append(
+            Diagnostic(
+                rule="model-config",
+                loc=SourceLoc(path=path),
+                message=f"pad_token_id {pad} is outside the vocabulary [0, {vocab})",
+                fix="set pad_token_id to a token id below vocab_size, or null",
             )
         )
     kv = getattr(text, "num_key_value_heads", None)
@@ -321,7 +333,20 @@ def build_model(
 
 
 def build_meta_model(model: str | Path | Any) -> nn.Module:
-    """A meta-device model from anything ``load_config`` takes, or a module as it is."""
+    """A meta-device model from anything ``load_config`` takes, or a module as it is. A config
+    transformers accepts but cannot build a model from (fields that contradict each other) is
+    a ``model-config`` error naming what broke, never a traceback."""
     if isinstance(model, nn.Module):
         return model
-    return build_model(load_config(model))
+    config = load_config(model)
+    try:
+        return build_model(config)
+    except Exception as exc:  # whatever a modeling file's __init__ raises on a config it cannot take
+        # a config read from a folder knows its path (transformers records it)
+        where = str(model) if isinstance(model, (str, Path)) else getattr(config, "_name_or_path", "") or "<config>"
+        raise _config_error(
+            where,
+            f"transformers cannot build {architecture_of(config)} from this config: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+            "compare the config's fields with one saved by the pinned transformers release",
+        ) from None

@@ -161,6 +161,8 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_s
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
     ({"vocab_size": 10**9}, "vocab_size is 1000000000"),
     ({"model_type": "no-such-model"}, "transformers refuses this config"),
+    ({"pad_token_id": 300}, "pad_token_id 300 is outside the vocabulary [0, 256)"),
+    ({"hidden_act": "no-such-activation"}, "transformers cannot build LlamaForCausalLM from this config: KeyError"),
 ])
 def test_a_config_no_model_can_be_built_from_is_a_diagnostic_naming_the_field(tmp_path, cli, change, expected):
     path = tmp_path / "config.json"
@@ -168,6 +170,16 @@ def test_a_config_no_model_can_be_built_from_is_a_diagnostic_naming_the_field(tm
     code, _, err, seconds = timed_cli(cli, "validate", PLANS / "llama.yaml", "--model", path)
     line = one_problem(err, "model-config")
     assert code == 1 and seconds < FAST and line.startswith(f"{path}: error:") and expected in line
+
+
+def test_per_layer_sizes_are_sizes_too():
+    """Gemma3n's intermediate_size is a list, one size per layer."""
+    from transformers import AutoConfig
+
+    from plancc.models import check_config
+
+    config = AutoConfig.for_model("gemma3n_text")
+    assert isinstance(config.intermediate_size, list) and check_config(config) is config
 
 
 def test_a_config_transformers_itself_writes_with_infinity_is_read(tmp_path, cli):

@@ -1,0 +1,152 @@
+"""Every Hugging Face decoder with a TP plan, through plancc as a new user would take it.
+
+    python bench/hf_sweep.py                      # all, writes the table to stdout
+    python bench/hf_sweep.py --only qwen3 mixtral --no-verify
+    python bench/hf_sweep.py --markdown docs/models.md
+
+For each config class of the pinned transformers whose (text) config carries a
+``base_model_tp_plan`` and whose model type has a causal-LM class: a tiny config (2 layers,
+hidden 64, 4 heads / 2 KV heads, vocab 256, 4 experts of 2 active where it has experts) saved
+to a folder, then
+
+1. ``plancc import-hf DIR``            -> the plan, or the reason it is refused
+2. ``check_plan(plan, DIR, tp=2)``     -> errors (what ``plancc validate --tp 2`` prints)
+3. ``plancc apply plan --model DIR --tp 2 --steps 1 --verify`` (2 gloo processes) -> OK / FAILED
+
+One line per model type: ``imported``, ``validated``, ``verified`` or the first stage that
+failed and why. Takes ~15 s per verified model on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "pad_token_id": 0,  # defaults name ids of the real vocabulary
+    # mixtures of experts: few, small experts
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    # MLA (DeepSeek V2/V3, MiniCPM3): small ranks
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
+
+
+def candidates() -> list[str]:
+    """Model types with a TP plan and a causal-LM class, in transformers' order."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in CONFIG_MAPPING:
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            continue
+        try:
+            config = CONFIG_MAPPING[model_type]()
+        except Exception:  # configs that cannot be built with defaults
+            continue
+        if getattr(config, "base_model_tp_plan", None):
+            found.append(model_type)
+    return found
+
+
+def tiny_config(model_type: str, folder: Path) -> str:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    defaults = AutoConfig.for_model(model_type)
+    fields = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def sweep_one(model_type: str, work: Path, verify: bool) -> tuple[str, str]:
+    import plancc
+    from plancc.checks import check_plan
+    from plancc.errors import PlanError
+    from plancc.tools.import_hf import import_hf
+
+    folder = work / model_type
+    try:
+        spec = tiny_config(model_type, folder)
+    except Exception as exc:
+        return "config", f"{type(exc).__name__}: {str(exc)[:160]}"
+    try:
+        text = import_hf(spec)
+    except PlanError as err:
+        first = err.diagnostics[0]
+        # model-config: the tiny config itself (per-layer fields it did not resize), not plancc
+        return ("config" if first.rule == "model-config" else "refused"), f"{first.message[:260]} [{first.rule}]"
+    except Exception as exc:
+        return "import traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
+    plan_path = work / f"{model_type}.yaml"
+    plan_path.write_text(text)
+    try:
+        errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, tp=2) if d.is_error]
+    except PlanError as err:
+        errors = list(err.diagnostics)
+    except Exception as exc:
+        return "validate traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
+    if errors:
+        return "invalid", f"{errors[0].message[:200]} [{errors[0].rule}]"
+    if not verify:
+        return "validated", ""
+    argv = [sys.executable, "-m", "plancc.cli", "apply", plan_path, "--model", spec, "--tp", "2", "--steps", "1"]
+    proc = subprocess.run([*map(str, argv), "--verify"], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return "verified", ""
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line or "FAILED" in line]
+    return "verify failed", (lines[0] if lines else proc.stderr.strip().splitlines()[-1:] or [""])[0][:200]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="*", help="model types (default: every candidate)")
+    parser.add_argument("--no-verify", action="store_true", help="stop after validate")
+    parser.add_argument("--markdown", help="also write the table to this file")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    types = args.only or candidates()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type in types:
+            stage, why = sweep_one(model_type, Path(tmp), not args.no_verify)
+            rows.append((model_type, stage, why))
+            print(f"{model_type:<28} {stage:<18} {why}", flush=True)
+    counts: dict[str, int] = {}
+    for _, stage, _ in rows:
+        counts[stage] = counts.get(stage, 0) + 1
+    summary = ", ".join(f"{n} {stage}" for stage, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    print(f"\n{len(rows)} model types: {summary}")
+    if args.markdown:
+        table = ["| model type | result | first problem |", "|---|---|---|"]
+        table += [f"| {t} | {s} | {w.replace('|', '/')} |" for t, s, w in rows]
+        Path(args.markdown).write_text("\n".join(table) + f"\n\n{len(rows)} model types: {summary}\n")
+
+
+if __name__ == "__main__":
+    main()
