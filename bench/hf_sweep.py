@@ -119,8 +119,9 @@ def sweep_one(model_type: str, work: Path, verify: bool) -> tuple[str, str]:
     proc = subprocess.run([*map(str, argv), "--verify"], capture_output=True, text=True, timeout=600)
     if proc.returncode == 0:
         return "verified", ""
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line or "FAILED" in line]
-    return "verify failed", (lines[0] if lines else proc.stderr.strip().splitlines()[-1:] or [""])[0][:200]
+    out = (proc.stdout + proc.stderr).splitlines()
+    said = [line for line in out if ": error:" in line or "verify: FAILED" in line or "max relative diff" in line]
+    return "verify failed", " / ".join(said[-2:])[:300] if said else (out[-1] if out else "")[:300]
 
 
 def main() -> None:

@@ -153,10 +153,17 @@ def test_a_second_run_saving_into_the_same_folder_is_refused_and_the_first_compl
                               "--save", str(ck)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not _locked(ck):  # the first run's rank 0 holds the folder
+        while not (_locked(ck) and (ck / ".lock").read_text().startswith("pid ")):  # rank 0 holds the folder
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.2)
-        code, out, err = run("apply", QWEN3, "--steps", 1, "--save", ck)
+        # The holder (rank 0, its pid in the lock file) is frozen while the second run tries:
+        # it still holds the folder however fast it would have finished its steps here.
+        holder = int((ck / ".lock").read_text().split()[1])
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            code, out, err = run("apply", QWEN3, "--steps", 1, "--save", ck)
+        finally:
+            os.kill(holder, signal.SIGCONT)
         assert code == 1 and "plancc apply:" not in out  # refused before any process started
         assert f"{ck}: error: another run (pid " in err and "[checkpoint]" in err
         out, err = first.communicate(timeout=300)
@@ -247,11 +254,11 @@ def test_a_folder_that_would_load_garbage_is_refused_before_launch_naming_the_te
 
 
 def _load_into_model(folder: str):
-    from .distributed import init_gloo
-
     import plancc
     from plancc.models import build_model, load_config
     from plancc.weights import load_hf_weights
+
+    from .distributed import init_gloo
 
     init_gloo()
     mesh = plancc.build_mesh(tp=2, device_type="cpu")
