@@ -19,8 +19,8 @@ from .layout import Layout, LayoutError
 
 if TYPE_CHECKING:
     from .checks.report import ValidationReport
+    from .job.config import RunConfig
     from .job.launch import LaunchOptions
-    from .job.runner import RunConfig
 
 app = typer.Typer(
     name="plancc",
@@ -419,8 +419,8 @@ def apply(
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
+    from .job.config import RunConfig
     from .job.launch import LaunchOptions
-    from .job.runner import RunConfig
 
     nproc_per_node = _default_nproc(nproc_per_node, device)
     model, layout, report = _prelaunch(
@@ -651,8 +651,8 @@ def logprobs(
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Per-token log-probs of each input line from the parallelized model."""
+    from .job.config import RunConfig
     from .job.launch import LaunchOptions
-    from .job.runner import RunConfig
 
     nproc_per_node = _default_nproc(nproc_per_node, device)
     model, layout, report = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt)

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser, run
 
 from ..errors import quiet_logger
-from .runner import RunConfig
+from .config import RunConfig
 
 SHUTDOWN_TIMEOUT_S = 10
 

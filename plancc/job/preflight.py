@@ -13,18 +13,20 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of
-from ..runtime.hf_folder import check_folder, has_weights, other_weight_files
-from ..runtime.weights import check_export_target
+from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from . import checkpoint
+from .config import PARAM_DTYPES, RunConfig
 from .data import read_jsonl
-from .runner import PARAM_DTYPES, RunConfig
+
+if TYPE_CHECKING:  # the launcher checks flags without importing transformers' modeling stack
+    from transformers import PretrainedConfig
 
 
 def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:

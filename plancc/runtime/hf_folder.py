@@ -282,3 +282,28 @@ def check_folder(folder: str | Path, model: nn.Module) -> list[Diagnostic]:
                     )
                 )
     return problems
+
+
+def check_export_target(target: str | Path, source: str | Path | None = None) -> list[Diagnostic]:
+    """Problems writing a Hugging Face folder to ``target`` (checked before a run starts):
+    never over a file, never into the folder the model is read from, never over a folder
+    that is not a model folder."""
+    path, fix = Path(target), "pass a new folder (or an earlier export) to --export-hf"
+    if path.exists() and not path.is_dir():
+        return [_export_problem(path, "--export-hf names an existing file", fix)]
+    if source is not None and Path(source).is_dir():
+        src, dst = Path(source).resolve(), path.resolve()
+        if dst == src or src in dst.parents or dst in src.parents:
+            return [
+                _export_problem(path, f"--export-hf would write into the folder the model is read from ({src})", fix)
+            ]
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
+        return [_export_problem(path, "--export-hf names a folder that is not empty and holds no model", fix)]
+    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return [_export_problem(path, f"cannot write here ({probe} is not writable)", fix)]
+    return []
+
+
+def _export_problem(path: Path, message: str, fix: str) -> Diagnostic:
+    return Diagnostic(rule="export-hf", loc=SourceLoc(path=str(path)), message=message, fix=fix)

@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
-from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
+from ..errors import Diagnostic, PlanError, quiet_logger
 from ..models import build_model
-from .hf_folder import check_folder, has_weights, read_folder
+from .hf_folder import check_export_target, check_folder, has_weights, read_folder
 
 
 def has_safetensors(folder: str | Path) -> bool:
@@ -140,31 +140,6 @@ _COMPANIONS = (
     "generation_config.json",
     "preprocessor_config.json",
 )
-
-
-def check_export_target(target: str | Path, source: str | Path | None = None) -> list[Diagnostic]:
-    """Problems writing a Hugging Face folder to ``target`` (checked before a run starts):
-    never over a file, never into the folder the model is read from, never over a folder
-    that is not a model folder."""
-    path, fix = Path(target), "pass a new folder (or an earlier export) to --export-hf"
-    if path.exists() and not path.is_dir():
-        return [_export_problem(path, "--export-hf names an existing file", fix)]
-    if source is not None and Path(source).is_dir():
-        src, dst = Path(source).resolve(), path.resolve()
-        if dst == src or src in dst.parents or dst in src.parents:
-            return [
-                _export_problem(path, f"--export-hf would write into the folder the model is read from ({src})", fix)
-            ]
-    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").is_file():
-        return [_export_problem(path, "--export-hf names a folder that is not empty and holds no model", fix)]
-    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return [_export_problem(path, f"cannot write here ({probe} is not writable)", fix)]
-    return []
-
-
-def _export_problem(path: Path, message: str, fix: str) -> Diagnostic:
-    return Diagnostic(rule="export-hf", loc=SourceLoc(path=str(path)), message=message, fix=fix)
 
 
 def export_hf(

@@ -1,0 +1,71 @@
+"""What one ``plancc apply`` / ``plancc logprobs`` job runs: the settings the CLI checks and the
+launcher hands every worker (as JSON on its command line).
+
+Its own module, free of torch and transformers, so that the launcher process (which only
+checks the flags and starts the workers) does not pay the workers' imports (~3 s a launch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from ..layout import Layout
+
+PARAM_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    plan: str
+    layout: Layout = Layout()
+    model: str | None = None
+    steps: int = 5
+    data: str | None = None
+    batch_size: int = 4  # global, split over dp
+    seq_len: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 1
+    schedule_steps: int | None = None  # LR schedule horizon; default: resumed step + steps
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    save: str | None = None
+    resume: str | None = None
+    export_hf: str | None = None
+    verify: bool = False
+    mode: Literal["train", "logprobs"] = "train"
+    out: str | None = None  # logprobs: JSONL output path
+    pack: bool = False  # logprobs: pack each batch's sequences into one row (cu_seqlens)
+    entropy: bool = False  # logprobs: the entropy of every position's distribution as well
+    temperature: float = 1.0  # logprobs: under the sampler's temperature
+    device: str | None = None  # cpu or cuda; default: cuda when available
+    param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
+    timeout_s: int = 300  # collectives time out instead of hanging a job
+    json_output: bool = False  # --format json: the CLI prints one JSON document on stdout
+    metrics: str | None = None  # train: one JSON line per step (rank 0), appended when resuming
+    save_every: int | None = None  # train: a checkpoint every N steps as well as at the end
+    keep: int | None = None  # train: keep the newest K checkpoints in --save (default: all)
+    tensorboard: str | None = None  # train: TensorBoard event files (rank 0)
+
+    @property
+    def log_to_stderr(self) -> bool:
+        """Whether stdout carries data (a JSON document, or log-probs without --out)."""
+        return self.json_output or (self.mode == "logprobs" and not self.out)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        fields = json.loads(text)
+        return cls(**{**fields, "layout": Layout(**fields["layout"])})
