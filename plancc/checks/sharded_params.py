@@ -16,11 +16,11 @@ presets' skeletons).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 from torch.distributed.tensor import Shard
 
+from ..compiler.globs import generalize
 from ..compiler.styles import built_style, canonical_style, layouts_of
 from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Severity
@@ -42,10 +42,6 @@ EXAMPLES = (
         ),
     ),
 )
-
-
-def _glob(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
 
 
 def _flow(ctx: CheckContext) -> Flow | str:
@@ -95,7 +91,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
     reported: set[str] = set()
 
     def problem(reader: str, params: list[str], sources: list[str], owner: str) -> Iterator[Problem]:
-        key = _glob(owner)
+        key = generalize(owner)
         if key in reported:
             return
         reported.add(key)
@@ -105,8 +101,8 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         kind = type(modules[owner]).__name__ if owner in modules else "module"
         yield Problem(
             loc=rule.loc,
-            message=f"{_glob(reader)} ({kind}) has parameters {', '.join(params)} and reads the tp-sharded "
-            f"output of {_glob(producer)} ({rule.style.name}): each rank would form their gradients from its "
+            message=f"{generalize(reader)} ({kind}) has parameters {', '.join(params)} and reads the tp-sharded "
+            f"output of {generalize(producer)} ({rule.style.name}): each rank would form their gradients from its "
             "own shard, so the tp replicas drift apart",
             fix=f"add '{key}: replicated_with_grad_allreduce' (weights replicated, gradients summed over tp)",
         )
