@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor import Replicate, Shard
 
+from ..compiler.globs import generalize
 from ..compiler.plan import Rule
 from ..compiler.styles import ModuleKind, built_style, layouts_of
 from .context import CheckContext, Problem, kind_of
@@ -182,4 +183,4 @@ def _gathered_above(ctx: CheckContext, name: str) -> bool:
 
 
 def _glob(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+    return generalize(name)

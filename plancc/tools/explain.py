@@ -10,12 +10,12 @@ dry run measures the same numbers on the real parallelized model.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from ..compiler.globs import generalize
 from ..compiler.resolve import ResolvedPlan
 from ..compiler.styles import built_style, format_layout, layouts_of, module_kind
 from ..layout import Layout
@@ -89,7 +89,7 @@ def _chunk(n: int, parts: int) -> int:
 
 
 def _group(name: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+    return generalize(name)
 
 
 def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> Explanation:

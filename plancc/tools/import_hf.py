@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 
 from ..checks import check_plan
-from ..compiler.globs import glob_matches
+from ..compiler.globs import generalize, glob_matches
 from ..compiler.plan import parse_plan
 from ..compiler.styles import ALIASES, HF_UNSUPPORTED, STYLES
 from ..errors import Diagnostic, PlanError, SourceLoc
@@ -46,7 +46,7 @@ def _fsdp_units(model: nn.Module) -> list[str]:
     shapes = []
     for name, module in model.named_modules():
         if type(module).__name__ in classes:
-            glob = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+            glob = generalize(name)
             if glob not in shapes:
                 shapes.append(glob)
     return shapes
