@@ -90,7 +90,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
     modules = dict(ctx.model.named_modules())
     reported: set[str] = set()
 
-    def problem(reader: str, params: list[str], sources: list[str], owner: str) -> Iterator[Problem]:
+    def problem(owner: str, params: list[str], sources: list[str]) -> Iterator[Problem]:
         key = generalize(owner)
         if key in reported:
             return
@@ -101,7 +101,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         kind = type(modules[owner]).__name__ if owner in modules else "module"
         yield Problem(
             loc=rule.loc,
-            message=f"{generalize(reader)} ({kind}) has parameters {', '.join(params)} and reads the tp-sharded "
+            message=f"{key} ({kind}) has parameters {', '.join(params)} and reads the tp-sharded "
             f"output of {generalize(producer)} ({rule.style.name}): each rank would form their gradients from its "
             "own shard, so the tp replicas drift apart",
             fix=f"add '{key}: replicated_with_grad_allreduce' (weights replicated, gradients summed over tp)",
@@ -114,9 +114,9 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         elif fed and _left_whole(ctx, call.reader):
             origin[call.reader] = origin[fed[0]]  # a whole module on a shard hands on a shard
             if call.params:
-                yield from problem(call.reader, list(call.params), fed, call.reader)
+                yield from problem(call.reader, list(call.params), fed)
     for use in flow.param_uses:
         fed = sorted(s for s in use.sources if s in origin)
         owner, _, param = use.reader.rpartition(".")
         if fed and _left_whole(ctx, owner):
-            yield from problem(owner, [param], fed, owner)
+            yield from problem(owner, [param], fed)

@@ -13,6 +13,7 @@ from typing import Literal
 
 from ..layout import Layout
 
+# --param-dtype: torch's names and the short ones people type
 PARAM_DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",

@@ -49,8 +49,6 @@ from .config import PARAM_DTYPES, RunConfig
 from .data import TokenDataset, dataset_batch, read_jsonl, synthetic_batch
 from .verify import TOLERANCES, verify_against_unsharded, within_tolerance
 
-# --param-dtype: torch's names and the short ones people type
-
 
 def lr_lambda(step: int, *, warmup: int, total: int) -> float:
     if step < warmup:

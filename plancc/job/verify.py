@@ -116,7 +116,7 @@ def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[st
     for cfg in {id(c): c for c in (config, text)}.values():
         for key, value in vars(cfg).items():
             is_rate = "dropout" in key or key.endswith("pdrop")
-            if is_rate and isinstance(value, float) and not isinstance(value, bool) and value > 0:
+            if is_rate and isinstance(value, float) and value > 0:
                 setattr(cfg, key, 0.0)
                 dropped.append(f"{key}={value:g}")
     return config, dropped

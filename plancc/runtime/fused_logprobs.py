@@ -449,11 +449,11 @@ class _FusedNllLoss(torch.autograd.Function):
             valid = targets[lo:hi] != vocab.ignore_index
             lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
             if grad_h is not None and grad_w is not None:
-                g_lp = g[lo:hi] * valid
-                if fast:
-                    gx = _kernel_grad(x, targets[lo:hi], lse, None, g_lp, None, vocab, weight.dtype)
+                if fast:  # masks ignore_index targets itself, as _local_grad_logits does
+                    gx = _kernel_grad(x, targets[lo:hi], lse, None, g[lo:hi], None, vocab, weight.dtype)
                 else:  # x holds exp(x - m) now: the softmax over the whole vocabulary is one scale away
-                    gx = _finish_grad(x.mul_((st.m - lse).exp_().unsqueeze(1)), targets[lo:hi], g_lp, vocab)
+                    p = x.mul_((st.m - lse).exp_().unsqueeze(1))
+                    gx = _finish_grad(p, targets[lo:hi], g[lo:hi] * valid, vocab)
                 _grad_matmuls(gx, weight, w32, h, grad_h[lo:hi], grad_w)
                 del gx
             del x  # every name of this chunk's storage: the next chunk must not coexist with it
