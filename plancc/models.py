@@ -172,8 +172,12 @@ class ConfigError(PlanError):
     """A model config that transformers refuses or that no model can be built from (exit 1)."""
 
 
+def _config_problem(path: str, message: str, fix: str) -> Diagnostic:
+    return Diagnostic(rule="model-config", loc=SourceLoc(path=path), message=message, fix=fix)
+
+
 def _config_error(path: str, message: str, fix: str) -> ConfigError:
-    return ConfigError([Diagnostic(rule="model-config", loc=SourceLoc(path=path), message=message, fix=fix)])
+    return ConfigError([_config_problem(path, message, fix)])
 
 
 def _read_config_file(path: Path) -> PretrainedConfig:
@@ -231,11 +235,10 @@ def _size_problems(fields: Any, path: str) -> list[Diagnostic]:
         values = value if isinstance(value, list) and value else [value]
         if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= limit for v in values):
             problems.append(
-                Diagnostic(
-                    rule="model-config",
-                    loc=SourceLoc(path=path),
-                    message=f"{field} is {value!r}; it must be an integer from 1 to {limit} (or a list of them)",
-                    fix=f"correct {field} in the config",
+                _config_problem(
+                    path,
+                    f"{field} is {value!r}; it must be an integer from 1 to {limit} (or a list of them)",
+                    f"correct {field} in the config",
                 )
             )
     return problems
@@ -252,32 +255,28 @@ def check_config(config: PretrainedConfig, path: str = "<config>") -> Pretrained
     derived = head_dim is None or (isinstance(hidden, int) and isinstance(heads, int) and head_dim == hidden // heads)
     if not problems and isinstance(heads, int) and isinstance(hidden, int) and derived and hidden % heads:
         problems.append(
-            Diagnostic(
-                rule="model-config",
-                loc=SourceLoc(path=path),
-                message=f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
-                "and no head_dim is given",
-                fix="set head_dim, or a hidden size heads divide",
+            _config_problem(
+                path,
+                f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no head_dim is given",
+                "set head_dim, or a hidden size heads divide",
             )
         )
     pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
     if not problems and isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
         problems.append(
-            Diagnostic(
-                rule="model-config",
-                loc=SourceLoc(path=path),
-                message=f"pad_token_id {pad} is outside the vocabulary [0, {vocab})",
-                fix="set pad_token_id to a token id below vocab_size, or null",
+            _config_problem(
+                path,
+                f"pad_token_id {pad} is outside the vocabulary [0, {vocab})",
+                "set pad_token_id to a token id below vocab_size, or null",
             )
         )
     kv = getattr(text, "num_key_value_heads", None)
     if not problems and isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         problems.append(
-            Diagnostic(
-                rule="model-config",
-                loc=SourceLoc(path=path),
-                message=f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
-                fix="correct num_key_value_heads (grouped-query attention shares whole groups)",
+            _config_problem(
+                path,
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
+                "correct num_key_value_heads (grouped-query attention shares whole groups)",
             )
         )
     if problems:
