@@ -78,6 +78,10 @@ def tiny_config(model_type: str, folder: Path) -> str:
 
     defaults = AutoConfig.for_model(model_type)
     fields = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
+    if "qk_rope_head_dim" in fields and "head_dim" in fields:
+        # multi-head latent attention rotates qk_rope_head_dim features (transformers sets
+        # head_dim to it): a separate head_dim would make a config no real model has
+        fields["head_dim"] = fields["qk_rope_head_dim"]
     config = AutoConfig.for_model(model_type, **fields)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     config.save_pretrained(folder)

@@ -22,6 +22,7 @@ Only the wiring is kept, not the tensors; skeletons of the built-in presets ship
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,36 @@ class TraceError(Exception):
     """The model's forward could not run on meta tensors."""
 
 
+@contextmanager
+def _buffers_on_meta(model: nn.Module) -> Iterator[None]:
+    """A meta-built model keeps real buffers (``plancc.models.parameters_on_meta``); a forward
+    on meta inputs must not meet them (DeepSeek's router adds its score-correction buffer)."""
+    saved = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
+    try:
+        for module, name, buffer in saved:
+            module._buffers[name] = buffer.to("meta")
+        yield
+    finally:
+        for module, name, buffer in saved:
+            module._buffers[name] = buffer
+
+
+@contextmanager
+def batched_experts(model: nn.Module) -> Iterator[None]:
+    """transformers' default experts kernel (``grouped_mm``) takes no fp32 on meta and no fp64
+    at all, and its eager loop asks ``nonzero`` (no meta kernel); ``batched_mm`` reads the same
+    weights and inputs (same wiring, same values) with plain batched matmuls."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    saved = {key: c._experts_implementation for key, c in configs.items() if hasattr(c, "_experts_implementation")}
+    try:
+        for key in saved:
+            configs[key]._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for key, value in saved.items():
+            configs[key]._experts_implementation = value
+
+
 def trace(model: nn.Module) -> Flow:
     """Run ``model`` once on meta ``input_ids`` and record its wiring (see the module doc)."""
     recorder = _Recorder(model)
@@ -143,7 +174,7 @@ def trace(model: nn.Module) -> Flow:
             handles.append(module.register_forward_hook(after(name), with_kwargs=True))
     ids = torch.zeros(1, TRACE_TOKENS, dtype=torch.long, device="meta")
     try:
-        with recorder, torch.no_grad():
+        with recorder, torch.no_grad(), batched_experts(model), _buffers_on_meta(model):
             model(input_ids=ids)
     except Exception as exc:  # any failure of a third-party forward on meta tensors
         raise TraceError(f"{type(exc).__name__}: {exc}") from exc

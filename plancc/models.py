@@ -8,6 +8,7 @@ a few model families, and tiny configs of the same architectures for quick runs 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .errors import Diagnostic, PlanError, SourceLoc, closest, quiet_logger
 
@@ -98,6 +100,57 @@ _TINY: tuple[Preset, ...] = (
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
+    # mixtures of experts: 4 experts of 2 active (whole experts split evenly over tp=2 and 4)
+    Preset(
+        name="tiny-qwen3-moe",
+        architecture="Qwen3MoeForCausalLM",
+        summary="2-layer Qwen3-MoE, 4 experts, 2 active",
+        config=_tiny(
+            "qwen3_moe", "Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+        ),
+    ),
+    Preset(
+        name="tiny-mixtral",
+        architecture="MixtralForCausalLM",
+        summary="2-layer Mixtral, 4 experts, 2 active",
+        config=_tiny("mixtral", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2),
+    ),
+    Preset(
+        name="tiny-deepseek-v3",
+        architecture="DeepseekV3ForCausalLM",
+        summary="2-layer DeepSeek-V3 (MLA; a dense layer, then 4 routed experts + 1 shared)",
+        config=_tiny(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            rope_interleave=True,
+        ),
+    ),
+    Preset(
+        name="tiny-gpt-oss",
+        architecture="GptOssForCausalLM",
+        summary="2-layer gpt-oss (biased experts, attention sinks), 4 experts, 2 active",
+        config=_tiny(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
 )
 
 
@@ -123,6 +176,10 @@ _DEFAULT_FOR_ARCHITECTURE = {
     "Qwen2ForCausalLM": "qwen2.5-7b",
     "LlamaForCausalLM": "llama-3.1-8b",
     "Gemma3ForCausalLM": "gemma-3-1b",
+    "Qwen3MoeForCausalLM": "qwen3-30b-a3b",
+    "MixtralForCausalLM": "mixtral-8x7b",
+    "DeepseekV3ForCausalLM": "deepseek-v3",
+    "GptOssForCausalLM": "gpt-oss-120b",
 }
 
 
@@ -309,9 +366,34 @@ def parameters_on_meta() -> Iterator[None]:
     # patched on the class for the duration of one model's construction only
     nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
-        yield
+        with _LargeAllocationsOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+class _LargeAllocationsOnMeta(TorchFunctionMode):
+    """Tensors of 2**28 elements (1 GiB in fp32) or more made without a device go to meta.
+
+    A parameter is allocated (``torch.empty``) before it is registered: one DeepSeek-V3 experts
+    weight is 28 GiB, more than this machine has. Buffers computed in ``__init__`` (rotary
+    frequencies, scales) are orders of magnitude smaller and stay real, as
+    ``parameters_on_meta`` needs.
+    """
+
+    _FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn})
+    _LARGE = 1 << 28
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in self._FACTORIES and kwargs.get("device") is None:
+            sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            if func is torch.full:
+                sizes = args[0] if args else kwargs.get("size", ())
+            shape = [s for s in sizes if isinstance(s, int)]
+            if len(shape) == len(sizes) and math.prod(shape) >= self._LARGE:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
 
 
 def build_model(

@@ -34,6 +34,14 @@ FAMILIES = [
     ("llama.yaml", "tiny-llama-tied"),
     ("gemma3.yaml", "tiny-gemma3"),
 ]
+# mixtures of experts (whole experts over tp, router and expert gradients compared too); the
+# MoE plans have no sequence_parallel section
+MOE_FAMILIES = [
+    ("qwen3_moe.yaml", "tiny-qwen3-moe"),
+    ("mixtral.yaml", "tiny-mixtral"),
+    ("deepseek_v3.yaml", "tiny-deepseek-v3"),
+    ("gpt_oss.yaml", "tiny-gpt-oss"),
+]
 TWO_RANK_LAYOUTS = [(1, 2, False), (1, 2, True), (2, 1, False)]  # tp=2; tp=2+SP; dp=2 (FSDP only)
 FOUR_RANK_LAYOUTS = [(2, 2, False), (2, 2, True)]  # dp=2 x tp=2, with and without SP
 
@@ -63,6 +71,7 @@ def two_rank_results(tmp_path_factory):
     broken.write_text((PLANS / "qwen3.yaml").read_text().replace(
         "{style: qk_norm, optional: true}", "{style: replicate, optional: true}"))
     cases = [(p, m, dp, tp, sp) for p, m in FAMILIES for dp, tp, sp in TWO_RANK_LAYOUTS]
+    cases += [(p, m, 1, 2, False) for p, m in MOE_FAMILIES]
     # an uneven vocab split (255 over tp=2: 128 + 127), which the shape check only warns about
     import json
 
@@ -105,6 +114,8 @@ def test_leaving_qk_norm_whole_gives_wrong_gradients_like_the_reference(two_rank
 
 def test_dp2_x_tp2_matches_unsharded():
     cases = [(p, m, dp, tp, sp) for p, m in FAMILIES for dp, tp, sp in FOUR_RANK_LAYOUTS]
+    # experts: FSDP shards each rank's whole experts again over dp
+    cases += [(p, m, 2, 2, False) for p, m in MOE_FAMILIES[::2]]
     results = run(4, cases)
     for rank, reports in results.items():
         for i, case in enumerate(cases):

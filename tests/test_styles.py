@@ -20,6 +20,7 @@ from plancc.compiler.styles import (
     ALIASES,
     STYLE_NAMES,
     STYLES,
+    ExpertsOverTensorParallel,
     GatherSequenceInput,
     LeaveWhole,
     RotaryUnderSequenceParallel,
@@ -50,6 +51,7 @@ DOCUMENTED = {
     "prepare_output": (PrepareModuleOutput, R, R, True),
     "rotary_sp": (RotaryUnderSequenceParallel, None, None, None),
     "replicate": (LeaveWhole, None, None, None),
+    "moe_experts": (ExpertsOverTensorParallel, R, R, True),
 }
 HF_ALIASES = {
     "colwise_gather_output": "colwise_rep",

@@ -52,11 +52,22 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         kind = kind_of(module)
         placement = lay.weight.get(kind) if lay.weight is not None else None
         weight = getattr(module, "weight", None)
+        if kind is ModuleKind.EXPERTS:  # fused experts: 3-D weights, the experts on dim 0
+            weight = next((p for p in module.parameters(recurse=False) if p.dim() == 3), None)
         if not isinstance(placement, Shard) or weight is None:
             continue
         dim = placement.dim
         size = weight.shape[dim]
         if size % tp == 0:
+            continue
+        if kind is ModuleKind.EXPERTS:
+            reported.add(rule.pattern)
+            yield Problem(
+                loc=rule.loc,
+                message=f"{name}: {size} experts do not split over tp={tp} (moe_experts gives each rank whole experts)",
+                fix=f"use tp in {{{', '.join(map(str, _divisors_up_to(size)))}}}, or keep the experts whole "
+                "('replicate')",
+            )
             continue
         vocab = (kind is ModuleKind.EMBEDDING and dim == 0) or (
             kind is ModuleKind.LINEAR and dim == 0 and name.endswith("lm_head")

@@ -35,12 +35,15 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from .expert_styles import ExpertsOverTensorParallel, is_experts_module
+
 
 class ModuleKind(StrEnum):
     LINEAR = "linear"
     EMBEDDING = "embedding"
     NORM = "norm"
     ROTARY = "rotary"
+    EXPERTS = "experts"  # transformers' fused experts of a mixture-of-experts layer
     OTHER = "other"
 
 
@@ -54,6 +57,8 @@ def module_kind(module: nn.Module) -> ModuleKind:
         return ModuleKind.NORM
     if name.endswith("RotaryEmbedding"):
         return ModuleKind.ROTARY
+    if is_experts_module(module):
+        return ModuleKind.EXPERTS
     return ModuleKind.OTHER
 
 
@@ -273,6 +278,13 @@ _SPECS: tuple[StyleSpec, ...] = (
         aliases=("replicated_with_grad_allreduce",),
     ),
     StyleSpec(
+        name="moe_experts",
+        summary="mixture-of-experts: whole experts spread over tp (experts / tp each), tokens "
+        "routed to another rank's experts skipped, partial outputs all-reduced",
+        factory=ExpertsOverTensorParallel,
+        module_kinds=frozenset({ModuleKind.EXPERTS}),
+    ),
+    StyleSpec(
         name="rotary_sp",
         summary="rotary embedding under SP: plain tensors in and out, global position ids required",
         factory=RotaryUnderSequenceParallel,
@@ -329,10 +341,13 @@ HF_UNSUPPORTED: dict[str, str] = {
     "'embedding_rowwise' (vocab-parallel) is",
     "all_reduce": "a bare all-reduce of a module's output is not a plancc style",
     "mla_kv_a_proj": "multi-head latent attention projections are not supported yet",
-    "moe_tp_experts": "mixture-of-experts layers are not supported yet",
-    "moe_identity_expert": "mixture-of-experts layers are not supported yet",
-    "grouped_gemm": "mixture-of-experts layers are not supported yet",
-    "ep_dispatch_experts": "expert parallelism is not supported yet",
+    "moe_tp_experts": "only with transformers' fused experts (the forward taking hidden_states, "
+    "top_k_index, top_k_weights); plancc's 'moe_experts' spreads whole experts over tp",
+    "moe_identity_expert": "identity (zero-compute) experts beside routed ones are not supported yet",
+    "grouped_gemm": "expert parallelism over data-parallel ranks (all-to-all dispatch) is not supported yet; "
+    "'moe_experts' spreads experts over tp",
+    "ep_dispatch_experts": "expert parallelism over data-parallel ranks (all-to-all dispatch) is not "
+    "supported yet; 'moe_experts' spreads experts over tp",
     "local_params": "locally-sharded parameters without DTensor are not a plancc style",
 }
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)
@@ -413,6 +428,13 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             output=style.output_layouts[0],
             local_output=style.use_local_output,
             weight={ModuleKind.LINEAR: Shard(1), ModuleKind.EMBEDDING: Shard(0)},
+        )
+    if isinstance(style, ExpertsOverTensorParallel):
+        return Layouts(
+            input=Replicate(),
+            output=Replicate(),
+            local_output=True,
+            weight={ModuleKind.EXPERTS: Shard(0)},
         )
     if isinstance(style, SequenceParallel):
         shard = style.sequence_sharding[0]

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
+from ..dataflow import batched_experts
 from ..errors import quiet_logger
 from ..models import build_model, load_config
 from ..runtime.cp import load_balanced_indices
@@ -132,8 +133,9 @@ def _fp32_floor(
 ) -> tuple[float, float]:
     """(logits, worst gradient) relative difference of the fp32 reference (logits and grads
     formed) from the same model in fp64 on the same batch."""
-    logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    _reference_loss(logits64, ids, mask, dp).backward()
+    with batched_experts(reference64):
+        logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        _reference_loss(logits64, ids, mask, dp).backward()
     grads64 = {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
     worst = 0.0
     for name, p in reference.named_parameters():

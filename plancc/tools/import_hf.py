@@ -19,6 +19,7 @@ import yaml
 from torch import nn
 
 from ..checks import check_plan
+from ..compiler.expert_styles import is_experts_module
 from ..compiler.globs import generalize, glob_matches
 from ..compiler.plan import parse_plan
 from ..compiler.styles import ALIASES, HF_UNSUPPORTED, STYLES
@@ -37,6 +38,9 @@ HF_STYLES = {
     "replicated_with_grad_allreduce": "qk_norm",
     "sequence_parallel": "sequence_parallel",
     "replicate": "replicate",
+    # HF splits each expert's intermediate dim (its weights' own rules: packed_colwise,
+    # rowwise); plancc spreads whole experts over tp, one rule on the experts module
+    "moe_tp_experts": "moe_experts",
 }
 
 
@@ -71,6 +75,30 @@ def import_hf(model_spec: str) -> str:
     # HF globs name modules or, for fused expert weights, parameters
     names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
     hf_plan = {glob: style for glob, style in hf_plan.items() if any(glob_matches(glob, n) for n in names)}
+    experts = [glob for glob, style in hf_plan.items() if style == "moe_tp_experts"]
+    modules = dict(model.named_modules())
+    odd = sorted(
+        {
+            type(module).__name__
+            for glob in experts
+            for name, module in modules.items()
+            if glob_matches(glob, name) and not is_experts_module(module)
+        }
+    )
+    if odd:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="unsupported-style",
+                    loc=SourceLoc(path=model_spec),
+                    message=f"HF style moe_tp_experts on {', '.join(odd)}: its forward takes tokens already "
+                    "routed, not (hidden_states, top_k_index, top_k_weights); plancc's moe_experts supports "
+                    "transformers' routed experts only",
+                    fix="keep those experts whole ('replicate') and shard the rest by hand with `plancc styles`",
+                )
+            ]
+        )
+    hf_plan = {glob: style for glob, style in hf_plan.items() if not glob.startswith(tuple(f"{e}." for e in experts))}
     unknown = sorted({s for s in hf_plan.values() if s not in HF_STYLES})
     if unknown:
         raise PlanError(

@@ -1,0 +1,127 @@
+"""Mixture-of-experts layers under tensor parallelism: whole experts spread over the tp ranks.
+
+transformers 5.x stores a layer's experts as one module with 3-D weights (``gate_up_proj``:
+``[experts, 2 * intermediate, hidden]``, ``down_proj``: ``[experts, hidden, intermediate]``, or
+transposed) and calls it as ``experts(hidden_states, top_k_index, top_k_weights)`` after the
+router. Inside a tp group every rank holds the same tokens (the attention block all-reduced
+them), so no token has to move: each rank keeps ``experts / tp`` whole experts (the weights'
+expert dim, ``Shard(0)``), runs them on the tokens routed to them, and the partial outputs are
+summed over tp -- the "all-gather dispatcher" of Megatron with expert parallelism equal to tp.
+
+Why whole experts and not each expert's intermediate dim split (transformers' own
+``moe_tp_experts`` + ``packed_colwise``): the packed ``gate_up_proj`` split that way needs
+DTensor's ``_StridedShard``, which torch.distributed.checkpoint cannot save in torch 2.13
+("overlapping chunks"); ``Shard(0)`` saves, reshards and exports like any colwise weight. The
+arithmetic per rank is the same; the load per rank follows the router.
+
+Routing ids stay global: ids of another rank's experts become the sentinel transformers' own
+expert-parallel path understands (``num_experts`` of this rank, ``_is_expert_parallel``), with
+their weights zeroed, so every experts implementation (eager, batched_mm, grouped_mm) skips them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers' fused experts: a ``*Experts`` class holding 3-D (expert-major) weights and
+    called with the router's choice (Llama 4's experts take pre-routed tokens: not these)."""
+    if not type(module).__name__.endswith("Experts"):
+        return False
+    if not any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        return False
+    params = inspect.signature(module.forward).parameters.values()
+    # a skeleton's forward takes (*args, **kwargs): its class was recorded from a real one
+    return any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 3
+
+
+def expert_count(module: nn.Module) -> int:
+    """The number of experts: the leading dim every expert weight shares."""
+    return int(next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0])
+
+
+def _sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the mesh (each rank's gradient of a
+    replicated input covers only its own experts): a replicated DTensor whose local gradient
+    is declared partial, so DTensor all-reduces it on the way back."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _sum_over(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The sum of every rank's partial output (all-reduce); the replicated gradient passes."""
+    summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+    return summed.to_local()
+
+
+@contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """Run the module's own forward on this rank's experts as plain tensors (the forward
+    indexes and reshapes them; ``to_local`` keeps the gradient flowing to the DTensor)."""
+    saved = dict(module._parameters)
+    try:
+        for name, param in saved.items():
+            if isinstance(param, DTensor):
+                module._parameters[name] = param.to_local()
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def _plain(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+class ExpertsOverTensorParallel(ParallelStyle):
+    """Whole experts spread over the tp ranks; their partial outputs all-reduced."""
+
+    def __init__(self, *, src_data_rank: int | None = 0):
+        self.src_data_rank = src_data_rank
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        total = expert_count(module)
+        if total % tp:  # the shape-divisible check reports this with the plan's line
+            raise ValueError(f"{type(module).__name__}: {total} experts do not split over tp={tp}")
+        local = total // tp
+        first = device_mesh.get_local_rank() * local
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0 or param.shape[0] != total:
+                raise ValueError(f"{type(module).__name__}.{name} {tuple(param.shape)} is not per expert")
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        original = module.forward
+        signature = inspect.signature(original)
+        if len(signature.parameters) < 3:
+            raise ValueError(
+                f"{type(module).__name__}.forward{signature} does not take (hidden_states, top_k_index, "
+                "top_k_weights); moe_experts needs transformers' routed-experts interface"
+            )
+        hidden_arg, index_arg, weight_arg = list(signature.parameters)[:3]
+        # this rank's experts; other ids are the sentinel ``local``
+        setattr(module, "num_experts", local)  # noqa: B010 (an attribute of transformers' module)
+        setattr(module, "_is_expert_parallel", True)  # noqa: B010
+
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments
+            ids = given[index_arg] - first
+            elsewhere = (ids < 0) | (ids >= local)
+            given[index_arg] = ids.masked_fill(elsewhere, local)
+            weights = _sum_gradients_over(_plain(given[weight_arg]), device_mesh)
+            given[weight_arg] = weights.masked_fill(elsewhere, 0)
+            given[hidden_arg] = _sum_gradients_over(_plain(given[hidden_arg]), device_mesh)
+            with _local_parameters(module):
+                partial = original(*bound.args, **bound.kwargs)
+            return _sum_over(partial, device_mesh)
+
+        module.forward = forward
+        return module

@@ -1,0 +1,91 @@
+"""Mixtures of experts before any process starts: transformers' MoE plans import as plancc's
+``moe_experts``, the shipped MoE plans validate on the published configs, and the mistakes a
+user makes with them (an expert count tp does not divide, an MoE plan on a dense model, the
+experts style on a module that is not transformers' routed experts) are diagnostics at the
+plan's line with a fix. The numerics (sharded == unsharded, router and experts gradients
+included) are in test_numerics.py."""
+
+import pytest
+from transformers import AutoConfig
+
+import plancc
+from plancc.checks import check_plan
+from plancc.errors import PlanError
+from plancc.tools.import_hf import import_hf
+
+from .conftest import PLANS
+
+# plan -> (published config, tp); Qwen3-30B-A3B has 4 KV heads
+MOE_PLANS = {
+    "qwen3_moe.yaml": ("qwen3-30b-a3b", 4),
+    "mixtral.yaml": ("mixtral-8x7b", 8),
+    "deepseek_v3.yaml": ("deepseek-v3", 8),
+    "gpt_oss.yaml": ("gpt-oss-120b", 8),
+}
+
+
+def _errors(diags, rule=None):
+    return [d for d in diags if d.is_error and (rule is None or d.rule == rule)]
+
+
+def _tiny_folder(folder, model_type, **extra):
+    config = AutoConfig.for_model(
+        model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, **extra,
+    )
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("plan,preset_tp", MOE_PLANS.items())
+def test_the_shipped_moe_plans_validate_on_the_published_configs(plan, preset_tp):
+    preset, tp = preset_tp
+    found = check_plan(plancc.load_plan(PLANS / plan), preset, tp=tp)
+    assert not _errors(found), [d.message for d in found]
+    assert not [d for d in found if d.rule == "sharded-region-params"]  # the wiring was traced
+
+
+def test_import_hf_writes_one_experts_rule_for_hfs_packed_expert_weights(tmp_path):
+    text = import_hf(_tiny_folder(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32))
+    assert "model.layers.*.mlp.experts: moe_experts" in text
+    # HF's per-weight rules (packed_colwise gate_up_proj, rowwise down_proj) are the style's job
+    assert "gate_up_proj" not in text and "experts.down_proj" not in text
+    path = tmp_path / "imported.yaml"
+    path.write_text(text)
+    assert not _errors(check_plan(plancc.load_plan(path), str(tmp_path), tp=2))
+
+
+def test_import_hf_refuses_experts_that_take_pre_routed_tokens(tmp_path):
+    folder = _tiny_folder(tmp_path, "llama4_text", num_local_experts=4, intermediate_size_mlp=128)
+    with pytest.raises(PlanError) as err:
+        import_hf(folder)
+    (d,) = err.value.diagnostics
+    assert d.rule == "unsupported-style" and "Llama4TextExperts" in d.message
+
+
+def test_an_expert_count_tp_does_not_divide_is_an_error_at_the_experts_rule():
+    plan = plancc.load_plan(PLANS / "qwen3_moe.yaml")
+    found = _errors(check_plan(plan, "qwen3-30b-a3b", tp=3), "shape-divisible")
+    (d,) = [d for d in found if "experts" in d.message]  # 128 of them
+    assert "128 experts do not split over tp=3" in d.message
+    assert d.loc.line == _line_of(PLANS / "qwen3_moe.yaml", "mlp.experts: moe_experts")
+    assert "use tp in" in d.fix
+
+
+def test_an_moe_plan_on_a_dense_model_names_the_experts_rule():
+    found = _errors(check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-8b", tp=2), "glob-no-match")
+    assert [d.loc.line for d in found] == [_line_of(PLANS / "qwen3_moe.yaml", "mlp.experts: moe_experts")]
+
+
+def test_the_experts_style_on_a_dense_mlp_is_a_module_kind_error(write_plan):
+    text = (PLANS / "qwen3.yaml").read_text().replace("model.layers.*.mlp.gate_proj: colwise",
+                                                      "model.layers.*.mlp: moe_experts")
+    text = text.replace("  model.layers.*.mlp.up_proj: colwise\n  model.layers.*.mlp.down_proj: rowwise\n", "")
+    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2), "style-module-kind")
+    assert "'moe_experts' applies to experts modules" in d.message
+
+
+def _line_of(path, needle):
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
