@@ -122,7 +122,8 @@ _TINY: tuple[Preset, ...] = (
         config=_tiny(
             "deepseek_v3",
             "DeepseekV3ForCausalLM",
-            head_dim=8,
+            head_dim=64,
+            num_key_value_heads=4,  # MLA: a key and value per head (DeepSeek-V3's 128 of 128)
             n_routed_experts=4,
             num_experts_per_tok=2,
             n_group=1,
@@ -132,7 +133,7 @@ _TINY: tuple[Preset, ...] = (
             first_k_dense_replace=1,
             q_lora_rank=32,
             kv_lora_rank=16,
-            qk_rope_head_dim=8,
+            qk_rope_head_dim=64,  # DeepSeek-V3's, so the shipped plan's rope_dim fits
             qk_nope_head_dim=8,
             v_head_dim=16,
             rope_interleave=True,

@@ -1,4 +1,4 @@
-"""Mixtures of experts before any process starts: transformers' MoE plans import as plancc's
+"""Mixtures of experts and multi-head latent attention before any process starts: transformers' MoE plans import as plancc's
 ``moe_experts``, the shipped MoE plans validate on the published configs, and the mistakes a
 user makes with them (an expert count tp does not divide, an MoE plan on a dense model, the
 experts style on a module that is not transformers' routed experts) are diagnostics at the
@@ -85,6 +85,39 @@ def test_the_experts_style_on_a_dense_mlp_is_a_module_kind_error(write_plan):
     text = text.replace("  model.layers.*.mlp.up_proj: colwise\n  model.layers.*.mlp.down_proj: rowwise\n", "")
     (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2), "style-module-kind")
     assert "'moe_experts' applies to experts modules" in d.message
+
+
+def test_import_hf_gives_mla_kv_a_proj_the_configs_rotary_width(tmp_path):
+    folder = _tiny_folder(tmp_path, "minicpm3", qk_rope_head_dim=8, qk_nope_head_dim=8, q_lora_rank=32,
+                          kv_lora_rank=16, v_head_dim=16)
+    plan = plancc.load_plan(_written(tmp_path, import_hf(folder)))
+    (rule,) = [r for r in plan.tensor_parallel if r.style.name == "mla_kv_a_proj"]
+    assert dict(rule.style.overrides) == {"rope_dim": 8}
+    assert not _errors(check_plan(plan, folder, tp=2))
+
+
+def test_a_rotary_width_other_than_the_configs_is_an_error_with_the_right_one():
+    plan = plancc.load_plan(PLANS / "deepseek_v3.yaml")  # rope_dim: 64, DeepSeek-V3's
+    assert not _errors(check_plan(plan, "deepseek-v3", tp=8), "mla-rope-dim")
+    (d,) = _errors(check_plan(plan, _config_with(qk_rope_head_dim=32), tp=8), "mla-rope-dim")
+    assert "rope_dim 64, but the config's qk_rope_head_dim is 32" in d.message
+    assert d.fix == "write '{style: mla_kv_a_proj, rope_dim: 32}'"
+    assert d.loc.line == _line_of(PLANS / "deepseek_v3.yaml", "kv_a_proj_with_mqa: {style")
+
+
+def _config_with(**fields):
+    from plancc.models import load_config
+
+    config = load_config("deepseek-v3")
+    for key, value in fields.items():
+        setattr(config, key, value)
+    return config
+
+
+def _written(folder, text):
+    path = folder / "imported.yaml"
+    path.write_text(text)
+    return path
 
 
 def _line_of(path, needle):

@@ -92,6 +92,11 @@ def two_rank_results(tmp_path_factory):
         "activation_checkpointing:\n  - model.layers.*.mlp\n"
         "  - {module: model.layers.*.self_attn, save: [matmul, attention, collectives]}"))
     cases += [(str(selective), "tiny-qwen3", 1, 2, sp) for sp in (False, True)]
+    # the second negative control: MLA's shared rotary key without its gradient summed over tp
+    mla_broken = tmp_path_factory.mktemp("plans") / "deepseek-v3-rotary-key-whole.yaml"
+    mla_broken.write_text((PLANS / "deepseek_v3.yaml").read_text().replace(
+        "{style: mla_kv_a_proj, rope_dim: 64}", "replicate"))
+    cases.append((str(mla_broken), "tiny-deepseek-v3", 1, 2, False))
     cases.append((str(broken), "tiny-qwen3", 1, 2, False))
     return cases, run(2, cases)
 
@@ -99,9 +104,16 @@ def two_rank_results(tmp_path_factory):
 def test_every_plan_and_two_rank_layout_matches_unsharded(two_rank_results):
     cases, results = two_rank_results
     for rank, reports in results.items():
-        for i, case in enumerate(cases[:-1]):
+        for i, case in enumerate(cases[:-2]):
             assert_matches(reports[i], f"rank {rank} {case}")
 
+
+def test_mla_without_the_rotary_key_gradient_sum_trains_wrong(two_rank_results):
+    """kv_a_proj_with_mqa left plain 'replicate': its rotary key meets each rank's heads only."""
+    cases, results = two_rank_results
+    report = results[0][len(cases) - 2]
+    assert report["logits_max_rel"] <= LOGITS_REL  # the forward pass is still right...
+    assert report["grad_max_rel"] > 1e-3  # ...the gradients upstream of the key are not
 
 def test_leaving_qk_norm_whole_gives_wrong_gradients_like_the_reference(two_rank_results):
     """Under TP each rank normalizes only its heads: q_norm's weight gradient is partial."""

@@ -22,6 +22,7 @@ from plancc.compiler.styles import (
     STYLES,
     ExpertsOverTensorParallel,
     GatherSequenceInput,
+    LatentKeyValueProjection,
     LeaveWhole,
     RotaryUnderSequenceParallel,
     canonical_style,
@@ -52,6 +53,7 @@ DOCUMENTED = {
     "rotary_sp": (RotaryUnderSequenceParallel, None, None, None),
     "replicate": (LeaveWhole, None, None, None),
     "moe_experts": (ExpertsOverTensorParallel, R, R, True),
+    "mla_kv_a_proj": (LatentKeyValueProjection, R, R, True),
 }
 HF_ALIASES = {
     "colwise_gather_output": "colwise_rep",
@@ -82,7 +84,8 @@ layouts = st.one_of(st.just("replicate"), st.integers(-3, 3).map(lambda d: f"sha
 def test_mapping_form_overrides_reach_the_torch_style(name, data):
     spec = STYLES[name]
     keys = data.draw(st.sets(st.sampled_from(sorted(spec.overridable)), min_size=1))
-    values = {k: data.draw(st.booleans() if k == "use_local_output" else layouts) for k in keys}
+    kinds = {"use_local_output": st.booleans(), "rope_dim": st.integers(1, 512)}
+    values = {k: data.draw(kinds.get(k, layouts)) for k in keys}
     body = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
     plan = parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {{style: {name}, {body}}}\n")
     (rule,) = plan.tensor_parallel
@@ -90,8 +93,8 @@ def test_mapping_form_overrides_reach_the_torch_style(name, data):
     for key, value in values.items():
         got = getattr(style, key)
         got = got[0] if isinstance(got, tuple) else got
-        if isinstance(value, bool):
-            assert got is value
+        if isinstance(value, (bool, int)):
+            assert got is value or got == value
         elif value == "replicate":
             assert got == Replicate()
         else:

@@ -49,7 +49,7 @@ def expert_count(module: nn.Module) -> int:
     return int(next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0])
 
 
-def _sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Identity forward; backward sums the gradient over the mesh (each rank's gradient of a
     replicated input covers only its own experts): a replicated DTensor whose local gradient
     is declared partial, so DTensor all-reduces it on the way back."""
@@ -116,9 +116,9 @@ class ExpertsOverTensorParallel(ParallelStyle):
             ids = given[index_arg] - first
             elsewhere = (ids < 0) | (ids >= local)
             given[index_arg] = ids.masked_fill(elsewhere, local)
-            weights = _sum_gradients_over(_plain(given[weight_arg]), device_mesh)
+            weights = sum_gradients_over(_plain(given[weight_arg]), device_mesh)
             given[weight_arg] = weights.masked_fill(elsewhere, 0)
-            given[hidden_arg] = _sum_gradients_over(_plain(given[hidden_arg]), device_mesh)
+            given[hidden_arg] = sum_gradients_over(_plain(given[hidden_arg]), device_mesh)
             with _local_parameters(module):
                 partial = original(*bound.args, **bound.kwargs)
             return _sum_over(partial, device_mesh)

@@ -91,7 +91,7 @@ def _rules(doc: SourceDoc, section: str, problems: list[Diagnostic]) -> tuple[Ru
                     )
                 )
                 continue
-            overrides[key] = raw if isinstance(raw, bool) else parse_layout(raw)
+            overrides[key] = raw if isinstance(raw, (bool, int)) else parse_layout(raw)
         rules.append(
             Rule(
                 pattern=pattern,

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from .attention_styles import LatentKeyValueProjection
 from .expert_styles import ExpertsOverTensorParallel, is_experts_module
 
 
@@ -285,6 +286,14 @@ _SPECS: tuple[StyleSpec, ...] = (
         module_kinds=frozenset({ModuleKind.EXPERTS}),
     ),
     StyleSpec(
+        name="mla_kv_a_proj",
+        summary="multi-head latent attention's kv_a_proj_with_mqa: whole, the gradient of its rotary "
+        "key (last rope_dim outputs, shared by every head) summed over tp",
+        factory=LatentKeyValueProjection,
+        module_kinds=frozenset({ModuleKind.LINEAR}),
+        overridable=frozenset({"rope_dim"}),
+    ),
+    StyleSpec(
         name="rotary_sp",
         summary="rotary embedding under SP: plain tensors in and out, global position ids required",
         factory=RotaryUnderSequenceParallel,
@@ -340,7 +349,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "embedding_colwise": "an embedding sharded on its hidden dim is not in plancc's vocabulary; "
     "'embedding_rowwise' (vocab-parallel) is",
     "all_reduce": "a bare all-reduce of a module's output is not a plancc style",
-    "mla_kv_a_proj": "multi-head latent attention projections are not supported yet",
     "moe_tp_experts": "only with transformers' fused experts (the forward taking hidden_states, "
     "top_k_index, top_k_weights); plancc's 'moe_experts' spreads whole experts over tp",
     "moe_identity_expert": "identity (zero-compute) experts beside routed ones are not supported yet",
@@ -435,6 +443,10 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             output=Replicate(),
             local_output=True,
             weight={ModuleKind.EXPERTS: Shard(0)},
+        )
+    if isinstance(style, LatentKeyValueProjection):
+        return Layouts(
+            input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()}
         )
     if isinstance(style, SequenceParallel):
         shard = style.sequence_sharding[0]

@@ -133,9 +133,14 @@ def _fp32_floor(
 ) -> tuple[float, float]:
     """(logits, worst gradient) relative difference of the fp32 reference (logits and grads
     formed) from the same model in fp64 on the same batch."""
-    with batched_experts(reference64):
-        logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        _reference_loss(logits64, ids, mask, dp).backward()
+    try:
+        with batched_experts(reference64):
+            logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            _reference_loss(logits64, ids, mask, dp).backward()
+    except RuntimeError:
+        # a modeling file that computes in fp32 on purpose (a router casting its input) cannot
+        # run in fp64: no floor measured, the fixed fp32 bars apply
+        return 0.0, 0.0
     grads64 = {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
     worst = 0.0
     for name, p in reference.named_parameters():

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
+from ..dataflow import batched_experts
 from ..errors import Diagnostic, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import build_model
@@ -123,7 +124,8 @@ def _forward_backward(
     """Parallelize on meta, then materialize, forward and backward on fake tensors."""
     mesh = build_mesh(layout, device_type="cpu")
     parallelize(model, plan, mesh, sequence_parallel=layout.sequence_parallel)  # on meta: no storage
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    # batched_mm experts: grouped_mm has no fp32 kernel for fake tensors (same shapes and memory)
+    with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model):
         measured.stage = "materialize"
         model.to_empty(device="cpu")
         measured.param_bytes = sum(_local_bytes(p) for p in model.parameters())

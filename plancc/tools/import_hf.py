@@ -14,6 +14,7 @@ xIELU activation) gets ``replicated_with_grad_allreduce``, as ``sharded-region-p
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import yaml
 from torch import nn
@@ -41,6 +42,7 @@ HF_STYLES = {
     # HF splits each expert's intermediate dim (its weights' own rules: packed_colwise,
     # rowwise); plancc spreads whole experts over tp, one rule on the experts module
     "moe_tp_experts": "moe_experts",
+    "mla_kv_a_proj": "mla_kv_a_proj",
 }
 
 
@@ -112,8 +114,12 @@ def import_hf(model_spec: str) -> str:
                 )
             ]
         )
-    tensor_parallel = {glob: HF_STYLES[style] for glob, style in hf_plan.items()}
-    assert all(s in STYLES or s in ALIASES for s in tensor_parallel.values())
+    tensor_parallel: dict[str, Any] = {glob: HF_STYLES[style] for glob, style in hf_plan.items()}
+    rope = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "qk_rope_head_dim", None)
+    for glob, style in tensor_parallel.items():
+        if style == "mla_kv_a_proj":  # the rotary key's width is the config's
+            tensor_parallel[glob] = {"style": style, "rope_dim": rope}
+    assert all(s in STYLES or s in ALIASES for s in map(str, HF_STYLES.values()))
     arch = architecture_of(config)
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", arch.removesuffix("ForCausalLM").lower() or "imported")
     plan = {
