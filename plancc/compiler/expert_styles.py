@@ -33,15 +33,19 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """transformers' fused experts: a ``*Experts`` class holding 3-D (expert-major) weights and
-    called with the router's choice (Llama 4's experts take pre-routed tokens: not these)."""
+    """transformers' fused experts: a ``*Experts`` class whose weights are all expert-major (3-D
+    matrices, 2-D biases, one leading experts dim) and that is called with the router's choice
+    (Llama 4's experts take pre-routed tokens: not these)."""
     if not type(module).__name__.endswith("Experts"):
         return False
-    if not any(p.dim() == 3 for p in module.parameters(recurse=False)):
+    params = list(module.parameters(recurse=False))
+    if not any(p.dim() == 3 for p in params):
         return False
-    params = inspect.signature(module.forward).parameters.values()
+    if any(p.dim() == 0 or p.shape[0] != params[0].shape[0] for p in params):
+        return False  # every weight per expert, or the experts' dim is not one dim to split
+    arguments = inspect.signature(module.forward).parameters.values()
     # a skeleton's forward takes (*args, **kwargs): its class was recorded from a real one
-    return any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 3
+    return any(a.kind is a.VAR_POSITIONAL for a in arguments) or len(arguments) >= 3
 
 
 def expert_count(module: nn.Module) -> int:

@@ -78,6 +78,17 @@ def import_hf(model_spec: str) -> str:
     names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
     hf_plan = {glob: style for glob, style in hf_plan.items() if any(glob_matches(glob, n) for n in names)}
     experts = [glob for glob, style in hf_plan.items() if style == "moe_tp_experts"]
+    parameters = [n for n, _ in model.named_parameters()]
+    module_names = [n for n, _ in model.named_modules()]
+
+    def weight_rule(glob: str) -> bool:  # HF's rules for the experts' own weights (packed_colwise, ...)
+        under = glob.startswith(tuple(f"{e}." for e in experts))
+        return (
+            under
+            and not any(glob_matches(glob, n) for n in module_names)
+            and any(glob_matches(glob, n) for n in parameters)
+        )
+
     modules = dict(model.named_modules())
     odd = sorted(
         {
@@ -93,14 +104,14 @@ def import_hf(model_spec: str) -> str:
                 Diagnostic(
                     rule="unsupported-style",
                     loc=SourceLoc(path=model_spec),
-                    message=f"HF style moe_tp_experts on {', '.join(odd)}: its forward takes tokens already "
-                    "routed, not (hidden_states, top_k_index, top_k_weights); plancc's moe_experts supports "
-                    "transformers' routed experts only",
+                    message=f"HF style moe_tp_experts on {', '.join(odd)}: not transformers' routed experts "
+                    "(called with hidden_states, top_k_index, top_k_weights; every weight with one leading "
+                    "experts dim), which is what plancc's moe_experts splits",
                     fix="keep those experts whole ('replicate') and shard the rest by hand with `plancc styles`",
                 )
             ]
         )
-    hf_plan = {glob: style for glob, style in hf_plan.items() if not glob.startswith(tuple(f"{e}." for e in experts))}
+    hf_plan = {glob: style for glob, style in hf_plan.items() if not weight_rule(glob)}
     unknown = sorted({s for s in hf_plan.values() if s not in HF_STYLES})
     if unknown:
         raise PlanError(
