@@ -91,24 +91,20 @@ class ExpertsOverTensorParallel(ParallelStyle):
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # style-module-kind and shape-divisible report these with the plan's line
+        if not is_experts_module(module):
+            raise ValueError(f"{type(module).__name__} is not transformers' routed experts (moe_experts)")
         tp = device_mesh.size()
         total = expert_count(module)
-        if total % tp:  # the shape-divisible check reports this with the plan's line
+        if total % tp:
             raise ValueError(f"{type(module).__name__}: {total} experts do not split over tp={tp}")
         local = total // tp
         first = device_mesh.get_local_rank() * local
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() == 0 or param.shape[0] != total:
-                raise ValueError(f"{type(module).__name__}.{name} {tuple(param.shape)} is not per expert")
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         original = module.forward
         signature = inspect.signature(original)
-        if len(signature.parameters) < 3:
-            raise ValueError(
-                f"{type(module).__name__}.forward{signature} does not take (hidden_states, top_k_index, "
-                "top_k_weights); moe_experts needs transformers' routed-experts interface"
-            )
         hidden_arg, index_arg, weight_arg = list(signature.parameters)[:3]
         # this rank's experts; other ids are the sentinel ``local``
         setattr(module, "num_experts", local)  # noqa: B010 (an attribute of transformers' module)

@@ -20,6 +20,7 @@ import yaml
 from torch import nn
 
 from ..checks import check_plan
+from ..checks.context import text_config
 from ..compiler.expert_styles import is_experts_module
 from ..compiler.globs import generalize, glob_matches
 from ..compiler.plan import parse_plan
@@ -75,21 +76,18 @@ def import_hf(model_spec: str) -> str:
             ]
         )
     # HF globs name modules or, for fused expert weights, parameters
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    modules = dict(model.named_modules())
+    parameters = [n for n, _ in model.named_parameters()]
+    names = [*modules, *parameters]
     hf_plan = {glob: style for glob, style in hf_plan.items() if any(glob_matches(glob, n) for n in names)}
     experts = [glob for glob, style in hf_plan.items() if style == "moe_tp_experts"]
-    parameters = [n for n, _ in model.named_parameters()]
-    module_names = [n for n, _ in model.named_modules()]
 
     def weight_rule(glob: str) -> bool:  # HF's rules for the experts' own weights (packed_colwise, ...)
         under = glob.startswith(tuple(f"{e}." for e in experts))
         return (
-            under
-            and not any(glob_matches(glob, n) for n in module_names)
-            and any(glob_matches(glob, n) for n in parameters)
+            under and not any(glob_matches(glob, n) for n in modules) and any(glob_matches(glob, n) for n in parameters)
         )
 
-    modules = dict(model.named_modules())
     odd = sorted(
         {
             type(module).__name__
@@ -126,7 +124,7 @@ def import_hf(model_spec: str) -> str:
             ]
         )
     tensor_parallel: dict[str, Any] = {glob: HF_STYLES[style] for glob, style in hf_plan.items()}
-    rope = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "qk_rope_head_dim", None)
+    rope = getattr(text_config(config), "qk_rope_head_dim", None)
     for glob, style in tensor_parallel.items():
         if style == "mla_kv_a_proj":  # the rotary key's width is the config's
             tensor_parallel[glob] = {"style": style, "rope_dim": rope}
