@@ -10,6 +10,14 @@ The axes, outermost first, are ``dp`` (data parallel: FSDP2 shards parameters ov
 (context parallel: sequence shards; FSDP shards over ``dp*cp`` because cp ranks hold the same
 parameters) and ``tp`` (tensor parallel, innermost so its collectives stay on one node).
 Sequence parallelism is not an axis: it reuses the tp ranks, so it is a flag.
+
+Expert parallelism (``ep``) is not an axis of its own either: like torchtitan and NeMo
+Automodel, it borrows ranks from data parallelism. ``ep`` data-parallel ranks (which hold
+different tokens) share one layer's experts and exchange tokens by all-to-all; the tp ranks
+inside each of them (which hold the same tokens) split those experts further without moving a
+token. So a layer's experts are spread over ``ep * tp`` ranks, and FSDP shards each expert's
+weights over the ``dp / ep`` ranks left (``expert_fsdp_size``). ``ep`` must divide ``dp``;
+with ``cp`` it is not supported yet (cp ranks would have to join the token exchange).
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ class Layout:
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in (*AXES, "ep"):
             size = getattr(self, axis)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise LayoutError(
@@ -52,6 +61,9 @@ class Layout:
                         )
                     ]
                 )
+        problem = _expert_parallel_problem(self.dp, self.cp, self.ep, SourceLoc(path="<layout>"))
+        if problem is not None:
+            raise LayoutError([problem])
 
     @property
     def world_size(self) -> int:
@@ -63,11 +75,22 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def expert_fsdp_size(self) -> int:
+        """Ranks FSDP shards each expert's weights over: the data-parallel ranks ep leaves."""
+        return self.dp // self.ep
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks one layer's experts are spread over (moe_experts): ep times tp."""
+        return self.ep * self.tp
+
+    @property
     def sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
 
     def describe(self) -> str:
-        return f"dp={self.dp} cp={self.cp} tp={self.tp}" + (" +sp" if self.sequence_parallel else "")
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"dp={self.dp} cp={self.cp} tp={self.tp}{experts}" + (" +sp" if self.sequence_parallel else "")
 
     @classmethod
     def infer(
@@ -77,13 +100,14 @@ class Layout:
         dp: int | None = None,
         cp: int = 1,
         tp: int = 1,
+        ep: int = 1,
         sequence_parallel: bool = False,
         loc: SourceLoc | None = None,
     ) -> Layout:
         """The layout of ``world_size`` ranks with ``dp`` inferred when omitted; raises
         ``LayoutError`` (rule ``mesh-sizes``) when the sizes cannot fit."""
         layout, problems = cls.diagnose(
-            world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel, loc=loc
+            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=loc
         )
         if problems:
             raise LayoutError(problems)
@@ -97,6 +121,7 @@ class Layout:
         dp: int | None = None,
         cp: int = 1,
         tp: int = 1,
+        ep: int = 1,
         sequence_parallel: bool = False,
         loc: SourceLoc | None = None,
     ) -> tuple[Layout, list[Diagnostic]]:
@@ -108,7 +133,7 @@ class Layout:
         where = loc or SourceLoc(path="<layout>")
         bad = [
             (axis, size)
-            for axis, size in (("cp", cp), ("tp", tp), ("dp", dp), ("world size", world_size))
+            for axis, size in (("cp", cp), ("tp", tp), ("ep", ep), ("dp", dp), ("world size", world_size))
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
         ]
         if bad:
@@ -122,11 +147,13 @@ class Layout:
                 )
             ]
         if world_size is None:
-            return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel), []
+            # no world size: dp as given, or the least that holds ep
+            size = dp if dp is not None else ep
+            return cls._with_experts(dp=size, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where)
         inner = cp * tp
         inferred = dp if dp is not None else (world_size // inner if world_size % inner == 0 else None)
         if inferred is not None and inferred * inner == world_size:
-            return cls(dp=inferred, cp=cp, tp=tp, sequence_parallel=sequence_parallel), []
+            return cls._with_experts(dp=inferred, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where)
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         shown = f"dp={dp} x " if dp is not None else ""
         why = "" if dp is not None else f" ({world_size} is not a multiple of cp*tp={inner})"
@@ -138,3 +165,35 @@ class Layout:
             + (", or drop --dp to infer it" if dp is not None else ""),
         )
         return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel), [problem]
+
+    @classmethod
+    def _with_experts(
+        cls, *, dp: int, cp: int, tp: int, ep: int, sequence_parallel: bool, loc: SourceLoc
+    ) -> tuple[Layout, list[Diagnostic]]:
+        """The layout, or (without ep) the layout and why ep does not fit it."""
+        problem = _expert_parallel_problem(dp, cp, ep, loc)
+        if problem is not None:
+            return cls(dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel), [problem]
+        return cls(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel), []
+
+
+def _expert_parallel_problem(dp: int, cp: int, ep: int, loc: SourceLoc) -> Diagnostic | None:
+    """Why ``ep`` cannot borrow from these data-parallel ranks, or None."""
+    if ep == 1:
+        return None
+    if cp > 1:
+        return Diagnostic(
+            rule=RULE,
+            loc=loc,
+            message=f"ep={ep} with cp={cp}: expert parallelism with context parallelism is not supported",
+            fix="drop --cp, or drop --ep (moe_experts still spreads the experts over tp)",
+        )
+    if dp % ep:
+        options = [e for e in range(1, dp + 1) if dp % e == 0]
+        return Diagnostic(
+            rule=RULE,
+            loc=loc,
+            message=f"ep={ep} does not divide dp={dp}: expert parallelism borrows its ranks from data parallelism",
+            fix=f"choose --ep among the divisors of dp={dp}: {options}, or more ranks (dp a multiple of {ep})",
+        )
+    return None

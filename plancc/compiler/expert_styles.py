@@ -17,6 +17,9 @@ arithmetic per rank is the same; the load per rank follows the router.
 Routing ids stay global: ids of another rank's experts become the sentinel transformers' own
 expert-parallel path understands (``num_experts`` of this rank, ``_is_expert_parallel``), with
 their weights zeroed, so every experts implementation (eager, batched_mm, grouped_mm) skips them.
+
+With expert parallelism (``--ep``) the runtime spreads the same experts over an (ep, tp)
+mesh and moves tokens between ep ranks: ``plancc.runtime.expert_parallel``.
 """
 
 from __future__ import annotations
@@ -60,14 +63,14 @@ def sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def _sum_over(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def sum_over(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The sum of every rank's partial output (all-reduce); the replicated gradient passes."""
     summed = DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
     return summed.to_local()
 
 
 @contextmanager
-def _local_parameters(module: nn.Module) -> Iterator[None]:
+def local_parameters(module: nn.Module) -> Iterator[None]:
     """Run the module's own forward on this rank's experts as plain tensors (the forward
     indexes and reshapes them; ``to_local`` keeps the gradient flowing to the DTensor)."""
     saved = dict(module._parameters)
@@ -80,7 +83,7 @@ def _local_parameters(module: nn.Module) -> Iterator[None]:
         module._parameters.update(saved)
 
 
-def _plain(x: Any) -> Any:
+def plain(x: Any) -> Any:
     return x.to_local() if isinstance(x, DTensor) else x
 
 
@@ -91,24 +94,11 @@ class ExpertsOverTensorParallel(ParallelStyle):
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # style-module-kind and shape-divisible report these with the plan's line
-        if not is_experts_module(module):
-            raise ValueError(f"{type(module).__name__} is not transformers' routed experts (moe_experts)")
-        tp = device_mesh.size()
-        total = expert_count(module)
-        if total % tp:
-            raise ValueError(f"{type(module).__name__}: {total} experts do not split over tp={tp}")
-        local = total // tp
-        first = device_mesh.get_local_rank() * local
-        for name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        local, first = shard_experts(module, device_mesh, src_data_rank=self.src_data_rank)
+        tp_mesh = device_mesh
         original = module.forward
         signature = inspect.signature(original)
         hidden_arg, index_arg, weight_arg = list(signature.parameters)[:3]
-        # this rank's experts; other ids are the sentinel ``local``
-        setattr(module, "num_experts", local)  # noqa: B010 (an attribute of transformers' module)
-        setattr(module, "_is_expert_parallel", True)  # noqa: B010
 
         def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
             bound = signature.bind(*args, **kwargs)
@@ -116,12 +106,40 @@ class ExpertsOverTensorParallel(ParallelStyle):
             ids = given[index_arg] - first
             elsewhere = (ids < 0) | (ids >= local)
             given[index_arg] = ids.masked_fill(elsewhere, local)
-            weights = sum_gradients_over(_plain(given[weight_arg]), device_mesh)
+            weights = sum_gradients_over(plain(given[weight_arg]), tp_mesh)
             given[weight_arg] = weights.masked_fill(elsewhere, 0)
-            given[hidden_arg] = sum_gradients_over(_plain(given[hidden_arg]), device_mesh)
-            with _local_parameters(module):
+            given[hidden_arg] = sum_gradients_over(plain(given[hidden_arg]), tp_mesh)
+            with local_parameters(module):
                 partial = original(*bound.args, **bound.kwargs)
-            return _sum_over(partial, device_mesh)
+            return sum_over(partial, tp_mesh)
 
         module.forward = forward
         return module
+
+
+def shard_experts(module: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> tuple[int, int]:
+    """Shard the expert weights on dim 0 over every axis of ``mesh`` (row-major: rank (e, t) of
+    an (ep, tp) mesh holds block ``e * tp + t``, which is what ``[Shard(0)] * ndim`` gives and
+    FSDP composes with) and point transformers' sentinel at this rank's count; returns
+    (experts on this rank, global id of the first)."""
+    # style-module-kind and shape-divisible report these with the plan's line
+    if not is_experts_module(module):
+        raise ValueError(f"{type(module).__name__} is not transformers' routed experts (moe_experts)")
+    ranks = mesh.size()
+    total = expert_count(module)
+    if total % ranks:
+        raise ValueError(f"{type(module).__name__}: {total} experts do not split over {ranks} ranks")
+    local = total // ranks
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "this rank is part of the mesh it shards over"
+    block = 0
+    for axis, index in enumerate(coordinate):  # row-major: the block Shard(0) x ndim gives
+        block = block * mesh.size(axis) + index
+    placements = [Shard(0)] * mesh.ndim
+    for name, param in list(module.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param, mesh, placements, src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    # this rank's experts; other ids are the sentinel ``local``
+    setattr(module, "num_experts", local)  # noqa: B010 (an attribute of transformers' module)
+    setattr(module, "_is_expert_parallel", True)  # noqa: B010
+    return local, block * local

@@ -155,6 +155,7 @@ def build_pair(
     mesh: DeviceMesh,
     *,
     sequence_parallel: bool = False,
+    ep: int = 1,
     seed: int = 0,
     device: str = "cpu",
 ) -> tuple[torch.nn.Module, torch.nn.Module, PretrainedConfig]:
@@ -166,7 +167,7 @@ def build_pair(
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     # A config of its own: cp switches the attention implementation on the model's config.
     model = build_model(copy.deepcopy(config), device="meta")
-    parallelize(model, plan, mesh, sequence_parallel=sequence_parallel)
+    parallelize(model, plan, mesh, sequence_parallel=sequence_parallel, ep=ep)
     materialize(model, device, full_state_dict=state)
     return model, reference, config
 
@@ -207,6 +208,7 @@ def verify_against_unsharded(
     mesh: DeviceMesh,
     *,
     sequence_parallel: bool = False,
+    ep: int = 1,
     steps: int = 3,
     global_batch: int = 4,
     seq_len: int = 16,
@@ -220,7 +222,7 @@ def verify_against_unsharded(
     and compare: logits, loss and every gradient at the first step, the loss after each."""
     config, dropped = without_dropout(load_config(model_spec))
     model, reference, config = build_pair(
-        plan, config, mesh, sequence_parallel=sequence_parallel, seed=seed, device=device
+        plan, config, mesh, sequence_parallel=sequence_parallel, ep=ep, seed=seed, device=device
     )
     reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
     if batches is None:

@@ -5,6 +5,9 @@
 flattened ``dp_cp`` axis that FSDP shards over: context-parallel ranks hold the same
 parameters. ``layout_of`` reads the layout back off a mesh, so a mesh and its layout can
 never disagree.
+
+With expert parallelism a second mesh over the same ranks, ``(edp, ep, tp)``, carries the
+experts: ``build_expert_mesh`` (``plancc.layout`` says how ep borrows from dp).
 """
 
 from __future__ import annotations
@@ -60,9 +63,25 @@ def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def layout_of(mesh: DeviceMesh, *, sequence_parallel: bool = False) -> Layout:
-    """The layout a plancc mesh was built from."""
-    return Layout(dp=mesh["dp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), sequence_parallel=sequence_parallel)
+def layout_of(mesh: DeviceMesh, *, sequence_parallel: bool = False, ep: int = 1) -> Layout:
+    """The layout a plancc mesh was built from (ep is not an axis of it: it borrows from dp)."""
+    return Layout(
+        dp=mesh["dp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), ep=ep, sequence_parallel=sequence_parallel
+    )
+
+
+EXPERT_AXES = ("edp", "ep", "tp")
+
+
+def build_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The ``(edp, ep, tp)`` mesh of the same ranks as a plancc ``mesh``: each dp group of
+    ``ep`` consecutive data-parallel ranks shares one layer's experts (``ep``, with ``tp``
+    inside), and FSDP shards expert weights over ``edp`` (the ``dp / ep`` ranks left).
+    Collective: every rank calls it, in the same order. Raises ``LayoutError`` when ep does
+    not fit the mesh."""
+    layout = layout_of(mesh, ep=ep)
+    ranks = mesh.mesh.reshape(layout.expert_fsdp_size, ep, layout.tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_AXES)
 
 
 def require_plancc_axes(mesh: DeviceMesh) -> None:

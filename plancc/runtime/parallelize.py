@@ -1,6 +1,12 @@
-"""Apply a plan to a model on a (dp, cp, tp) mesh: TP/SP, then activation checkpointing,
-then FSDP2 per unit and the root (torchtitan's order: sharding decisions first, memory
-policies last, so FSDP sees the TP DTensors and builds 2-D shards).
+"""Apply a plan to a model on a (dp, cp, tp) mesh: TP/SP (and EP), then activation
+checkpointing, then FSDP2 per unit and the root (torchtitan's order: sharding decisions first,
+memory policies last, so FSDP sees the TP DTensors and builds 2-D shards).
+
+With ``ep > 1`` the plan's ``moe_experts`` modules are spread over the (ep, tp) axes of an
+expert mesh instead of tp alone, and get an FSDP unit of their own over its ``edp`` axis,
+whose gradient reduction divides by all of dp: each expert's gradient already sums the tokens
+of its ep ranks (the all-to-all's backward brought them), so dividing by the ``dp / ep``
+ranks FSDP reduces over would count them ep times.
 """
 
 from __future__ import annotations
@@ -15,14 +21,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from ..compiler.expert_styles import ExpertsOverTensorParallel
 from ..compiler.lower import lower
 from ..compiler.plan import Plan
 from ..compiler.resolve import ResolvedPlan, resolve_plan
 from ..errors import Diagnostic, PlanError
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
+from .expert_parallel import spread_experts
 from .hooks import GlobalSequenceInputs
-from .mesh import dp_cp_mesh, require_plancc_axes
+from .mesh import build_expert_mesh, dp_cp_mesh, require_plancc_axes
 
 
 def tied_parameter_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -60,16 +68,29 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             setattr(modules[mod_name], p_name, keep)
 
 
-def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, tp_mesh: DeviceMesh) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, resolved: ResolvedPlan, tp_mesh: DeviceMesh, *, expert_mesh: DeviceMesh | None = None
+) -> list[str]:
+    """The plan's styles on the tp mesh, its experts on ``expert_mesh`` (ep, tp) when given;
+    the names of the experts modules spread over ep."""
+    styles = lower(resolved)
+    spread: list[str] = []
+    if expert_mesh is not None:
+        modules = dict(model.named_modules())
+        for name, style in list(styles.items()):
+            if isinstance(style, ExpertsOverTensorParallel):
+                spread_experts(modules[name], style, expert_mesh["ep", "tp"])
+                spread.append(name)
+                del styles[name]
     if tp_mesh.size() == 1:
-        return model
+        return spread
     groups = tied_parameter_groups(model)
-    parallelize_module(model, tp_mesh, lower(resolved))
+    parallelize_module(model, tp_mesh, styles)
     _retie(model, groups)
     if resolved.sequence_parallel:
         decoder = getattr(model, "model", model)
         decoder.register_forward_pre_hook(GlobalSequenceInputs(decoder), with_kwargs=True)
-    return model
+    return spread
 
 
 def apply_fsdp(
@@ -80,8 +101,26 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     reshard_after_forward: bool = True,
+    experts: Iterable[str] = (),
+    expert_mesh: DeviceMesh | None = None,
+    gradient_divide_factor: float | None = None,
 ) -> nn.Module:
     modules = dict(model.named_modules())
+    for name in experts:  # innermost first: their enclosing units then leave their weights alone
+        assert expert_mesh is not None, "experts spread over ep come with their mesh"
+        unit = fully_shard(
+            modules[name],
+            mesh=expert_mesh["edp"],
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        if gradient_divide_factor is not None:
+            unit.set_gradient_divide_factor(gradient_divide_factor)
+            # sum, then divide: gloo has no PREMUL_SUM (and NCCL copies less with plain sums).
+            # Not on one rank: torch 2.13's single-rank path then divides twice.
+            if expert_mesh["edp"].size() > 1:
+                unit.set_force_sum_reduction_for_comms(True)
     unit_list = list(units)
     for i, name in enumerate(unit_list):
         # The last unit's parameters are needed again at once by backward: keep them gathered.
@@ -102,6 +141,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     sequence_parallel: bool = False,
+    ep: int = 1,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
@@ -111,12 +151,26 @@ def parallelize(
     then FSDP2 ``fully_shard`` on the plan's units and the root. Works on a meta-device model
     (materialize it afterwards with ``plancc.materialize``).
 
+    ``ep``: expert parallelism, ranks borrowed from dp (``plancc.layout`` explains): the plan's
+    ``moe_experts`` spread over ep*tp ranks with all-to-all token exchange.
     ``activation_checkpointing``: None follows the plan, False disables, True requires the
     plan to name targets.
     """
     require_plancc_axes(mesh)
     resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
-    apply_tensor_parallel(model, resolved, mesh["tp"])
+    expert_mesh = build_expert_mesh(mesh, ep) if ep > 1 else None
+    experts = apply_tensor_parallel(model, resolved, mesh["tp"], expert_mesh=expert_mesh)
+    if expert_mesh is not None and not experts:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="expert-parallel",
+                    loc=plan.loc,
+                    message=f"ep={ep} but the plan spreads no experts (no 'moe_experts' rule matched this model)",
+                    fix="drop --ep, or give the model's experts modules the 'moe_experts' style",
+                )
+            ]
+        )
     if mesh["cp"].size() > 1:
         enable_context_parallel(model, mesh["cp"])
     if activation_checkpointing is not False:
@@ -141,4 +195,7 @@ def parallelize(
         mp_policy=mp,
         offload_policy=offload,
         reshard_after_forward=plan.fsdp_reshard_after_forward,
+        experts=experts,
+        expert_mesh=expert_mesh,
+        gradient_divide_factor=float(mesh["dp"].size() * mesh["cp"].size()),
     )
