@@ -79,6 +79,15 @@ NprocOpt = Annotated[
 TpOpt = Annotated[
     int, typer.Option("--tp", min=1, help="tensor-parallel degree (default 1: the other ranks go to data parallelism)")
 ]
+EpOpt = Annotated[
+    int,
+    typer.Option(
+        "--ep",
+        min=1,
+        help="expert-parallel degree: data-parallel ranks that share each layer's experts (moe_experts), "
+        "tokens moved by all-to-all; must divide dp",
+    ),
+]
 NnodesOpt = Annotated[str, typer.Option("--nnodes", help="nodes, or MIN:MAX for elastic jobs")]
 NodeRankOpt = Annotated[int, typer.Option("--node-rank", "--node_rank", min=0, help="this node's rank (multi-node)")]
 RdzvEndpointOpt = Annotated[
@@ -136,6 +145,7 @@ def validate(
     model: ModelOpt = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
+    ep: EpOpt = 1,
     dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="total ranks")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="check with the sequence-parallel overlay on")] = False,
@@ -166,6 +176,7 @@ def validate(
                 dp=dp,
                 cp=cp,
                 tp=tp,
+                ep=ep,
                 sequence_parallel=sp,
                 seq_len=seq_len,
                 skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
@@ -230,7 +241,8 @@ def explain(
     model: ModelOpt = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    dp: Annotated[int, typer.Option("--dp", min=1, help="data-parallel degree (FSDP shards over dp*cp)")] = 1,
+    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (default 1, or ep)")] = None,
+    ep: EpOpt = 1,
     sp: Annotated[bool, typer.Option("--sp", help="with the sequence-parallel overlay")] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
@@ -240,7 +252,7 @@ def explain(
     from .tools.explain import render
 
     try:
-        report = validate_plan(plan_path, model=model, dp=dp, cp=cp, tp=tp, sequence_parallel=sp, skeleton=False)
+        report = validate_plan(plan_path, model=model, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp, skeleton=False)
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or report.meta_model is None:
@@ -363,6 +375,7 @@ def apply(
     max_restarts: MaxRestartsOpt = 0,
     tp: TpOpt = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
+    ep: EpOpt = 1,
     dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
     steps: Annotated[int, typer.Option("--steps", min=0, help="optimizer steps to run")] = 5,
@@ -424,7 +437,7 @@ def apply(
 
     nproc_per_node = _default_nproc(nproc_per_node, device)
     model, layout, report = _prelaunch(
-        plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, seq_len=None if data else seq_len
+        plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, seq_len=None if data else seq_len, ep=ep
     )
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
         batch_size = layout.dp * -(-4 // layout.dp)
@@ -496,6 +509,7 @@ def _prelaunch(
     sp: bool,
     fmt: Format,
     seq_len: int | None = None,
+    ep: int = 1,
 ) -> tuple[str, Layout, ValidationReport]:
     """The layout and the plan against the model at this layout, checked before a process
     starts. Returns (model name, layout, the validation report)."""
@@ -505,10 +519,17 @@ def _prelaunch(
 
     world = nproc_per_node * _world_size(nnodes)
     try:
-        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
+        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp)
     except LayoutError as exc:
-        fix = f"choose --tp/--cp/--dp whose product is {world}"
-        _emit([replace(d, loc=SourceLoc(path=str(plan_path)), fix=fix) for d in exc.diagnostics], fmt)
+        fit = f"choose --tp/--cp/--dp whose product is {world}"
+        _emit(
+            [
+                # the world size comes from --nproc-per-node x --nnodes here, not from --world-size
+                replace(d, loc=SourceLoc(path=str(plan_path)), fix=fit if "world size" in d.message else d.fix)
+                for d in exc.diagnostics
+            ],
+            fmt,
+        )
         raise typer.Exit(EXIT_USAGE) from None
     try:
         plan = load_plan(plan_path)  # read once here; the workers read the file again themselves
@@ -626,6 +647,7 @@ def logprobs(
     max_restarts: MaxRestartsOpt = 0,
     tp: TpOpt = 1,
     cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
+    ep: EpOpt = 1,
     dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
     out: Annotated[Path | None, typer.Option("--out", help='JSONL output: {"logprobs": [...]} per line')] = None,
@@ -655,7 +677,7 @@ def logprobs(
     from .job.launch import LaunchOptions
 
     nproc_per_node = _default_nproc(nproc_per_node, device)
-    model, layout, report = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt)
+    model, layout, report = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, ep=ep)
     cfg = RunConfig(
         plan=str(plan_path),
         layout=layout,

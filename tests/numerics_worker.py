@@ -199,3 +199,27 @@ def decoder_called_directly(cases, cp=1):
     finally:
         dist.destroy_process_group()
     return out
+
+
+def verify_ep_cases(cases):
+    """cases: [(plan_path, preset, dp, tp, ep)] -> {case index: report dict}: expert parallelism
+    (experts over ep x tp, tokens by all-to-all) against the unsharded model."""
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.job.verify import verify_against_unsharded
+    from plancc.runtime.mesh import build_mesh
+
+    init_gloo()
+    out = {}
+    try:
+        for i, (plan_path, preset, dp, tp, ep) in enumerate(cases):
+            try:
+                mesh = build_mesh(dp=dp, tp=tp, device_type="cpu")
+                out[i] = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh, ep=ep).as_dict()
+            except Exception as exc:  # report per case; other cases still run
+                out[i] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return out

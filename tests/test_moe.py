@@ -5,6 +5,8 @@ experts style on a module that is not transformers' routed experts) are diagnost
 plan's line with a fix. The numerics (sharded == unsharded, router and experts gradients
 included) are in test_numerics.py."""
 
+import json
+
 import pytest
 from transformers import AutoConfig
 
@@ -122,3 +124,51 @@ def _written(folder, text):
 
 def _line_of(path, needle):
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
+
+
+# --- expert parallelism (--ep): ranks borrowed from dp, experts over ep x tp ---------------
+
+def test_qwen3_30b_a3b_spreads_its_128_experts_over_ep_8_by_tp_4():
+    found = check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-30b-a3b", tp=4, ep=8)
+    assert not _errors(found), [d.message for d in found]
+
+
+def test_an_ep_that_does_not_divide_the_expert_count_is_an_error_at_the_experts_rule():
+    plan = plancc.load_plan(PLANS / "qwen3_moe.yaml")
+    (d,) = _errors(check_plan(plan, "qwen3-30b-a3b", tp=4, ep=3), "expert-parallel")
+    assert "128 experts do not split over ep=3 x tp=4" in d.message
+    assert d.loc.line == _line_of(PLANS / "qwen3_moe.yaml", "mlp.experts: moe_experts")
+    assert "--ep in {1, 2, 4, 8, 16, 32}" in d.fix
+
+
+def test_an_ep_that_does_not_divide_dp_is_a_mesh_size_error_naming_the_eps_that_fit():
+    plan = plancc.load_plan(PLANS / "qwen3_moe.yaml")
+    (d,) = _errors(check_plan(plan, "qwen3-30b-a3b", tp=4, ep=8, world_size=16), "mesh-sizes")
+    assert "ep=8 does not divide dp=4" in d.message and "[1, 2, 4]" in d.fix
+
+
+def test_ep_with_context_parallelism_is_refused_by_name():
+    (d,) = _errors(check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-30b-a3b", tp=4, cp=2, ep=2,
+                              world_size=16), "mesh-sizes")
+    assert "expert parallelism with context parallelism is not supported" in d.message
+
+
+def test_ep_on_a_dense_model_is_an_error_not_a_silent_no_op():
+    (d,) = _errors(check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), "qwen3-8b", ep=2), "expert-parallel")
+    assert "no module has the 'moe_experts' style" in d.message and "drop --ep" in d.fix
+
+
+def test_validate_dry_run_at_tp_4_ep_8_prints_per_rank_bytes_and_explain_shows_the_expert_placement(cli):
+    code, out, err = cli("validate", str(PLANS / "qwen3_moe.yaml"), "--model", "qwen3-30b-a3b", "--tp", "4",
+                         "--ep", "8", "--dry-run", "--format", "json")
+    assert code == 0, err
+    dry = json.loads(out)["summary"]["dry_run"]
+    assert dry["world_size"] == 32
+    # 30.5B fp32 parameters over 32 ranks: experts over ep*tp = 32, the rest over dp*tp = 32
+    assert 3.3e9 < dry["per_rank_bytes"]["parameters"] < 4.2e9
+    code, out, err = cli("explain", str(PLANS / "qwen3_moe.yaml"), "--model", "tiny-qwen3-moe", "--tp", "2",
+                         "--ep", "2", "--dp", "4")
+    assert code == 0, err
+    experts = [line for line in out.splitlines() if line.startswith("model.layers.*.mlp.experts")]
+    assert experts and all("4x64x64" in row or "4x64x32" in row for row in experts)
+    assert all("shard(0) over ep*tp" in row and "shard(0) over 2" in row for row in experts)

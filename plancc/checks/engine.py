@@ -17,6 +17,7 @@ from ..models import build_meta_model
 from . import (
     architecture,
     context_parallel,
+    expert_parallel,
     fsdp_units,
     heads,
     latent_attention,
@@ -40,6 +41,7 @@ RULES: tuple[ModuleType, ...] = (
     pairing,
     sharded_params,
     latent_attention,
+    expert_parallel,
     sequence_parallel,
     context_parallel,
     fsdp_units,
@@ -77,6 +79,7 @@ def check_plan(
     *,
     tp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     dp: int | None = None,
     world_size: int | None = None,
     sequence_parallel: bool = False,
@@ -85,7 +88,7 @@ def check_plan(
 ) -> list[Diagnostic]:
     """Every problem of ``plan`` on this model at this layout, errors and warnings.
 
-    Pass a ``Layout``, or the sizes (``tp``, ``cp``, ``dp``, ``world_size``,
+    Pass a ``Layout``, or the sizes (``tp``, ``cp``, ``ep``, ``dp``, ``world_size``,
     ``sequence_parallel``) to build one; sizes that do not fit are a ``mesh-sizes`` problem
     and the other rules still run. Glob problems (``glob-no-match``, ``rule-conflict``) come
     from resolving and are included; rules whose globs failed are not checked further.
@@ -93,7 +96,7 @@ def check_plan(
     problems: list[Diagnostic] = []
     if layout is None:
         layout, layout_problems = Layout.diagnose(
-            world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel, loc=plan.loc
+            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=plan.loc
         )
     else:
         layout_problems = []

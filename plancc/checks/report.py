@@ -68,6 +68,7 @@ class ValidationReport:
             "path": self.plan.path,
             "model": self.model_name,
             "tp": self.tp,
+            "ep": self.layout.ep,
             "sequence_parallel": self.sequence_parallel,
             "rules": self.rule_rows(),
             # None when the globs could not be bound (a typo): a count of 0 would read as "no units"
@@ -82,7 +83,9 @@ class ValidationReport:
     def render(self) -> str:
         s = self.summary()
         lines = [
-            f"plan {s['plan']} ({s['path']}) on {s['model']}, tp={s['tp']}" + (" +sp" if s["sequence_parallel"] else "")
+            f"plan {s['plan']} ({s['path']}) on {s['model']}, tp={s['tp']}"
+            + (f" ep={s['ep']}" if s["ep"] > 1 else "")
+            + (" +sp" if s["sequence_parallel"] else "")
         ]
         rows = s["rules"]
         if rows:
@@ -136,6 +139,7 @@ def validate_plan(
     dp: int | None = None,
     cp: int = 1,
     tp: int = 1,
+    ep: int = 1,
     sequence_parallel: bool = False,
     seq_len: int | None = None,
     skeleton: bool = True,
@@ -165,12 +169,14 @@ def validate_plan(
         dp=dp,
         cp=cp,
         tp=tp,
+        ep=ep,
         sequence_parallel=sequence_parallel,
         seq_len=seq_len,
         resolved=resolved,
     )
     layout = (
-        layout or Layout.diagnose(world_size=world_size, dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel)[0]
+        layout
+        or Layout.diagnose(world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel)[0]
     )
     problems.sort(key=lambda d: (not d.is_error, d.path, d.line, d.column))
     name = model if isinstance(model, str) else architecture_of(config)

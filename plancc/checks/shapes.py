@@ -61,6 +61,8 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         if size % tp == 0:
             continue
         if kind is ModuleKind.EXPERTS:
+            if ctx.layout.ep > 1:
+                continue  # expert-parallel reports experts over ep*tp ranks
             reported.add(rule.pattern)
             yield Problem(
                 loc=rule.loc,

@@ -78,6 +78,7 @@ class CheckpointInfo:
     dp: int
     cp: int
     tp: int
+    ep: int = 1  # expert parallelism (absent before plancc 0.3)
     # name -> global shape of every parameter, to say which one differs (absent in plancc 0.1)
     parameters: dict[str, list[int]] = field(default_factory=dict)
 

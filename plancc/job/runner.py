@@ -169,10 +169,11 @@ class _Job:
     config: PretrainedConfig
     dataset: TokenDataset | None = None  # the --data file, read and validated once
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism: borrowed from dp, not an axis of the mesh
 
     @property
     def layout(self) -> Layout:
-        return layout_of(self.mesh, sequence_parallel=self.sequence_parallel)
+        return layout_of(self.mesh, sequence_parallel=self.sequence_parallel, ep=self.ep)
 
 
 def _setup(cfg: RunConfig) -> _Job:
@@ -180,7 +181,11 @@ def _setup(cfg: RunConfig) -> _Job:
     layout = cfg.layout
     if layout.world_size != dist.get_world_size():  # an elastic job (--nnodes MIN:MAX) got another size
         layout = Layout.infer(
-            world_size=dist.get_world_size(), cp=layout.cp, tp=layout.tp, sequence_parallel=layout.sequence_parallel
+            world_size=dist.get_world_size(),
+            cp=layout.cp,
+            tp=layout.tp,
+            ep=layout.ep,
+            sequence_parallel=layout.sequence_parallel,
         )
     mesh = build_mesh(layout, device_type=device)
     plan = load_plan(cfg.plan)
@@ -201,6 +206,7 @@ def _setup(cfg: RunConfig) -> _Job:
         config=config,
         dataset=dataset,
         sequence_parallel=cfg.layout.sequence_parallel,
+        ep=layout.ep,
     )
 
 
@@ -208,7 +214,7 @@ def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
     model = build_model(copy.deepcopy(job.config), device="meta")  # its own config: cp changes it
-    parallelize(model, job.plan, job.mesh, sequence_parallel=cfg.layout.sequence_parallel, param_dtype=dtype)
+    parallelize(model, job.plan, job.mesh, sequence_parallel=cfg.layout.sequence_parallel, ep=job.ep, param_dtype=dtype)
     return model, _load_weights(cfg, model, job.config, job.device)
 
 
@@ -281,7 +287,8 @@ class _Trainer:
                 plan=self.job.plan.name,
             )
             self.start = self.done = info.step
-            log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp})")
+            experts = f" ep={info.ep}" if info.ep > 1 else ""
+            log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp}{experts})")
         for group in self.optimizer.param_groups:  # the base LR is configuration, not checkpointed state
             group["initial_lr"] = self.cfg.lr
         start, horizon, warmup = self.start, self.cfg.schedule_steps or self.total, self.cfg.warmup_steps
@@ -364,6 +371,7 @@ class _Trainer:
             dp=layout.dp,
             cp=layout.cp,
             tp=layout.tp,
+            ep=layout.ep,
             parameters=checkpoint.parameter_shapes(self.model),
         )
         path = checkpoint.save(self.cfg.save, self.model, self.optimizer, info)
@@ -477,6 +485,7 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
         job.model_name,
         job.mesh,
         sequence_parallel=cfg.layout.sequence_parallel,
+        ep=job.ep,
         steps=cfg.steps,
         seed=cfg.seed,
         lr=cfg.lr,

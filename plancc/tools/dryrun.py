@@ -123,7 +123,7 @@ def _forward_backward(
 ) -> None:
     """Parallelize on meta, then materialize, forward and backward on fake tensors."""
     mesh = build_mesh(layout, device_type="cpu")
-    parallelize(model, plan, mesh, sequence_parallel=layout.sequence_parallel)  # on meta: no storage
+    parallelize(model, plan, mesh, sequence_parallel=layout.sequence_parallel, ep=layout.ep)  # on meta: no storage
     # batched_mm experts: grouped_mm has no fp32 kernel for fake tensors (same shapes and memory)
     with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model):
         measured.stage = "materialize"

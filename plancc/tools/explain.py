@@ -17,7 +17,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..compiler.globs import generalize
 from ..compiler.resolve import ResolvedPlan
-from ..compiler.styles import built_style, format_layout, layouts_of, module_kind
+from ..compiler.styles import built_style, canonical_style, format_layout, layouts_of, module_kind
 from ..layout import Layout
 
 FP32 = 4
@@ -97,8 +97,13 @@ def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> 
     rows: dict[tuple[str, str], ParamRow] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():
-        rule = resolved.assignments.get(name) if resolved is not None and tp > 1 else None
+        rule = resolved.assignments.get(name) if resolved is not None else None
+        # with ep, experts spread over ep*tp ranks and FSDP over the dp/ep ranks left
+        spread = layout.ep > 1 and rule is not None and canonical_style(rule.style.name).name == "moe_experts"
+        if tp == 1 and not spread:
+            rule = None
         lay = layouts_of(built_style(rule.style)) if rule else None
+        split, shards = (layout.expert_ranks, layout.expert_fsdp_size) if spread else (tp, fsdp_ranks)
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights are held once
                 continue
@@ -111,9 +116,9 @@ def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> 
                     placement = Shard(0) if placement.dim == 0 else Replicate()
             shape = list(param.shape)
             if isinstance(placement, Shard):
-                shape[placement.dim] = _chunk(shape[placement.dim], tp)
-            if shape and fsdp_ranks > 1:
-                shape[0] = _chunk(shape[0], fsdp_ranks)
+                shape[placement.dim] = _chunk(shape[placement.dim], split)
+            if shape and shards > 1:
+                shape[0] = _chunk(shape[0], shards)
             key = (_group(name), p_name)
             style = rule.style.describe() if rule else "-"
             if key in rows:
@@ -127,8 +132,10 @@ def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> 
                     param=p_name,
                     global_shape=tuple(param.shape),
                     local_shape=tuple(shape),
-                    tp_placement=format_layout(placement) if tp > 1 else "-",
-                    fsdp_placement="shard(0)" if fsdp_ranks > 1 else "-",
+                    tp_placement=(f"{format_layout(placement)} over ep*tp" if spread else format_layout(placement))
+                    if split > 1
+                    else "-",
+                    fsdp_placement=(f"shard(0) over {shards}" if spread else "shard(0)") if shards > 1 else "-",
                 )
     return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
 
