@@ -3,6 +3,7 @@
     python bench/hf_sweep.py                      # all, writes the table to stdout
     python bench/hf_sweep.py --only qwen3 mixtral --no-verify
     python bench/hf_sweep.py --markdown docs/models.md
+    python bench/hf_sweep.py --ep --skip-tp-verify --markdown ep.md   # expert parallelism only
 
 For each config class of the pinned transformers whose (text) config carries a
 ``base_model_tp_plan`` and whose model type has a causal-LM class: a tiny config (2 layers,
@@ -12,6 +13,8 @@ to a folder, then
 1. ``plancc import-hf DIR``            -> the plan, or the reason it is refused
 2. ``check_plan(plan, DIR, tp=2)``     -> errors (what ``plancc validate --tp 2`` prints)
 3. ``plancc apply plan --model DIR --tp 2 --steps 1 --verify`` (2 gloo processes) -> OK / FAILED
+4. with ``--ep``, for plans with a ``moe_experts`` rule: the same at ``--ep 2`` (2 processes) and
+   ``--ep 2 --tp 2`` (4 processes) -> OK / FAILED each
 
 One line per model type: ``imported``, ``validated``, ``verified`` or the first stage that
 failed and why. Takes ~15 s per verified model on a 2-core CPU.
@@ -88,44 +91,72 @@ def tiny_config(model_type: str, folder: Path) -> str:
     return str(folder)
 
 
-def sweep_one(model_type: str, work: Path, verify: bool) -> tuple[str, str]:
+def _verify(plan_path: Path, spec: str, nproc: int, *layout: str) -> tuple[bool, str]:
+    argv = [sys.executable, "-m", "plancc.cli", "apply", plan_path, "--model", spec, "--steps", "1", "--verify"]
+    argv += ["--nproc-per-node", str(nproc), "--device", "cpu", *layout]
+    proc = subprocess.run([*map(str, argv)], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return True, ""
+    out = (proc.stdout + proc.stderr).splitlines()
+    said = [line for line in out if ": error:" in line or "verify: FAILED" in line or "max relative diff" in line]
+    return False, " / ".join(said[-2:])[:300] if said else (out[-1] if out else "")[:300]
+
+
+def _expert_parallel(plan_path: Path, spec: str) -> str:
+    """ep=2 and ep=2 x tp=2 verified against the unsharded model, or the first failure."""
+    results = []
+    for nproc, layout in ((2, ("--ep", "2")), (4, ("--ep", "2", "--tp", "2"))):
+        ok, why = _verify(plan_path, spec, nproc, *layout)
+        name = " x ".join(f"{a[2:]}={b}" for a, b in zip(layout[::2], layout[1::2]))
+        results.append(f"{name} verified" if ok else f"{name} FAILED: {why}")
+    return "; ".join(results)
+
+
+def sweep_one(
+    model_type: str, work: Path, verify: bool, ep: bool = False, tp_verify: bool = True
+) -> tuple[str, str, str]:
+    stage, why, plan_path, spec = _through_validate(model_type, work)
+    if stage != "validated" or not verify:
+        return stage, why, ""
+    if tp_verify:
+        ok, why = _verify(plan_path, spec, 2, "--tp", "2")
+        stage = "verified" if ok else "verify failed"
+    moe = ep and "moe_experts" in plan_path.read_text()
+    return stage, why, _expert_parallel(plan_path, spec) if moe else ""
+
+
+def _through_validate(model_type: str, work: Path) -> tuple[str, str, Path, str]:
+    """(stage, why, plan path, model folder) after import-hf and validate at tp=2."""
     import plancc
     from plancc.checks import check_plan
     from plancc.errors import PlanError
     from plancc.tools.import_hf import import_hf
 
     folder = work / model_type
+    plan_path = work / f"{model_type}.yaml"
     try:
         spec = tiny_config(model_type, folder)
     except Exception as exc:
-        return "config", f"{type(exc).__name__}: {str(exc)[:160]}"
+        return "config", f"{type(exc).__name__}: {str(exc)[:160]}", plan_path, ""
     try:
         text = import_hf(spec)
     except PlanError as err:
         first = err.diagnostics[0]
         # model-config: the tiny config itself (per-layer fields it did not resize), not plancc
-        return ("config" if first.rule == "model-config" else "refused"), f"{first.message[:260]} [{first.rule}]"
+        stage = "config" if first.rule == "model-config" else "refused"
+        return stage, f"{first.message[:260]} [{first.rule}]", plan_path, spec
     except Exception as exc:
-        return "import traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
-    plan_path = work / f"{model_type}.yaml"
+        return "import traceback", f"{type(exc).__name__}: {str(exc)[:160]}", plan_path, spec
     plan_path.write_text(text)
     try:
         errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, tp=2) if d.is_error]
     except PlanError as err:
         errors = list(err.diagnostics)
     except Exception as exc:
-        return "validate traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
+        return "validate traceback", f"{type(exc).__name__}: {str(exc)[:160]}", plan_path, spec
     if errors:
-        return "invalid", f"{errors[0].message[:200]} [{errors[0].rule}]"
-    if not verify:
-        return "validated", ""
-    argv = [sys.executable, "-m", "plancc.cli", "apply", plan_path, "--model", spec, "--tp", "2", "--steps", "1"]
-    proc = subprocess.run([*map(str, argv), "--verify"], capture_output=True, text=True, timeout=600)
-    if proc.returncode == 0:
-        return "verified", ""
-    out = (proc.stdout + proc.stderr).splitlines()
-    said = [line for line in out if ": error:" in line or "verify: FAILED" in line or "max relative diff" in line]
-    return "verify failed", " / ".join(said[-2:])[:300] if said else (out[-1] if out else "")[:300]
+        return "invalid", f"{errors[0].message[:200]} [{errors[0].rule}]", plan_path, spec
+    return "validated", "", plan_path, spec
 
 
 def main() -> None:
@@ -133,23 +164,36 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="model types (default: every candidate)")
     parser.add_argument("--no-verify", action="store_true", help="stop after validate")
     parser.add_argument("--markdown", help="also write the table to this file")
+    parser.add_argument("--ep", action="store_true", help="also verify MoE plans at ep=2 and ep=2 x tp=2")
+    parser.add_argument("--skip-tp-verify", action="store_true", help="with --ep: only the expert-parallel runs")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     types = args.only or candidates()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in types:
-            stage, why = sweep_one(model_type, Path(tmp), not args.no_verify)
-            rows.append((model_type, stage, why))
-            print(f"{model_type:<28} {stage:<18} {why}", flush=True)
+            stage, why, ep = sweep_one(
+                model_type, Path(tmp), not args.no_verify, ep=args.ep, tp_verify=not args.skip_tp_verify
+            )
+            if args.ep and not ep:
+                continue  # an expert-parallel sweep lists the MoE plans only
+            rows.append((model_type, stage, why, ep))
+            print(f"{model_type:<28} {stage:<18} {why} {ep}", flush=True)
     counts: dict[str, int] = {}
-    for _, stage, _ in rows:
+    for _, stage, _, ep in rows:
         counts[stage] = counts.get(stage, 0) + 1
+        if ep:
+            key = "ep verified" if "FAILED" not in ep else "ep failed"
+            counts[key] = counts.get(key, 0) + 1
     summary = ", ".join(f"{n} {stage}" for stage, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     print(f"\n{len(rows)} model types: {summary}")
     if args.markdown:
-        table = ["| model type | result | first problem |", "|---|---|---|"]
-        table += [f"| {t} | {s} | {w.replace('|', '/')} |" for t, s, w in rows]
+        if args.ep:
+            table = ["| model type | expert parallelism (apply --verify) |", "|---|---|"]
+            table += [f"| {t} | {e.replace('|', '/')} |" for t, _, _, e in rows]
+        else:
+            table = ["| model type | result | first problem |", "|---|---|---|"]
+            table += [f"| {t} | {s} | {w.replace('|', '/')} |" for t, s, w, _ in rows]
         Path(args.markdown).write_text("\n".join(table) + f"\n\n{len(rows)} model types: {summary}\n")
 
 

@@ -281,7 +281,8 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="moe_experts",
         summary="mixture-of-experts: whole experts spread over tp (experts / tp each), tokens "
-        "routed to another rank's experts skipped, partial outputs all-reduced",
+        "routed to another rank's experts skipped, partial outputs all-reduced; with --ep over "
+        "ep x tp, tokens exchanged by all-to-all",
         factory=ExpertsOverTensorParallel,
         module_kinds=frozenset({ModuleKind.EXPERTS}),
     ),
@@ -352,10 +353,10 @@ HF_UNSUPPORTED: dict[str, str] = {
     "moe_tp_experts": "only with transformers' fused experts (the forward taking hidden_states, "
     "top_k_index, top_k_weights); plancc's 'moe_experts' spreads whole experts over tp",
     "moe_identity_expert": "identity (zero-compute) experts beside routed ones are not supported yet",
-    "grouped_gemm": "expert parallelism over data-parallel ranks (all-to-all dispatch) is not supported yet; "
-    "'moe_experts' spreads experts over tp",
-    "ep_dispatch_experts": "expert parallelism over data-parallel ranks (all-to-all dispatch) is not "
-    "supported yet; 'moe_experts' spreads experts over tp",
+    "grouped_gemm": "expert parallelism is a layout flag in plancc, not a style: give the experts module "
+    "'moe_experts' and run with --ep N (all-to-all dispatch over N data-parallel ranks)",
+    "ep_dispatch_experts": "expert parallelism is a layout flag in plancc, not a style: give the experts "
+    "module 'moe_experts' and run with --ep N (all-to-all dispatch over N data-parallel ranks)",
     "local_params": "locally-sharded parameters without DTensor are not a plancc style",
 }
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)
