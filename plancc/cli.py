@@ -185,11 +185,16 @@ def validate(
             diagnostics += exc.diagnostics
             worst = max(worst, _exit_code(exc))
             continue
+        dry_line, dry_summary = "", None
+        if dry_run and not report.has_errors:
+            # before rendering: the verdict line counts the dry run's findings too
+            dry_line, dry_found, dry_summary = _dry_run(report, seq_len)
+            report = replace(report, diagnostics=report.diagnostics + tuple(dry_found))
         found = list(report.diagnostics)
         summary = report.summary()
-        text = report.render()
-        if dry_run and not report.has_errors:
-            text += "\n" + _dry_run(report, seq_len, found, summary)
+        if dry_summary is not None:
+            summary["dry_run"] = dry_summary
+        text = report.render() + (f"\n{dry_line}" if dry_line else "")
         diagnostics += found
         summaries.append(summary)
         texts.append(text)
@@ -208,17 +213,13 @@ def validate(
         raise typer.Exit(worst)
 
 
-def _dry_run(
-    report: ValidationReport, seq_len: int | None, diagnostics: list[Diagnostic], summary: dict[str, Any]
-) -> str:
-    """Run the dry run of a validated plan; add its findings to ``diagnostics`` and
-    ``summary``; return the line that reports it."""
+def _dry_run(report: ValidationReport, seq_len: int | None) -> tuple[str, list[Diagnostic], dict[str, Any]]:
+    """Run the dry run of a validated plan: (the line that reports it, its findings, its summary)."""
     from .tools.dryrun import dry_run
     from .tools.explain import human_bytes
 
     result = dry_run(report.plan, report.config, report.layout, seq_len=seq_len or 256)
-    diagnostics += list(result.diagnostics)
-    summary["dry_run"] = {
+    summary = {
         "world_size": result.world_size,
         "seconds": round(result.seconds, 2),
         "per_rank_bytes": {
@@ -227,12 +228,13 @@ def _dry_run(
             "adamw_state": result.optimizer_bytes,
         },
     }
-    return (
+    line = (
         f"dry run: {result.world_size} ranks ({result.layout.describe()}) "
         f"fwd+bwd {'ok' if result.ok else 'FAILED'} in {result.seconds:.1f}s; per rank: parameters "
         f"{human_bytes(result.param_bytes)}, gradients {human_bytes(result.grad_bytes)}, "
         f"AdamW state {human_bytes(result.optimizer_bytes)}"
     )
+    return line, list(result.diagnostics), summary
 
 
 @app.command()

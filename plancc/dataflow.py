@@ -87,6 +87,8 @@ class _Recorder(TorchFunctionMode):
         self.calls: list[Read] = []
         self.param_uses: list[Read] = []
         self.param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        # tensors made from parameters alone (``sinks.reshape(...).expand(...)``): which ones
+        self.derived: dict[int, frozenset[str]] = {}
         self.in_leaf = 0
 
     def of(self, value: Any) -> frozenset[str]:
@@ -104,13 +106,25 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         sources = self.of((args, kwargs))
-        if sources and not self.in_leaf:
-            for arg in (*args, *kwargs.values()):
-                if isinstance(arg, nn.Parameter) and id(arg) in self.param_names:
-                    self.param_uses.append(Read(reader=self.param_names[id(arg)], sources=sources))
+        params = self.params_in((args, kwargs)) if not self.in_leaf else frozenset()
         if sources:
+            # a parameter (or a reshaped view of one) meets activations here: its use
+            for name in sorted(params):
+                self.param_uses.append(Read(reader=name, sources=sources))
             self.mark(out, sources)
+        elif params:
+            for t in _tensors(out):
+                self.derived[id(t)] = params
+                self.alive.append(t)
         return out
+
+    def params_in(self, value: Any) -> frozenset[str]:
+        found: set[str] = set()
+        for t in _tensors(value):
+            if isinstance(t, nn.Parameter) and id(t) in self.param_names:
+                found.add(self.param_names[id(t)])
+            found |= self.derived.get(id(t), frozenset())
+        return frozenset(found)
 
 
 class TraceError(Exception):

@@ -172,3 +172,29 @@ def test_validate_dry_run_at_tp_4_ep_8_prints_per_rank_bytes_and_explain_shows_t
     experts = [line for line in out.splitlines() if line.startswith("model.layers.*.mlp.experts")]
     assert experts and all("4x64x64" in row or "4x64x32" in row for row in experts)
     assert all("shard(0) over ep*tp" in row and "shard(0) over 2" in row for row in experts)
+
+
+# --- attention with learned sinks: per-head parameters sharded with the heads --------------
+
+def test_gpt_oss_with_its_sinks_left_whole_fails_validate_with_the_per_head_fix(write_plan):
+    text = (PLANS / "gpt_oss.yaml").read_text().replace("  model.layers.*.self_attn: per_head_params\n", "")
+    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-gpt-oss", tp=2), "sharded-region-params")
+    assert "self_attn (GptOssAttention) has parameters sinks" in d.message
+    assert "'model.layers.*.self_attn: per_head_params'" in d.fix
+
+
+def test_import_hf_maps_local_params_and_drops_hfs_rule_for_the_sinks_themselves(tmp_path):
+    folder = _tiny_folder(tmp_path, "granite_swa")
+    text = import_hf(folder)
+    assert "model.layers.*.self_attn: per_head_params" in text and "sinks" not in text
+    path = tmp_path / "imported.yaml"
+    path.write_text(text)
+    assert not _errors(check_plan(plancc.load_plan(path), folder, tp=2))
+
+
+def test_per_head_params_on_attention_without_parameters_of_its_own_is_an_error(write_plan):
+    text = (PLANS / "qwen3.yaml").read_text().replace(
+        "  model.layers.*.self_attn.o_proj: rowwise\n",
+        "  model.layers.*.self_attn.o_proj: rowwise\n  model.layers.*.self_attn: per_head_params\n", 1)
+    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2), "style-module-kind")
+    assert "has no parameters of its own" in d.message and "drop the rule" in d.fix

@@ -74,11 +74,11 @@ def test_import_hf_leaves_out_rules_that_match_nothing_in_the_config(tmp_path, w
 
 
 def test_import_hf_refuses_styles_it_cannot_map_as_unsupported_style(tmp_path):
-    folder = _tiny_config(tmp_path / "granite_swa", "granite_swa")  # attention sinks: local_params
+    folder = _tiny_config(tmp_path / "inkling_text", "inkling_text")  # shared experts: all_reduce
     with pytest.raises(plancc.PlanError) as refused:
         import_hf(folder)
     (diag,) = refused.value.diagnostics
-    assert diag.rule == "unsupported-style" and "local_params" in diag.message
+    assert diag.rule == "unsupported-style" and "all_reduce (a bare all-reduce" in diag.message
 
 
 def test_an_activation_with_parameters_fails_then_passes_when_fixed(apertus, write_plan):

@@ -24,6 +24,7 @@ from plancc.compiler.styles import (
     GatherSequenceInput,
     LatentKeyValueProjection,
     LeaveWhole,
+    PerHeadParameters,
     RotaryUnderSequenceParallel,
     canonical_style,
     layouts_of,
@@ -54,11 +55,13 @@ DOCUMENTED = {
     "replicate": (LeaveWhole, None, None, None),
     "moe_experts": (ExpertsOverTensorParallel, R, R, True),
     "mla_kv_a_proj": (LatentKeyValueProjection, R, R, True),
+    "per_head_params": (PerHeadParameters, R, R, True),
 }
 HF_ALIASES = {
     "colwise_gather_output": "colwise_rep",
     "rowwise_split_input": "rowwise_rep",
     "replicated_with_grad_allreduce": "qk_norm",
+    "local_params": "per_head_params",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..compiler.attention_styles import own_parameters
 from ..compiler.styles import STYLES, canonical_style
 from .context import CheckContext, Problem, kind_of
 from .example import Example
@@ -30,10 +31,26 @@ EXAMPLES = (
 
 def check(ctx: CheckContext) -> Iterator[Problem]:
     reported: set[tuple[str, str]] = set()
+    # per_head_params on a glob: some layers' attention may have no sinks (sliding-window layers
+    # only); the style passes those by, but a rule whose every module lacks them is a mistake
+    holds_parameters: dict[str, bool] = {}
+    for _, module, rule, _ in ctx.assigned():
+        holds_parameters[rule.pattern] = holds_parameters.get(rule.pattern, False) or bool(own_parameters(module))
     for name, module, rule, _ in ctx.assigned():
         spec = canonical_style(rule.style.name)
         kind = kind_of(module)
-        if kind in spec.module_kinds or (rule.pattern, rule.section) in reported:
+        if (rule.pattern, rule.section) in reported:
+            continue
+        if kind in spec.module_kinds and spec.name == "per_head_params" and not holds_parameters[rule.pattern]:
+            reported.add((rule.pattern, rule.section))
+            yield Problem(
+                loc=rule.loc,
+                message=f"{rule.pattern} ({type(module).__name__}) has no parameters of its own; 'per_head_params' "
+                "shards an attention block's own per-head parameters (learned sinks)",
+                fix="drop the rule (the block's projections carry its sharding)",
+            )
+            continue
+        if kind in spec.module_kinds:
             continue
         reported.add((rule.pattern, rule.section))
         fitting = [s.name for s in STYLES.values() if kind in s.module_kinds and not s.fits_any_module]

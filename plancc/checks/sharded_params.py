@@ -25,7 +25,7 @@ from ..compiler.styles import built_style, canonical_style, layouts_of
 from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Severity
 from ..models import build_meta_model
-from .context import CheckContext, Problem
+from .context import CheckContext, Problem, text_config
 from .example import Example
 
 ID = "sharded-region-params"
@@ -99,12 +99,18 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         rule = ctx.rule_for(producer)
         assert rule is not None  # origins are styled modules
         kind = type(modules[owner]).__name__ if owner in modules else "module"
+        heads = getattr(text_config(ctx.config), "num_attention_heads", None)
+        per_head = owner in modules and all(
+            getattr(modules[owner], p).dim() >= 1 and getattr(modules[owner], p).shape[0] == heads for p in params
+        )
         yield Problem(
             loc=rule.loc,
             message=f"{key} ({kind}) has parameters {', '.join(params)} and reads the tp-sharded "
             f"output of {generalize(producer)} ({rule.style.name}): each rank would form their gradients from its "
             "own shard, so the tp replicas drift apart",
-            fix=f"add '{key}: replicated_with_grad_allreduce' (weights replicated, gradients summed over tp)",
+            fix=f"add '{key}: per_head_params' (one entry per head: sharded with the heads)"
+            if per_head
+            else f"add '{key}: replicated_with_grad_allreduce' (weights replicated, gradients summed over tp)",
         )
 
     for call in flow.calls:

@@ -7,6 +7,9 @@ gradient all-reduced by the colwise style); the rotary key skips ``kv_b_proj`` a
 rank's heads directly, so each rank's gradient of it covers its own heads only. The projection
 stays whole, and the gradient of its rotary slice is summed over tp (transformers' own
 ``mla_kv_a_proj``).
+
+Attention blocks with parameters of their own, one per head (gpt-oss's and Granite-SWA's
+learned sinks), shard them with the heads: ``per_head_params``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh
+from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .expert_styles import sum_gradients_over
+from .expert_styles import local_parameters, sum_gradients_over
 
 
 class LatentKeyValueProjection(ParallelStyle):
@@ -37,4 +40,40 @@ class LatentKeyValueProjection(ParallelStyle):
             return torch.cat([latent, sum_gradients_over(rotary, device_mesh)], dim=-1)
 
         module.register_forward_hook(sum_rotary_gradients)
+        return module
+
+
+def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's bare parameters (not its submodules'): an attention block's per-head sinks."""
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() >= 1]
+
+
+class PerHeadParameters(ParallelStyle):
+    """A head-split attention block's own per-head parameters (gpt-oss-style sinks, one per
+    head) sharded with the heads: ``Shard(0)`` over tp, and the block's forward sees this rank's
+    heads' entries as plain tensors (transformers' ``local_params``).
+
+    Left whole, each rank's attention would meet all heads' sinks with its own heads only (a
+    shape error), or, replicated, form their gradients from its own heads (a partial sum)."""
+
+    def __init__(self, *, src_data_rank: int | None = 0):
+        self.src_data_rank = src_data_rank
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        params = own_parameters(module)
+        if not params:  # a layer without sinks (style-module-kind reports a rule where none has them)
+            return module
+        tp = device_mesh.size()
+        for name, param in params:
+            if param.shape[0] % tp:
+                raise ValueError(f"{type(module).__name__}.{name}: {param.shape[0]} heads do not split over tp={tp}")
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with local_parameters(module):
+                return original(*args, **kwargs)
+
+        module.forward = forward
         return module

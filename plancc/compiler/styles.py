@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from .attention_styles import LatentKeyValueProjection
+from .attention_styles import LatentKeyValueProjection, PerHeadParameters
 from .expert_styles import ExpertsOverTensorParallel, is_experts_module
 
 
@@ -287,6 +287,14 @@ _SPECS: tuple[StyleSpec, ...] = (
         module_kinds=frozenset({ModuleKind.EXPERTS}),
     ),
     StyleSpec(
+        name="per_head_params",
+        summary="an attention block's own per-head parameters (learned sinks) sharded with its heads "
+        "(shard(0) over tp), the block computing with this rank's entries",
+        factory=PerHeadParameters,
+        module_kinds=frozenset({ModuleKind.OTHER}),
+        aliases=("local_params",),
+    ),
+    StyleSpec(
         name="mla_kv_a_proj",
         summary="multi-head latent attention's kv_a_proj_with_mqa: whole, the gradient of its rotary "
         "key (last rope_dim outputs, shared by every head) summed over tp",
@@ -357,7 +365,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "'moe_experts' and run with --ep N (all-to-all dispatch over N data-parallel ranks)",
     "ep_dispatch_experts": "expert parallelism is a layout flag in plancc, not a style: give the experts "
     "module 'moe_experts' and run with --ep N (all-to-all dispatch over N data-parallel ranks)",
-    "local_params": "locally-sharded parameters without DTensor are not a plancc style",
 }
 STYLE_NAMES: tuple[str, ...] = tuple(STYLES) + tuple(ALIASES)
 
@@ -445,6 +452,9 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             local_output=True,
             weight={ModuleKind.EXPERTS: Shard(0)},
         )
+    if isinstance(style, PerHeadParameters):
+        # the block's input and output are the residual stream; its own parameters follow the heads
+        return Layouts(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.OTHER: Shard(0)})
     if isinstance(style, LatentKeyValueProjection):
         return Layouts(
             input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()}

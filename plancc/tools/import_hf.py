@@ -44,7 +44,12 @@ HF_STYLES = {
     # rowwise); plancc spreads whole experts over tp, one rule on the experts module
     "moe_tp_experts": "moe_experts",
     "mla_kv_a_proj": "mla_kv_a_proj",
+    # an attention block's own per-head parameters (sinks), sharded with its heads; HF adds a
+    # rule for each such parameter (``self_attn.sinks: colwise``), which the style covers
+    "local_params": "per_head_params",
 }
+# HF styles whose module's own parameters HF also names one by one; plancc's style covers them
+_OWNS_ITS_PARAMETERS = ("moe_tp_experts", "local_params")
 
 
 def _fsdp_units(model: nn.Module) -> list[str]:
@@ -81,9 +86,10 @@ def import_hf(model_spec: str) -> str:
     names = [*modules, *parameters]
     hf_plan = {glob: style for glob, style in hf_plan.items() if any(glob_matches(glob, n) for n in names)}
     experts = [glob for glob, style in hf_plan.items() if style == "moe_tp_experts"]
+    owners = [glob for glob, style in hf_plan.items() if style in _OWNS_ITS_PARAMETERS]
 
     def weight_rule(glob: str) -> bool:  # HF's rules for the experts' own weights (packed_colwise, ...)
-        under = glob.startswith(tuple(f"{e}." for e in experts))
+        under = glob.startswith(tuple(f"{e}." for e in owners))
         return (
             under and not any(glob_matches(glob, n) for n in modules) and any(glob_matches(glob, n) for n in parameters)
         )
@@ -143,19 +149,17 @@ def import_hf(model_spec: str) -> str:
         plan["fsdp"] = {"units": units}
     header = "# yaml-language-server: $schema=../schemas/plan.schema.json\n"
     text = header + yaml.safe_dump(plan, sort_keys=False, width=120)
-    missing = _grad_allreduce_rules(text, model)
+    missing = _sharded_region_rules(text, model)
     if not missing:
         return text
-    tensor_parallel.update(dict.fromkeys(missing, "replicated_with_grad_allreduce"))
+    tensor_parallel.update(missing)
     return header + yaml.safe_dump(plan, sort_keys=False, width=120)
 
 
-def _grad_allreduce_rules(text: str, model: nn.Module) -> list[str]:
-    """Globs of modules with parameters that the plan leaves whole in a tp-sharded region (what
-    the sharded-region-params check reports at tp=2; its fix names the rule to add)."""
+def _sharded_region_rules(text: str, model: nn.Module) -> dict[str, str]:
+    """glob -> style for the modules with parameters that the plan leaves whole in a tp-sharded
+    region (what the sharded-region-params check reports at tp=2; its fix names the rule to
+    add: ``add 'GLOB: STYLE' ...``)."""
     found = check_plan(parse_plan(text, "<import-hf>"), model, tp=2)
-    return [
-        d.fix.split("'")[1].rpartition(":")[0]
-        for d in found
-        if d.rule == "sharded-region-params" and d.is_error and d.fix
-    ]
+    rules = [d.fix.split("'")[1] for d in found if d.rule == "sharded-region-params" and d.is_error and d.fix]
+    return {glob: style.strip() for glob, _, style in (rule.rpartition(":") for rule in rules)}
