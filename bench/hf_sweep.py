@@ -54,6 +54,9 @@ TINY = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
+    # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-MoE-DSA): few, small heads
+    "index_n_heads": 4,
+    "index_head_dim": 16,
 }
 
 
@@ -75,6 +78,22 @@ def candidates() -> list[str]:
     return found
 
 
+# multimodal decoders build their vision/audio towers too (Phi-4-multimodal's are ~0.8B
+# parameters): one small block each; a text-only forward never runs them
+TOWER = {"num_hidden_layers": 1, "num_blocks": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+
+
+def _shrink_towers(config: object) -> None:
+    from transformers import PretrainedConfig
+
+    for name in ("vision_config", "audio_config", "speech_config"):
+        tower = getattr(config, name, None)
+        if isinstance(tower, PretrainedConfig):
+            for key, value in TOWER.items():
+                if isinstance(getattr(tower, key, None), int):
+                    setattr(tower, key, value)
+
+
 def tiny_config(model_type: str, folder: Path) -> str:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -85,10 +104,33 @@ def tiny_config(model_type: str, folder: Path) -> str:
         # multi-head latent attention rotates qk_rope_head_dim features (transformers sets
         # head_dim to it): a separate head_dim would make a config no real model has
         fields["head_dim"] = fields["qk_rope_head_dim"]
+    if "kv_lora_rank" in fields and "num_key_value_heads" in fields:
+        # MLA expands its latent into one key per head: real MLA configs have as many KV heads
+        # as heads (DeepSeek-V3.2's attention fails with fewer, with or without plancc)
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
     config = AutoConfig.for_model(model_type, **fields)
+    _shrink_towers(config)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     config.save_pretrained(folder)
     return str(folder)
+
+
+_FORWARD = """
+import resource, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a tiny model needs far less
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))
+model(input_ids=torch.randint(0, 256, (1, 16)))
+"""
+
+
+def _unsharded_forward_fails(folder: str) -> str:
+    """Why one forward of the unsharded tiny model fails (in its own process, memory-capped), or ''."""
+    proc = subprocess.run([sys.executable, "-c", _FORWARD, folder], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return ""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit {proc.returncode}"
 
 
 def _verify(plan_path: Path, spec: str, nproc: int, *layout: str) -> tuple[bool, str]:
@@ -138,6 +180,9 @@ def _through_validate(model_type: str, work: Path) -> tuple[str, str, Path, str]
         spec = tiny_config(model_type, folder)
     except Exception as exc:
         return "config", f"{type(exc).__name__}: {str(exc)[:160]}", plan_path, ""
+    broken = _unsharded_forward_fails(spec)
+    if broken:  # the tiny config itself does not run: nothing plancc could be blamed for
+        return "config", f"the unsharded tiny model fails: {broken[:200]}", plan_path, spec
     try:
         text = import_hf(spec)
     except PlanError as err:

@@ -152,6 +152,12 @@ _TINY: tuple[Preset, ...] = (
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
+    Preset(
+        name="tiny-doge",
+        architecture="DogeForCausalLM",
+        summary="2-layer Doge (a per-head dynamic mask made by dt_proj, a learned A per KV head)",
+        config=_tiny("doge", "DogeForCausalLM", is_moe=False),
+    ),
 )
 
 

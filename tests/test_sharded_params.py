@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from transformers import AutoConfig
 
 import plancc
@@ -118,3 +119,19 @@ def test_a_forward_that_cannot_run_on_meta_is_a_warning_not_a_pass(monkeypatch, 
     config = plancc.models.load_config("tiny-qwen3")  # a config, so no skeleton carries a flow
     diags = [d for d in check_plan(plancc.load_plan(QWEN3), config, tp=2) if d.rule == "sharded-region-params"]
     assert len(diags) == 1 and not diags[0].is_error and "could not be traced" in diags[0].message
+
+
+def test_a_per_head_output_all_reduced_fails_validate_and_import_hf_writes_both_fixes(tmp_path):
+    """Doge: transformers' plan all-reduces dt_proj (one dynamic-mask entry per KV head) inside
+    head-split attention -- a shape error at run time after a clean validate, before this rule."""
+    folder = _tiny_config(tmp_path / "doge", "doge", head_dim=16, is_moe=False)
+    text = import_hf(folder)
+    plan = yaml.safe_load(text)["tensor_parallel"]
+    assert plan["model.layers.*.self_attn.dt_proj"] == {"style": "rowwise", "output_layouts": "shard(-1)"}
+    assert plan["model.layers.*.self_attn"] == "per_head_params"  # its A, one per KV head, follows
+    path = tmp_path / "imported.yaml"
+    path.write_text(text)
+    assert [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error] == []
+    path.write_text(text.replace("style: rowwise\n    output_layouts: shard(-1)", "style: rowwise"))
+    (found,) = [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error]
+    assert found.rule == "per-head-output" and "dt_proj" in found.message

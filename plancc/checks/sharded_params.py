@@ -99,9 +99,10 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         rule = ctx.rule_for(producer)
         assert rule is not None  # origins are styled modules
         kind = type(modules[owner]).__name__ if owner in modules else "module"
-        heads = getattr(text_config(ctx.config), "num_attention_heads", None)
+        config = text_config(ctx.config)
+        heads = {getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)} - {None}
         per_head = owner in modules and all(
-            getattr(modules[owner], p).dim() >= 1 and getattr(modules[owner], p).shape[0] == heads for p in params
+            getattr(modules[owner], p).dim() >= 1 and getattr(modules[owner], p).shape[0] in heads for p in params
         )
         yield Problem(
             loc=rule.loc,

@@ -110,13 +110,14 @@ def _replicas_identical(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
 
 
 def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[str]]:
-    """A copy of ``config`` with every dropout probability 0, and the fields that were not."""
+    """A copy of ``config`` with every dropout probability and router jitter 0 (both draw random
+    numbers, which a data-parallel rank draws for its own rows only), and the fields that were not."""
     config = copy.deepcopy(config)
     dropped = []
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for cfg in {id(c): c for c in (config, text)}.values():
         for key, value in vars(cfg).items():
-            is_rate = "dropout" in key or key.endswith("pdrop")
+            is_rate = "dropout" in key or key.endswith(("pdrop", "jitter_noise"))
             if is_rate and isinstance(value, float) and value > 0:
                 setattr(cfg, key, 0.0)
                 dropped.append(f"{key}={value:g}")

@@ -149,17 +149,24 @@ def import_hf(model_spec: str) -> str:
         plan["fsdp"] = {"units": units}
     header = "# yaml-language-server: $schema=../schemas/plan.schema.json\n"
     text = header + yaml.safe_dump(plan, sort_keys=False, width=120)
-    missing = _sharded_region_rules(text, model)
-    if not missing:
-        return text
-    tensor_parallel.update(missing)
-    return header + yaml.safe_dump(plan, sort_keys=False, width=120)
+    # HF's plans leave some parameters in tp-sharded regions (sharded-region-params) and some
+    # per-head outputs all-reduced (per-head-output); the checks' fixes name the rule to write,
+    # and one fix can uncover the next (a per-head output sharded: the parameter it meets)
+    for _ in range(3):
+        missing = _rules_the_checks_ask_for(text, model)
+        if not missing:
+            break
+        tensor_parallel.update(missing)
+        text = header + yaml.safe_dump(plan, sort_keys=False, width=120)
+    return text
 
 
-def _sharded_region_rules(text: str, model: nn.Module) -> dict[str, str]:
-    """glob -> style for the modules with parameters that the plan leaves whole in a tp-sharded
-    region (what the sharded-region-params check reports at tp=2; its fix names the rule to
-    add: ``add 'GLOB: STYLE' ...``)."""
+_FIXABLE = ("sharded-region-params", "per-head-output")
+
+
+def _rules_the_checks_ask_for(text: str, model: nn.Module) -> dict[str, Any]:
+    """glob -> style for what the plan gets wrong at tp=2 that a check's fix spells out as a
+    rule (``'GLOB: STYLE'``, the style a name or a flow mapping)."""
     found = check_plan(parse_plan(text, "<import-hf>"), model, tp=2)
-    rules = [d.fix.split("'")[1] for d in found if d.rule == "sharded-region-params" and d.is_error and d.fix]
-    return {glob: style.strip() for glob, _, style in (rule.rpartition(":") for rule in rules)}
+    rules = [yaml.safe_load(d.fix.split("'")[1]) for d in found if d.rule in _FIXABLE and d.is_error and d.fix]
+    return {glob: style for rule in rules for glob, style in rule.items()}
