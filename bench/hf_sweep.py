@@ -220,8 +220,8 @@ def main() -> None:
             stage, why, ep = sweep_one(
                 model_type, Path(tmp), not args.no_verify, ep=args.ep, tp_verify=not args.skip_tp_verify
             )
-            if args.ep and not ep:
-                continue  # an expert-parallel sweep lists the MoE plans only
+            if args.skip_tp_verify and not ep:
+                continue  # an expert-parallel-only sweep lists the MoE plans only
             rows.append((model_type, stage, why, ep))
             print(f"{model_type:<28} {stage:<18} {why} {ep}", flush=True)
     counts: dict[str, int] = {}
@@ -233,9 +233,12 @@ def main() -> None:
     summary = ", ".join(f"{n} {stage}" for stage, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     print(f"\n{len(rows)} model types: {summary}")
     if args.markdown:
-        if args.ep:
+        if args.skip_tp_verify:
             table = ["| model type | expert parallelism (apply --verify) |", "|---|---|"]
             table += [f"| {t} | {e.replace('|', '/')} |" for t, _, _, e in rows]
+        elif args.ep:
+            table = ["| model type | result (tp=2) | first problem | expert parallelism |", "|---|---|---|---|"]
+            table += [f"| {t} | {s} | {w.replace('|', '/')} | {e.replace('|', '/')} |" for t, s, w, e in rows]
         else:
             table = ["| model type | result | first problem |", "|---|---|---|"]
             table += [f"| {t} | {s} | {w.replace('|', '/')} |" for t, s, w, _ in rows]
