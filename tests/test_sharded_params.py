@@ -51,10 +51,9 @@ def test_the_shipped_plan_passes_and_tp1_has_nothing_to_sum():
 
 
 def _tiny_config(folder, model_type, **extra):
-    config = AutoConfig.for_model(
-        model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, **extra,
-    )
+    sizes = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256)
+    config = AutoConfig.for_model(model_type, **{**sizes, **extra})
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     config.save_pretrained(folder)
     return str(folder)
@@ -135,3 +134,31 @@ def test_a_per_head_output_all_reduced_fails_validate_and_import_hf_writes_both_
     path.write_text(text.replace("style: rowwise\n    output_layouts: shard(-1)", "style: rowwise"))
     (found,) = [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error]
     assert found.rule == "per-head-output" and "dt_proj" in found.message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hf_fused_projections_and_a_per_head_output_train_exactly_at_tp2(tmp_path):
+    """The CI's representatives of two families of the sweep (bench/hf_sweep.py): Phi-3's fused
+    qkv_proj / gate_up_proj (transformers plans them gather-output colwise) and Doge with the
+    two fixes import-hf writes -- each imported plan equal to the unsharded model at tp=2."""
+    from plancc.job.verify import VerifyReport, within_tolerance
+
+    from .distributed import launch
+    from .numerics_worker import verify_cases
+
+    cases = []
+    for model_type, extra in (("phi3", {"pad_token_id": 0, "num_hidden_layers": 3}), ("doge", {"head_dim": 16, "is_moe": False})):
+        folder = _tiny_config(tmp_path / model_type, model_type, **extra)
+        plan = tmp_path / f"{model_type}.yaml"
+        plan.write_text(import_hf(folder))
+        cases.append((str(plan), folder, 1, 2, False))
+    results = launch(verify_cases, 2, cases)
+    for rank, reports in results.items():
+        for i, case in enumerate(cases):
+            report = reports[i]
+            assert "error" not in report, report.get("trace")
+            # --verify's own bars: fp32's, or twice the model's own fp32-vs-fp64 error where that
+            # is larger (Doge's dynamic mask: exp of a softplus, 3e-5 in fp32 alone)
+            assert within_tolerance(VerifyReport(**report)), f"rank {rank} {case}: {report}"
+            assert report["replicas_identical"] and report["params_compared"] >= 15
