@@ -10,29 +10,39 @@ from .distributed import init_gloo
 def verify_cases(cases):
     """cases: [(plan_path, preset, dp, tp, sequence_parallel)] or
     [(plan_path, preset, dp, cp, tp, sequence_parallel)] -> {case index: report dict}."""
+
+    def layout(case):
+        plan_path, preset, dp, *sizes, sp = case
+        cp, tp = sizes if len(sizes) == 2 else (1, sizes[0])
+        return plan_path, preset, dict(dp=dp, cp=cp, tp=tp), dict(sequence_parallel=sp)
+
+    return _verify_each(cases, layout)
+
+
+def _verify_each(cases, layout):
+    """Each case against the unsharded model on this gloo group; ``layout(case)`` ->
+    (plan path, model, build_mesh sizes, verify_against_unsharded options). A failing case is
+    reported and the others still run."""
     import torch.distributed as dist
 
     import plancc
-    from plancc.runtime.mesh import build_mesh
     from plancc.job.verify import verify_against_unsharded
+    from plancc.runtime.mesh import build_mesh
 
     init_gloo()
     out = {}
     try:
         for i, case in enumerate(cases):
-            plan_path, preset, dp, *sizes, sp = case
-            cp, tp = sizes if len(sizes) == 2 else (1, sizes[0])
+            plan_path, preset, sizes, options = layout(case)
             try:
-                mesh = build_mesh(dp=dp, cp=cp, tp=tp, device_type="cpu")
-                report = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=sp)
-                out[i] = report.as_dict()
+                mesh = build_mesh(**sizes, device_type="cpu")
+                out[i] = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh, **options).as_dict()
             except Exception as exc:  # report per case; other cases still run
                 out[i] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
                 dist.barrier()
     finally:
         dist.destroy_process_group()
     return out
-
 
 def cpu_offload_matches(plan_path, preset):
     """parallelize(..., cpu_offload=True): logits and gradients still match the unsharded model."""
@@ -204,22 +214,4 @@ def decoder_called_directly(cases, cp=1):
 def verify_ep_cases(cases):
     """cases: [(plan_path, preset, dp, tp, ep)] -> {case index: report dict}: expert parallelism
     (experts over ep x tp, tokens by all-to-all) against the unsharded model."""
-    import torch.distributed as dist
-
-    import plancc
-    from plancc.job.verify import verify_against_unsharded
-    from plancc.runtime.mesh import build_mesh
-
-    init_gloo()
-    out = {}
-    try:
-        for i, (plan_path, preset, dp, tp, ep) in enumerate(cases):
-            try:
-                mesh = build_mesh(dp=dp, tp=tp, device_type="cpu")
-                out[i] = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh, ep=ep).as_dict()
-            except Exception as exc:  # report per case; other cases still run
-                out[i] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
-                dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return out
+    return _verify_each(cases, lambda c: (c[0], c[1], dict(dp=c[2], tp=c[3]), dict(ep=c[4])))

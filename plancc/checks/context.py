@@ -70,6 +70,13 @@ class CheckContext:
         return self.plan.loc
 
 
+def head_counts(config: PretrainedConfig) -> set[int]:
+    """The config's numbers of attention heads and of key/value heads (what "one per head" can mean)."""
+    text = text_config(config)
+    counts = (getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None))
+    return {int(n) for n in counts if n is not None}
+
+
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     """The decoder config of multimodal wrappers, or the config itself."""
     get = getattr(config, "get_text_config", None)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from torch.distributed.tensor import Replicate, Shard
 
 from ..compiler.styles import ModuleKind
-from .context import CheckContext, Problem, kind_of, text_config
+from .context import CheckContext, Problem, head_counts, kind_of
 from .example import Example
 
 ID = "per-head-output"
@@ -60,8 +60,7 @@ def _heads_split(ctx: CheckContext, block: str) -> bool:
 def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.tp == 1:
         return
-    config = text_config(ctx.config)
-    heads = {getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)} - {None}
+    heads = head_counts(ctx.config)
     reported: set[str] = set()
     for name, module, rule, lay in ctx.assigned():
         weight = getattr(module, "weight", None)  # a skeleton's Linear has its weight's shape only

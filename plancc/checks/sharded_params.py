@@ -25,7 +25,7 @@ from ..compiler.styles import built_style, canonical_style, layouts_of
 from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Severity
 from ..models import build_meta_model
-from .context import CheckContext, Problem, text_config
+from .context import CheckContext, Problem, head_counts
 from .example import Example
 
 ID = "sharded-region-params"
@@ -99,8 +99,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         rule = ctx.rule_for(producer)
         assert rule is not None  # origins are styled modules
         kind = type(modules[owner]).__name__ if owner in modules else "module"
-        config = text_config(ctx.config)
-        heads = {getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)} - {None}
+        heads = head_counts(ctx.config)
         per_head = owner in modules and all(
             getattr(modules[owner], p).dim() >= 1 and getattr(modules[owner], p).shape[0] in heads for p in params
         )
