@@ -13,7 +13,10 @@ arithmetic), with a provenance set on every tensor:
 - every other operation gives its outputs the union of its inputs' provenance, so residual
   adds, reshapes, masks and rotary products pass it on;
 - each leaf call is recorded with the provenance of its inputs, and each parameter used by a
-  non-leaf module directly (attention sinks, say) with the provenance of what it met.
+  non-leaf module directly (attention sinks, say) with the provenance of what it met;
+- a leaf output that is split on its last dim as it comes out (``gate, up = gate_up_proj(x)
+  .chunk(2, -1)``, or sliced as Phi-3 slices its ``qkv``) is recorded with the parts' widths:
+  it is a packed projection, which plain colwise shards wrong.
 
 Only the wiring is kept, not the tensors; skeletons of the built-in presets ship it
 (``plancc.skeleton``), so validating a preset does not need transformers to run this.
@@ -55,16 +58,59 @@ class Read:
 class Flow:
     calls: tuple[Read, ...]  # leaf-module calls, in the order the forward made them
     param_uses: tuple[Read, ...]  # parameters used directly by non-leaf modules
+    # leaf -> the widths its output was split into on the last dim, in the order taken
+    splits: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # leaf -> the leaves whose output it took as it came out (not a product of it)
+    feeds: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def split_of(self, leaf: str) -> tuple[int, ...]:
+        return next((parts for name, parts in self.splits if name == leaf), ())
+
+    def fed_by(self, leaf: str) -> tuple[str, ...]:
+        return next((producers for name, producers in self.feeds if name == leaf), ())
 
     def to_json(self) -> dict[str, Any]:
-        return {"calls": [r.to_json() for r in self.calls], "param_uses": [r.to_json() for r in self.param_uses]}
+        return {
+            "calls": [r.to_json() for r in self.calls],
+            "param_uses": [r.to_json() for r in self.param_uses],
+            "splits": {name: list(parts) for name, parts in self.splits},
+            "feeds": {name: list(producers) for name, producers in self.feeds},
+        }
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Flow:
         return cls(
             calls=tuple(Read.from_json(e) for e in record["calls"]),
             param_uses=tuple(Read.from_json(e) for e in record["param_uses"]),
+            splits=tuple((name, tuple(parts)) for name, parts in record.get("splits", {}).items()),
+            feeds=tuple((name, tuple(producers)) for name, producers in record.get("feeds", {}).items()),
         )
+
+
+_SPLITS = {
+    torch.chunk,
+    torch.split,
+    torch.tensor_split,
+    torch.Tensor.chunk,
+    torch.Tensor.split,
+    torch.Tensor.tensor_split,
+}
+
+
+def _last_dim_split(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> tuple[int, ...]:
+    """The widths of the pieces ``func`` cut off its input's last dim (empty: not such a cut)."""
+    source = args[0]
+    if func in _SPLITS:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if isinstance(dim, int) and dim in (-1, source.dim() - 1) and isinstance(out, (list, tuple)):
+            return tuple(int(t.shape[-1]) for t in out)
+    elif func is torch.Tensor.__getitem__ and isinstance(args[1], tuple) and args[1]:
+        *before, last = args[1]
+        cuts_last_dim = isinstance(last, slice) and last != slice(None)
+        keeps_the_rest = all(b is Ellipsis or b == slice(None) for b in before)
+        if cuts_last_dim and keeps_the_rest and (Ellipsis in before or len(args[1]) == source.dim()):
+            return (int(out.shape[-1]),)
+    return ()
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -90,6 +136,9 @@ class _Recorder(TorchFunctionMode):
         # tensors made from parameters alone (``sinks.reshape(...).expand(...)``): which ones
         self.derived: dict[int, frozenset[str]] = {}
         self.in_leaf = 0
+        self.outputs: dict[int, str] = {}  # a leaf's output tensors, as they came out
+        self.splits: dict[str, tuple[int, ...]] = {}
+        self.feeds: dict[str, tuple[str, ...]] = {}
 
     def of(self, value: Any) -> frozenset[str]:
         found: set[str] = set()
@@ -105,6 +154,12 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self.in_leaf and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.outputs:
+            parts = _last_dim_split(func, args, kwargs, out)
+            if parts:
+                leaf = self.outputs[id(args[0])]
+                # slicing adds a piece at a time; one chunk/split gives them all
+                self.splits[leaf] = parts if func in _SPLITS else self.splits.get(leaf, ()) + parts
         sources = self.of((args, kwargs))
         params = self.params_in((args, kwargs)) if not self.in_leaf else frozenset()
         if sources:
@@ -171,6 +226,9 @@ def trace(model: nn.Module) -> Flow:
 
         def hook(_m: nn.Module, args: Any, kwargs: Any) -> None:
             recorder.calls.append(Read(reader=name, sources=recorder.of((args, kwargs)), params=own))
+            whole = tuple(recorder.outputs[id(t)] for t in _tensors((args, kwargs)) if id(t) in recorder.outputs)
+            if whole:
+                recorder.feeds[name] = tuple(dict.fromkeys(recorder.feeds.get(name, ()) + whole))
             recorder.in_leaf += 1
 
         return hook
@@ -179,6 +237,8 @@ def trace(model: nn.Module) -> Flow:
         def hook(_m: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
             recorder.in_leaf -= 1
             recorder.mark(output, frozenset({name}))
+            if isinstance(output, torch.Tensor):
+                recorder.outputs[id(output)] = name
 
         return hook
 
@@ -195,7 +255,12 @@ def trace(model: nn.Module) -> Flow:
     finally:
         for handle in handles:
             handle.remove()
-    return Flow(calls=tuple(recorder.calls), param_uses=tuple(recorder.param_uses))
+    return Flow(
+        calls=tuple(recorder.calls),
+        param_uses=tuple(recorder.param_uses),
+        splits=tuple(recorder.splits.items()),
+        feeds=tuple(recorder.feeds.items()),
+    )
 
 
 def recorded_flow(model: nn.Module) -> Flow | None:

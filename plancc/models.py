@@ -153,6 +153,12 @@ _TINY: tuple[Preset, ...] = (
         ),
     ),
     Preset(
+        name="tiny-phi3",
+        architecture="Phi3ForCausalLM",
+        summary="2-layer Phi-3 (fused qkv_proj and gate_up_proj)",
+        config=_tiny("phi3", "Phi3ForCausalLM", pad_token_id=0),
+    ),
+    Preset(
         name="tiny-doge",
         architecture="DogeForCausalLM",
         summary="2-layer Doge (a per-head dynamic mask made by dt_proj, a learned A per KV head)",
@@ -187,6 +193,7 @@ _DEFAULT_FOR_ARCHITECTURE = {
     "MixtralForCausalLM": "mixtral-8x7b",
     "DeepseekV3ForCausalLM": "deepseek-v3",
     "GptOssForCausalLM": "gpt-oss-120b",
+    "Phi3ForCausalLM": "phi-3-mini-4k",
 }
 
 

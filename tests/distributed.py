@@ -38,6 +38,7 @@ _PRELOAD = [
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
     "transformers.models.gemma3.modeling_gemma3",
+    "transformers.models.phi3.modeling_phi3",
     "plancc",
     "plancc.job.verify",
     "plancc.runtime.logprobs",

@@ -215,3 +215,57 @@ def verify_ep_cases(cases):
     """cases: [(plan_path, preset, dp, tp, ep)] -> {case index: report dict}: expert parallelism
     (experts over ep x tp, tokens by all-to-all) against the unsharded model."""
     return _verify_each(cases, lambda c: (c[0], c[1], dict(dp=c[2], tp=c[3]), dict(ep=c[4])))
+
+
+def packed_projections_match(blocks_cases):
+    """A fused projection split by its consumer (``packed_colwise``) and read whole by another
+    (``packed_rowwise``), over every rank as one tp group, against the same module unsharded
+    (fp64): {blocks: (output max |diff|, worst gradient max |diff|)}."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from plancc.compiler.packed_styles import PackedColwise, PackedRowwise
+    from plancc.compiler.styles import STYLES
+
+    _, world = init_gloo()
+    mesh = init_device_mesh("cpu", (world,))
+
+    class Fused(nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.blocks = blocks
+            self.up = nn.Linear(6, blocks * 2 * world, dtype=torch.float64)
+            self.down = nn.Linear(2 * world, 6, dtype=torch.float64)
+            self.back = nn.Linear(blocks * 2 * world, 6, dtype=torch.float64)
+
+        def forward(self, x):
+            h = self.up(x)
+            first, second, *rest = h.chunk(self.blocks, dim=-1)
+            act = first * torch.nn.functional.silu(second) + sum(rest, torch.zeros_like(first))
+            return self.down(act) + self.back(h)
+
+    out = {}
+    for blocks in blocks_cases:
+        torch.manual_seed(blocks)
+        whole = Fused(blocks)
+        sharded = copy.deepcopy(whole)
+        parallelize_module(
+            sharded,
+            mesh,
+            {"up": PackedColwise(blocks=blocks), "down": STYLES["rowwise"].build(), "back": PackedRowwise(blocks=blocks)},
+        )
+        x = torch.randn(3, 5, 6, dtype=torch.float64)
+        want, got = whole(x), sharded(x)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        worst = 0.0
+        for (name, p), q in zip(whole.named_parameters(), sharded.parameters(), strict=True):
+            g = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+            worst = max(worst, (g - p.grad).abs().max().item())
+        out[blocks] = ((got - want).abs().max().item(), worst)
+    return out

@@ -37,7 +37,7 @@ CASES = {
     "duplicate-key": (GOOD + "  model.layers.*.self_attn.q_proj: rowwise\n", "duplicate-key", 7),
     "unknown-top-key": (GOOD + "tensor_paralel: {}\n", "unknown-key", 7),
     "unknown-style": (GOOD.replace("q_proj: colwise", "q_proj: colwsie"), "unknown-style", 5),
-    "hf-style-not-supported": (GOOD.replace("q_proj: colwise", "q_proj: packed_colwise"), "unsupported-style", 5),
+    "hf-style-not-supported": (GOOD.replace("q_proj: colwise", "q_proj: all_reduce"), "unsupported-style", 5),
     "wrong-type-architectures": (GOOD.replace("[Qwen3ForCausalLM]", "Qwen3ForCausalLM"), "wrong-type", 3),
     "missing-key": (GOOD.replace("name: tiny\n", ""), "missing-key", 1),
     "unsupported-version": (GOOD.replace("plancc: 1", "plancc: 2"), "unsupported-version", 1),

@@ -114,7 +114,7 @@ def test_a_forward_that_cannot_run_on_meta_is_a_warning_not_a_pass(monkeypatch, 
     def refuse(model):
         raise dataflow.TraceError("RuntimeError: data-dependent op on meta")
 
-    monkeypatch.setattr("plancc.checks.sharded_params.trace", refuse)
+    monkeypatch.setattr("plancc.checks.context.trace", refuse)
     config = plancc.models.load_config("tiny-qwen3")  # a config, so no skeleton carries a flow
     diags = [d for d in check_plan(plancc.load_plan(QWEN3), config, tp=2) if d.rule == "sharded-region-params"]
     assert len(diags) == 1 and not diags[0].is_error and "could not be traced" in diags[0].message

@@ -23,7 +23,8 @@ SHIPPED = sorted(p.name for p in resources.files("plancc").joinpath("presets", "
 PLAN_OF = {"Qwen3ForCausalLM": "qwen3.yaml", "Qwen2ForCausalLM": "qwen3.yaml", "LlamaForCausalLM": "llama.yaml",
            "Gemma3ForCausalLM": "gemma3.yaml", "Qwen3MoeForCausalLM": "qwen3_moe.yaml",
            "MixtralForCausalLM": "mixtral.yaml", "DeepseekV3ForCausalLM": "deepseek_v3.yaml",
-           "GptOssForCausalLM": "gpt_oss.yaml", "DogeForCausalLM": "qwen3.yaml"}
+           "GptOssForCausalLM": "gpt_oss.yaml", "DogeForCausalLM": "qwen3.yaml",
+           "Phi3ForCausalLM": "phi3.yaml"}
 LAYOUTS = [
     dict(tp=1),
     dict(tp=2, sequence_parallel=True, seq_len=34),  # an odd SP length: sequence-length

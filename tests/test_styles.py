@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from plancc.compiler.packed_styles import PackedColwise, PackedRowwise
 from plancc.compiler.plan import parse_plan
 from plancc.compiler.schema import plan_schema
 from plancc.compiler.styles import (
@@ -43,6 +44,9 @@ DOCUMENTED = {
     "rowwise": (RowwiseParallel, SL, R, True),
     "rowwise_rep": (RowwiseParallel, R, R, True),
     "rowwise_seq": (RowwiseParallel, SL, S1, True),
+    # the output each rank's 1/tp of every block; declared as colwise's, regrouped by all-to-all
+    "packed_colwise": (PackedColwise, R, SL, True),
+    "packed_rowwise": (PackedRowwise, SL, R, True),
     "embedding_rowwise": (RowwiseParallel, R, R, True),
     "embedding_seq": (RowwiseParallel, R, S1, True),
     "sequence_parallel": (SequenceParallel, S1, S1, True),
@@ -87,7 +91,7 @@ layouts = st.one_of(st.just("replicate"), st.integers(-3, 3).map(lambda d: f"sha
 def test_mapping_form_overrides_reach_the_torch_style(name, data):
     spec = STYLES[name]
     keys = data.draw(st.sets(st.sampled_from(sorted(spec.overridable)), min_size=1))
-    kinds = {"use_local_output": st.booleans(), "rope_dim": st.integers(1, 512)}
+    kinds = {"use_local_output": st.booleans(), "rope_dim": st.integers(1, 512), "blocks": st.integers(2, 8)}
     values = {k: data.draw(kinds.get(k, layouts)) for k in keys}
     body = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
     plan = parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {{style: {name}, {body}}}\n")

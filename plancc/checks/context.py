@@ -12,8 +12,10 @@ from torch import nn
 from ..compiler.plan import Plan, Rule
 from ..compiler.resolve import ResolvedPlan
 from ..compiler.styles import Layouts, ModuleKind, built_style, layouts_of, module_kind
+from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Diagnostic, Severity, SourceLoc
 from ..layout import Layout
+from ..models import build_meta_model
 
 if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan
     from transformers import PretrainedConfig
@@ -85,3 +87,17 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
 
 def kind_of(module: nn.Module) -> ModuleKind:
     return module_kind(module)
+
+
+def flow_of(ctx: CheckContext) -> Flow | str:
+    """The model's recorded wiring, or why it could not be recorded."""
+    flow = recorded_flow(ctx.model)
+    if flow is not None:
+        return flow
+    on_meta = all(p.is_meta for p in ctx.model.parameters())
+    try:
+        flow = trace(ctx.model if on_meta else build_meta_model(ctx.config))
+    except TraceError as exc:
+        return str(exc)
+    remember(ctx.model, flow)
+    return flow

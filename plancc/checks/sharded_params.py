@@ -22,10 +22,8 @@ from torch.distributed.tensor import Shard
 
 from ..compiler.globs import generalize
 from ..compiler.styles import built_style, canonical_style, layouts_of
-from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Severity
-from ..models import build_meta_model
-from .context import CheckContext, Problem, head_counts
+from .context import CheckContext, Problem, flow_of, head_counts
 from .example import Example
 
 ID = "sharded-region-params"
@@ -42,20 +40,6 @@ EXAMPLES = (
         ),
     ),
 )
-
-
-def _flow(ctx: CheckContext) -> Flow | str:
-    """The model's recorded wiring, or why it could not be recorded."""
-    flow = recorded_flow(ctx.model)
-    if flow is not None:
-        return flow
-    on_meta = all(p.is_meta for p in ctx.model.parameters())
-    try:
-        flow = trace(ctx.model if on_meta else build_meta_model(ctx.config))
-    except TraceError as exc:
-        return str(exc)
-    remember(ctx.model, flow)
-    return flow
 
 
 def _shards_features(ctx: CheckContext, name: str) -> bool:
@@ -75,7 +59,7 @@ def _left_whole(ctx: CheckContext, name: str) -> bool:
 def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.resolved is None or ctx.tp == 1:
         return
-    flow = _flow(ctx)
+    flow = flow_of(ctx)
     if isinstance(flow, str):
         yield Problem(
             loc=ctx.plan.loc,

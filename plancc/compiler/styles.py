@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from .attention_styles import LatentKeyValueProjection, PerHeadParameters
 from .expert_styles import ExpertsOverTensorParallel, is_experts_module
+from .packed_styles import PackedColwise, PackedRowwise
 
 
 class ModuleKind(StrEnum):
@@ -243,6 +244,21 @@ _SPECS: tuple[StyleSpec, ...] = (
         overridable=_LINEAR_OVERRIDES,
     ),
     StyleSpec(
+        name="packed_colwise",
+        summary="colwise for a fused projection whose output holds `blocks` projections (gate_up_proj): "
+        "each rank gets its 1/tp of every block (one all-to-all of the output)",
+        factory=PackedColwise,
+        module_kinds=frozenset({ModuleKind.LINEAR}),
+        overridable=frozenset({"blocks", "input_layouts"}),
+    ),
+    StyleSpec(
+        name="packed_rowwise",
+        summary="rowwise whose input comes per block from a packed_colwise producer, unsplit",
+        factory=PackedRowwise,
+        module_kinds=frozenset({ModuleKind.LINEAR}),
+        overridable=frozenset({"blocks", "output_layouts"}),
+    ),
+    StyleSpec(
         name="embedding_rowwise",
         summary="vocab-parallel embedding: rows (vocab) sharded, lookups all-reduced",
         factory=RowwiseParallel,
@@ -352,9 +368,6 @@ ALIASES: dict[str, str] = {alias: spec.name for spec in _SPECS for alias in spec
 # transformers' tp_plan names that plancc does not take, and why: a user pasting an HF plan
 # must not be steered to the nearest-looking name when that name would shard differently.
 HF_UNSUPPORTED: dict[str, str] = {
-    "packed_colwise": "fused projections (e.g. gate_up_proj) need each half sharded on its own; "
-    "plain 'colwise' would give one rank all of gate and the other all of up",
-    "packed_rowwise": "fused projections need each half sharded on its own; plain 'rowwise' would not",
     "embedding_colwise": "an embedding sharded on its hidden dim is not in plancc's vocabulary; "
     "'embedding_rowwise' (vocab-parallel) is",
     "all_reduce": "a bare all-reduce of a module's output is not a plancc style",

@@ -44,6 +44,10 @@ HF_STYLES = {
     # rowwise); plancc spreads whole experts over tp, one rule on the experts module
     "moe_tp_experts": "moe_experts",
     "mla_kv_a_proj": "mla_kv_a_proj",
+    # a fused projection split per block (HF's _StridedShard with split_factor 2): the same
+    # arithmetic, the weight kept in the plain layout (plancc.compiler.packed_styles)
+    "packed_colwise": "packed_colwise",
+    "packed_rowwise": "packed_rowwise",
     # an attention block's own per-head parameters (sinks), sharded with its heads; HF adds a
     # rule for each such parameter (``self_attn.sinks: colwise``), which the style covers
     "local_params": "per_head_params",
