@@ -94,12 +94,21 @@ def _shrink_towers(config: object) -> None:
                     setattr(tower, key, value)
 
 
+def _has_field(config: object, name: str) -> bool:
+    """Whether the config has the field; a per-layer field (Gemma 4's head_dim) refuses to be
+    read globally, and the tiny value is given to every layer."""
+    try:
+        return hasattr(config, name)
+    except Exception as exc:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return "per-layer" in str(exc)
+
+
 def tiny_config(model_type: str, folder: Path) -> str:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     defaults = AutoConfig.for_model(model_type)
-    fields = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
+    fields = {k: v for k, v in TINY.items() if _has_field(defaults, k)}
     if "qk_rope_head_dim" in fields and "head_dim" in fields:
         # multi-head latent attention rotates qk_rope_head_dim features (transformers sets
         # head_dim to it): a separate head_dim would make a config no real model has

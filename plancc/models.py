@@ -295,11 +295,31 @@ _SIZES = {
 }
 
 
+def config_field(config: Any, name: str) -> Any:
+    """A config field as plancc reads it: the value, None when absent, or the list of the
+    layers' values when transformers keeps it per layer and they differ (Gemma 4's head_dim,
+    dots3's head counts). Such a field refuses to be read globally
+    (``AmbiguousGlobalPerLayerAttributeError``); its value is then the same for every layer, or
+    each layer's."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' per-layer attribute error
+        layers = getattr(config, "per_layer_config", None) or ()
+        values = list(dict.fromkeys(getattr(layer, name, None) for layer in layers))
+        return values[0] if len(values) == 1 else values or None
+
+
+def field_values(config: Any, name: str) -> list[Any]:
+    """Every value a config field takes (one per distinct layer value; none when absent)."""
+    value = config_field(config, name)
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
 def _size_problems(fields: Any, path: str) -> list[Diagnostic]:
     """Sizes that are not integers in range, from a config or the raw JSON of one."""
     problems = []
     for field, limit in _SIZES.items():
-        value = fields.get(field) if isinstance(fields, dict) else getattr(fields, field, None)
+        value = fields.get(field) if isinstance(fields, dict) else config_field(fields, field)
         if value is None:
             continue
         # per-layer sizes (Gemma3n's intermediate_size) are lists of such integers
@@ -320,8 +340,8 @@ def check_config(config: PretrainedConfig, path: str = "<config>") -> Pretrained
     non-integer sizes, and heads that do not split the hidden size. Returns the config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     problems = _size_problems(text, path)
-    heads, hidden = getattr(text, "num_attention_heads", None), getattr(text, "hidden_size", None)
-    head_dim = getattr(text, "head_dim", None)
+    heads, hidden = config_field(text, "num_attention_heads"), config_field(text, "hidden_size")
+    head_dim = config_field(text, "head_dim")
     # transformers derives head_dim = hidden // heads when the file gives none: a remainder is lost
     derived = head_dim is None or (isinstance(hidden, int) and isinstance(heads, int) and head_dim == hidden // heads)
     if not problems and isinstance(heads, int) and isinstance(hidden, int) and derived and hidden % heads:
@@ -341,7 +361,7 @@ def check_config(config: PretrainedConfig, path: str = "<config>") -> Pretrained
                 "set pad_token_id to a token id below vocab_size, or null",
             )
         )
-    kv = getattr(text, "num_key_value_heads", None)
+    kv = config_field(text, "num_key_value_heads")
     if not problems and isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         problems.append(
             _config_problem(

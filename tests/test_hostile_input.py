@@ -182,6 +182,29 @@ def test_per_layer_sizes_are_sizes_too():
     assert isinstance(config.intermediate_size, list) and check_config(config) is config
 
 
+def test_fields_transformers_keeps_per_layer_are_read_per_layer(tmp_path, cli):
+    """Gemma 4 keeps head_dim per layer (its full-attention layers' differ) and refuses a global
+    read of it; import-hf and validate read each layer's value instead of ending in a traceback,
+    and a head count is checked on every layer."""
+    from transformers import AutoConfig
+
+    from plancc.models import check_config, config_field, field_values
+
+    config = AutoConfig.for_model("gemma4_text", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    config.architectures = ["Gemma4ForCausalLM"]
+    assert len(field_values(config, "head_dim")) == 2 and check_config(config) is config
+    assert config_field(config, "num_attention_heads") == 4
+    config.save_pretrained(tmp_path)
+    code, plan, err = cli("import-hf", tmp_path)
+    assert code == 0 and "Traceback" not in err, err
+    (tmp_path / "plan.yaml").write_text(plan)
+    code, out, err = cli("validate", tmp_path / "plan.yaml", "--model", tmp_path, "--tp", "2")
+    assert code == 0 and "Traceback" not in err, out + err
+    code, out, err = cli("validate", tmp_path / "plan.yaml", "--model", tmp_path, "--tp", "4")
+    assert code == 1 and "does not divide num_key_value_heads=2" in out + err
+
+
 def test_a_config_transformers_itself_writes_with_infinity_is_read(tmp_path, cli):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**CONFIG, "rope_scaling": None, "max_position_embeddings": 512,

@@ -15,7 +15,7 @@ from ..compiler.styles import Layouts, ModuleKind, built_style, layouts_of, modu
 from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Diagnostic, Severity, SourceLoc
 from ..layout import Layout
-from ..models import build_meta_model
+from ..models import build_meta_model, field_values
 
 if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan
     from transformers import PretrainedConfig
@@ -75,8 +75,7 @@ class CheckContext:
 def head_counts(config: PretrainedConfig) -> set[int]:
     """The config's numbers of attention heads and of key/value heads (what "one per head" can mean)."""
     text = text_config(config)
-    counts = (getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None))
-    return {int(n) for n in counts if n is not None}
+    return {int(n) for field in ("num_attention_heads", "num_key_value_heads") for n in field_values(text, field)}
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -5,10 +5,12 @@ heads, so tp must divide the number of attention heads and of key/value heads.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import reduce
 from math import gcd
 
 from torch.distributed.tensor import Shard
 
+from ..models import field_values
 from .context import CheckContext, Problem, kind_of, text_config
 from .example import Example
 
@@ -39,22 +41,26 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
     if tp == 1:
         return
     cfg = text_config(ctx.config)
-    heads: int | None = getattr(cfg, "num_attention_heads", None)
+    # per layer where transformers keeps them so (every layer's count must split)
+    heads = [int(n) for n in field_values(cfg, "num_attention_heads") if n]
     if not heads:
         return
-    kv: int = getattr(cfg, "num_key_value_heads", None) or heads
-    valid = [t for t in range(1, gcd(heads, kv) + 1) if gcd(heads, kv) % t == 0]
-    if _shards(ctx, ("q_proj",)) and heads % tp:
+    kvs = [int(n) for n in field_values(cfg, "num_key_value_heads") if n] or heads
+    common = reduce(gcd, heads + kvs)
+    valid = [t for t in range(1, common + 1) if common % t == 0]
+    bad_heads = [n for n in heads if n % tp]
+    if _shards(ctx, ("q_proj",)) and bad_heads:
         yield Problem(
             rule=ATTN_ID,
             loc=ctx.first_rule_loc("q_proj"),
-            message=f"tp={tp} does not divide num_attention_heads={heads}",
+            message=f"tp={tp} does not divide num_attention_heads={bad_heads[0]}",
             fix=f"use tp in {{{', '.join(map(str, valid))}}}",
         )
-    if _shards(ctx, ("k_proj", "v_proj")) and kv % tp:
+    bad_kvs = [n for n in kvs if n % tp]
+    if _shards(ctx, ("k_proj", "v_proj")) and bad_kvs:
         yield Problem(
             rule=KV_ID,
             loc=ctx.first_rule_loc("k_proj", "v_proj"),
-            message=f"tp={tp} does not divide num_key_value_heads={kv}",
+            message=f"tp={tp} does not divide num_key_value_heads={bad_kvs[0]}",
             fix=f"use tp in {{{', '.join(map(str, valid))}}}",
         )
