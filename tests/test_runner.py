@@ -3,6 +3,7 @@ resumed at another layout, verified against the unsharded model; HF weights load
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -60,15 +61,24 @@ def test_broken_plan_fails_validation_before_any_process_starts(tmp_path):
     assert "[layout-pairing]" in err and "plancc apply:" not in out  # no worker ever printed
 
 
-def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(tmp_path):
-    common = ["--steps", 3, "--schedule-steps", 6, "--tp", 2]
-    code, straight, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2)
+@pytest.fixture(scope="module")
+def six_steps_at_tp2(tmp_path_factory):
+    """One run of 6 steps at tp=2 that checkpoints every 3 steps and exports the model: (its
+    stdout, the checkpoint folder, the exported folder). One launch serves the tests below."""
+    root = tmp_path_factory.mktemp("six-steps")
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2, "--save", root / "ck",
+                                "--save-every", 3, "--keep", 2, "--export-hf", root / "out")
     assert code == 0, err
-    code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", *common, "--save", tmp_path / "ck")
-    assert code == 0, err
-    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-000003"
-    code, resumed, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1,
-                                    "--resume", tmp_path / "ck")
+    return out, root / "ck", root / "out"
+
+
+def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(six_steps_at_tp2):
+    straight, ck, _ = six_steps_at_tp2
+    assert (ck / "latest").read_text().strip() == "step-000006"
+    # back to the checkpoint of step 3 (without 'latest', resume takes the newest complete step)
+    shutil.rmtree(ck / "step-000006")
+    (ck / "latest").unlink()
+    code, resumed, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--resume", ck)
     assert code == 0, err
     assert "resumed from step 3 (saved at dp=1 cp=1 tp=2)" in resumed and "dp=2 cp=1 tp=1" in resumed
     assert losses(resumed) == pytest.approx(losses(straight)[3:], rel=1e-5)
@@ -98,20 +108,19 @@ def test_loading_a_save_pretrained_folder_matches_from_pretrained(tmp_path, dp, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
 
 
-def test_export_hf_is_loadable_by_transformers(tmp_path):
+def test_export_hf_is_loadable_by_transformers(six_steps_at_tp2):
     from transformers import AutoModelForCausalLM
 
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 1, "--export-hf", tmp_path / "out")
-    assert code == 0, err
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    _, _, out = six_steps_at_tp2
+    model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "Qwen3ForCausalLM"
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-@pytest.mark.parametrize("args", [["--nproc-per-node", 2, "--cp", 2],
-                                  ["--nproc-per-node", 4, "--cp", 2, "--tp", 2]], ids=["cp2", "cp2-tp2"])
-def test_apply_with_context_parallel_verifies(args):
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", *args, "--verify", "--steps", 2)
+def test_apply_with_context_parallel_verifies():
+    """Through the CLI at cp=2 x tp=2 (cp alone, every plan: tests/test_cp.py, without a launch each)."""
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--nproc-per-node", 4, "--cp", 2, "--tp", 2,
+                                "--verify", "--steps", 2)
     assert code == 0, err + out
     assert "verify: OK" in out and "cp=2" in out
 
