@@ -79,3 +79,16 @@ def fp32_run():
     """`plancc apply --steps 3 --tp 2 --format json` on the tiny Qwen3 (fp32, seed 0): (exit code,
     stdout, stderr). The baseline the determinism and mixed-precision tests share."""
     return run_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json")
+
+
+def assert_verified(results, cases, min_params=15):
+    """Every rank's report of every case within ``--verify``'s own bars: fp32's, or twice the
+    model's own fp32-vs-fp64 error where that is larger; tp replicas identical."""
+    from plancc.job.verify import VerifyReport, within_tolerance
+
+    for rank, reports in results.items():
+        for i, case in enumerate(cases):
+            report = reports[i]
+            assert "error" not in report, report.get("trace")
+            assert within_tolerance(VerifyReport(**report)), f"rank {rank} {case}: {report}"
+            assert report["replicas_identical"] and report["params_compared"] >= min_params

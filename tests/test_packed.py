@@ -10,7 +10,7 @@ from transformers import AutoConfig
 import plancc
 from plancc.checks import check_plan
 
-from .conftest import PLANS
+from .conftest import PLANS, assert_verified
 
 
 def _packed_errors(plan_path, model, tp=2, **sizes):
@@ -94,8 +94,6 @@ def test_packed_styles_equal_the_unsharded_module_over_four_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_phi3_plan_trains_exactly_at_dp2_tp2_sp_and_tp4(tmp_path):
-    from plancc.job.verify import VerifyReport, within_tolerance
-
     from .distributed import launch
     from .numerics_worker import verify_cases
 
@@ -106,10 +104,4 @@ def test_the_phi3_plan_trains_exactly_at_dp2_tp2_sp_and_tp4(tmp_path):
     config.save_pretrained(folder)
     plan = str(PLANS / "phi3.yaml")
     cases = [(plan, "tiny-phi3", 2, 2, True), (plan, str(folder), 1, 4, False)]
-    results = launch(verify_cases, 4, cases)
-    for rank, reports in results.items():
-        for i, case in enumerate(cases):
-            report = reports[i]
-            assert "error" not in report, report.get("trace")
-            assert within_tolerance(VerifyReport(**report)), f"rank {rank} {case}: {report}"
-            assert report["replicas_identical"] and report["params_compared"] >= 15
+    assert_verified(launch(verify_cases, 4, cases), cases)
