@@ -5,15 +5,16 @@ from __future__ import annotations
 from .distributed import init_gloo
 
 
-def logits_from_hf_folder(plan_path, folder, dp, tp, input_ids):
-    """Parallelize a meta model, load `folder` through plancc's rank-0 scatter, return full logits."""
+def logits_from_hf_folder(plan_path, folder, dp, tp, input_ids, export_to=None):
+    """Parallelize a meta model, load `folder` through plancc's rank-0 scatter, return full logits
+    (and, given ``export_to``, export the loaded model there with plancc's export)."""
     import torch
     import torch.distributed as dist
 
     import plancc
     from plancc.models import build_model, load_config
     from plancc.job.verify import full
-    from plancc.weights import load_hf_weights
+    from plancc.weights import export_hf, load_hf_weights
 
     init_gloo()
     try:
@@ -22,6 +23,8 @@ def logits_from_hf_folder(plan_path, folder, dp, tp, input_ids):
         plancc.parallelize(model, plancc.load_plan(plan_path), mesh)
         plancc.materialize(model, "cpu")
         load_hf_weights(model, folder)
+        if export_to is not None:
+            export_hf(model, load_config(folder), export_to, source=folder)
         with torch.no_grad():
             return full(model(input_ids=input_ids).logits).clone()
     finally:

@@ -105,3 +105,32 @@ def test_the_phi3_plan_trains_exactly_at_dp2_tp2_sp_and_tp4(tmp_path):
     plan = str(PLANS / "phi3.yaml")
     cases = [(plan, "tiny-phi3", 2, 2, True), (plan, str(folder), 1, 4, False)]
     assert_verified(launch(verify_cases, 4, cases), cases)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_packed_model_loads_from_and_exports_to_an_hf_folder_unchanged(tmp_path):
+    """gate_up_proj's weight stays in the Hugging Face layout (only its output is regrouped):
+    a save_pretrained folder loads at tp=2 to transformers' own logits, and the export is the
+    folder's tensors, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from plancc.models import build_model, load_config
+
+    from .distributed import launch
+    from .runner_worker import logits_from_hf_folder
+
+    torch.manual_seed(5)
+    build_model(load_config("tiny-phi3"), device="cpu").save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(input_ids=ids).logits
+    results = launch(logits_from_hf_folder, 2, str(PLANS / "phi3.yaml"), str(tmp_path / "hf"), 1, 2, ids,
+                     str(tmp_path / "out"))
+    for rank, got in results.items():
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+    source, exported = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert source.keys() == exported.keys()
+    assert all(torch.equal(source[k], exported[k]) for k in source)
