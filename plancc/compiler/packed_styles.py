@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -70,6 +71,16 @@ def _routes(blocks: int, tp: int, to_blocks: bool) -> Routes:
     return width, tuple(map(tuple, send)), tuple(map(tuple, receive))
 
 
+@cache
+def _route_indices(
+    blocks: int, tp: int, to_blocks: bool, rank: int, device: torch.device
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``_routes`` of one rank as index tensors on ``device``, made once (not a host-to-device
+    copy per forward)."""
+    width, send, receive = _routes(blocks, tp, to_blocks)
+    return width, torch.tensor(send[rank], device=device), torch.tensor(receive[rank], device=device)
+
+
 def regroup(x: torch.Tensor, blocks: int, mesh: DeviceMesh, *, to_blocks: bool = True) -> torch.Tensor:
     """This rank's last-dim features of a packed activation in the other layout: from a
     contiguous ``1/tp`` of all features to this rank's ``1/tp`` of each block (``to_blocks``),
@@ -77,17 +88,21 @@ def regroup(x: torch.Tensor, blocks: int, mesh: DeviceMesh, *, to_blocks: bool =
     tp, rank = mesh.size(), mesh.get_local_rank()
     if tp == 1:
         return x
-    width, send, receive = _routes(blocks, tp, to_blocks)
+    if is_fake(x):  # a dry run: index tensors belong to its fake mode, not to the cache
+        width, send_rows, receive_rows = _routes(blocks, tp, to_blocks)
+        send, receive = (torch.tensor(rows[rank], device=x.device) for rows in (send_rows, receive_rows))
+    else:
+        width, send, receive = _route_indices(blocks, tp, to_blocks, rank, x.device)
     lead, features = x.shape[:-1], x.shape[-1]
     unit = features // blocks
     units = x.reshape(-1, blocks, unit).transpose(0, 1)  # [blocks, tokens, unit]
     outbox = units.new_zeros(tp * width, units.shape[1], unit)
-    outbox = outbox.index_copy(0, torch.tensor(send[rank], device=x.device), units)
+    outbox = outbox.index_copy(0, send, units)
     # the boxes of every rank pair as one tensor [src, dst, ...]: moving from Shard(0) to
     # Shard(1) is DTensor's all-to-all
     boxes = DTensor.from_local(outbox.reshape(1, tp, width, -1, unit), mesh, [Shard(0)], run_check=False)
     inbox = boxes.redistribute(placements=[Shard(1)]).to_local().reshape(tp * width, -1, unit)
-    mine = inbox.index_select(0, torch.tensor(receive[rank], device=x.device))
+    mine = inbox.index_select(0, receive)
     return mine.transpose(0, 1).reshape(*lead, blocks * unit)
 
 
