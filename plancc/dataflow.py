@@ -63,12 +63,6 @@ class Flow:
     # leaf -> the leaves whose output it took as it came out (not a product of it)
     feeds: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
-    def split_of(self, leaf: str) -> tuple[int, ...]:
-        return next((parts for name, parts in self.splits if name == leaf), ())
-
-    def fed_by(self, leaf: str) -> tuple[str, ...]:
-        return next((producers for name, producers in self.feeds if name == leaf), ())
-
     def to_json(self) -> dict[str, Any]:
         return {
             "calls": [r.to_json() for r in self.calls],

@@ -54,7 +54,7 @@ EXAMPLES = (
 )
 
 
-def features(module: nn.Module) -> int:
+def _features(module: nn.Module) -> int:
     """A Linear's output features (a skeleton's Linear carries its weight's shape only)."""
     weight = module.weight
     assert isinstance(weight, torch.Tensor)  # kind_of said Linear
@@ -74,12 +74,19 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
     if isinstance(flow, str):
         return  # sharded-region-params warns that the forward could not be traced
     styles = {name: rule.style.name for name, rule in ctx.resolved.assignments.items()}
+    splits, feeds = dict(flow.splits), dict(flow.feeds)  # looked up once per module: dicts
+    read_whole_by_packed_rowwise = {
+        producer
+        for reader, producers in feeds.items()
+        if styles.get(reader) == "packed_rowwise"
+        for producer in producers
+    }
     reported: set[str] = set()
     for name, module, rule, lay in ctx.assigned():
         if rule.pattern in reported or kind_of(module) is not ModuleKind.LINEAR:
             continue
         style = rule.style.name
-        parts = flow.split_of(name)
+        parts = splits.get(name, ())
         shards_output = (
             lay.weight is not None
             and lay.weight.get(ModuleKind.LINEAR) == Shard(0)
@@ -89,8 +96,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         found: Problem | None = None
         if style == "packed_colwise":
             blocks = int(rule.style.overrides.get("blocks", 2))
-            read_whole = any(styles.get(r) == "packed_rowwise" and name in flow.fed_by(r) for r in styles)
-            if not parts and not read_whole:
+            if not parts and name not in read_whole_by_packed_rowwise:
                 found = Problem(
                     loc=rule.loc,
                     message=f"{generalize(name)} has packed_colwise, but nothing splits its output: it is not a "
@@ -104,15 +110,15 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
                     f"into {len(parts)} parts of widths {list(parts)}",
                     fix=_split_fix(rule.pattern, parts),
                 )
-            elif features(module) % (blocks * ctx.tp):
-                block = features(module) // blocks
+            elif _features(module) % (blocks * ctx.tp):
+                block = _features(module) // blocks
                 found = Problem(
                     loc=rule.loc,
                     message=f"{generalize(name)}: {blocks} blocks of {block} features do not split over tp={ctx.tp}",
                     fix=f"a tp that divides {block}, or '{rule.pattern}: colwise_rep'",
                 )
         elif style == "packed_rowwise":
-            if not any(styles.get(producer) == "packed_colwise" for producer in flow.fed_by(name)):
+            if not any(styles.get(producer) == "packed_colwise" for producer in feeds.get(name, ())):
                 found = Problem(
                     loc=rule.loc,
                     message=f"{generalize(name)} has packed_rowwise, but its input does not come from a "
