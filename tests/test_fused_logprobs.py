@@ -6,7 +6,7 @@ temperature and the sampler's top-k / top-p."""
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from plancc.logprobs import fused_logprobs, fused_nll_loss, vocab_parallel_logprobs
@@ -15,6 +15,15 @@ from .distributed import launch
 from .fused_worker import _grad_error, check_fused_cases, reference
 
 FORWARD_TOL, GRAD_TOL = 1e-6, 1e-5
+
+
+def _nucleus_margin(h, w, temperature, top_k, top_p):
+    """How far (fp64) every token's mass before it in the sorted distribution is from top_p."""
+    x = (h.double() @ w.double().T) / temperature
+    if top_k is not None:
+        x = x.masked_fill(x < x.topk(min(top_k, x.shape[-1]), -1).values[..., -1:], float("-inf"))
+    probs = x.softmax(-1).sort(-1, descending=True).values
+    return ((probs.cumsum(-1) - probs) - top_p).abs().min().item()
 
 
 @settings(max_examples=40, deadline=None)
@@ -39,6 +48,10 @@ def test_one_rank_matches_fp64_full_logits(n, hdim, vocab, dtype, chunk, tempera
     targets = torch.randint(0, vocab, (n,), generator=gen)
     targets[0] = -100
     opts = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    # top-p's nucleus is a threshold on a cumulative sum: where a token's mass before it lies
+    # within fp32's rounding of top_p (top_p = 0.99999 over 200 tokens), fp32 and fp64 may keep
+    # different tokens -- both right. Such draws say nothing about the evaluator: skipped.
+    assume(top_p is None or _nucleus_margin(h, w, temperature, top_k, top_p) > 1e-5)
     lp, ent = fused_logprobs(h, w, targets, entropy=True, chunk_size=chunk, **opts)
     assert lp.dtype == ent.dtype == torch.float32 and lp.shape == targets.shape
     ref_h, ref_w = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
