@@ -300,11 +300,11 @@ def import_hf_cmd(
 @app.command()
 def styles(fmt: FormatOpt = Format.text) -> None:
     """List the style vocabulary with the placements each style sets."""
-    from .compiler.styles import ALIASES, STYLES, format_layout, layouts_of
+    from .compiler.styles import ALIASES, STYLES, default_layouts, format_layout
 
     rows = []
     for spec in STYLES.values():
-        lay = layouts_of(spec.build())
+        lay = default_layouts(spec.name)
         weight = "-"
         if lay.weight:
             kinds = sorted(spec.module_kinds & set(lay.weight), key=str)

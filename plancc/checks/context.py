@@ -11,7 +11,7 @@ from torch import nn
 
 from ..compiler.plan import Plan, Rule
 from ..compiler.resolve import ResolvedPlan
-from ..compiler.styles import Layouts, ModuleKind, built_style, layouts_of, module_kind
+from ..compiler.styles import Layouts, ModuleKind, module_kind, style_layouts
 from ..dataflow import Flow, TraceError, recorded_flow, remember, trace
 from ..errors import Diagnostic, Severity, SourceLoc
 from ..layout import Layout
@@ -59,7 +59,7 @@ class CheckContext:
             return
         modules = dict(self.model.named_modules())
         for name, rule in self.resolved.assignments.items():
-            yield name, modules[name], rule, layouts_of(built_style(rule.style))
+            yield name, modules[name], rule, style_layouts(rule.style)
 
     def rule_for(self, name: str) -> Rule | None:
         return self.resolved.assignments.get(name) if self.resolved else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..compiler.expert_styles import expert_count
+from ..compiler.kinds import expert_count
 from ..compiler.styles import canonical_style
 from .context import CheckContext, Problem
 from .example import Example

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from functools import reduce
 from math import gcd
 
-from torch.distributed.tensor import Shard
-
+from ..compiler.placements import Shard
 from ..models import field_values
 from .context import CheckContext, Problem, kind_of, text_config
 from .example import Example

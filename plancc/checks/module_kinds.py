@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..compiler.attention_styles import own_parameters
+from ..compiler.kinds import own_parameters
 from ..compiler.styles import STYLES, canonical_style
 from .context import CheckContext, Problem, kind_of
 from .example import Example

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from ..compiler.globs import generalize
+from ..compiler.placements import Shard
 from ..compiler.styles import ModuleKind
 from .context import CheckContext, Problem, flow_of, kind_of
 from .example import Example

@@ -16,11 +16,10 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from torch.distributed.tensor import Replicate, Shard
-
 from ..compiler.globs import generalize
+from ..compiler.placements import Replicate, Shard
 from ..compiler.plan import Rule
-from ..compiler.styles import ModuleKind, built_style, layouts_of
+from ..compiler.styles import ModuleKind, style_layouts
 from .context import CheckContext, Problem, kind_of
 from .example import Example
 
@@ -175,7 +174,7 @@ def _gathered_above(ctx: CheckContext, name: str) -> bool:
     while parent and parent != block:
         rule = ctx.rule_for(parent)
         if rule is not None:
-            lay = layouts_of(built_style(rule.style))
+            lay = style_layouts(rule.style)
             if lay.input == _SEQUENCE and lay.output == Replicate():
                 return True
         parent = _parent(parent)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from torch.distributed.tensor import Shard
-
+from ..compiler.placements import Shard
 from ..compiler.styles import ModuleKind
 from ..errors import Severity
 from .context import CheckContext, Problem, kind_of

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from torch.distributed.tensor import Shard
-
 from ..compiler.globs import generalize
-from ..compiler.styles import built_style, canonical_style, layouts_of
+from ..compiler.placements import Shard
+from ..compiler.styles import canonical_style, style_layouts
 from ..errors import Severity
 from .context import CheckContext, Problem, flow_of, head_counts
 from .example import Example
@@ -47,7 +46,7 @@ def _shards_features(ctx: CheckContext, name: str) -> bool:
     rule = ctx.rule_for(name)
     if rule is None:
         return False
-    out = layouts_of(built_style(rule.style)).output
+    out = style_layouts(rule.style).output
     return isinstance(out, Shard) and out.dim != 1  # Shard(1) is the sequence: SP's business
 
 

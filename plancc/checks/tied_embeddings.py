@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from torch import nn
-from torch.distributed.tensor import Placement, Replicate
 
+from ..compiler.placements import Placement, Replicate
 from ..compiler.plan import Rule
-from ..compiler.styles import built_style, format_layout, layouts_of
+from ..compiler.styles import format_layout, style_layouts
 from .context import CheckContext, Problem, kind_of, text_config
 from .example import Example
 
@@ -44,7 +44,7 @@ def _placement(ctx: CheckContext, name: str | None, module: nn.Module) -> tuple[
     rule = ctx.rule_for(name) if name is not None else None
     if rule is None:
         return Replicate(), None
-    lay = layouts_of(built_style(rule.style))
+    lay = style_layouts(rule.style)
     if lay.weight is None:
         return Replicate(), rule
     return lay.weight.get(kind_of(module), Replicate()), rule

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .expert_styles import local_parameters, sum_gradients_over
+from .kinds import own_parameters
 
 
 class LatentKeyValueProjection(ParallelStyle):
@@ -41,11 +42,6 @@ class LatentKeyValueProjection(ParallelStyle):
 
         module.register_forward_hook(sum_rotary_gradients)
         return module
-
-
-def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The module's bare parameters (not its submodules'): an attention block's per-head sinks."""
-    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() >= 1]
 
 
 class PerHeadParameters(ParallelStyle):

@@ -34,26 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-
-def is_experts_module(module: nn.Module) -> bool:
-    """transformers' fused experts: a ``*Experts`` class whose weights are all expert-major (3-D
-    matrices, 2-D biases, one leading experts dim) and that is called with the router's choice
-    (Llama 4's experts take pre-routed tokens: not these)."""
-    if not type(module).__name__.endswith("Experts"):
-        return False
-    params = list(module.parameters(recurse=False))
-    if not any(p.dim() == 3 for p in params):
-        return False
-    if any(p.dim() == 0 or p.shape[0] != params[0].shape[0] for p in params):
-        return False  # every weight per expert, or the experts' dim is not one dim to split
-    arguments = inspect.signature(module.forward).parameters.values()
-    # a skeleton's forward takes (*args, **kwargs): its class was recorded from a real one
-    return any(a.kind is a.VAR_POSITIONAL for a in arguments) or len(arguments) >= 3
-
-
-def expert_count(module: nn.Module) -> int:
-    """The number of experts: the leading dim every expert weight shares."""
-    return int(next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0])
+from .kinds import expert_count, is_experts_module
 
 
 def sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..compiler.globs import generalize
+from ..compiler.placements import Placement, Replicate, Shard
 from ..compiler.resolve import ResolvedPlan
-from ..compiler.styles import built_style, canonical_style, format_layout, layouts_of, module_kind
+from ..compiler.styles import canonical_style, format_layout, module_kind, style_layouts
 from ..layout import Layout
 
 FP32 = 4
@@ -102,7 +102,7 @@ def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> 
         spread = layout.ep > 1 and rule is not None and canonical_style(rule.style.name).name == "moe_experts"
         if tp == 1 and not spread:
             rule = None
-        lay = layouts_of(built_style(rule.style)) if rule else None
+        lay = style_layouts(rule.style) if rule else None
         split, shards = (layout.expert_ranks, layout.expert_fsdp_size) if spread else (tp, fsdp_ranks)
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights are held once

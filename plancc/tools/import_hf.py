@@ -21,8 +21,8 @@ from torch import nn
 
 from ..checks import check_plan
 from ..checks.context import text_config
-from ..compiler.expert_styles import is_experts_module
 from ..compiler.globs import generalize, glob_matches
+from ..compiler.kinds import is_experts_module
 from ..compiler.plan import parse_plan
 from ..compiler.styles import ALIASES, HF_UNSUPPORTED, STYLES
 from ..errors import Diagnostic, PlanError, SourceLoc

@@ -1,0 +1,197 @@
+"""plancc's own small torch styles (leave whole, rotary under SP, gather the sequence), and the
+placements read off any built torch style (``layouts_of``: what ``plancc styles`` prints and what
+``tests/test_styles.py`` holds the declared table to). Imported only where styles are built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from .attention_styles import LatentKeyValueProjection, PerHeadParameters
+from .expert_styles import ExpertsOverTensorParallel
+from .kinds import Layouts, ModuleKind
+from .placements import from_torch
+
+
+class LeaveWhole(ParallelStyle):
+    """Explicitly keeps a module's parameters whole on every TP rank (no communication).
+
+    Naming a module ``replicate`` documents a decision (e.g. Gemma3's tied embedding) and
+    still lets the glob check catch typos, which silently omitting it would not.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+
+class RotaryUnderSequenceParallel(ParallelStyle):
+    """Rotary embeddings under sequence parallelism (their inputs are a tuple).
+
+    transformers calls ``rotary_emb(hidden_states, position_ids[, layer_type])``; the hidden
+    states only supply dtype/device, the position ids decide the result. Under SP the hidden
+    states are a local sequence shard, and when ``position_ids`` is not passed HF derives it
+    from that shard's length: every rank would rotate as if its shard started at position 0.
+    This style hands the module plain tensors and refuses shard-length position ids loudly
+    instead of computing wrong cos/sin. ``plancc.parallelize`` passes global position ids.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+
+        def to_local(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            args = tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+            kwargs = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+            hidden = args[0] if args else kwargs.get("x")
+            positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+            if (
+                tp > 1
+                and isinstance(hidden, torch.Tensor)
+                and isinstance(positions, torch.Tensor)
+                and hidden.dim() >= 2
+                and positions.shape[-1] == hidden.shape[1]
+            ):
+                raise RuntimeError(
+                    "rotary_sp: position_ids have the length of the local sequence shard "
+                    f"({positions.shape[-1]}), so transformers derived them from the shard; pass "
+                    "global position_ids to the model (plancc.parallelize does this for you)"
+                )
+            return args, kwargs
+
+        def local_outputs(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if isinstance(output, tuple):
+                return type(output)(o.to_local() if isinstance(o, DTensor) else o for o in output)
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        module.register_forward_pre_hook(lambda mod, a, kw: to_local(a, kw), with_kwargs=True)
+        module.register_forward_hook(local_outputs, with_kwargs=True)
+        return module
+
+
+class GatherSequenceInput(ParallelStyle):
+    """All-gather a sequence-sharded input (``Shard(1)``) into the whole sequence.
+
+    Put on a block (``self_attn``, ``mlp``) rather than on its projections: HF attention
+    reshapes q/k/v with its *input's* sequence length, so the block itself must see the
+    full sequence; one all-gather then serves q, k and v. The input is the first positional
+    argument or, as HF decoder layers pass it to attention, the ``hidden_states`` keyword.
+    In backward the projections' partial input gradients are all-reduced by their own
+    styles, and this style keeps this rank's sequence slice of the sum.
+    """
+
+    def __init__(self, *, use_local_output: bool = True):
+        self.input_layouts = (Shard(1),)
+        self.desired_input_layouts = (Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _gather(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
+        x = x.redistribute(placements=self.desired_input_layouts)
+        return x.to_local() if self.use_local_output else x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(
+            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if args and isinstance(args[0], torch.Tensor):
+                args = (self._gather(args[0], device_mesh), *args[1:])
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                kwargs = {**kwargs, "hidden_states": self._gather(kwargs["hidden_states"], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def layouts_of(style: ParallelStyle) -> Layouts:
+    """The placements read off a built torch style, as plain values (``compiler.placements``)."""
+    lay = _torch_layouts(style)
+
+    def plain(p: Any) -> Any:
+        return None if p is None else from_torch(p)
+
+    weight = None if lay.weight is None else {kind: plain(p) for kind, p in lay.weight.items()}
+    return Layouts(input=plain(lay.input), output=plain(lay.output), local_output=lay.local_output, weight=weight)
+
+
+@dataclass(frozen=True, slots=True)
+class _TorchLayouts:
+    """``Layouts`` with torch's placement objects, as a built style holds them."""
+
+    input: Any
+    output: Any
+    local_output: bool | None
+    weight: Any
+
+
+def _torch_layouts(style: ParallelStyle) -> _TorchLayouts:
+    """torch's placements of a built style (the fields typed loosely: torch objects here)."""
+    if isinstance(style, ColwiseParallel):
+        return _TorchLayouts(
+            input=style.input_layouts[0],
+            output=style.output_layouts[0],
+            local_output=style.use_local_output,
+            weight={ModuleKind.LINEAR: Shard(0), ModuleKind.EMBEDDING: Shard(1)},
+        )
+    if isinstance(style, RowwiseParallel):
+        return _TorchLayouts(
+            input=style.input_layouts[0],
+            output=style.output_layouts[0],
+            local_output=style.use_local_output,
+            weight={ModuleKind.LINEAR: Shard(1), ModuleKind.EMBEDDING: Shard(0)},
+        )
+    if isinstance(style, ExpertsOverTensorParallel):
+        return _TorchLayouts(
+            input=Replicate(),
+            output=Replicate(),
+            local_output=True,
+            weight={ModuleKind.EXPERTS: Shard(0)},
+        )
+    if isinstance(style, PerHeadParameters):
+        # the block's input and output are the residual stream; its own parameters follow the heads
+        return _TorchLayouts(
+            input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.OTHER: Shard(0)}
+        )
+    if isinstance(style, LatentKeyValueProjection):
+        return _TorchLayouts(
+            input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()}
+        )
+    if isinstance(style, SequenceParallel):
+        shard = style.sequence_sharding[0]
+        return _TorchLayouts(
+            input=shard,
+            output=shard,
+            local_output=style.use_local_output,
+            weight={kind: Replicate() for kind in ModuleKind},
+        )
+    if isinstance(style, (PrepareModuleInput, GatherSequenceInput)):
+        inputs, wanted = style.input_layouts, style.desired_input_layouts
+        assert inputs is not None and wanted is not None  # every spec sets both
+        return _TorchLayouts(
+            input=inputs[0],
+            output=wanted[0],
+            local_output=style.use_local_output,
+            weight=None,
+        )
+    if isinstance(style, PrepareModuleOutput):
+        outputs, desired = style.output_layouts, style.desired_output_layouts
+        assert outputs is not None and desired is not None  # every spec sets both
+        return _TorchLayouts(
+            input=outputs[0],
+            output=desired[0],
+            local_output=style.use_local_output,
+            weight=None,
+        )
+    return _TorchLayouts(input=None, output=None, local_output=None, weight=None)
