@@ -4,7 +4,6 @@ placements read off any built torch style (``layouts_of``: what ``plancc styles`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -115,45 +114,39 @@ class GatherSequenceInput(ParallelStyle):
         return module
 
 
-def layouts_of(style: ParallelStyle) -> Layouts:
-    """The placements read off a built torch style, as plain values (``compiler.placements``)."""
-    lay = _torch_layouts(style)
+def _plain(*, input: Any, output: Any, local_output: bool | None, weight: Any) -> Layouts:
+    """``Layouts`` from torch's placement objects (plain values: ``compiler.placements``)."""
 
     def plain(p: Any) -> Any:
         return None if p is None else from_torch(p)
 
-    weight = None if lay.weight is None else {kind: plain(p) for kind, p in lay.weight.items()}
-    return Layouts(input=plain(lay.input), output=plain(lay.output), local_output=lay.local_output, weight=weight)
+    return Layouts(
+        input=plain(input),
+        output=plain(output),
+        local_output=local_output,
+        weight=None if weight is None else {kind: plain(p) for kind, p in weight.items()},
+    )
 
 
-@dataclass(frozen=True, slots=True)
-class _TorchLayouts:
-    """``Layouts`` with torch's placement objects, as a built style holds them."""
-
-    input: Any
-    output: Any
-    local_output: bool | None
-    weight: Any
-
-
-def _torch_layouts(style: ParallelStyle) -> _TorchLayouts:
-    """torch's placements of a built style (the fields typed loosely: torch objects here)."""
+def layouts_of(style: ParallelStyle) -> Layouts:
+    """The placements read off a built torch style, as plain values: the oracle the declared
+    table (``styles.style_layouts``) is held to in tests/test_styles.py."""
     if isinstance(style, ColwiseParallel):
-        return _TorchLayouts(
+        return _plain(
             input=style.input_layouts[0],
             output=style.output_layouts[0],
             local_output=style.use_local_output,
             weight={ModuleKind.LINEAR: Shard(0), ModuleKind.EMBEDDING: Shard(1)},
         )
     if isinstance(style, RowwiseParallel):
-        return _TorchLayouts(
+        return _plain(
             input=style.input_layouts[0],
             output=style.output_layouts[0],
             local_output=style.use_local_output,
             weight={ModuleKind.LINEAR: Shard(1), ModuleKind.EMBEDDING: Shard(0)},
         )
     if isinstance(style, ExpertsOverTensorParallel):
-        return _TorchLayouts(
+        return _plain(
             input=Replicate(),
             output=Replicate(),
             local_output=True,
@@ -161,16 +154,12 @@ def _torch_layouts(style: ParallelStyle) -> _TorchLayouts:
         )
     if isinstance(style, PerHeadParameters):
         # the block's input and output are the residual stream; its own parameters follow the heads
-        return _TorchLayouts(
-            input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.OTHER: Shard(0)}
-        )
+        return _plain(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.OTHER: Shard(0)})
     if isinstance(style, LatentKeyValueProjection):
-        return _TorchLayouts(
-            input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()}
-        )
+        return _plain(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()})
     if isinstance(style, SequenceParallel):
         shard = style.sequence_sharding[0]
-        return _TorchLayouts(
+        return _plain(
             input=shard,
             output=shard,
             local_output=style.use_local_output,
@@ -179,7 +168,7 @@ def _torch_layouts(style: ParallelStyle) -> _TorchLayouts:
     if isinstance(style, (PrepareModuleInput, GatherSequenceInput)):
         inputs, wanted = style.input_layouts, style.desired_input_layouts
         assert inputs is not None and wanted is not None  # every spec sets both
-        return _TorchLayouts(
+        return _plain(
             input=inputs[0],
             output=wanted[0],
             local_output=style.use_local_output,
@@ -188,10 +177,10 @@ def _torch_layouts(style: ParallelStyle) -> _TorchLayouts:
     if isinstance(style, PrepareModuleOutput):
         outputs, desired = style.output_layouts, style.desired_output_layouts
         assert outputs is not None and desired is not None  # every spec sets both
-        return _TorchLayouts(
+        return _plain(
             input=outputs[0],
             output=desired[0],
             local_output=style.use_local_output,
             weight=None,
         )
-    return _TorchLayouts(input=None, output=None, local_output=None, weight=None)
+    return _plain(input=None, output=None, local_output=None, weight=None)

@@ -71,14 +71,17 @@ def _routes(blocks: int, tp: int, to_blocks: bool) -> Routes:
     return width, tuple(map(tuple, send)), tuple(map(tuple, receive))
 
 
-@cache
 def _route_indices(
     blocks: int, tp: int, to_blocks: bool, rank: int, device: torch.device
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """``_routes`` of one rank as index tensors on ``device``, made once (not a host-to-device
-    copy per forward)."""
+    """``_routes`` of one rank as index tensors on ``device``."""
     width, send, receive = _routes(blocks, tp, to_blocks)
     return width, torch.tensor(send[rank], device=device), torch.tensor(receive[rank], device=device)
+
+
+# made once per device, not a host-to-device copy per forward; a dry run's fake tensors belong
+# to its fake mode, so they are made afresh there
+_cached_route_indices = cache(_route_indices)
 
 
 def regroup(x: torch.Tensor, blocks: int, mesh: DeviceMesh, *, to_blocks: bool = True) -> torch.Tensor:
@@ -88,11 +91,8 @@ def regroup(x: torch.Tensor, blocks: int, mesh: DeviceMesh, *, to_blocks: bool =
     tp, rank = mesh.size(), mesh.get_local_rank()
     if tp == 1:
         return x
-    if is_fake(x):  # a dry run: index tensors belong to its fake mode, not to the cache
-        width, send_rows, receive_rows = _routes(blocks, tp, to_blocks)
-        send, receive = (torch.tensor(rows[rank], device=x.device) for rows in (send_rows, receive_rows))
-    else:
-        width, send, receive = _route_indices(blocks, tp, to_blocks, rank, x.device)
+    indices = _route_indices if is_fake(x) else _cached_route_indices
+    width, send, receive = indices(blocks, tp, to_blocks, rank, x.device)
     lead, features = x.shape[:-1], x.shape[-1]
     unit = features // blocks
     units = x.reshape(-1, blocks, unit).transpose(0, 1)  # [blocks, tokens, unit]
