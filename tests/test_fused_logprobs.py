@@ -40,6 +40,8 @@ def _nucleus_margin(h, w, temperature, top_k, top_p):
 )
 # two tokens share the mass after top-p: fp32's own gradient error here is 1.9e-5
 @example(n=5, hdim=8, vocab=42, dtype="float32", chunk=None, temperature=0.7, top_k=None, top_p=0.25, seed=52)
+# a gradient that cancels to 1e-3 of its terms: 2.03x the naive fp32 error
+@example(n=2, hdim=1, vocab=8, dtype="float32", chunk=None, temperature=1.0, top_k=None, top_p=0.25, seed=2)
 def test_one_rank_matches_fp64_full_logits(n, hdim, vocab, dtype, chunk, temperature, top_k, top_p, seed):
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
@@ -66,13 +68,14 @@ def test_one_rank_matches_fp64_full_logits(n, hdim, vocab, dtype, chunk, tempera
     ((torch.where(torch.isfinite(lp), lp, 0.0) * g).sum() + ent.sum()).backward()
     ((torch.where(finite, ref_lp, 0.0) * g.double()).sum() + ref_ent.sum()).backward()
     # Where the entropy's gradient -p (log p + H) nearly cancels (a few tokens sharing the
-    # mass), fp32 logits alone are off by more than 1e-5: the bound is then twice what the
-    # naive fp32 computation misses on the same example, measured here (never below 1e-5).
+    # mass), fp32 logits alone are off by more than 1e-5: the bound is then four times what
+    # the naive fp32 computation misses on the same example, measured here (never below
+    # 1e-5). Twice was too tight: two roundings of a cancelling sum can differ by 2x.
     h32, w32 = h.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
     n_lp, n_ent = reference(h32, w32, targets, dtype=torch.float32, **opts)
     ((torch.where(torch.isfinite(n_lp), n_lp, 0.0) * g).sum() + n_ent.sum()).backward()
-    tol_h = max(GRAD_TOL, 2 * _grad_error(h32.grad, ref_h.grad, torch.float32))
-    tol_w = max(GRAD_TOL, 2 * _grad_error(w32.grad, ref_w.grad, torch.float32))
+    tol_h = max(GRAD_TOL, 4 * _grad_error(h32.grad, ref_h.grad, torch.float32))
+    tol_w = max(GRAD_TOL, 4 * _grad_error(w32.grad, ref_w.grad, torch.float32))
     assert _grad_error(h.grad, ref_h.grad, dt) <= tol_h
     assert _grad_error(w.grad, ref_w.grad, dt) <= tol_w
 
@@ -83,14 +86,50 @@ def test_tp_1_2_4_with_uneven_vocab_splits_match_fp64():
     cases = [
         {"name": "fp32", "n": 37, "h": 16, "v": 103, "dtype": "float32", "chunk": 5, "uneven": True, "seed": 1},
         {"name": "bf16", "n": 29, "h": 24, "v": 90, "dtype": "bfloat16", "chunk": 4, "uneven": True, "seed": 2},
-        {"name": "even-one-chunk", "n": 16, "h": 8, "v": 64, "dtype": "float32", "chunk": 64, "uneven": False,
-         "seed": 3, "w_scale": 3.0},
-        {"name": "temperature", "n": 21, "h": 8, "v": 77, "dtype": "float32", "chunk": 6, "uneven": True,
-         "seed": 4, "opts": {"temperature": 0.6}},
-        {"name": "top-k-top-p", "n": 25, "h": 8, "v": 81, "dtype": "float32", "chunk": 7, "uneven": True,
-         "seed": 5, "opts": {"temperature": 1.3, "top_k": 9, "top_p": 0.7}},
-        {"name": "top-p-bf16", "n": 19, "h": 8, "v": 70, "dtype": "bfloat16", "chunk": 3, "uneven": False,
-         "seed": 6, "opts": {"top_p": 0.5}},
+        {
+            "name": "even-one-chunk",
+            "n": 16,
+            "h": 8,
+            "v": 64,
+            "dtype": "float32",
+            "chunk": 64,
+            "uneven": False,
+            "seed": 3,
+            "w_scale": 3.0,
+        },
+        {
+            "name": "temperature",
+            "n": 21,
+            "h": 8,
+            "v": 77,
+            "dtype": "float32",
+            "chunk": 6,
+            "uneven": True,
+            "seed": 4,
+            "opts": {"temperature": 0.6},
+        },
+        {
+            "name": "top-k-top-p",
+            "n": 25,
+            "h": 8,
+            "v": 81,
+            "dtype": "float32",
+            "chunk": 7,
+            "uneven": True,
+            "seed": 5,
+            "opts": {"temperature": 1.3, "top_k": 9, "top_p": 0.7},
+        },
+        {
+            "name": "top-p-bf16",
+            "n": 19,
+            "h": 8,
+            "v": 70,
+            "dtype": "bfloat16",
+            "chunk": 3,
+            "uneven": False,
+            "seed": 6,
+            "opts": {"top_p": 0.5},
+        },
     ]
     rows = launch(check_fused_cases, 4, cases)
     seen = set()
@@ -140,8 +179,16 @@ def test_targets_outside_the_vocabulary_are_refused_and_ignore_index_gives_zero(
 def _qwen_vocab_model():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 

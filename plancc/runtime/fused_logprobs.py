@@ -100,6 +100,31 @@ def _matmul_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w.float() @ h.float().T).T
 
 
+class _ChunkLogits:
+    """``h_c @ W.T`` in fp32 chunk after chunk. On CPU every chunk is written into one buffer
+    allocated once, and a 16-bit weight is cast to fp32 once: a fresh chunk-sized allocation
+    per chunk leaves the freed ones in glibc's heap (its mmap threshold rises to the chunk's
+    size), about two chunks of resident memory instead of one, and a cast per chunk costs a
+    pass over the whole weight. The returned logits are valid until the next call."""
+
+    def __init__(self, weight: torch.Tensor, rows: int, w32: torch.Tensor | None = None):
+        self.weight = weight
+        self.cpu = not weight.is_cuda
+        if w32 is None:
+            w32 = weight if (not self.cpu or weight.dtype == torch.float32) else weight.float()
+        self.w32 = w32
+        self.buffer = (
+            torch.empty(weight.shape[0] * rows, dtype=torch.float32, device=weight.device) if self.cpu else None
+        )
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.buffer is None or h.shape[0] * self.w32.shape[0] > self.buffer.numel():
+            return _matmul_fp32(h, self.weight)
+        out = self.buffer[: h.shape[0] * self.w32.shape[0]].view(self.w32.shape[0], h.shape[0])
+        torch.mm(self.w32, (h if h.dtype == torch.float32 else h.float()).T, out=out)
+        return out.T  # (w @ h.T).T, as _matmul_fp32 computes it on CPU
+
+
 def _grad_matmuls(
     gx: torch.Tensor,
     weight: torch.Tensor,
@@ -279,8 +304,8 @@ def _widths(v_local: int, group: dist.ProcessGroup | None) -> list[int]:
     return widths
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, vocab: _Vocab) -> torch.Tensor:
-    x = _matmul_fp32(h, w)
+def _chunk_logits(h: torch.Tensor, logits: _ChunkLogits, vocab: _Vocab) -> torch.Tensor:
+    x = logits(h)
     if vocab.temperature != 1.0:
         x /= vocab.temperature
     return x
@@ -301,11 +326,11 @@ def _fp32_weight(weight: torch.Tensor, fast: bool) -> torch.Tensor | None:
 
 
 def _chunk_stats(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, entropy: bool
+    h: torch.Tensor, logits: _ChunkLogits, targets: torch.Tensor, vocab: _Vocab, entropy: bool
 ) -> tuple[_ChunkStats, torch.Tensor]:
     """A chunk's partial statistics, and its storage: on the PyTorch path ``exp(x - m)``
     computed in place, on the kernel path the unscaled logits, read once and left as they are."""
-    x = _matmul_fp32(h, weight)
+    x = logits(h)
     cols, here = _target_columns(targets, vocab, x.shape[1])
     if not fused_kernels.active(x.device):
         if vocab.temperature != 1.0:
@@ -358,12 +383,13 @@ class _FusedLogprobs(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(lp)
         ent = torch.empty_like(lp) if entropy else lp.new_empty(0)
+        logits = _ChunkLogits(weight, chunk)
         # Statistics of the plain path are combined once for all chunks (2 collectives in
         # all); the filtered path combines per chunk inside _filtered_chunk.
         if vocab.filtered:
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                x = _chunk_logits(hidden[lo:hi], weight, vocab)
+                x = _chunk_logits(hidden[lo:hi], logits, vocab)
                 lp[lo:hi], lse[lo:hi], e, keep = _filtered_chunk(x, targets[lo:hi], vocab, widths, entropy)
                 if e is not None:
                     ent[lo:hi] = e
@@ -373,7 +399,7 @@ class _FusedLogprobs(torch.autograd.Function):
             t = torch.empty_like(lp) if entropy else None
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                st = _chunk_stats(hidden[lo:hi], weight, targets[lo:hi], vocab, entropy)[0]
+                st = _chunk_stats(hidden[lo:hi], logits, targets[lo:hi], vocab, entropy)[0]
                 m[lo:hi], s[lo:hi], picked[lo:hi] = st.m, st.s, st.picked
                 if t is not None and st.t is not None:
                     t[lo:hi] = st.t
@@ -398,16 +424,17 @@ class _FusedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         fast = fused_kernels.active(hidden.device) and not vocab.filtered
         w32 = _fp32_weight(weight, fast)
+        logits = _ChunkLogits(weight, ctx.chunk, w32)
         for lo in range(0, n, ctx.chunk):
             hi = min(n, lo + ctx.chunk)
             h = hidden[lo:hi]
             e = ent[lo:hi] if ctx.entropy else None
             g_e = g_ent[lo:hi] if g_ent is not None else None
             if fast:
-                x = _matmul_fp32(h, weight)
+                x = logits(h)
                 gx = _kernel_grad(x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_e, vocab, weight.dtype)
             else:
-                x = _chunk_logits(h, weight, vocab)
+                x = _chunk_logits(h, logits, vocab)
                 keep = None
                 if vocab.filtered:
                     _, _, _, keep = _filtered_chunk(x, targets[lo:hi], vocab, ctx.widths, False)
@@ -440,11 +467,12 @@ class _FusedNllLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
         fast = fused_kernels.active(hidden.device)
         w32 = _fp32_weight(weight, fast) if need_grad else None
+        logits = _ChunkLogits(weight, chunk, w32)
         g = -weights.float()
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             h = hidden[lo:hi]
-            st, x = _chunk_stats(h, weight, targets[lo:hi], vocab, False)
+            st, x = _chunk_stats(h, logits, targets[lo:hi], vocab, False)
             lse, picked, _ = _combine(st, vocab.group)  # per chunk: the gradient needs it now
             valid = targets[lo:hi] != vocab.ignore_index
             lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
