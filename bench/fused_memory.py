@@ -31,8 +31,9 @@ WRAPPER = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], c
 
 def run(args: list[str], fused: bool, code_dir: str | None = None) -> tuple[int, str]:
     env = {**os.environ, "PLANCC_FUSED_LM_HEAD": "1" if fused else "0"}
-    if code_dir:  # another plancc checkout (e.g. the commit before the fused evaluator)
+    if code_dir:  # another plancc checkout (e.g. the commit before the fused evaluator), with its own plan
         env["PYTHONPATH"] = code_dir
+        args = [str(Path(code_dir) / a) if a.startswith("plans/") else a for a in args]
     cmd = [sys.executable, "-c", WRAPPER, sys.executable, "-m", "plancc.cli", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     head, _, rest = out.partition("\n")

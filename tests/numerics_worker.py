@@ -75,8 +75,9 @@ def cpu_offload_matches(plan_path, preset):
 
 
 def reshard_after_forward_cases(plan_paths, preset):
-    """For each plan, at dp=2: how many rows of each FSDP unit's q_proj weight a rank holds
-    between forward and backward (all of them = kept gathered), and the numerics report."""
+    """For each plan, at dp=2: how many rows of each FSDP unit's q_proj weight and of the
+    input embedding a rank holds between forward and backward (all of them = kept gathered),
+    and the numerics report."""
     import torch
     import torch.distributed as dist
 
@@ -97,8 +98,13 @@ def reshard_after_forward_cases(plan_paths, preset):
             # sharded: a DTensor's local rows; gathered: FSDP2 swaps in the plain full parameter
             weights = [layer.self_attn.q_proj.weight for layer in model.model.layers]
             rows = [(w.to_local() if hasattr(w, "to_local") else w).shape[0] for w in weights]
+            emb = model.model.embed_tokens.weight
             report = verify_against_unsharded(plan, preset, mesh, sequence_parallel=False)
-            out[path] = {"rows_held_after_forward": rows, "report": report.as_dict()}
+            out[path] = {
+                "rows_held_after_forward": rows,
+                "embedding_rows_held_after_forward": (emb.to_local() if hasattr(emb, "to_local") else emb).shape[0],
+                "report": report.as_dict(),
+            }
     finally:
         dist.destroy_process_group()
     return out
@@ -178,8 +184,9 @@ def parallelize_with_foreign_meshes(plan_path):
 
 
 def decoder_called_directly(cases, cp=1):
-    """cases: [(plan_path, preset)]. Under tp=2 + SP (or cp=2), call the decoder
-    (``model.model``) directly, as a value or reward head on hidden states does: its
+    """cases: [(plan_path, preset, direct)]. Under tp=2 + SP (or cp=2), read the decoder's
+    hidden states as a value or reward head does -- ``model.model(...)`` directly, or (a tied
+    model, whose embedding weight the root holds) the whole model's last hidden states: its
     sequence shards, gathered, vs the unsharded decoder, per preset."""
     import torch
     import torch.distributed as dist
@@ -191,12 +198,15 @@ def decoder_called_directly(cases, cp=1):
     out = {}
     try:
         mesh = plancc.build_mesh(cp=cp, tp=2 // cp, device_type="cpu")
-        for plan_path, preset in cases:
+        for plan_path, preset, direct in cases:
             model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh,
                                                   sequence_parallel=cp == 1)
             ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
-                shard = model.model(input_ids=ids).last_hidden_state  # this rank's sequence shard
+                if direct:  # this rank's sequence shard
+                    shard = model.model(input_ids=ids).last_hidden_state
+                else:
+                    shard = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
                 if cp > 1:  # load-balanced layout
                     gathered = plancc.cp.all_gather(shard.contiguous(), mesh["cp"].get_group(), dim=1)
                 else:  # SP: contiguous chunks over tp

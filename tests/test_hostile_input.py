@@ -134,7 +134,7 @@ def test_a_deep_double_star_glob_and_a_wide_style_mapping_are_cheap(write_plan, 
     code, _, err, seconds = timed_cli(cli, "validate", path, "--model", "tiny-qwen3")
     assert code == 1 and seconds < 30 and "Traceback" not in err
     assert "[unknown-key]" in err and "[yaml-syntax]" not in err
-    units = write_plan(QWEN3.read_text().replace("units: [model.layers.*]", f"units: ['{deep}']"))
+    units = write_plan(QWEN3.read_text().replace("units: [model.embed_tokens, model.layers.*]", f"units: ['{deep}']"))
     code, _, err, seconds = timed_cli(cli, "validate", units, "--model", "qwen3-8b")
     assert code == 1 and seconds < 30 and "Traceback" not in err
     assert "[invalid-glob]" in err
@@ -315,11 +315,11 @@ def hostile_plans(draw) -> str:
         lines += [f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * width)}]" for i in range(1, depth)]
         at = draw(st.sampled_from(["top", "units"]))
         if at == "units":
-            return base.replace("units: [model.layers.*]", f"units: *x{depth - 1}") + "\n".join(lines) + "\n"
+            return base.replace("units: [model.embed_tokens, model.layers.*]", f"units: *x{depth - 1}") + "\n".join(lines) + "\n"
         return base + "\n".join(lines) + "\n"
     if kind == "nesting":
         depth = draw(st.integers(10, 3000))
-        return base.replace("units: [model.layers.*]", "units: " + "[" * depth + "]" * depth)
+        return base.replace("units: [model.embed_tokens, model.layers.*]", "units: " + "[" * depth + "]" * depth)
     if kind == "number":
         digits = draw(st.integers(1, 20_000))
         key = draw(st.sampled_from(["plancc: ", "  reshard_after_forward: ", "name: "]))

@@ -327,7 +327,7 @@ def test_input_that_trains_on_nothing_or_crashes_later_is_refused_up_front(cli, 
     config.write_text(json.dumps({**presets()["tiny-qwen3"].config, "vocab_size": 0}))
     code, _, err = cli("validate", QWEN3, "--model", config)
     assert code == 1 and "vocab_size is 0" in err and "[model-config]" in err
-    units = write_plan(QWEN3.read_text().replace("units: [model.layers.*]", "units: ['**']"))
+    units = write_plan(QWEN3.read_text().replace("units: [model.embed_tokens, model.layers.*]", "units: ['**']"))
     code, _, err = cli("validate", units, "--model", "tiny-qwen3", "--tp", 2)
     assert code == 1 and "[fsdp-units]" in err and "ModuleList" in err
 

@@ -21,6 +21,16 @@ from .numerics_worker import (
     verify_cases,
 )
 
+# the shipped plans' FSDP units, which some cases below edit
+UNITS = "units: [model.embed_tokens, model.layers.*]"
+
+
+def _edited(plan, old: str, new: str) -> str:
+    text = plan.read_text()
+    assert old in text, f"{plan.name} no longer contains {old!r}: the edited plan would test nothing new"
+    return text.replace(old, new)
+
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LOGITS_REL = GRAD_REL = LOSS_ABS = 1e-5
@@ -82,8 +92,8 @@ def two_rank_results(tmp_path_factory):
     cases += [("qwen3.yaml", str(uneven), 1, 2, sp) for sp in (False, True)]
     # nested FSDP units (each mlp and attention block inside each layer): wrapped inner first
     nested = tmp_path_factory.mktemp("plans") / "qwen3-nested-units.yaml"
-    nested.write_text((PLANS / "qwen3.yaml").read_text().replace(
-        "units: [model.layers.*]", "units: [model.layers.*, model.layers.*.mlp, model.layers.*.self_attn]"))
+    nested.write_text(_edited(PLANS / "qwen3.yaml",
+        UNITS, "units: [model.embed_tokens, model.layers.*, model.layers.*.mlp, model.layers.*.self_attn]"))
     cases.append((str(nested), "tiny-qwen3", 2, 1, False))
     # selective checkpointing that keeps TP collectives' and matmuls' outputs, under SP
     selective = tmp_path_factory.mktemp("plans") / "qwen3-selective-ac.yaml"
@@ -142,8 +152,8 @@ def test_cpu_offload_keeps_logits_and_gradients():
 
 def test_fsdp_reshard_after_forward_false_keeps_units_gathered_and_numerics(tmp_path):
     kept = tmp_path / "qwen3-keep-gathered.yaml"
-    kept.write_text((PLANS / "qwen3.yaml").read_text().replace(
-        "  units: [model.layers.*]", "  units: [model.layers.*]\n  reshard_after_forward: false"))
+    kept.write_text(_edited(PLANS / "qwen3.yaml",
+        UNITS, UNITS + "\n  reshard_after_forward: false"))
     default = str(PLANS / "qwen3.yaml")
     results = launch(reshard_after_forward_cases, 2, [default, str(kept)], "tiny-qwen3")
     for rank, by_plan in results.items():
@@ -151,6 +161,10 @@ def test_fsdp_reshard_after_forward_false_keeps_units_gathered_and_numerics(tmp_
         # default: every unit but the last is freed after forward (backward gathers it again)
         assert by_plan[default]["rows_held_after_forward"] == [q_rows // 2, q_rows], rank
         assert by_plan[str(kept)]["rows_held_after_forward"] == [q_rows, q_rows], rank
+        # the input embedding is a unit of its own (tiny-qwen3 is untied): its 256 vocab rows
+        # are freed during the decoder, not held to the end of forward as the root's are
+        assert by_plan[default]["embedding_rows_held_after_forward"] == 256 // 2, rank
+        assert by_plan[str(kept)]["embedding_rows_held_after_forward"] == 256, rank
         for plan, r in by_plan.items():
             assert_matches(r["report"], f"rank {rank} {plan}")
 
@@ -172,13 +186,12 @@ def test_models_built_wholly_on_meta_get_their_buffers_back(tmp_path):
 def test_decoder_called_directly_sees_global_positions(tmp_path, cp):
     """A value head reads ``model.model(...)``'s hidden states; under SP or CP they are
     sequence shards, and each shard must have been computed with its global positions and
-    mask. (The decoder is an FSDP unit here: called directly, it gathers its own parameters.)"""
-    cases = []
-    for plan, preset in [("qwen3.yaml", "tiny-qwen3"), ("gemma3.yaml", "tiny-gemma3")]:
-        decoder_unit = tmp_path / plan
-        decoder_unit.write_text((PLANS / plan).read_text().replace(
-            "units: [model.layers.*]", "units: [model.layers.*, model]"))
-        cases.append((str(decoder_unit), preset))
+    mask. (Untied Qwen3's decoder is an FSDP unit here: called directly, it gathers its own
+    parameters. Gemma3 ties its embedding to the lm_head, so the root holds that weight and
+    the hidden states come from the whole model's forward.)"""
+    decoder_unit = tmp_path / "qwen3.yaml"
+    decoder_unit.write_text(_edited(PLANS / "qwen3.yaml", UNITS, "units: [model.embed_tokens, model.layers.*, model]"))
+    cases = [(str(decoder_unit), "tiny-qwen3", True), (str(PLANS / "gemma3.yaml"), "tiny-gemma3", False)]
     results = launch(decoder_called_directly, 2, cases, cp)
     for rank, by_preset in results.items():
         assert set(by_preset) == {"tiny-qwen3", "tiny-gemma3"}

@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import plancc
-from plancc.models import build_meta_model
 from plancc.compiler.resolve import glob_matches, glob_problem, resolve_plan
+from plancc.models import build_meta_model
 
 from .conftest import PLANS
 
@@ -125,3 +125,19 @@ def test_tree_matching_equals_the_glob_specification_in_module_order(names, patt
                      key=lambda n: (n.split("."),))
     want = tuple(n for n in ordered if _reference_match(tuple(pattern.split(".")), tuple(n.split("."))))
     assert ModuleTree(ordered).match(pattern) == want
+
+
+def test_a_unit_whose_weight_has_a_user_outside_it_is_left_to_the_root():
+    """Tied embeddings: the input embedding's weight is also the lm_head's. As a unit of its
+    own it would be resharded before the lm_head reads it; the shipped plans name it anyway,
+    so that untied variants free its gathered copy during the decoder."""
+    from plancc.compiler.resolve import units_without_outside_users
+
+    units = ["model.embed_tokens", "model.layers.0", "model.layers.1"]
+    untied, tied = build_meta_model("tiny-qwen3"), build_meta_model("tiny-gemma3")
+    assert tied.model.embed_tokens.weight is tied.lm_head.weight
+    assert units_without_outside_users(untied, units) == units
+    assert units_without_outside_users(tied, units) == units[1:]
+    # the decoder holds the embedding but not the lm_head: left to the root as well
+    assert units_without_outside_users(tied, ["model", *units[1:]]) == units[1:]
+    assert units_without_outside_users(untied, ["model", *units[1:]]) == ["model", *units[1:]]

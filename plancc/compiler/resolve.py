@@ -9,7 +9,7 @@ Glob syntax and matching: ``plancc.compiler.globs``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -141,6 +141,41 @@ def inner_first(units: tuple[str, ...]) -> tuple[str, ...]:
     for unit in units:
         place(unit)
     return tuple(ordered)
+
+
+def outside_users(model: nn.Module, units: Iterable[str]) -> dict[str, list[str]]:
+    """For each unit some of whose parameters a module outside it also uses (tied embeddings:
+    the input embedding's weight is also the lm_head's): those outside modules.
+
+    FSDP2 swaps a unit's parameters only on the modules inside the unit, so such a weight
+    would silently split in two -- an FSDP parameter for the unit and a separate one for
+    its other user, each trained on its own half of the gradient. The runtime leaves such
+    a unit to the root, which holds every user (``units_without_outside_users``)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    found: dict[str, list[str]] = {}
+    for unit in units:
+        prefix = f"{unit}."
+        outside = {
+            owner
+            for p in model.get_submodule(unit).parameters()
+            for owner in owners.get(id(p), ())
+            if owner != unit and not owner.startswith(prefix)
+        }
+        if outside:
+            found[unit] = sorted(outside)
+    return found
+
+
+def units_without_outside_users(model: nn.Module, units: Iterable[str]) -> list[str]:
+    """The units FSDP may shard on their own: none of their parameters is used outside them.
+    So a plan may name the input embedding as a unit -- its gathered copy is then freed during
+    the decoder, as torchtitan does -- and stay right on the tied variants of the family."""
+    unit_list = list(units)
+    shared = outside_users(model, unit_list)
+    return [unit for unit in unit_list if unit not in shared]
 
 
 def _invalid_glob(pattern: str, why: str, loc: SourceLoc) -> Diagnostic:

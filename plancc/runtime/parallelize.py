@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,11 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._pytree import tree_map
 
 from ..compiler.expert_styles import ExpertsOverTensorParallel
 from ..compiler.lower import lower
 from ..compiler.plan import Plan
-from ..compiler.resolve import ResolvedPlan, resolve_plan
+from ..compiler.resolve import ResolvedPlan, resolve_plan, units_without_outside_users
 from ..errors import Diagnostic, PlanError
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
@@ -93,6 +95,19 @@ def apply_tensor_parallel(
     return spread
 
 
+def _outputs_in_own_storage(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """A unit's output tensors that are views, copied into their own storage.
+
+    FSDP2 hooks a unit's outputs to gather its parameters again for backward; an in-place op
+    on a view of an output (``x += y``) drops that hook, and the unit's backward then runs on
+    sharded parameters. An embedding unit's output under TP is a view (``DTensor.to_local``),
+    and FSDP2 warns on every step. One copy of a ``[batch, seq, hidden]`` activation, only
+    where grad is enabled, removes both the risk and the warning."""
+    if not torch.is_grad_enabled():
+        return output
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._base is not None else t, output)
+
+
 def apply_fsdp(
     model: nn.Module,
     units: Iterable[str],
@@ -121,8 +136,9 @@ def apply_fsdp(
             # Not on one rank: torch 2.13's single-rank path then divides twice.
             if expert_mesh["edp"].size() > 1:
                 unit.set_force_sum_reduction_for_comms(True)
-    unit_list = list(units)
+    unit_list = units_without_outside_users(model, units)
     for i, name in enumerate(unit_list):
+        modules[name].register_forward_hook(_outputs_in_own_storage)  # before fully_shard's: runs first
         # The last unit's parameters are needed again at once by backward: keep them gathered.
         fully_shard(
             modules[name],
