@@ -14,7 +14,8 @@
 fwd+bwd back-propagates ``sum(g * logprobs)`` with a fixed random ``g``. Extra memory is the
 peak above h, W, the targets and g: on CPU every tensor allocation counted by torch's
 MemTracker, on CUDA the allocator's peak. Time: median of repeats after a warm-up, every
-method in the same process, side by side. Ratios are method / naive at the same tp.
+method in the same process, side by side, timed round robin (each round runs every method
+once). Ratios are method / naive at the same tp.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def measure(args, group=None, tp=1, rank=0):
     names = [n for n in METHODS if _available(n, device, tp)]
     ref = _reference(h, w, t, group) if args.errors else None
     for phase in ("fwd", "fwd+bwd"):
+        timed = []
         for name in names + (["fused-loss"] if phase == "fwd+bwd" else []):
             try:
                 run(name, phase)  # warm-up: kernels, thread pools, allocator
@@ -176,14 +178,8 @@ def measure(args, group=None, tp=1, rank=0):
                     out = run(name, phase)
                 error = (out.double() - ref).abs().max().item() if (ref is not None and phase == "fwd") else None
                 del out
-                times = []
-                for _ in range(args.repeats):
-                    sync()
-                    t0 = time.perf_counter()
-                    run(name, phase)
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                rows[f"{name} {phase}"] = {"seconds": statistics.median(times), "extra_bytes": peak.extra, "error": error}
+                rows[f"{name} {phase}"] = {"times": [], "extra_bytes": peak.extra, "error": error}
+                timed.append(name)
             except (MemoryError, torch.OutOfMemoryError):
                 rows[f"{name} {phase}"] = {"seconds": float("nan"), "extra_bytes": float("nan"), "oom": True}
             except (AssertionError, RuntimeError, ValueError) as exc:
@@ -191,6 +187,18 @@ def measure(args, group=None, tp=1, rank=0):
                     raise
                 # the peers' own limits (CCE's backward takes only 16-bit inputs): a row that says so
                 print(f"{name} {phase}: not run ({type(exc).__name__}: {exc})")
+        # round robin: every method once per round, so a shared machine's drift during the run
+        # (this box's speed moves by 10-30% over minutes) falls on all of them alike
+        for _ in range(args.repeats):
+            for name in timed:
+                sync()
+                t0 = time.perf_counter()
+                run(name, phase)
+                sync()
+                rows[f"{name} {phase}"]["times"].append(time.perf_counter() - t0)
+        for name in timed:
+            row = rows[f"{name} {phase}"]
+            row["seconds"] = statistics.median(row.pop("times"))
     itemsize = torch.tensor([], dtype=dtype).element_size()
     rows["_sizes"] = {
         "logits_fp32_bytes": args.n * v_local * 4,
