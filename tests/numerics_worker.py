@@ -215,7 +215,9 @@ def decoder_called_directly(cases, cp=1):
                     gathered = torch.cat(parts, 1)
                 want = reference.model(input_ids=ids).last_hidden_state
             out[preset] = {"shard_len": shard.shape[1], "max_abs": (gathered - want).abs().max().item(),
-                           "scale": want.abs().max().item()}
+                           "scale": want.abs().max().item(),
+                           # one parameter for both users of a tied weight, after FSDP
+                           "tied": model.lm_head.weight is model.model.embed_tokens.weight}
     finally:
         dist.destroy_process_group()
     return out

@@ -198,3 +198,6 @@ def test_decoder_called_directly_sees_global_positions(tmp_path, cp):
         for preset, r in by_preset.items():
             assert r["shard_len"] == 8, r  # really sharded: 16 tokens over 2 ranks
             assert r["max_abs"] <= LOGITS_REL * r["scale"], (preset, rank, r)
+        # Gemma3's plan names its (tied) embedding as a unit: left to the root, the lm_head
+        # keeps the same parameter (as a unit, FSDP2 gave the lm_head a copy of its own)
+        assert by_preset["tiny-gemma3"]["tied"] and not by_preset["tiny-qwen3"]["tied"], rank
