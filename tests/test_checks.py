@@ -171,3 +171,14 @@ def test_model_from_a_config_json_path(cli, tmp_path):
     path.write_text(json.dumps(presets()["llama-3.2-1b"].config))
     code, out, err = cli("validate", LLAMA, "--model", path, "--tp", "8")
     assert code == 0, err
+
+
+def test_the_summary_counts_the_units_fsdp_shards_and_names_the_tied_one_left_to_the_root():
+    from plancc.checks.report import validate_plan
+
+    tied = validate_plan(QWEN3, model="qwen3-0.6b", tp=2)  # 28 layers; its embedding is the lm_head's weight
+    untied = validate_plan(QWEN3, model="qwen3-8b", tp=2)  # 36 layers and its own embedding
+    assert (tied.summary()["fsdp_units"], tied.summary()["fsdp_units_left_to_root"]) == (28, 1)
+    assert (untied.summary()["fsdp_units"], untied.summary()["fsdp_units_left_to_root"]) == (37, 0)
+    assert "fsdp units: 28 (+1 left to the root: a tied weight)" in tied.render()
+    assert not tied.has_errors and not [d for d in tied.diagnostics if d.rule == "fsdp-units"]

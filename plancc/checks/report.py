@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from ..compiler.plan import Plan, load_plan
-from ..compiler.resolve import ResolvedPlan, resolve_sections
+from ..compiler.resolve import ResolvedPlan, outside_users, resolve_sections
 from ..errors import Diagnostic
 from ..layout import Layout
 from ..models import ModelSpecError, architecture_of, build_meta_model, default_preset, load_config
@@ -61,8 +61,16 @@ class ValidationReport:
                     )
         return rows
 
+    def _units_left_to_root(self) -> int:
+        """Units the runtime leaves to the root: a module outside them uses one of their
+        weights (tied embeddings; ``fsdp-units`` explains)."""
+        if not self.resolved or self.meta_model is None:
+            return 0
+        return len(outside_users(self.meta_model, self.resolved[0].fsdp_units))
+
     def summary(self) -> dict[str, Any]:
         errors = sum(d.is_error for d in self.diagnostics)
+        left = self._units_left_to_root()
         return {
             "plan": self.plan.name,
             "path": self.plan.path,
@@ -72,7 +80,8 @@ class ValidationReport:
             "sequence_parallel": self.sequence_parallel,
             "rules": self.rule_rows(),
             # None when the globs could not be bound (a typo): a count of 0 would read as "no units"
-            "fsdp_units": len(self.resolved[0].fsdp_units) if self.resolved else None,
+            "fsdp_units": len(self.resolved[0].fsdp_units) - left if self.resolved else None,
+            "fsdp_units_left_to_root": left,
             "fsdp_reshard_after_forward": self.plan.fsdp_reshard_after_forward,
             "activation_checkpointing": len(self.resolved[0].activation_checkpointing) if self.resolved else None,
             "selective_checkpointing": len(self.resolved[0].checkpoint_saves) if self.resolved else None,
@@ -103,8 +112,13 @@ class ValidationReport:
         if s["fsdp_units"] is None:
             lines.append("  fsdp units, activation checkpointing: not resolved (the plan's globs have errors)")
         else:
+            tied = (
+                f" (+{s['fsdp_units_left_to_root']} left to the root: a tied weight)"
+                if s["fsdp_units_left_to_root"]
+                else ""
+            )
             lines.append(
-                f"  fsdp units: {s['fsdp_units']}{kept}   "
+                f"  fsdp units: {s['fsdp_units']}{tied}{kept}   "
                 f"activation checkpointing: {s['activation_checkpointing']}{selective}"
             )
         verdict = "FAILED" if s["errors"] else "ok"
