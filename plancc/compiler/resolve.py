@@ -143,6 +143,15 @@ def inner_first(units: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(ordered)
 
 
+def tied_parameter_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that share one Parameter object."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((mod_name, p_name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
 def outside_users(model: nn.Module, units: Iterable[str]) -> dict[str, list[str]]:
     """For each unit some of whose parameters a module outside it also uses (tied embeddings:
     the input embedding's weight is also the lm_head's): those outside modules.
@@ -151,19 +160,15 @@ def outside_users(model: nn.Module, units: Iterable[str]) -> dict[str, list[str]
     would silently split in two -- an FSDP parameter for the unit and a separate one for
     its other user, each trained on its own half of the gradient. The runtime leaves such
     a unit to the root, which holds every user (``units_without_outside_users``)."""
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
+    holders = [[mod_name for mod_name, _ in group] for group in tied_parameter_groups(model)]
     found: dict[str, list[str]] = {}
     for unit in units:
         prefix = f"{unit}."
-        outside = {
-            owner
-            for p in model.get_submodule(unit).parameters()
-            for owner in owners.get(id(p), ())
-            if owner != unit and not owner.startswith(prefix)
-        }
+
+        def inside(name: str, unit: str = unit, prefix: str = prefix) -> bool:
+            return name == unit or name.startswith(prefix)
+
+        outside = {name for group in holders if any(map(inside, group)) for name in group if not inside(name)}
         if outside:
             found[unit] = sorted(outside)
     return found

@@ -60,12 +60,17 @@ def default_chunk(n: int, v_local: int, device: torch.device, *, grad: bool = Fa
     chunk forms gradients a power of two within GPU_GRAD_CHUNK_BYTES."""
     row_bytes = 4 * max(1, v_local)
     if device.type == "cpu":
-        rows = max(1, min(max(MIN_ROWS, n // CPU_CHUNK_FRACTION), CPU_CHUNK_BYTES // row_bytes))
-        return rows - rows % CPU_ROW_BLOCK if rows >= CPU_ROW_BLOCK else rows
+        return _whole_blocks(
+            max(1, min(max(MIN_ROWS, n // CPU_CHUNK_FRACTION), CPU_CHUNK_BYTES // row_bytes)), CPU_ROW_BLOCK
+        )
     if grad:
         return 1 << max(0, (GPU_GRAD_CHUNK_BYTES // row_bytes).bit_length() - 1)
-    rows = GPU_CHUNK_BYTES // row_bytes
-    return max(1, rows - rows % GPU_ROW_TILE if rows >= GPU_ROW_TILE else rows)
+    return max(1, _whole_blocks(GPU_CHUNK_BYTES // row_bytes, GPU_ROW_TILE))
+
+
+def _whole_blocks(rows: int, block: int) -> int:
+    """``rows`` rounded down to whole blocks, when there is at least one."""
+    return rows - rows % block if rows >= block else rows
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,16 +120,13 @@ class _ChunkLogits:
 
     def __init__(self, weight: torch.Tensor, rows: int, w32: torch.Tensor | None = None):
         self.weight = weight
-        self.cpu = not weight.is_cuda
-        if w32 is None:
-            w32 = weight if (not self.cpu or weight.dtype == torch.float32) else weight.float()
-        self.w32 = w32
-        self.buffer = (
-            torch.empty(weight.shape[0] * rows, dtype=torch.float32, device=weight.device) if self.cpu else None
-        )
+        self.w32, self.buffer = None, None
+        if not weight.is_cuda:
+            self.w32 = w32 if w32 is not None else _fp32_weight(weight, fast=False)
+            self.buffer = torch.empty(weight.shape[0] * rows, dtype=torch.float32, device=weight.device)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        if self.buffer is None or h.shape[0] * self.w32.shape[0] > self.buffer.numel():
+        if self.buffer is None or self.w32 is None or h.shape[0] * self.w32.shape[0] > self.buffer.numel():
             return _matmul_fp32(h, self.weight)
         out = self.buffer[: h.shape[0] * self.w32.shape[0]].view(self.w32.shape[0], h.shape[0])
         torch.mm(self.w32, (h if h.dtype == torch.float32 else h.float()).T, out=out)

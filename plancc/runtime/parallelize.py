@@ -11,7 +11,6 @@ ranks FSDP reduces over would count them ep times.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,22 +25,13 @@ from torch.utils._pytree import tree_map
 from ..compiler.expert_styles import ExpertsOverTensorParallel
 from ..compiler.lower import lower
 from ..compiler.plan import Plan
-from ..compiler.resolve import ResolvedPlan, resolve_plan, units_without_outside_users
+from ..compiler.resolve import ResolvedPlan, resolve_plan, tied_parameter_groups, units_without_outside_users
 from ..errors import Diagnostic, PlanError
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
 from .expert_parallel import spread_experts
 from .hooks import GlobalSequenceInputs
 from .mesh import build_expert_mesh, dp_cp_mesh, require_plancc_axes
-
-
-def tied_parameter_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """Groups of (module name, parameter name) that share one Parameter object."""
-    owners: dict[int, list[tuple[str, str]]] = defaultdict(list)
-    for mod_name, module in model.named_modules():
-        for p_name, param in module.named_parameters(recurse=False):
-            owners[id(param)].append((mod_name, p_name))
-    return [group for group in owners.values() if len(group) > 1]
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
