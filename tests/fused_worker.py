@@ -35,6 +35,7 @@ def check_fused_cases(cases):
     import torch.distributed as dist
 
     from plancc.logprobs import fused_logprobs, fused_nll_loss
+    from plancc.runtime.fused_logprobs import default_columns
 
     rank, world = init_gloo()
     assert world == 4
@@ -68,6 +69,8 @@ def check_fused_cases(cases):
                 row = {"case": case["name"], "tp": tp, "dtype": case["dtype"]}
                 row |= _errors(lp, ent, h.grad, w.grad, ref_lp, ref_ent, ref_h.grad, ref_w.grad[lo:hi], dtype)
                 row["same_inf"] = bool((torch.isfinite(lp) == finite).all())
+                filtered = "top_k" in opts or "top_p" in opts
+                row["by_columns"] = case["chunk"] is None and not filtered and default_columns(n, hi - lo, h.device) is not None
                 if not opts:  # the weighted loss with gradients formed in forward
                     h2 = h_full.clone().requires_grad_(True)
                     w2 = w_full[lo:hi].clone().requires_grad_(True)
