@@ -8,6 +8,9 @@
 - fused: ``plancc.logprobs.fused_logprobs`` (backward recomputes each chunk: any downstream loss)
 - fused-loss: ``plancc.logprobs.fused_nll_loss`` (a weighted sum of log-probs, the training
   loss: gradients formed in forward). fwd+bwd only.
+- fused-token: ``plancc.logprobs.fused_token_loss`` with the same objective written as a
+  per-token ``loss_fn`` (what an RL loss such as a clipped PPO objective goes through: its
+  gradient w.r.t. each chunk's log-probs is taken by autograd in forward). fwd+bwd only.
 - liger / cce (CUDA, tp=1, when installed): LigerFusedLinearCrossEntropyLoss and
   cut_cross_entropy.linear_cross_entropy with reduction="none", for comparison only.
 
@@ -140,7 +143,7 @@ def _reference(h, w, t, group):
 def measure(args, group=None, tp=1, rank=0):
     import torch
 
-    from plancc.logprobs import fused_nll_loss
+    from plancc.logprobs import fused_nll_loss, fused_token_loss
 
     device, dtype = args.device, getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
@@ -159,6 +162,9 @@ def measure(args, group=None, tp=1, rank=0):
         if name == "fused-loss":
             loss, _ = fused_nll_loss(hh, ww, t, -g, group=group, chunk_size=CHUNK)
             loss.backward()
+        elif name == "fused-token":
+            loss, _ = fused_token_loss(hh, ww, t, lambda lp, i: (g[i] * lp).sum(), group=group, chunk_size=CHUNK)
+            loss.backward()
         else:
             (METHODS[name](hh, ww, t, group) * g).sum().backward()
         return hh.grad, ww.grad
@@ -171,7 +177,7 @@ def measure(args, group=None, tp=1, rank=0):
     ref = _reference(h, w, t, group) if args.errors else None
     for phase in ("fwd", "fwd+bwd"):
         timed = []
-        for name in names + (["fused-loss"] if phase == "fwd+bwd" else []):
+        for name in names + (["fused-loss", "fused-token"] if phase == "fwd+bwd" else []):
             try:
                 run(name, phase)  # warm-up: kernels, thread pools, allocator
                 with _Peak(device, h, w, t, g) as peak:
@@ -229,14 +235,14 @@ def report(rows, tp, args):
     logits_b, grads_b = sizes["logits_fp32_bytes"], sizes["grads_bytes"]
     print(f"\ntp={tp}  N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}: "
           f"fp32 logits per rank {logits_b / 2**20:.0f} MiB, grads of h and W {grads_b / 2**20:.0f} MiB")
-    print(f"{'method':<18}{'seconds':>9}{'x naive':>9}{'extra MiB':>11}{'extra/logits':>14}{'max abs err':>13}")
+    print(f"{'method':<20}{'seconds':>9}{'x naive':>9}{'extra MiB':>11}{'extra/logits':>14}{'max abs err':>13}")
     for key, row in rows.items():
         name, phase = key.rsplit(" ", 1)
         base = rows[f"naive {phase}"]["seconds"]
         extra = row["extra_bytes"]
         over = extra - (grads_b if phase == "fwd+bwd" else 0)  # what it holds beyond the gradients
         err = "" if row.get("error") is None else f"{row['error']:>13.1e}"
-        print(f"{key:<18}{row['seconds']:>9.3f}{row['seconds'] / base:>9.3f}{extra / 2**20:>11.1f}"
+        print(f"{key:<20}{row['seconds']:>9.3f}{row['seconds'] / base:>9.3f}{extra / 2**20:>11.1f}"
               f"{over / logits_b:>14.3f}{err}")
 
 

@@ -1,7 +1,7 @@
 """``plancc.logprobs``, the documented path of the log-prob evaluator (``plancc.runtime.logprobs``
 and ``plancc.runtime.fused_logprobs``)."""
 
-from .runtime.fused_logprobs import fused_logprobs, fused_nll_loss
+from .runtime.fused_logprobs import fused_logprobs, fused_nll_loss, fused_token_loss
 from .runtime.logprobs import (
     IGNORE_INDEX,
     fusable,
@@ -17,6 +17,7 @@ __all__ = [
     "fusable",
     "fused_logprobs",
     "fused_nll_loss",
+    "fused_token_loss",
     "packed_position_ids",
     "per_position",
     "token_logprobs",

@@ -27,6 +27,28 @@ def reference(h, w, targets, *, temperature=1.0, top_k=None, top_p=None, ignore_
     return lp, ent
 
 
+def ppo_terms(n, seed):
+    """Per-token constants of a PPO-style clipped objective: old log-probs, advantages, a mask."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, generator=gen) * 4
+    adv = torch.randn(n, generator=gen)
+    mask = (torch.rand(n, generator=gen) > 0.2).float()
+    return old, adv, mask
+
+
+def ppo_loss(lp, index, old, adv, mask, eps=0.2):
+    """The clipped surrogate loss of the tokens ``index``, normalized by every token's mask (a
+    per-token term: each depends on its own log-prob only)."""
+    import torch
+
+    ratio = torch.exp(lp - old[index].to(lp.dtype))
+    a = adv[index].to(lp.dtype)
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
+    return -(surrogate * mask[index].to(lp.dtype)).sum() / mask.sum().to(lp.dtype)
+
+
 def check_fused_cases(cases):
     """Each case runs at tp in {1, 2, 4} on 4 ranks (tp=2: two groups of two): every rank
     takes its (uneven) rows of the same lm_head weight; returns, per case and tp, the worst
@@ -34,7 +56,7 @@ def check_fused_cases(cases):
     import torch
     import torch.distributed as dist
 
-    from plancc.logprobs import fused_logprobs, fused_nll_loss
+    from plancc.logprobs import fused_logprobs, fused_nll_loss, fused_token_loss
     from plancc.runtime.fused_logprobs import default_columns
 
     rank, world = init_gloo()
@@ -83,6 +105,22 @@ def check_fused_cases(cases):
                     want.backward()
                     row["loss"] = abs(loss.item() - want.item()) / max(1.0, abs(want.item()))
                     row["loss_grad"] = max(_grad_error(h2.grad, rh.grad, dtype), _grad_error(w2.grad, rw.grad[lo:hi], dtype))
+                    # a clipped objective with its gradients formed in forward, against fp64 autograd
+                    old, adv, mask = ppo_terms(n, case["seed"])
+                    h3 = h_full.clone().requires_grad_(True)
+                    w3 = w_full[lo:hi].clone().requires_grad_(True)
+                    loss, _ = fused_token_loss(
+                        h3, w3, targets, lambda lp, i: ppo_loss(lp, i, old, adv, mask), group=group, chunk_size=case["chunk"]
+                    )
+                    loss.backward()
+                    rh = h_full.double().requires_grad_(True)
+                    rw = w_full.double().requires_grad_(True)
+                    want = ppo_loss(reference(rh, rw, targets)[0], slice(None), old, adv, mask)
+                    want.backward()
+                    row["token_loss"] = abs(loss.item() - want.item()) / max(1.0, abs(want.item()))
+                    row["token_loss_grad"] = max(
+                        _grad_error(h3.grad, rh.grad, dtype), _grad_error(w3.grad, rw.grad[lo:hi], dtype)
+                    )
                 out.append(row)
     finally:
         dist.destroy_process_group()

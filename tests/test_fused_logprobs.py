@@ -9,10 +9,10 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from plancc.logprobs import fused_logprobs, fused_nll_loss, vocab_parallel_logprobs
+from plancc.logprobs import fused_logprobs, fused_nll_loss, fused_token_loss, vocab_parallel_logprobs
 
 from .distributed import launch
-from .fused_worker import _grad_error, check_fused_cases, reference
+from .fused_worker import _grad_error, check_fused_cases, ppo_loss, ppo_terms, reference
 
 FORWARD_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -156,6 +156,7 @@ def test_tp_1_2_4_with_uneven_vocab_splits_match_fp64():
             assert row["grad_h"] <= GRAD_TOL and row["grad_w"] <= GRAD_TOL, row
             if "loss" in row:
                 assert row["loss"] <= FORWARD_TOL and row["loss_grad"] <= GRAD_TOL, row
+                assert row["token_loss"] <= FORWARD_TOL and row["token_loss_grad"] <= GRAD_TOL, row
     assert len(seen) == len(cases) * 3
 
 
@@ -176,6 +177,44 @@ def test_loss_with_gradients_formed_in_forward_equals_autograd_of_the_logprobs()
     # backward of fused_logprobs here walks vocab columns, the loss chunks of 4 tokens)
     assert _grad_error(h.grad, h2.grad.double(), torch.float32) <= GRAD_TOL
     assert _grad_error(w.grad, w2.grad.double(), torch.float32) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_clipped_objective_with_gradients_formed_in_forward_matches_fp64(dtype, chunk):
+    gen = torch.Generator().manual_seed(3)
+    dt = getattr(torch, dtype)
+    h = torch.randn(30, 16, generator=gen).to(dt).requires_grad_(True)
+    w = torch.randn(90, 16, generator=gen).to(dt).requires_grad_(True)
+    targets = torch.randint(0, 90, (30,), generator=gen)
+    targets[::4] = -100
+    old, adv, mask = ppo_terms(30, seed=4)
+
+    def loss_fn(lp, index):
+        return ppo_loss(lp, index, old, adv, mask)
+
+    loss, lp = fused_token_loss(h, w, targets, loss_fn, chunk_size=chunk)
+    assert not lp.requires_grad and lp[0] == 0  # ignore_index
+    loss.backward()
+    ref_h, ref_w = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want = loss_fn(reference(ref_h, ref_w, targets)[0], slice(None))
+    want.backward()
+    assert abs(loss.item() - want.item()) <= FORWARD_TOL * max(1.0, abs(want.item()))
+    assert _grad_error(h.grad, ref_h.grad, dt) <= GRAD_TOL
+    assert _grad_error(w.grad, ref_w.grad, dt) <= GRAD_TOL
+    # the same objective through fused_logprobs (its backward recomputes the softmax) agrees
+    h2, w2 = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    loss_fn(fused_logprobs(h2, w2, targets, chunk_size=chunk), slice(None)).backward()
+    assert _grad_error(h.grad, h2.grad.double(), dt) <= GRAD_TOL
+
+
+def test_a_token_loss_that_is_not_a_scalar_is_refused_and_no_grad_forms_no_gradients():
+    h, w, targets = torch.randn(5, 4, requires_grad=True), torch.randn(10, 4), torch.tensor([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="scalar tensor"):
+        fused_token_loss(h, w, targets, lambda lp, index: -lp)
+    with torch.no_grad():
+        loss, lp = fused_token_loss(h, w, targets, lambda lp, index: -lp.sum())
+    assert not loss.requires_grad and torch.allclose(loss, -fused_logprobs(h, w, targets).sum().detach())
 
 
 def test_targets_outside_the_vocabulary_are_refused_and_ignore_index_gives_zero():

@@ -28,6 +28,7 @@ kernels (``fused_kernels``); elsewhere, and for the filtered mode, the PyTorch c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -543,8 +544,32 @@ class _FusedLogprobs(torch.autograd.Function):
         return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None
 
 
-class _FusedNllLoss(torch.autograd.Function):
-    """``-sum(weights * logprobs)`` with the gradients formed in forward (weights known)."""
+TokenLossFn = Callable[[torch.Tensor, slice], torch.Tensor]
+
+
+def _chunk_loss(
+    loss_fn: TokenLossFn, lp: torch.Tensor, index: slice, need_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the chunk's loss, d loss / d log-probs when gradients are wanted): ``loss_fn`` run on
+    the chunk's log-probs with autograd on, so any per-token expression gives its own gradient."""
+    grad = None
+    with torch.enable_grad():
+        leaf = lp.detach().requires_grad_(need_grad)
+        loss = loss_fn(leaf, index)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor (the summed loss of the chunk's tokens), got {got}")
+        if need_grad and loss.requires_grad:
+            (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    if need_grad and grad is None:  # a loss that does not depend on these log-probs
+        grad = torch.zeros_like(lp)
+    return loss.detach().float(), None if grad is None else grad.float()
+
+
+class _FusedTokenLoss(torch.autograd.Function):
+    """``sum over chunks of loss_fn(logprobs of the chunk)`` with the gradients formed in forward:
+    each token's term depends on its own log-prob only, so d loss / d logprob is known as soon as
+    the chunk's log-probs are (``fused_token_loss``)."""
 
     @staticmethod
     def forward(
@@ -552,7 +577,7 @@ class _FusedNllLoss(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         targets: torch.Tensor,
-        weights: torch.Tensor,
+        loss_fn: TokenLossFn,
         vocab: _Vocab,
         chunks: _Chunks,
         need_grad: bool,
@@ -564,7 +589,7 @@ class _FusedNllLoss(torch.autograd.Function):
         fast = fused_kernels.active(hidden.device)
         w32 = _fp32_weight(weight, fast) if need_grad else None
         logits = _ChunkLogits(weight, chunk, w32)
-        g = -weights.float()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             h = hidden[lo:hi]
@@ -572,12 +597,14 @@ class _FusedNllLoss(torch.autograd.Function):
             lse, picked, _ = _combine(st, vocab.group)  # per chunk: the gradient needs it now
             valid = targets[lo:hi] != vocab.ignore_index
             lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
-            if grad_h is not None and grad_w is not None:
+            loss, g = _chunk_loss(loss_fn, lp[lo:hi], slice(lo, hi), need_grad)
+            total += loss
+            if grad_h is not None and grad_w is not None and g is not None:
                 if fast:  # masks ignore_index targets itself, as _local_grad_logits does
-                    gx = _kernel_grad(x, targets[lo:hi], lse, None, g[lo:hi], None, vocab, weight.dtype)
+                    gx = _kernel_grad(x, targets[lo:hi], lse, None, g, None, vocab, weight.dtype)
                 else:  # x holds exp(x - m) now: the softmax over the whole vocabulary is one scale away
                     p = x.mul_((st.m - lse).exp_().unsqueeze(1))
-                    gx = _finish_grad(p, targets[lo:hi], g[lo:hi] * valid, vocab)
+                    gx = _finish_grad(p, targets[lo:hi], g * valid, vocab)
                 _grad_matmuls(gx, weight, w32, h, grad_h[lo:hi], grad_w)
                 del gx
             del x  # every name of this chunk's storage: the next chunk must not coexist with it
@@ -586,7 +613,7 @@ class _FusedNllLoss(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(lp)
-        return -(weights.float() * lp).sum(), lp
+        return total, lp
 
     @staticmethod
     def backward(ctx: Any, g_loss: torch.Tensor, _g_lp: torch.Tensor | None) -> tuple[Any, ...]:
@@ -741,6 +768,49 @@ def fused_nll_loss(
     """``(-sum(weights * logprobs), logprobs)``: a training loss from hidden states and the
     lm_head weight (same layouts as ``fused_logprobs``), with its gradients formed during
     forward while each chunk's logits are in hand. The log-probs come back detached."""
+    if weights.shape != targets.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} do not match targets {tuple(targets.shape)}")
+    flat = weights.reshape(-1).float()
+
+    def nll(lp: torch.Tensor, index: slice) -> torch.Tensor:
+        return -(flat[index] * lp).sum()
+
+    return fused_token_loss(
+        hidden,
+        weight,
+        targets,
+        nll,
+        group=group,
+        vocab_start=vocab_start,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+    )
+
+
+def fused_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: TokenLossFn,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, logprobs)`` for a loss that is a sum of per-token terms, each a function of its
+    own token's log-prob -- a PPO / GRPO clipped objective, a KL penalty against reference
+    log-probs, a weighted NLL -- with the gradients formed in forward: 3 matmuls, where
+    ``fused_logprobs`` followed by the same loss needs 4 (its backward must recompute the
+    softmax it could not keep).
+
+    ``loss_fn(logprobs, index)`` gets the fp32 log-probs of the flat token positions ``index``
+    (a slice of ``targets.reshape(-1)``; ``ignore_index`` targets give 0 and no gradient) and
+    returns the summed loss of those tokens as a scalar tensor; index your per-token constants
+    (old log-probs, advantages, mask / count) with it. It is called once per chunk, so a term
+    that mixes tokens (a sequence-level ratio, a mean over what it is given) would be wrong:
+    use ``fused_logprobs`` for those. Layouts as in ``fused_logprobs``; the log-probs come back
+    detached, identical on every tp rank."""
     h, w, t, vocab, chunks = _prepare(
         hidden,
         weight,
@@ -753,8 +823,6 @@ def fused_nll_loss(
         ignore_index=ignore_index,
         chunk_size=chunk_size,
     )
-    if weights.shape != targets.shape:
-        raise ValueError(f"weights {tuple(weights.shape)} do not match targets {tuple(targets.shape)}")
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-    loss, lp = _FusedNllLoss.apply(h, w, t, weights.reshape(-1), vocab, chunks, need_grad)
+    loss, lp = _FusedTokenLoss.apply(h, w, t, loss_fn, vocab, chunks, need_grad)
     return loss, lp.reshape(targets.shape)
