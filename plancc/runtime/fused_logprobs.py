@@ -12,8 +12,9 @@ cannot be formed before it exists:
 
 - ``fused_logprobs``: any downstream function (RL ratios, clipping, KL). Backward recomputes
   the logits and forms the gradients of hidden and weight: 4 matmuls in all. On CPU, when
-  there are no more tokens than local vocabulary columns, it walks blocks of vocabulary
-  columns over all tokens instead of chunks of tokens (``_grad_by_columns``).
+  there are no more tokens than local vocabulary columns, forward and backward walk blocks of
+  vocabulary columns over all tokens instead of chunks of tokens (``default_columns``): the
+  forward then keeps a running max per token, as the tp merge does across ranks.
 - ``fused_nll_loss``: a loss that is a weighted sum of the log-probs (the SFT/pre-training
   loss, weights = mask / count). The weights are known in forward, so the gradients are
   formed right there, chunk by chunk, while the logits are hot: 3 matmuls, as many as the
@@ -28,7 +29,7 @@ kernels (``fused_kernels``); elsewhere, and for the filtered mode, the PyTorch c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -72,16 +73,19 @@ def default_chunk(n: int, v_local: int, device: torch.device, *, grad: bool = Fa
 
 
 def default_columns(n: int, v_local: int, device: torch.device) -> int | None:
-    """Vocabulary columns per block of ``fused_logprobs``' backward, or None for chunks of tokens.
+    """Vocabulary columns per block where ``fused_logprobs`` walks blocks of columns over all
+    tokens (forward and backward), or None for chunks of tokens.
 
-    Each chunk of tokens adds its ``gx.T @ h`` into the whole ``[V, H]`` weight gradient, a read
-    and a write of all of it per chunk with an inner dimension of a chunk's rows; a block of
-    columns writes its rows of that gradient once (inner dimension: every token) and adds into
-    the ``[N, H]`` hidden gradient instead. Under the same byte budget that traffic is
-    ``N * V**2 * H / budget`` for token chunks against ``V * N**2 * H / budget`` for column
-    blocks: columns win when N <= V. Measured on this CPU at N=4096, H=1024, V=32768 fp32
-    (8 paired runs): the backward took 0.76-0.99x, median 0.85x, of the token chunks' time.
-    On CUDA the token chunks' kernels stay (measured there, docs/gpu.md)."""
+    A chunk of tokens reads the whole ``[V, H]`` weight for its matmul, and in backward adds its
+    ``gx.T @ h`` into the whole ``[V, H]`` weight gradient (a read and a write of all of it per
+    chunk, with an inner dimension of a chunk's rows). A block of columns reads all of ``h``
+    instead (``[N, H]``: here 16 MiB, which stays in the cache, where W is 128 MiB), writes its
+    own rows of the weight gradient once (inner dimension: every token) and adds into the
+    ``[N, H]`` hidden gradient. Under the same byte budget the traffic is ``N * V**2 * H /
+    budget`` for token chunks against ``V * N**2 * H / budget`` for column blocks: columns win
+    when N <= V. Measured on this CPU at N=4096, H=1024, V=32768 fp32: the matmuls of the
+    forward 1.70 s against 2.41 s (median of 6 paired rounds), the backward 0.85x (median of
+    8). On CUDA the token chunks' kernels stay (measured there, docs/gpu.md)."""
     if device.type != "cpu" or n > v_local:
         return None
     return default_chunk(v_local, n, device)  # the same budget with the roles of rows and columns swapped
@@ -93,7 +97,7 @@ class _Chunks:
 
     forward: int  # tokens per chunk of a forward that keeps nothing of it
     grad: int  # tokens per chunk where a chunk forms gradients
-    grad_columns: int | None = None  # fused_logprobs' backward by vocab columns (default_columns)
+    columns: int | None = None  # fused_logprobs by blocks of vocab columns (default_columns)
 
 
 def _whole_blocks(rows: int, block: int) -> int:
@@ -184,6 +188,46 @@ def _grad_matmuls(
     torch.addmm(grad_w, gx.T, h, out_dtype=torch.float32, out=grad_w)
 
 
+def _column_blocks(
+    h32: torch.Tensor, w32: torch.Tensor, vocab: _Vocab, width: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, _Vocab]]:
+    """(first column, weight rows, fp32 logits ``[N, width]`` divided by the temperature, where
+    the block sits in the vocabulary) for each block of ``width`` local columns, every block
+    written into one buffer allocated once (valid until the next block)."""
+    n = h32.shape[0]
+    buffer = torch.empty(n * min(width, w32.shape[0]), dtype=torch.float32, device=h32.device)
+    for lo in range(0, w32.shape[0], width):
+        w_b = w32[lo : lo + width]
+        x = buffer[: n * w_b.shape[0]].view(n, w_b.shape[0])
+        torch.mm(h32, w_b.T, out=x)
+        if vocab.temperature != 1.0:
+            x /= vocab.temperature
+        yield lo, w_b, x, replace(vocab, start=vocab.start + lo)
+
+
+def _stats_by_columns(
+    hidden: torch.Tensor, w32: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, width: int, entropy: bool
+) -> _ChunkStats:
+    """Every token's partial statistics over this rank's columns, a block of columns at a time,
+    merged with a running max as the blocks come (the merge ``_combine`` does over tp ranks)."""
+    h32 = hidden if hidden.dtype == torch.float32 else hidden.float()
+    run: _ChunkStats | None = None
+    for _, _, x, block in _column_blocks(h32, w32, vocab, width):
+        cols, here = _target_columns(targets, block, x.shape[1])
+        st = _stats(x, cols, here, entropy)[0]
+        if run is None:
+            run = st
+            continue
+        m = torch.maximum(run.m, st.m)
+        a, b = (run.m - m).exp(), (st.m - m).exp()
+        t = None
+        if run.t is not None and st.t is not None:  # sum exp(x - m)(x - m), moved to the new max
+            t = (run.t + (run.m - m) * run.s) * a + (st.t + (st.m - m) * st.s) * b
+        run = _ChunkStats(m, run.s * a + st.s * b, run.picked + st.picked, t)
+    assert run is not None, "a rank holds at least one column"
+    return run
+
+
 def _grad_by_columns(
     hidden: torch.Tensor,
     w32: torch.Tensor,
@@ -196,21 +240,13 @@ def _grad_by_columns(
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of hidden, grad of the local weight), both fp32, a block of ``width`` vocabulary
-    columns at a time over all tokens (``default_columns`` says why). One block buffer, allocated
-    once; each block's logits are recomputed, turned into their gradient in place, and give
-    ``grad_h += gx @ W_b`` and the block's own rows ``grad_w[b] = gx.T @ h``."""
+    columns at a time over all tokens (``default_columns`` says why): each block's logits are
+    recomputed, turned into their gradient in place, and give ``grad_h += gx @ W_b`` and the
+    block's own rows ``grad_w[b] = gx.T @ h``."""
     h32 = hidden if hidden.dtype == torch.float32 else hidden.float()
-    n = h32.shape[0]
     grad_h = torch.zeros(h32.shape, dtype=torch.float32, device=h32.device)
     grad_w = torch.empty(w32.shape, dtype=torch.float32, device=w32.device)  # every row written once
-    buffer = torch.empty(n * min(width, w32.shape[0]), dtype=torch.float32, device=h32.device)
-    for lo in range(0, w32.shape[0], width):
-        w_b = w32[lo : lo + width]
-        x = buffer[: n * w_b.shape[0]].view(n, w_b.shape[0])
-        torch.mm(h32, w_b.T, out=x)
-        if vocab.temperature != 1.0:
-            x /= vocab.temperature
-        block = replace(vocab, start=vocab.start + lo)  # where the targets fall in this block
+    for lo, w_b, x, block in _column_blocks(h32, w32, vocab, width):
         gx = _local_grad_logits(x, targets, lse, ent, g_lp, g_ent, block)
         grad_h.addmm_(gx, w_b)
         torch.mm(gx.T, h32, out=grad_w[lo : lo + w_b.shape[0]])
@@ -436,6 +472,23 @@ def _kernel_grad(
     )
 
 
+def _stats_by_tokens(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, chunk: int, entropy: bool
+) -> _ChunkStats:
+    """Every token's partial statistics over this rank's columns, a chunk of tokens at a time."""
+    n = hidden.shape[0]
+    m, s, picked = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    t = torch.empty_like(m) if entropy else None
+    logits = _ChunkLogits(weight, chunk)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        st = _chunk_stats(hidden[lo:hi], logits, targets[lo:hi], vocab, entropy)[0]
+        m[lo:hi], s[lo:hi], picked[lo:hi] = st.m, st.s, st.picked
+        if t is not None and st.t is not None:
+            t[lo:hi] = st.t
+    return _ChunkStats(m, s, picked, t)
+
+
 def _grad_by_tokens(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -492,10 +545,10 @@ class _FusedLogprobs(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(lp)
         ent = torch.empty_like(lp) if entropy else lp.new_empty(0)
-        logits = _ChunkLogits(weight, chunk)
         # Statistics of the plain path are combined once for all chunks (2 collectives in
         # all); the filtered path combines per chunk inside _filtered_chunk.
         if vocab.filtered:
+            logits = _ChunkLogits(weight, chunk)
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
                 x = _chunk_logits(hidden[lo:hi], logits, vocab)
@@ -504,15 +557,13 @@ class _FusedLogprobs(torch.autograd.Function):
                     ent[lo:hi] = e
                 del x, keep
         else:
-            m, s, picked = torch.empty_like(lp), torch.empty_like(lp), torch.empty_like(lp)
-            t = torch.empty_like(lp) if entropy else None
-            for lo in range(0, n, chunk):
-                hi = min(n, lo + chunk)
-                st = _chunk_stats(hidden[lo:hi], logits, targets[lo:hi], vocab, entropy)[0]
-                m[lo:hi], s[lo:hi], picked[lo:hi] = st.m, st.s, st.picked
-                if t is not None and st.t is not None:
-                    t[lo:hi] = st.t
-            full_lse, full_picked, full_ent = _combine(_ChunkStats(m, s, picked, t), vocab.group)
+            if chunks.columns is not None:
+                w32 = _fp32_weight(weight, fast=False)
+                assert w32 is not None, "the PyTorch path takes the fp32 weight"
+                stats = _stats_by_columns(hidden, w32, targets, vocab, chunks.columns, entropy)
+            else:
+                stats = _stats_by_tokens(hidden, weight, targets, vocab, chunk, entropy)
+            full_lse, full_picked, full_ent = _combine(stats, vocab.group)
             lse.copy_(full_lse)
             lp.copy_(torch.where(targets != vocab.ignore_index, full_picked - full_lse, torch.zeros_like(full_lse)))
             if entropy and full_ent is not None:
@@ -532,9 +583,9 @@ class _FusedLogprobs(torch.autograd.Function):
         w32 = _fp32_weight(weight, fast)
         chunks: _Chunks = ctx.chunks
         e_all = ent if ctx.entropy else None
-        if chunks.grad_columns is not None:  # set only for the unfiltered PyTorch path (_prepare)
+        if chunks.columns is not None:  # set only for the unfiltered PyTorch path (_prepare)
             assert w32 is not None, "the PyTorch path takes the fp32 weight"
-            grad_h, grad_w = _grad_by_columns(hidden, w32, targets, lse, e_all, g_lp, g_ent, vocab, chunks.grad_columns)
+            grad_h, grad_w = _grad_by_columns(hidden, w32, targets, lse, e_all, g_lp, g_ent, vocab, chunks.columns)
         else:
             grad_h, grad_w = _grad_by_tokens(
                 hidden, weight, w32, targets, lse, e_all, g_lp, g_ent, vocab, chunks.grad, fast, ctx.widths
@@ -809,8 +860,9 @@ def fused_token_loss(
     returns the summed loss of those tokens as a scalar tensor; index your per-token constants
     (old log-probs, advantages, mask / count) with it. It is called once per chunk, so a term
     that mixes tokens (a sequence-level ratio, a mean over what it is given) would be wrong:
-    use ``fused_logprobs`` for those. Layouts as in ``fused_logprobs``; the log-probs come back
-    detached, identical on every tp rank."""
+    use ``fused_logprobs`` for those. Gradients flow to ``hidden`` and ``weight`` only: what
+    ``loss_fn`` closes over is a constant. Layouts as in ``fused_logprobs``; the log-probs come
+    back detached, identical on every tp rank."""
     h, w, t, vocab, chunks = _prepare(
         hidden,
         weight,
