@@ -138,9 +138,7 @@ def _matmul_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     kernels want them."""
     if h.is_cuda:
         return h @ w.T if h.dtype == torch.float32 else torch.mm(h, w.T, out_dtype=torch.float32)
-    if h.dtype == torch.float32 and w.dtype == torch.float32:
-        return (w @ h.T).T
-    return (w.float() @ h.float().T).T
+    return (_as_fp32(w) @ _as_fp32(h).T).T
 
 
 class _ChunkLogits:
@@ -154,14 +152,14 @@ class _ChunkLogits:
         self.weight = weight
         self.w32, self.buffer = None, None
         if not weight.is_cuda:
-            self.w32 = w32 if w32 is not None else _fp32_weight(weight, fast=False)
+            self.w32 = w32 if w32 is not None else _as_fp32(weight)
             self.buffer = torch.empty(weight.shape[0] * rows, dtype=torch.float32, device=weight.device)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if self.buffer is None or self.w32 is None or h.shape[0] * self.w32.shape[0] > self.buffer.numel():
             return _matmul_fp32(h, self.weight)
         out = self.buffer[: h.shape[0] * self.w32.shape[0]].view(self.w32.shape[0], h.shape[0])
-        torch.mm(self.w32, (h if h.dtype == torch.float32 else h.float()).T, out=out)
+        torch.mm(self.w32, _as_fp32(h).T, out=out)
         return out.T  # (w @ h.T).T, as _matmul_fp32 computes it on CPU
 
 
@@ -182,7 +180,7 @@ def _grad_matmuls(
     if gx.dtype == torch.float32:
         assert w32 is not None, "fp32 gradients of the logits need the fp32 weight"
         grad_h_rows.copy_(gx @ w32)
-        grad_w.addmm_(gx.T, h if h.dtype == torch.float32 else h.float())
+        grad_w.addmm_(gx.T, _as_fp32(h))
         return
     grad_h_rows.copy_(torch.mm(gx, weight, out_dtype=torch.float32))
     torch.addmm(grad_w, gx.T, h, out_dtype=torch.float32, out=grad_w)
@@ -210,7 +208,7 @@ def _stats_by_columns(
 ) -> _ChunkStats:
     """Every token's partial statistics over this rank's columns, a block of columns at a time,
     merged with a running max as the blocks come (the merge ``_combine`` does over tp ranks)."""
-    h32 = hidden if hidden.dtype == torch.float32 else hidden.float()
+    h32 = _as_fp32(hidden)
     run: _ChunkStats | None = None
     for _, _, x, block in _column_blocks(h32, w32, vocab, width):
         cols, here = _target_columns(targets, block, x.shape[1])
@@ -219,11 +217,9 @@ def _stats_by_columns(
             run = st
             continue
         m = torch.maximum(run.m, st.m)
-        a, b = (run.m - m).exp(), (st.m - m).exp()
-        t = None
-        if run.t is not None and st.t is not None:  # sum exp(x - m)(x - m), moved to the new max
-            t = (run.t + (run.m - m) * run.s) * a + (st.t + (st.m - m) * st.s) * b
-        run = _ChunkStats(m, run.s * a + st.s * b, run.picked + st.picked, t)
+        (s_run, t_run), (s_st, t_st) = _moved_to(run, m), _moved_to(st, m)
+        t = t_run + t_st if t_run is not None and t_st is not None else None
+        run = _ChunkStats(m, s_run + s_st, run.picked + st.picked, t)
     assert run is not None, "a rank holds at least one column"
     return run
 
@@ -243,7 +239,7 @@ def _grad_by_columns(
     columns at a time over all tokens (``default_columns`` says why): each block's logits are
     recomputed, turned into their gradient in place, and give ``grad_h += gx @ W_b`` and the
     block's own rows ``grad_w[b] = gx.T @ h``."""
-    h32 = hidden if hidden.dtype == torch.float32 else hidden.float()
+    h32 = _as_fp32(hidden)
     grad_h = torch.zeros(h32.shape, dtype=torch.float32, device=h32.device)
     grad_w = torch.empty(w32.shape, dtype=torch.float32, device=w32.device)  # every row written once
     for lo, w_b, x, block in _column_blocks(h32, w32, vocab, width):
@@ -302,6 +298,14 @@ def _stats(x: torch.Tensor, cols: torch.Tensor, here: torch.Tensor, entropy: boo
     return _ChunkStats(m, e.sum(1), picked, (e * z).sum(1)), e
 
 
+def _moved_to(st: _ChunkStats, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``st``'s sum of exponentials (and entropy term) relative to a max ``m >= st.m`` instead of
+    its own: how partial statistics of different columns are merged (blocks, tp ranks)."""
+    scale = (st.m - m).exp()
+    t = (st.t + (st.m - m) * st.s) * scale if st.t is not None else None
+    return st.s * scale, t
+
+
 def _combine(
     parts: _ChunkStats, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -311,8 +315,8 @@ def _combine(
     if group is not None and dist.get_world_size(group) > 1:
         g = m.clone()
         dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
-        scale = (m - g).exp()
-        rows = [s * scale, picked] + ([(t + (m - g) * s) * scale] if t is not None else [])
+        s_g, t_g = _moved_to(parts, g)
+        rows = [s_g, picked] + ([t_g] if t_g is not None else [])
         stacked = torch.stack(rows)
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
         m, s, picked = g, stacked[0], stacked[1]
@@ -422,12 +426,17 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return t
 
 
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is fp32, else one fp32 copy (made once, for every chunk or block)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _fp32_weight(weight: torch.Tensor, fast: bool) -> torch.Tensor | None:
     """The weight the fp32 gradient matmuls take (one cast for all chunks); the kernels'
     16-bit gradients take the weight as it is."""
     if fast and weight.dtype != torch.float32:
         return None
-    return weight if weight.dtype == torch.float32 else weight.float()
+    return _as_fp32(weight)
 
 
 def _chunk_stats(
@@ -492,7 +501,6 @@ def _stats_by_tokens(
 def _grad_by_tokens(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    w32: torch.Tensor | None,
     targets: torch.Tensor,
     lse: torch.Tensor,
     ent: torch.Tensor | None,
@@ -508,6 +516,7 @@ def _grad_by_tokens(
     n = hidden.shape[0]
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    w32 = _fp32_weight(weight, fast)
     logits = _ChunkLogits(weight, chunk, w32)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
@@ -558,9 +567,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 del x, keep
         else:
             if chunks.columns is not None:
-                w32 = _fp32_weight(weight, fast=False)
-                assert w32 is not None, "the PyTorch path takes the fp32 weight"
-                stats = _stats_by_columns(hidden, w32, targets, vocab, chunks.columns, entropy)
+                stats = _stats_by_columns(hidden, _as_fp32(weight), targets, vocab, chunks.columns, entropy)
             else:
                 stats = _stats_by_tokens(hidden, weight, targets, vocab, chunk, entropy)
             full_lse, full_picked, full_ent = _combine(stats, vocab.group)
@@ -579,16 +586,16 @@ class _FusedLogprobs(torch.autograd.Function):
         vocab: _Vocab = ctx.vocab
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float()
         g_ent = g_ent.float() if (ctx.entropy and g_ent is not None) else None
-        fast = fused_kernels.active(hidden.device) and not vocab.filtered
-        w32 = _fp32_weight(weight, fast)
         chunks: _Chunks = ctx.chunks
         e_all = ent if ctx.entropy else None
         if chunks.columns is not None:  # set only for the unfiltered PyTorch path (_prepare)
-            assert w32 is not None, "the PyTorch path takes the fp32 weight"
-            grad_h, grad_w = _grad_by_columns(hidden, w32, targets, lse, e_all, g_lp, g_ent, vocab, chunks.columns)
+            grad_h, grad_w = _grad_by_columns(
+                hidden, _as_fp32(weight), targets, lse, e_all, g_lp, g_ent, vocab, chunks.columns
+            )
         else:
+            fast = fused_kernels.active(hidden.device) and not vocab.filtered
             grad_h, grad_w = _grad_by_tokens(
-                hidden, weight, w32, targets, lse, e_all, g_lp, g_ent, vocab, chunks.grad, fast, ctx.widths
+                hidden, weight, targets, lse, e_all, g_lp, g_ent, vocab, chunks.grad, fast, ctx.widths
             )
         # every tp rank holds a partial sum over its columns; the hidden states are replicated
         _all_reduce_sum(grad_h, vocab.group)
@@ -714,8 +721,9 @@ def _prepare(
     chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Vocab, _Chunks]:
     """Flat hidden states, local weight, flat targets, the vocabulary, and how to chunk the
-    logits: an explicit ``chunk_size`` is tokens per chunk everywhere; by default the CPU
-    backward of unfiltered log-probs may walk vocabulary columns instead (``default_columns``)."""
+    logits: an explicit ``chunk_size`` is tokens per chunk everywhere; by default unfiltered
+    ``fused_logprobs`` on CPU may walk vocabulary columns instead, forward and backward
+    (``default_columns``)."""
     local_w, group, start, size = _vocab_of(weight, group, vocab_start)
     if isinstance(hidden, DTensor):
         if not all(isinstance(p, Replicate) for p in hidden.placements):
