@@ -244,6 +244,28 @@ def test_a_token_loss_that_is_not_a_scalar_is_refused_and_no_grad_forms_no_gradi
     assert not loss.requires_grad and torch.allclose(loss, -fused_logprobs(h, w, targets).sum().detach())
 
 
+def test_a_token_loss_that_would_drop_another_tensors_gradient_is_refused():
+    gen = torch.Generator().manual_seed(5)
+    h, w = torch.randn(12, 8, generator=gen, requires_grad=True), torch.randn(20, 8, generator=gen)
+    targets = torch.randint(0, 20, (12,), generator=gen)
+    coef = torch.tensor(0.5, requires_grad=True)  # a learned coefficient: a leaf of its own
+    values = torch.nn.Linear(8, 1)(h.detach()).squeeze(-1)  # a value head's output: a graph from outside
+
+    def scaled(lp, index):
+        return (coef * lp).sum()
+
+    def value_weighted(lp, index):
+        return (values[index] * lp).sum()
+
+    for loss_fn in (scaled, value_weighted):
+        with pytest.raises(ValueError, match="requires grad besides the log-probs"):
+            fused_token_loss(h, w, targets, loss_fn, chunk_size=5)
+    # detached, the same tensor is a constant and the loss goes through
+    loss, _ = fused_token_loss(h, w, targets, lambda lp, index: (values.detach()[index] * lp).sum(), chunk_size=5)
+    loss.backward()
+    assert h.grad is not None
+
+
 def test_targets_outside_the_vocabulary_are_refused_and_ignore_index_gives_zero():
     h, w = torch.randn(3, 4), torch.randn(10, 4)
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -618,10 +618,37 @@ def _chunk_loss(
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor (the summed loss of the chunk's tokens), got {got}")
         if need_grad and loss.requires_grad:
+            _refuse_other_gradients(loss, leaf)
             (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     if need_grad and grad is None:  # a loss that does not depend on these log-probs
         grad = torch.zeros_like(lp)
     return loss.detach().float(), None if grad is None else grad.float()
+
+
+def _refuse_other_gradients(loss: torch.Tensor, leaf: torch.Tensor) -> None:
+    """Refuse a ``loss_fn`` result that depends on a tensor requiring grad besides the chunk's
+    log-probs (a value head's output, a learned coefficient, old log-probs left attached): its
+    gradient would be dropped without a word, because only hidden and weight get gradients.
+
+    Walks the loss's autograd graph to the first leaf that accumulates a gradient and is not
+    the log-probs. Everything ``loss_fn`` built from the log-probs and constants is a handful of
+    nodes; a graph from outside ends at such a leaf (a parameter) within a few steps."""
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        other = getattr(node, "variable", None)  # AccumulateGrad: a leaf that requires grad
+        if other is not None and other is not leaf:
+            raise ValueError(
+                f"loss_fn uses a tensor that requires grad besides the log-probs (shape {tuple(other.shape)}): "
+                "fused_token_loss forms gradients for hidden and weight only, so that tensor's gradient "
+                "would be lost. Detach it if it is a constant (old log-probs, advantages, a mask), or call "
+                "fused_logprobs and apply the loss yourself when it should train as well"
+            )
+        stack.extend(fn for fn, _ in node.next_functions)
 
 
 class _FusedTokenLoss(torch.autograd.Function):
@@ -869,7 +896,8 @@ def fused_token_loss(
     (old log-probs, advantages, mask / count) with it. It is called once per chunk, so a term
     that mixes tokens (a sequence-level ratio, a mean over what it is given) would be wrong:
     use ``fused_logprobs`` for those. Gradients flow to ``hidden`` and ``weight`` only: what
-    ``loss_fn`` closes over is a constant. Layouts as in ``fused_logprobs``; the log-probs come
+    ``loss_fn`` closes over must be constant, and a closed-over tensor that requires grad is
+    refused with a ValueError (its gradient would be lost). Layouts as in ``fused_logprobs``; the log-probs come
     back detached, identical on every tp rank."""
     h, w, t, vocab, chunks = _prepare(
         hidden,
