@@ -18,7 +18,9 @@ fwd+bwd back-propagates ``sum(g * logprobs)`` with a fixed random ``g``. Extra m
 peak above h, W, the targets and g: on CPU every tensor allocation counted by torch's
 MemTracker, on CUDA the allocator's peak. Time: median of repeats after a warm-up, every
 method in the same process, side by side, timed round robin (each round runs every method
-once). Ratios are method / naive at the same tp.
+once). Ratios are method / naive at the same tp: "x naive" divides the medians, "paired" is
+the median of each round's own ratio and "rounds" their range (this shared box's speed drifts
+by 10-30% over minutes: a drift within a round slows both sides of that round's ratio).
 """
 
 from __future__ import annotations
@@ -202,9 +204,14 @@ def measure(args, group=None, tp=1, rank=0):
                 run(name, phase)
                 sync()
                 rows[f"{name} {phase}"]["times"].append(time.perf_counter() - t0)
+        naive_times = rows[f"naive {phase}"]["times"] if "naive" in timed else None
         for name in timed:
             row = rows[f"{name} {phase}"]
-            row["seconds"] = statistics.median(row.pop("times"))
+            times = row.pop("times")
+            row["seconds"] = statistics.median(times)
+            if naive_times is not None:
+                # each round's own ratio: a drift that lasts a round slows both sides of it
+                row["round_ratios"] = [t / b for t, b in zip(times, naive_times, strict=True)]
     itemsize = torch.tensor([], dtype=dtype).element_size()
     rows["_sizes"] = {
         "logits_fp32_bytes": args.n * v_local * 4,
@@ -235,15 +242,18 @@ def report(rows, tp, args):
     logits_b, grads_b = sizes["logits_fp32_bytes"], sizes["grads_bytes"]
     print(f"\ntp={tp}  N={args.n} H={args.h} V={args.v} {args.dtype} on {args.device}: "
           f"fp32 logits per rank {logits_b / 2**20:.0f} MiB, grads of h and W {grads_b / 2**20:.0f} MiB")
-    print(f"{'method':<20}{'seconds':>9}{'x naive':>9}{'extra MiB':>11}{'extra/logits':>14}{'max abs err':>13}")
+    print(f"{'method':<20}{'seconds':>9}{'x naive':>9}{'paired':>8}{'rounds':>13}{'extra MiB':>11}"
+          f"{'extra/logits':>14}{'max abs err':>13}")
     for key, row in rows.items():
         name, phase = key.rsplit(" ", 1)
         base = rows[f"naive {phase}"]["seconds"]
         extra = row["extra_bytes"]
         over = extra - (grads_b if phase == "fwd+bwd" else 0)  # what it holds beyond the gradients
         err = "" if row.get("error") is None else f"{row['error']:>13.1e}"
-        print(f"{key:<20}{row['seconds']:>9.3f}{row['seconds'] / base:>9.3f}{extra / 2**20:>11.1f}"
-              f"{over / logits_b:>14.3f}{err}")
+        ratios = row.get("round_ratios") or [float("nan")]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        print(f"{key:<20}{row['seconds']:>9.3f}{row['seconds'] / base:>9.3f}{statistics.median(ratios):>8.3f}"
+              f"{spread:>13}{extra / 2**20:>11.1f}{over / logits_b:>14.3f}{err}")
 
 
 def main():
