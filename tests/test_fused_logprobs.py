@@ -157,12 +157,13 @@ def test_tp_1_2_4_with_uneven_vocab_splits_match_fp64():
             "seed": 6,
             "opts": {"top_p": 0.5},
         },
-        # the default chunking: the backward walks blocks of 16 vocab columns (no more tokens
-        # than any rank's columns), blocks that divide no rank's shard
-        {"name": "columns", "n": 20, "h": 16, "v": 203, "dtype": "float32", "chunk": None, "uneven": True, "seed": 7},
+        # the default chunking: forward and backward walk blocks of 16 vocab columns (every
+        # rank holds at least twice as many columns as there are tokens), blocks that divide
+        # no rank's shard
+        {"name": "columns", "n": 18, "h": 16, "v": 203, "dtype": "float32", "chunk": None, "uneven": True, "seed": 7},
         {
             "name": "columns-bf16-temperature",
-            "n": 17,
+            "n": 13,
             "h": 8,
             "v": 150,
             "dtype": "bfloat16",

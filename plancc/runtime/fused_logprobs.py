@@ -12,7 +12,7 @@ cannot be formed before it exists:
 
 - ``fused_logprobs``: any downstream function (RL ratios, clipping, KL). Backward recomputes
   the logits and forms the gradients of hidden and weight: 4 matmuls in all. On CPU, when
-  there are no more tokens than local vocabulary columns, forward and backward walk blocks of
+  there are at least twice as many local vocabulary columns as tokens, forward and backward walk blocks of
   vocabulary columns over all tokens instead of chunks of tokens (``default_columns``): the
   forward then keeps a running max per token, as the tp merge does across ranks.
 - ``fused_nll_loss``: a loss that is a weighted sum of the log-probs (the SFT/pre-training
@@ -82,11 +82,13 @@ def default_columns(n: int, v_local: int, device: torch.device) -> int | None:
     instead (``[N, H]``: here 16 MiB, which stays in the cache, where W is 128 MiB), writes its
     own rows of the weight gradient once (inner dimension: every token) and adds into the
     ``[N, H]`` hidden gradient. Under the same byte budget the traffic is ``N * V**2 * H /
-    budget`` for token chunks against ``V * N**2 * H / budget`` for column blocks: columns win
-    when N <= V. Measured on this CPU at N=4096, H=1024, V=32768 fp32: the matmuls of the
-    forward 1.70 s against 2.41 s (median of 6 paired rounds), the backward 0.85x (median of
-    8). On CUDA the token chunks' kernels stay (measured there, docs/gpu.md)."""
-    if device.type != "cpu" or n > v_local:
+    budget`` for token chunks against ``V * N**2 * H / budget`` for column blocks, so columns
+    should win when N < V. Measured (``bench/fused_walk.py``, docs/performance.md, H=512 fp32,
+    fwd+bwd columns / tokens): 0.62-0.97x wherever V >= 2N (N from 1024 to 4096, V up to
+    65536), a tie at V = N (1.01-1.02x at N = 2048 and 4096, 1.09x at 8192), 1.0x at N=8192,
+    V=16384, and 1.1-1.5x at V < N. So columns from V >= 2N. On CUDA the token chunks'
+    kernels stay (measured there, docs/gpu.md)."""
+    if device.type != "cpu" or 2 * n > v_local:
         return None
     return default_chunk(v_local, n, device)  # the same budget with the roles of rows and columns swapped
 
