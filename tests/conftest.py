@@ -60,25 +60,51 @@ def step_losses(stdout: str) -> list[float]:
     return [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
 
 
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make(folder)``'s JSON result, computed by one pytest-xdist worker for the whole run.
+
+    A session fixture is per worker, and with ``-n 2`` the two workers would each pay the
+    same launches. The first to take the lock makes the result in a folder shared by the
+    run's workers; the other waits for it and reads it back."""
+    import fcntl
+    import json
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, result = shared / name, shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not result.exists():
+            folder.mkdir(exist_ok=True)
+            result.write_text(json.dumps(make(folder)))
+    return folder, json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A checkpoint of the tiny Qwen3 saved by `plancc apply` at step 2 (the default layout: dp=2), and the losses
     of steps 3 and 4 resumed from it: the reference the checkpoint tests compare with. Shared
     by every test that needs one (each works on its own copy), as saving costs a launch."""
-    root = tmp_path_factory.mktemp("tiny-checkpoint")
-    code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
-    assert code == 0, err
-    code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
-    assert code == 0, err
-    assert "resumed from step 2" in out
-    return root / "ck", step_losses(out)
+
+    def make(root):
+        code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
+        assert code == 0, err
+        code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
+        assert code == 0, err
+        assert "resumed from step 2" in out
+        return step_losses(out)
+
+    root, losses = once_per_run(tmp_path_factory, "tiny-checkpoint", make)
+    return root / "ck", losses
 
 
 @pytest.fixture(scope="session")
-def fp32_run():
+def fp32_run(tmp_path_factory):
     """`plancc apply --steps 3 --tp 2 --format json` on the tiny Qwen3 (fp32, seed 0): (exit code,
     stdout, stderr). The baseline the determinism and mixed-precision tests share."""
-    return run_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json")
+    _, run = once_per_run(tmp_path_factory, "fp32-run", lambda _: run_cli(
+        "apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json"))
+    return tuple(run)
 
 
 def assert_verified(results, cases, min_params=15):
