@@ -60,12 +60,20 @@ def test_dry_run_names_the_module_when_o_proj_is_left_out(cli, write_plan):
     assert code == 1 and "[layout-pairing]" in err
 
 
-@pytest.mark.parametrize("model", ["qwen3-8b", "llama-3.1-8b"])
-def test_import_hf_output_validates(model, cli, tmp_path):
+@pytest.mark.parametrize("model,tp", [("qwen3-8b", 8), ("llama-3.1-8b", 8), ("qwen3-0.6b", 8), ("gemma-3-1b", 1)])
+def test_import_hf_output_validates_with_the_shipped_plans_fsdp_units(model, tp, cli, tmp_path):
+    """The units are the shipped plans': the input embedding on its own, then the decoder
+    layers. On a tied model (qwen3-0.6b, gemma-3-1b) the embedding is left to the root, as
+    validate says, and nothing warns."""
+    import yaml
+
     code, out, _ = cli("import-hf", model)
     assert code == 0 and "tensor_parallel:" in out
+    assert yaml.safe_load(out)["fsdp"]["units"] == ["model.embed_tokens", "model.layers.*"]
     path = tmp_path / "imported.yaml"
     path.write_text(out)
-    code, out, err = cli("validate", path, "--model", model, "--tp", "8")
-    assert code == 0, err
+    code, out, err = cli("validate", path, "--model", model, "--tp", tp)
+    assert code == 0 and "0 warning(s)" in out + err, err
     assert "modules" in out
+    tied = model in ("qwen3-0.6b", "gemma-3-1b")
+    assert ("left to the root: a tied weight" in out) == tied

@@ -57,11 +57,15 @@ _OWNS_ITS_PARAMETERS = ("moe_tp_experts", "local_params")
 
 
 def _fsdp_units(model: nn.Module) -> list[str]:
-    """Globs of the modules HF says must not be split (decoder layers): the FSDP units."""
+    """The FSDP units, as the shipped plans have them: the input embedding on its own (its
+    weight is freed while the decoder runs; on a tied model plancc leaves it to the root),
+    then the modules HF says must not be split (decoder layers)."""
     classes = set(getattr(model, "_no_split_modules", None) or [])
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)
+    embedding = get_input_embeddings() if callable(get_input_embeddings) else None
     shapes = []
     for name, module in model.named_modules():
-        if type(module).__name__ in classes:
+        if name and (module is embedding or type(module).__name__ in classes):
             glob = generalize(name)
             if glob not in shapes:
                 shapes.append(glob)
