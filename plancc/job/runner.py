@@ -43,6 +43,7 @@ from ..runtime.loss import batch_slice, reported_loss, sharded_loss
 from ..runtime.materialize import materialize
 from ..runtime.mesh import build_mesh, default_device_type, layout_of
 from ..runtime.parallelize import parallelize
+from ..runtime.stepping import require_stepped
 from ..runtime.weights import export_hf, has_safetensors, load_hf_weights
 from . import checkpoint, faults
 from .config import PARAM_DTYPES, RunConfig
@@ -315,6 +316,7 @@ class _Trainer:
         if not (math.isfinite(mean_loss) and math.isfinite(float(grad_norm))):  # the same verdict on every rank
             raise _non_finite(self.model, step + 1, mean_loss, float(grad_norm), self.cfg)
         lr = self.schedule.get_last_lr()[0]  # the LR this step used
+        require_stepped(self.model, self.optimizer, where=SourceLoc(path=self.cfg.plan))
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -259,6 +259,25 @@ def lm_head_bypassed(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]
         del head.forward
 
 
+def through_output(value: torch.Tensor, output: Any) -> torch.Tensor:
+    """``value``, computed from what ``lm_head_bypassed`` saw, made a function of the model's
+    own (empty) logits too.
+
+    FSDP2 runs a module's backward hooks from gradients that reach its forward outputs: the
+    root's pre-backward hook is what queues the final callback that reduce-scatters every
+    gradient into the sharded parameters the optimizer holds. The fused evaluator reads the
+    hidden states and the lm_head weight beside the output, so without this nothing flows back
+    through the root's output; where the root is the only FSDP unit (a plan without ``fsdp``
+    units), the gradients then stayed on the gathered parameters and the optimizer stepped
+    nothing. Adding the sum of the empty logits changes no value and no gradient."""
+    logits = output.logits if hasattr(output, "logits") else output
+    if not isinstance(logits, torch.Tensor) or not logits.requires_grad:
+        return value
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    assert local.numel() == 0, "the bypassed lm_head returns empty logits"
+    return value + local.sum().to(value.dtype)
+
+
 def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position ids that restart at every document of a packed row: [1, total]."""
     bounds = cu_seqlens[1:-1].long()
@@ -321,7 +340,7 @@ def _positions_logprobs(
     ``lm_head(hidden)`` take the logits path (log-probs only)."""
     if fusable(model):
         with lm_head_bypassed(model) as seen:
-            model(**inputs)
+            output = model(**inputs)
         result = fused_logprobs(
             seen["hidden"],
             seen["weight"],
@@ -333,7 +352,9 @@ def _positions_logprobs(
             entropy=entropy,
             chunk_size=chunk_size,
         )
-        return result if isinstance(result, tuple) else (result, None)
+        if isinstance(result, tuple):
+            return through_output(result[0], output), through_output(result[1], output)
+        return through_output(result, output), None
     if entropy or top_k is not None or top_p is not None:
         raise ValueError(
             f"entropy, top_k and top_p need a model whose logits are lm_head(hidden); {type(model).__name__} "

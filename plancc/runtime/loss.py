@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .cp import load_balanced_indices
 from .fused_logprobs import fused_nll_loss
-from .logprobs import IGNORE_INDEX, fusable, lm_head_bypassed, vocab_layout, vocab_parallel_logprobs
+from .logprobs import IGNORE_INDEX, fusable, lm_head_bypassed, through_output, vocab_layout, vocab_parallel_logprobs
 from .mesh import dp_cp_mesh
 
 
@@ -51,9 +51,9 @@ def sharded_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
     inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
     if fusable(model):
         with lm_head_bypassed(model) as seen:
-            model(**inputs)
+            output = model(**inputs)
         loss, _ = fused_nll_loss(seen["hidden"], seen["weight"], targets, weights, ignore_index=IGNORE_INDEX)
-        return loss
+        return through_output(loss, output)
     local, group, start = vocab_layout(model(**inputs).logits, model, mesh)
     logprobs = vocab_parallel_logprobs(local, targets, group=group, vocab_start=start, ignore_index=IGNORE_INDEX)
     return -(logprobs * weights).sum()

@@ -34,7 +34,9 @@ def materialize(
     if lost:
         _recompute_buffers(model, lost)
     if full_state_dict is not None:
-        set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
+        # a copy: torch 2.13's set_model_state_dict replaces the caller's full tensors with
+        # this rank's DTensor shards in the dict it is given
+        set_model_state_dict(model, dict(full_state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
     return model
 
 
