@@ -11,7 +11,8 @@ arithmetic), with a provenance set on every tensor:
 
 - a *leaf* module (one with no submodules) marks its outputs with its own name;
 - every other operation gives its outputs the union of its inputs' provenance, so residual
-  adds, reshapes, masks and rotary products pass it on;
+  adds, reshapes, masks and rotary products pass it on; integer and boolean outputs (top-k
+  indices, masks built from them) carry none: they select tokens, they hold no features;
 - each leaf call is recorded with the provenance of its inputs, and each parameter used by a
   non-leaf module directly (attention sinks, say) with the provenance of what it met;
 - a leaf output that is split on its last dim as it comes out (``gate, up = gate_up_proj(x)
@@ -142,6 +143,10 @@ class _Recorder(TorchFunctionMode):
 
     def mark(self, value: Any, sources: frozenset[str]) -> None:
         for t in _tensors(value):
+            if not (t.is_floating_point() or t.is_complex()):
+                # indices and masks say which tokens or experts, not features computed from the
+                # sources: a sparse-attention indexer's top-k picks tokens whatever its layout
+                continue
             self.provenance[id(t)] = sources
             self.alive.append(t)
 

@@ -19,7 +19,9 @@ CASES = [(rule, example) for rule in RULES for example in rule.EXAMPLES]
 def _plan_text(example: Example) -> str:
     data = yaml.safe_load((PLANS / example.plan).read_text())
     for section, key, value in example.edits:
-        if key is None:
+        if key is None and value is not None:
+            data[section] = value
+        elif key is None:
             data.pop(section)
         elif value is None:
             data[section].pop(key)

@@ -46,7 +46,7 @@ DOCUMENTED = {
     "gather_seq_input": (GatherSequenceInput, S1, R, True),
     "prepare_input": (PrepareModuleInput, R, R, True),
     "prepare_output": (PrepareModuleOutput, R, R, True),
-    "rotary_sp": (RotaryUnderSequenceParallel, None, None, None),
+    "rotary_sp": (RotaryUnderSequenceParallel, S1, R, True),  # hidden (for its dtype) a shard; cos/sin whole
     "replicate": (LeaveWhole, None, None, None),
     "moe_experts": (ExpertsOverTensorParallel, R, R, True),
     "mla_kv_a_proj": (LatentKeyValueProjection, R, R, True),

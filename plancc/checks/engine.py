@@ -16,6 +16,7 @@ from ..layout import Layout
 from ..models import build_meta_model
 from . import (
     architecture,
+    checkpointing,
     context_parallel,
     expert_parallel,
     fsdp_units,
@@ -29,6 +30,7 @@ from . import (
     sequence_parallel,
     shapes,
     sharded_params,
+    sharded_reads,
     tied_embeddings,
 )
 from .context import CheckContext
@@ -41,6 +43,7 @@ RULES: tuple[ModuleType, ...] = (
     tied_embeddings,
     module_kinds,
     pairing,
+    sharded_reads,
     packed_projections,
     per_head_outputs,
     sharded_params,
@@ -49,6 +52,7 @@ RULES: tuple[ModuleType, ...] = (
     sequence_parallel,
     context_parallel,
     fsdp_units,
+    checkpointing,
 )
 
 if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan

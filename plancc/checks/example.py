@@ -19,7 +19,7 @@ class Example:
     model: str = "qwen3-8b"  # a preset
     config: Mapping[str, Any] = field(default_factory=dict)  # overrides of the preset's config
     # changes to the plan: (section, key, value); value None removes the key, a key None
-    # removes the section whole
+    # removes the section whole (value None) or sets it whole (a list: checkpointing targets)
     edits: tuple[tuple[str, str | None, Any], ...] = ()
     # the layout and sequence length, as `plancc validate` flags: tp, cp, dp, world_size,
     # sequence_parallel, seq_len

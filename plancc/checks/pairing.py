@@ -20,7 +20,7 @@ from ..compiler.globs import generalize
 from ..compiler.placements import Replicate, Shard
 from ..compiler.plan import Rule
 from ..compiler.styles import ModuleKind, style_layouts
-from .context import CheckContext, Problem, kind_of
+from .context import CheckContext, Problem, flow_of, kind_of
 from .example import Example
 
 ID = "layout-pairing"
@@ -29,6 +29,8 @@ _FEATURES = Shard(-1)
 _SEQUENCE = Shard(1)
 
 
+_BATCH_SHARDED_GATE = {"style": "colwise", "output_layouts": "shard(0)"}
+
 EXAMPLES = (
     Example(verdict="PASS", text="q/k/v_proj: colwise, o_proj: rowwise", args={"tp": 2}),
     Example(
@@ -36,6 +38,15 @@ EXAMPLES = (
         text="q/k/v_proj: colwise, o_proj left out -> o_proj gets heads/tp features, a shape error",
         args={"tp": 2},
         edits=(("tensor_parallel", "model.layers.*.self_attn.o_proj", None),),
+    ),
+    Example(
+        verdict="FAIL",
+        text="gate_proj: {style: colwise, output_layouts: shard(0)} -> a batch shard, read by up_proj's "
+        "product and down_proj as features (a shape error at run time)",
+        args={"tp": 2},
+        edits=(
+            ("tensor_parallel", "model.layers.*.mlp.gate_proj", {"style": "colwise", "output_layouts": "shard(0)"}),
+        ),
     ),
     Example(
         verdict="FAIL",
@@ -119,17 +130,36 @@ def _unconsumed(ctx: CheckContext, flow: _Flow) -> Iterator[Problem]:
                 "combine), or colwise_rep to gather them",
             )
             continue
+        reader = _reading_projection(ctx, name) or (whole[0] if whole else None)
         yield Problem(
             loc=rule.loc,
             message=f"{name} leaves its output sharded on features (shard(-1)) but no module of "
             f"{parent} accepts that layout"
             + (f"; {', '.join(w.rpartition('.')[2] for w in whole)} left whole" if whole else ""),
             fix=(
-                f"add '{_glob(whole[0])}: rowwise'"
-                if whole
+                f"add '{_glob(reader)}: rowwise'"
+                if reader
                 else f"make {name.rpartition('.')[2]} colwise_rep to gather its output"
             ),
         )
+
+
+def _reading_projection(ctx: CheckContext, producer: str) -> str | None:
+    """The linear layer, left whole, that reads ``producer``'s output (through norms and
+    activations, by the recorded wiring): the one that should reduce it."""
+    flow = flow_of(ctx)
+    if isinstance(flow, str):
+        return None
+    modules = dict(ctx.model.named_modules())
+    reach = {producer}
+    for call in flow.calls:
+        module = modules.get(call.reader)
+        if not reach & call.sources or module is None or ctx.rule_for(call.reader) is not None:
+            continue
+        if kind_of(module) is ModuleKind.LINEAR:
+            return call.reader
+        reach.add(call.reader)
+    return None
 
 
 def _unproduced(flow: _Flow) -> Iterator[Problem]:
@@ -157,9 +187,33 @@ def _ungathered_sequence(ctx: CheckContext, flow: _Flow) -> Iterator[Problem]:
             )
 
 
+# An activation between modules is [batch, sequence, features]: a plain local tensor can stay
+# sharded on its features (colwise -> rowwise) or, under SP, its sequence; nothing reads a
+# shard of any other dim (a batch shard would be taken for whole rows).
+_BETWEEN_MODULES = frozenset({-1, 2, 1, -2})
+
+
+def _off_axis_layouts(ctx: CheckContext) -> Iterator[Problem]:
+    reported: set[tuple[str, str]] = set()
+    for _name, _module, rule, _lay in ctx.assigned():
+        for key, value in rule.style.overrides.items():
+            if not isinstance(value, Shard) or value.dim in _BETWEEN_MODULES or (rule.pattern, key) in reported:
+                continue
+            reported.add((rule.pattern, key))
+            yield Problem(
+                loc=rule.loc,
+                message=f"{rule.pattern} ({rule.style.describe()}): {key} shard({value.dim}) shards dim "
+                f"{value.dim} of a [batch, sequence, features] activation; between modules only the features "
+                "(shard(-1)) or, under --sp, the sequence (shard(1)) stay sharded, and no module reads "
+                f"a shard of dim {value.dim}",
+                fix=f"remove {key}, or use shard(-1) (features) / shard(1) (sequence)",
+            )
+
+
 def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.resolved is None or ctx.tp == 1:
         return
+    yield from _off_axis_layouts(ctx)
     flow = _Flow.of(ctx)
     yield from _unconsumed(ctx, flow)
     yield from _unproduced(flow)

@@ -174,6 +174,8 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             local_output=style.use_local_output,
             weight=None,
         )
+    if isinstance(style, RotaryUnderSequenceParallel):
+        return _plain(input=Shard(1), output=Replicate(), local_output=True, weight=None)
     if isinstance(style, PrepareModuleOutput):
         outputs, desired = style.output_layouts, style.desired_output_layouts
         assert outputs is not None and desired is not None  # every spec sets both

@@ -8,6 +8,7 @@ messages that say what was found, what was allowed, and how to fix it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache, lru_cache
@@ -17,7 +18,7 @@ from typing import Any
 import jsonschema
 from jsonschema import Draft202012Validator
 
-from ..errors import Diagnostic, closest, did_you_mean
+from ..errors import Diagnostic, SourceLoc, closest, did_you_mean
 from .source import JsonPath, SourceDoc
 from .styles import HF_UNSUPPORTED, STYLE_NAMES
 
@@ -215,12 +216,7 @@ def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: Js
             if sub.relative_schema_path[0] != 1 or sub.validator == "enum":
                 continue  # the name branch, or an unknown name reported above with closest names
             if sub.validator == "pattern":
-                yield Diagnostic(
-                    rule="invalid-layout",
-                    loc=doc.loc(tuple(sub.absolute_path)),
-                    message=f"{sub.instance!r} is not a layout",
-                    fix="use 'replicate' or 'shard(DIM)', e.g. 'shard(1)' for the sequence dim",
-                )
+                yield _invalid_layout(sub.instance, doc.loc(tuple(sub.absolute_path)))
             else:
                 yield from _diagnostics_for(sub, doc)
         return
@@ -229,6 +225,29 @@ def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: Js
         loc=doc.loc(at),
         message=f"the style of {at[-1]!r} is {_describe(value)}; expected a style name or a mapping with 'style:'",
         fix="write a name from `plancc styles`, e.g. 'colwise'",
+    )
+
+
+_SHARD = re.compile(r"^shard\((-?[0-9]+)\)$")
+
+
+def _invalid_layout(value: Any, loc: SourceLoc) -> Diagnostic:
+    """A layout that is no placement, or a shard of a dim no activation has (torch's ``Shard``
+    would fail to build, or shard nothing, at run time)."""
+    dim = _SHARD.match(value) if isinstance(value, str) else None
+    if dim is not None:
+        return Diagnostic(
+            rule="invalid-layout",
+            loc=loc,
+            message=f"{value!r} shards dim {dim.group(1)}, which no activation has: activations are "
+            "[batch, sequence, features] (q/k/v: [batch, sequence, heads, head_dim]), dims -4 to 3",
+            fix="use 'shard(-1)' for features, 'shard(1)' for the sequence, or 'replicate'",
+        )
+    return Diagnostic(
+        rule="invalid-layout",
+        loc=loc,
+        message=f"{value!r} is not a layout",
+        fix="use 'replicate' or 'shard(DIM)', e.g. 'shard(1)' for the sequence dim",
     )
 
 

@@ -392,4 +392,7 @@ def _layouts(name: str, overrides: tuple[tuple[str, Any], ...]) -> Layouts:
         return Layouts(input=Shard(1), output=Replicate(), local_output=local, weight=None)
     if spec.factory == "PrepareModuleOutput":
         return Layouts(input=p["output_layouts"], output=p["desired_output_layouts"], local_output=local, weight=None)
+    if spec.factory == "RotaryUnderSequenceParallel":
+        # reads a sequence shard (for its dtype only) and global positions: whole-sequence cos/sin
+        return Layouts(input=Shard(1), output=Replicate(), local_output=True, weight=None)
     return Layouts(input=None, output=None, local_output=None, weight=None)

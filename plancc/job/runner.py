@@ -37,6 +37,7 @@ from ..compiler.plan import Plan, load_plan
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import architecture_of, build_model, default_preset, load_config
+from ..runtime.failures import diagnosed
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
 from ..runtime.loss import batch_slice, reported_loss, sharded_loss
@@ -449,7 +450,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     lock = _lock_save_folder(cfg)
     trainer.resume()
     t_start = time.perf_counter()
-    history = trainer.run()
+    with diagnosed("training", fallback=SourceLoc(path=cfg.plan)):
+        history = trainer.run()
     elapsed = time.perf_counter() - t_start
     if not trainer.interrupted:  # a stop request ends the run now: the periodic checkpoints stand
         trainer.save()
@@ -482,19 +484,20 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
     batches = list(_batches(cfg, job.dataset, job.config.vocab_size, 0, cfg.steps + 1))
-    report = verify_against_unsharded(
-        job.plan,
-        job.model_name,
-        job.mesh,
-        sequence_parallel=cfg.layout.sequence_parallel,
-        ep=job.ep,
-        steps=cfg.steps,
-        seed=cfg.seed,
-        lr=cfg.lr,
-        max_grad_norm=cfg.max_grad_norm,
-        batches=batches,
-        device=job.device,
-    )
+    with diagnosed("verify", fallback=SourceLoc(path=cfg.plan)):
+        report = verify_against_unsharded(
+            job.plan,
+            job.model_name,
+            job.mesh,
+            sequence_parallel=cfg.layout.sequence_parallel,
+            ep=job.ep,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            lr=cfg.lr,
+            max_grad_norm=cfg.max_grad_norm,
+            batches=batches,
+            device=job.device,
+        )
     flags = torch.tensor([int(within_tolerance(report))], device=job.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     ok = bool(flags.item())
@@ -575,19 +578,16 @@ def _gather_rows(results: dict[int, Row], worst: float, device: str) -> tuple[di
     return merged, worst_t.item()
 
 
-def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
-    """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
-    job = _setup(cfg)
-    assert job.dataset is not None, "the CLI requires --data for logprobs"
-    sequences, mesh, device = job.dataset.sequences, job.mesh, job.device
-    model, source = _parallel_model(cfg, job)
-    model.eval()
-    reference = _reference_model(cfg, job.config, device).eval() if cfg.verify else None
+def _logprobs_of(
+    cfg: RunConfig, job: _Job, model: nn.Module, reference: nn.Module | None, mine: list[int]
+) -> tuple[dict[int, Row], float]:
+    """This rank's rows of log-probs (and entropy), and the worst difference from the unsharded
+    ``reference`` when there is one."""
+    sequences, device = job.dataset.sequences if job.dataset else (), job.device
     multiple = _sequence_multiple(cfg.layout)
-    mine = list(range(mesh["dp"].get_local_rank(), len(sequences), mesh["dp"].size()))
-    results: dict[int, dict[str, list[float]]] = {}
+    results: dict[int, Row] = {}
     worst = 0.0
-    options: dict[str, Any] = {"mesh": mesh, "temperature": cfg.temperature}
+    options: dict[str, Any] = {"mesh": job.mesh, "temperature": cfg.temperature}
     for lo in range(0, len(mine), cfg.batch_size):
         rows = mine[lo : lo + cfg.batch_size]
         seqs = [sequences[i] for i in rows]
@@ -609,6 +609,20 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
             results[i] = {"logprobs": lp[row, start : start + len(seqs[r])].tolist()}
             if ent is not None:
                 results[i]["entropy"] = ent[row, start : start + len(seqs[r])].tolist()
+    return results, worst
+
+
+def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
+    """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
+    job = _setup(cfg)
+    assert job.dataset is not None, "the CLI requires --data for logprobs"
+    sequences, mesh, device = job.dataset.sequences, job.mesh, job.device
+    model, source = _parallel_model(cfg, job)
+    model.eval()
+    reference = _reference_model(cfg, job.config, device).eval() if cfg.verify else None
+    mine = list(range(mesh["dp"].get_local_rank(), len(sequences), mesh["dp"].size()))
+    with diagnosed("log-probs", fallback=SourceLoc(path=cfg.plan)):
+        results, worst = _logprobs_of(cfg, job, model, reference, mine)
     merged, worst = _gather_rows(results, worst, device)
     if dist.get_rank() == 0 and cfg.out:
         with open(cfg.out, "w") as f:

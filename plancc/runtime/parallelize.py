@@ -27,6 +27,7 @@ from ..compiler.lower import lower
 from ..compiler.plan import Plan
 from ..compiler.resolve import ResolvedPlan, resolve_plan, tied_parameter_groups, units_without_outside_users
 from ..errors import Diagnostic, PlanError
+from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
 from .expert_parallel import spread_experts
@@ -164,6 +165,7 @@ def parallelize(
     """
     require_plancc_axes(mesh)
     resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
+    failures.remember(model, resolved)
     expert_mesh = build_expert_mesh(mesh, ep) if ep > 1 else None
     experts = apply_tensor_parallel(model, resolved, mesh["tp"], expert_mesh=expert_mesh)
     if expert_mesh is not None and not experts:

@@ -14,24 +14,24 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils.hooks import RemovableHandle
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
+from ..compiler.resolve import resolve_plan
 from ..dataflow import batched_experts
-from ..errors import Diagnostic, Severity, SourceLoc, quiet_logger
+from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import build_model
+from ..runtime.failures import ModuleTracker, failure_diagnostic
 from ..runtime.mesh import build_mesh
 from ..runtime.parallelize import parallelize
 
@@ -52,36 +52,6 @@ class DryRunReport:
     @property
     def ok(self) -> bool:
         return not any(d.is_error for d in self.diagnostics)
-
-
-class _ModuleTracker:
-    """Which module is executing, so an exception can name the innermost one."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.stack: list[str] = []
-        self.failed_in: str | None = None
-        self.handles: list[RemovableHandle] = []
-        for name, module in model.named_modules():
-            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self.handles.append(module.register_forward_hook(self._leave))
-
-    def _enter(self, name: str) -> Callable[[torch.nn.Module, tuple[Any, ...]], None]:
-        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            self.stack.append(name)
-
-        return hook
-
-    def _leave(
-        self, module: torch.nn.Module, args: tuple[Any, ...], output: Any
-    ) -> None:  # must return None: a value would replace the output
-        self.stack.pop()
-
-    def innermost(self) -> str:
-        return self.stack[-1] if self.stack else "<model>"
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def _local_bytes(t: torch.Tensor | None) -> int:
@@ -149,24 +119,22 @@ def dry_run(
     with _fake_process_group(layout.world_size), quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
         # fp32 master weights, as FSDP mixed-precision training keeps them
         model = build_model(copy.deepcopy(config), device="meta", dtype=torch.float32)
-        tracker = _ModuleTracker(model)
-        try:
-            _forward_backward(model, plan, layout, config, seq_len=seq_len, batch=batch, measured=measured)
-        except Exception as exc:  # a layout mistake: report where it happened
-            where = tracker.innermost() if measured.stage in ("forward", "backward") else "<model>"
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            diagnostics.append(
-                Diagnostic(
-                    rule="dry-run",
-                    loc=plan.loc,
-                    message=f"{measured.stage} failed at {layout.world_size} ranks ({layout.describe()}) in {where}: "
-                    f"{type(exc).__name__}: {first[:400]}",
-                    fix="check the styles of this module and of the modules feeding it "
-                    "(`plancc explain` shows every layout)",
+        with ModuleTracker() as tracker:
+            try:
+                _forward_backward(model, plan, layout, config, seq_len=seq_len, batch=batch, measured=measured)
+            except PlanError:
+                raise
+            except Exception as exc:  # a layout mistake: report where it happened, at the rule that styles it
+                diagnostics.append(
+                    failure_diagnostic(
+                        exc,
+                        where=tracker.where(model, exc),
+                        resolved=resolve_plan(plan, model, sequence_parallel=layout.sequence_parallel),
+                        stage=f"{measured.stage} at {layout.world_size} ranks ({layout.describe()})",
+                        fallback=plan.loc,
+                        rule_id="dry-run",
+                    )
                 )
-            )
-        finally:
-            tracker.remove()
     if not diagnostics and measured.grad_bytes == 0:
         diagnostics.append(
             Diagnostic(

@@ -1,0 +1,161 @@
+"""mixed-shards, dtensor-output: what a module reads must be in one layout.
+
+Read from the model's recorded wiring (``plancc.dataflow``: which leaf modules' outputs each
+module's input was computed from).
+
+``mixed-shards``: inside an attention or MLP block, every projection whose outputs meet before
+the block's output projection must be split over tp the same way. Leaving one whole -- ``v_proj``
+beside colwise ``q_proj``/``k_proj``, or ``up_proj`` beside a colwise ``gate_proj`` -- has each rank
+combine its share of one projection's heads or features with all of the other's: a shape error,
+or, where the shapes happen to broadcast, a model that trains wrong without a word.
+
+``dtensor-output``: between modules plancc passes plain tensors, because transformers mixes
+every module's output with plain tensors (residual adds, masks, activations). A style that
+hands on a DTensor (``use_local_output: false``) may only feed modules whose own style takes a
+DTensor input (a declared input layout); anything else fails with "mixed torch.Tensor and
+DTensor", or computes on the DTensor's global view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from torch import nn
+
+from ..compiler.globs import generalize
+from ..compiler.placements import Shard
+from ..compiler.styles import Layouts, ModuleKind, canonical_style, style_layouts
+from ..dataflow import Flow
+from .context import CheckContext, Problem, flow_of, kind_of
+from .example import Example
+
+IDS = ("mixed-shards", "dtensor-output")
+
+EXAMPLES = (
+    Example(
+        verdict="PASS", text="q/k/v_proj: colwise, o_proj: rowwise (every head split the same way)", args={"tp": 2}
+    ),
+    Example(
+        verdict="FAIL",
+        text="q_proj, k_proj: colwise, v_proj left whole, o_proj: rowwise -> each rank meets its q heads with "
+        "every head of v (trained wrong, exit 0, before this rule)",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.layers.*.self_attn.v_proj", None),),
+    ),
+    Example(
+        verdict="FAIL",
+        text="gate_proj: {style: colwise, use_local_output: false} -> a DTensor multiplied by up_proj's plain "
+        "output ('mixed torch.Tensor and DTensor')",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.layers.*.mlp.gate_proj", {"style": "colwise", "use_local_output": False}),),
+    ),
+)
+
+_FEATURE_DIMS = frozenset({-1, 2})
+
+
+def _union(sets: Iterable[frozenset[str]]) -> frozenset[str]:
+    return frozenset().union(*sets)
+
+
+def _is_projection(module: nn.Module) -> bool:
+    """A module whose output is a vector of features per token (not a per-token scalar gate)."""
+    if kind_of(module) is ModuleKind.LINEAR:
+        return int(getattr(module, "out_features", 2)) > 1
+    return kind_of(module) is ModuleKind.EMBEDDING
+
+
+def _splits_features(lay: Layouts, module: nn.Module | None) -> bool:
+    """Whether a style shards its module's weight and hands on a shard of the features (colwise)."""
+    out = lay.output
+    weight = lay.weight.get(kind_of(module)) if lay.weight is not None and module is not None else None
+    return isinstance(out, Shard) and out.dim in _FEATURE_DIMS and isinstance(weight, Shard)
+
+
+def _mixed(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
+    modules = dict(ctx.model.named_modules())
+    split: dict[str, frozenset[str]] = {}  # leaf -> the colwise projections its output is a shard of
+    whole: dict[str, frozenset[str]] = {}  # leaf -> the projections left whole whose features it carries
+    reported: set[str] = set()
+    for call in flow.calls:
+        reader, module, rule = call.reader, modules.get(call.reader), ctx.rule_for(call.reader)
+        shards = _union(split.get(s, frozenset()) for s in call.sources)
+        wholes = _union(whole.get(s, frozenset()) for s in call.sources)
+        if shards and wholes and generalize(reader) not in reported:
+            reported.add(generalize(reader))
+            yield _mixed_problem(ctx, reader, sorted(shards), sorted(wholes))
+        left_whole = rule is None or canonical_style(rule.style.name).name == "replicate"
+        lay = style_layouts(rule.style) if rule is not None else None
+        if module is not None and kind_of(module) is ModuleKind.ROTARY:
+            continue  # cos/sin carry positions, not the features of what it read
+        if lay is not None and _splits_features(lay, module):
+            split[reader] = frozenset({reader})
+        elif left_whole and module is not None and _is_projection(module):
+            if not shards:  # one reading a shard is layout-pairing's (no consumer) problem
+                whole[reader] = frozenset({reader})
+        elif left_whole or (lay is not None and lay.input == lay.output):
+            # a norm or an activation (qk_norm: the same, gradients summed) hands on what it reads
+            split[reader], whole[reader] = shards, wholes
+
+
+def _mixed_problem(ctx: CheckContext, reader: str, shards: list[str], wholes: list[str]) -> Problem:
+    rule = ctx.rule_for(reader) or ctx.rule_for(shards[0])
+    assert rule is not None, "split projections are styled"
+    style = ctx.rule_for(shards[0])
+    assert style is not None
+    short = lambda names: ", ".join(n.rpartition(".")[2] for n in names)  # noqa: E731
+    wanted = style.style.describe()
+    return Problem(
+        rule="mixed-shards",
+        loc=rule.loc,
+        message=f"{generalize(reader)} reads what {short(shards)} ({wanted}: split over tp) and {short(wholes)} "
+        f"(left whole) compute together: each rank would combine its share of {short(shards)}'s heads or "
+        f"features with all of {short(wholes)}'s",
+        fix=" and ".join(f"add '{generalize(w)}: {wanted}'" for w in wholes) + f" (or leave {short(shards)} whole too)",
+    )
+
+
+def _readers_of(flow: Flow, name: str, leaf: bool) -> list[str]:
+    """The leaf modules that read ``name``'s output: directly for a leaf; for a block with an
+    input adapter, the leaves inside it that read the block's input."""
+    if leaf:
+        return [c.reader for c in flow.calls if name in c.sources]
+    inside = name + "."
+    return [
+        c.reader for c in flow.calls if c.reader.startswith(inside) and any(not s.startswith(inside) for s in c.sources)
+    ]
+
+
+def _dtensor_outputs(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
+    modules = dict(ctx.model.named_modules())
+    reported: set[str] = set()
+    for name, module, rule, lay in ctx.assigned():
+        if lay.local_output is not False or lay.output is None or rule.pattern in reported:
+            continue
+        leaf = next(module.children(), None) is None
+        for reader in _readers_of(flow, name, leaf):
+            taken = ctx.rule_for(reader)
+            if taken is not None and style_layouts(taken.style).input is not None:
+                continue  # its style takes a DTensor input and lays it out
+            reported.add(rule.pattern)
+            what = type(modules[reader]).__name__ if reader in modules else "module"
+            yield Problem(
+                rule="dtensor-output",
+                loc=rule.loc,
+                message=f"{rule.pattern} ({rule.style.describe()}) hands on a DTensor, but {generalize(reader)} "
+                f"({what}, {'no style' if taken is None else taken.style.name}) reads it as a plain tensor: "
+                "transformers mixes it with plain tensors ('mixed torch.Tensor and DTensor')",
+                fix="remove use_local_output: false (plain local tensors between modules), or give "
+                f"{generalize(reader)} a style that takes the DTensor",
+            )
+            break
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
+    if ctx.resolved is None or ctx.tp == 1:
+        return
+    flow = flow_of(ctx)
+    if isinstance(flow, str):
+        return  # sharded-region-params warns that the wiring could not be traced
+    yield from _mixed(ctx, flow)
+    yield from _dtensor_outputs(ctx, flow)
