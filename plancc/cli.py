@@ -215,10 +215,11 @@ def validate(
 
 def _dry_run(report: ValidationReport, seq_len: int | None) -> tuple[str, list[Diagnostic], dict[str, Any]]:
     """Run the dry run of a validated plan: (the line that reports it, its findings, its summary)."""
-    from .tools.dryrun import dry_run
+    from .tools.dryrun import describe_traffic, dry_run
     from .tools.explain import human_bytes
 
-    result = dry_run(report.plan, report.config, report.layout, seq_len=seq_len or 256)
+    tokens = seq_len or 256
+    result = dry_run(report.plan, report.config, report.layout, seq_len=tokens)
     summary = {
         "world_size": result.world_size,
         "seconds": round(result.seconds, 2),
@@ -227,6 +228,10 @@ def _dry_run(report: ValidationReport, seq_len: int | None) -> tuple[str, list[D
             "gradients": result.grad_bytes,
             "adamw_state": result.optimizer_bytes,
         },
+        "collectives": {
+            "layer_index": result.traffic.index,
+            "per_layer": result.traffic.layer.to_json(),
+        },
     }
     line = (
         f"dry run: {result.world_size} ranks ({result.layout.describe()}) "
@@ -234,6 +239,8 @@ def _dry_run(report: ValidationReport, seq_len: int | None) -> tuple[str, list[D
         f"{human_bytes(result.param_bytes)}, gradients {human_bytes(result.grad_bytes)}, "
         f"AdamW state {human_bytes(result.optimizer_bytes)}"
     )
+    if result.ok:
+        line = "\n".join([line, *describe_traffic(result, seq_len=tokens)])
     return line, list(result.diagnostics), summary
 
 

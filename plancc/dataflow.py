@@ -56,6 +56,34 @@ class Read:
 
 
 @dataclass(frozen=True, slots=True)
+class CallSignature:
+    """How a module was called: its positional arguments, the names of its keyword arguments
+    (in the order given), how many values it returned (a tuple's length, else 1), and the leaves
+    its main input -- the first positional argument, or ``hidden_states=`` -- was computed from."""
+
+    positional: int
+    keywords: tuple[str, ...]
+    outputs: int
+    input_sources: frozenset[str] = frozenset()
+    output_sources: frozenset[str] = frozenset()  # what its output was computed from (a residual: its input's)
+
+    def to_json(self) -> list[Any]:
+        sources = [sorted(self.input_sources), sorted(self.output_sources)]
+        return [self.positional, list(self.keywords), self.outputs, *sources]
+
+    @classmethod
+    def from_json(cls, entry: list[Any]) -> CallSignature:
+        positional, keywords, outputs, inputs, made_of = entry
+        return cls(
+            positional=positional,
+            keywords=tuple(keywords),
+            outputs=outputs,
+            input_sources=frozenset(inputs),
+            output_sources=frozenset(made_of),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Flow:
     calls: tuple[Read, ...]  # leaf-module calls, in the order the forward made them
     param_uses: tuple[Read, ...]  # parameters used directly by non-leaf modules
@@ -63,6 +91,12 @@ class Flow:
     splits: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # leaf -> the leaves whose output it took as it came out (not a product of it)
     feeds: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # every module (not only leaves) -> how its first call looked: what prepare_input /
+    # prepare_output lay out must fit it
+    signatures: tuple[tuple[str, CallSignature], ...] = ()
+
+    def signature(self, name: str) -> CallSignature | None:
+        return dict(self.signatures).get(name)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +104,7 @@ class Flow:
             "param_uses": [r.to_json() for r in self.param_uses],
             "splits": {name: list(parts) for name, parts in self.splits},
             "feeds": {name: list(producers) for name, producers in self.feeds},
+            "signatures": {name: sig.to_json() for name, sig in self.signatures},
         }
 
     @classmethod
@@ -79,6 +114,9 @@ class Flow:
             param_uses=tuple(Read.from_json(e) for e in record["param_uses"]),
             splits=tuple((name, tuple(parts)) for name, parts in record.get("splits", {}).items()),
             feeds=tuple((name, tuple(producers)) for name, producers in record.get("feeds", {}).items()),
+            signatures=tuple(
+                (name, CallSignature.from_json(entry)) for name, entry in record.get("signatures", {}).items()
+            ),
         )
 
 
@@ -241,7 +279,27 @@ def trace(model: nn.Module) -> Flow:
 
         return hook
 
+    signatures: dict[str, CallSignature] = {}
+
+    def called(name: str) -> Any:
+        def hook(_m: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            outputs = len(output) if isinstance(output, tuple) else 1
+            main = args[0] if args else kwargs.get("hidden_states")
+            signatures.setdefault(
+                name,
+                CallSignature(
+                    positional=len(args),
+                    keywords=tuple(kwargs),
+                    outputs=outputs,
+                    input_sources=recorder.of(main) if isinstance(main, torch.Tensor) else frozenset(),
+                    output_sources=recorder.of(output),
+                ),
+            )
+
+        return hook
+
     for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(called(name), with_kwargs=True))
         if next(module.children(), None) is None:
             handles.append(module.register_forward_pre_hook(before(name, module), with_kwargs=True))
             handles.append(module.register_forward_hook(after(name), with_kwargs=True))
@@ -259,6 +317,7 @@ def trace(model: nn.Module) -> Flow:
         param_uses=tuple(recorder.param_uses),
         splits=tuple(recorder.splits.items()),
         feeds=tuple(recorder.feeds.items()),
+        signatures=tuple(signatures.items()),
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -43,6 +43,9 @@ class Diagnostic:
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
     fix: str | None = None
     severity: Severity = Severity.ERROR
+    # the fix as data, where it is rules to write: {glob: style}, a style a name or a mapping
+    # (``{"style": "rowwise", "output_layouts": "shard(-1)"}``); tools apply it without reading ``fix``
+    suggestion: Mapping[str, Any] | None = None
 
     @property
     def path(self) -> str:
@@ -74,6 +77,10 @@ class Diagnostic:
         data = asdict(self)
         loc = data.pop("loc")
         data["severity"] = str(self.severity)
+        if self.suggestion is None:
+            data.pop("suggestion")
+        else:
+            data["suggestion"] = dict(self.suggestion)
         return {**loc, **data}
 
     @classmethod
@@ -85,6 +92,7 @@ class Diagnostic:
             fix=data.get("fix"),
             severity=Severity(data.get("severity", "error")),
             loc=SourceLoc(path=data.get("path", "<run>"), line=data.get("line", 0), column=data.get("column", 0)),
+            suggestion=data.get("suggestion"),
         )
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from .dataflow import Flow, remember, trace
 from .models import build_meta_model, load_config, presets
 
-FORMAT = 2  # 2: the forward's wiring (plancc.dataflow) recorded
+FORMAT = 3  # 2: the forward's wiring (plancc.dataflow) recorded; 3: how each module is called
 
 # torch classes a skeleton module may derive from, most specific first: the checks ask
 # isinstance() of these (module kinds), and of nothing else

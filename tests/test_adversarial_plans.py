@@ -33,6 +33,7 @@ def line_of(text: str, fragment: str) -> int:
 
 ADD = "  lm_head: colwise_logits\n"
 MLP = "  model.layers.*.mlp.down_proj: rowwise\n"
+BLOCK = "  model.layers.*.mlp: shared_input\n"
 
 # case -> (plan text, rule id, the fragment of the line it must point at)
 CASES = {
@@ -50,7 +51,7 @@ CASES = {
         "layout-pairing", "output_layouts: shard(0)"),
     "embedding-seq-without-sp": (edited(("model.embed_tokens: embedding_rowwise", "model.embed_tokens: embedding_seq")),
                                  "sequence-parallel", "embedding_seq"),
-    "gather-seq-input-without-sp": (edited((MLP, MLP + "  model.layers.*.mlp: gather_seq_input\n")),
+    "gather-seq-input-without-sp": (edited((BLOCK, "  model.layers.*.mlp: gather_seq_input\n")),
                                     "sequence-parallel", "mlp: gather_seq_input"),
     "rowwise-seq-without-sp": (edited((MLP, "  model.layers.*.mlp.down_proj: rowwise_seq\n")),
                                "sequence-parallel", "down_proj: rowwise_seq"),
@@ -65,12 +66,16 @@ CASES = {
                ("  model.layers.*.self_attn.k_norm: {style: qk_norm, optional: true}\n", "")),
         "mixed-shards", "self_attn.o_proj: rowwise"),
     "prepare-input-shard1-without-sp": (
-        edited((MLP, MLP + "  model.layers.*.mlp: {style: prepare_input, input_layouts: shard(1)}\n")),
+        edited((BLOCK, "  model.layers.*.mlp: {style: prepare_input, input_layouts: shard(1)}\n")),
         "sequence-parallel", "input_layouts: shard(1)"),
     "huge-shard-dim": (
         edited(("  model.layers.*.mlp.gate_proj: colwise\n",
                 "  model.layers.*.mlp.gate_proj: {style: colwise, output_layouts: shard(99999999999999999999)}\n")),
         "invalid-layout", "shard(99999999999999999999)"),
+    # a block style on the whole decoder layer: its residual add meets the DTensor it hands on
+    "shared-input-on-a-decoder-layer": (
+        edited(("  model.layers.*.self_attn: shared_input\n", "  model.layers.*: shared_input\n"), (BLOCK, "")),
+        "dtensor-output", "model.layers.*: shared_input"),
     # 4: accepted before; both are errors now
     "sequence-parallel-norm-without-sp": (edited((ADD, ADD + "  model.layers.*.input_layernorm: sequence_parallel\n")),
                                           "sequence-parallel", "input_layernorm: sequence_parallel"),

@@ -85,6 +85,7 @@ def test_the_experts_style_on_a_dense_mlp_is_a_module_kind_error(write_plan):
     text = (PLANS / "qwen3.yaml").read_text().replace("model.layers.*.mlp.gate_proj: colwise",
                                                       "model.layers.*.mlp: moe_experts")
     text = text.replace("  model.layers.*.mlp.up_proj: colwise\n  model.layers.*.mlp.down_proj: rowwise\n", "")
+    text = text.replace("  model.layers.*.mlp: shared_input\n", "")
     (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2), "style-module-kind")
     assert "'moe_experts' applies to experts modules" in d.message
 
@@ -177,7 +178,9 @@ def test_validate_dry_run_at_tp_4_ep_8_prints_per_rank_bytes_and_explain_shows_t
 # --- attention with learned sinks: per-head parameters sharded with the heads --------------
 
 def test_gpt_oss_with_its_sinks_left_whole_fails_validate_with_the_per_head_fix(write_plan):
-    text = (PLANS / "gpt_oss.yaml").read_text().replace("  model.layers.*.self_attn: per_head_params\n", "")
+    text = (PLANS / "gpt_oss.yaml").read_text().replace(
+        "  model.layers.*.self_attn: {style: per_head_params, input_layouts: replicate}\n", ""
+    )
     (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-gpt-oss", tp=2), "sharded-region-params")
     assert "self_attn (GptOssAttention) has parameters sinks" in d.message
     assert "'model.layers.*.self_attn: per_head_params'" in d.fix
@@ -186,7 +189,9 @@ def test_gpt_oss_with_its_sinks_left_whole_fails_validate_with_the_per_head_fix(
 def test_import_hf_maps_local_params_and_drops_hfs_rule_for_the_sinks_themselves(tmp_path):
     folder = _tiny_folder(tmp_path, "granite_swa")
     text = import_hf(folder)
-    assert "model.layers.*.self_attn: per_head_params" in text and "sinks" not in text
+    # the sinks split with the heads, and (shared-input) the block's input laid out once for q/k/v
+    assert "model.layers.*.self_attn:\n    style: per_head_params\n    input_layouts: replicate" in text
+    assert "sinks" not in text
     path = tmp_path / "imported.yaml"
     path.write_text(text)
     assert not _errors(check_plan(plancc.load_plan(path), folder, tp=2))
@@ -194,7 +199,6 @@ def test_import_hf_maps_local_params_and_drops_hfs_rule_for_the_sinks_themselves
 
 def test_per_head_params_on_attention_without_parameters_of_its_own_is_an_error(write_plan):
     text = (PLANS / "qwen3.yaml").read_text().replace(
-        "  model.layers.*.self_attn.o_proj: rowwise\n",
-        "  model.layers.*.self_attn.o_proj: rowwise\n  model.layers.*.self_attn: per_head_params\n", 1)
+        "  model.layers.*.self_attn: shared_input\n", "  model.layers.*.self_attn: per_head_params\n", 1)
     (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2), "style-module-kind")
     assert "has no parameters of its own" in d.message and "drop the rule" in d.fix

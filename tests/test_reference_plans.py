@@ -6,6 +6,11 @@ only extra modules, and they get a style whose gradients are summed over tp. Whe
 reference gives up (Gemma3's tied embedding and lm_head, left whole), plancc shards them
 vocab-parallel exactly as it does Qwen's and Llama's.
 
+The reference also leaves every projection to wrap its own input, so each all-reduces its input
+gradient; plancc styles the attention and MLP blocks (``shared_input``) so that the
+projections' gradients are summed first and all-reduced once per block (tests/test_communication.py
+counts it). Those blocks are the other modules beyond the reference.
+
 The expectations below are the reference's semantics written as data (not its code).
 """
 
@@ -14,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import plancc
+from plancc.compiler.block_input import GatherSequenceInput, SharedInput
 from plancc.models import build_meta_model
 
 from .conftest import PLANS
@@ -40,6 +46,7 @@ REFERENCE_TP = {
     "gemma3": dict(PROJECTIONS),
 }
 QK_NORMS = {"model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"}
+BLOCKS = {"model.layers.*.self_attn", "model.layers.*.mlp"}
 
 CASES = [
     ("qwen3.yaml", "tiny-qwen3", "qwen", QK_NORMS),
@@ -75,11 +82,15 @@ def test_tp_plan_equals_reference(plan_file, preset, family, extra):
     assert ours == expected
     # Beyond the reference: only modules it got wrong or kept whole on purpose.
     beyond = set(compiled) - set(expected)
-    beyond_globs = {n for n in beyond if not n.endswith(("embed_tokens", "lm_head"))}
+    blocks = set(expand(model, dict.fromkeys(BLOCKS, None)))
+    beyond_globs = {n for n in beyond if not n.endswith(("embed_tokens", "lm_head"))} - blocks
     assert beyond_globs == set(expand(model, dict.fromkeys(extra, None)))
     for name in beyond_globs:  # q_norm/k_norm: replicated weight, head-sharded input
         style = compiled[name]
         assert isinstance(style, SequenceParallel) and style.sequence_sharding == (Shard(2),)
+    for name in blocks:  # the block's input handed to its projections as one replicated DTensor
+        style = compiled[name]
+        assert isinstance(style, SharedInput) and style.use_local_output is False
 
 
 def test_gemma3_shards_its_tied_embedding_and_lm_head_where_the_reference_keeps_them_whole():
@@ -94,11 +105,13 @@ def test_gemma3_shards_its_tied_embedding_and_lm_head_where_the_reference_keeps_
                                               ("gemma3.yaml", "tiny-gemma3")])
 def test_sp_overlay_keeps_activations_local_between_modules(plan_file, preset):
     """transformers 5.x adds module outputs to plain tensors (residuals, rotary cos/sin): under
-    SP every style except the logits must hand back a local tensor."""
+    SP every style hands back a local tensor except the logits and the block inputs, which only
+    the block's own projections read (the dtensor-output check holds them to that)."""
     model = build_meta_model(preset)
     compiled = plancc.compile_plan(plancc.load_plan(PLANS / plan_file), model, tp_size=2, sequence_parallel=True)
-    dtensor_outputs = sorted(n for n, s in compiled.items() if getattr(s, "use_local_output", True) is False)
-    assert dtensor_outputs in ([], ["lm_head"])
+    dtensor_outputs = {n for n, s in compiled.items() if getattr(s, "use_local_output", True) is False}
+    assert dtensor_outputs - {"lm_head"} == set(expand(model, dict.fromkeys(BLOCKS, None)))
+    assert all(isinstance(compiled[n], GatherSequenceInput) for n in dtensor_outputs - {"lm_head"})
 
 
 def test_tp_size_one_compiles_to_nothing_but_still_resolves(write_plan):

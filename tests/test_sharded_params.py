@@ -127,7 +127,8 @@ def test_a_per_head_output_all_reduced_fails_validate_and_import_hf_writes_both_
     text = import_hf(folder)
     plan = yaml.safe_load(text)["tensor_parallel"]
     assert plan["model.layers.*.self_attn.dt_proj"] == {"style": "rowwise", "output_layouts": "shard(-1)"}
-    assert plan["model.layers.*.self_attn"] == "per_head_params"  # its A, one per KV head, follows
+    # its A, one per KV head, follows the heads; the block's input goes to q/k/v once (shared-input)
+    assert plan["model.layers.*.self_attn"] == {"style": "per_head_params", "input_layouts": "replicate"}
     path = tmp_path / "imported.yaml"
     path.write_text(text)
     assert [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error] == []

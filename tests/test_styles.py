@@ -14,7 +14,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plancc.compiler.attention_styles import LatentKeyValueProjection, PerHeadParameters
-from plancc.compiler.basic_styles import GatherSequenceInput, LeaveWhole, RotaryUnderSequenceParallel, layouts_of
+from plancc.compiler.basic_styles import LeaveWhole, RotaryUnderSequenceParallel, layouts_of
+from plancc.compiler.block_input import GatherSequenceInput, SharedInput
 from plancc.compiler.expert_styles import ExpertsOverTensorParallel
 from plancc.compiler.packed_styles import PackedColwise, PackedRowwise
 from plancc.compiler.placements import Replicate, Shard
@@ -43,7 +44,8 @@ DOCUMENTED = {
     "sequence_parallel": (SequenceParallel, S1, S1, True),
     "qk_norm": (SequenceParallel, S2, S2, True),
     "shard_seq_output": (PrepareModuleOutput, R, S1, True),
-    "gather_seq_input": (GatherSequenceInput, S1, R, True),
+    "gather_seq_input": (GatherSequenceInput, S1, R, False),  # one DTensor for the block's projections
+    "shared_input": (SharedInput, R, R, False),
     "prepare_input": (PrepareModuleInput, R, R, True),
     "prepare_output": (PrepareModuleOutput, R, R, True),
     "rotary_sp": (RotaryUnderSequenceParallel, S1, R, True),  # hidden (for its dtype) a shard; cos/sin whole

@@ -3,9 +3,9 @@ plan resolved to concrete module names."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -31,6 +31,7 @@ class Problem:
     fix: str | None = None
     severity: Severity = Severity.ERROR
     rule: str | None = None
+    suggestion: Mapping[str, Any] | None = None  # the fix as rules to write: {glob: style}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

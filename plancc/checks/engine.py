@@ -71,7 +71,12 @@ def run_rules(ctx: CheckContext, rules: Iterable[ModuleType] = RULES) -> Iterato
             rule_id = problem.rule or ids[0]
             assert rule_id in ids, f"{rule.__name__} reported {rule_id!r}, not one of its ids {ids}"
             yield Diagnostic(
-                rule=rule_id, loc=problem.loc, message=problem.message, fix=problem.fix, severity=problem.severity
+                rule=rule_id,
+                loc=problem.loc,
+                message=problem.message,
+                fix=problem.fix,
+                severity=problem.severity,
+                suggestion=problem.suggestion,
             )
 
 

@@ -50,6 +50,13 @@ EXAMPLES = (
     ),
     Example(
         verdict="FAIL",
+        text="self_attn: prepare_input -> HF calls attention with hidden_states= only: torch's PrepareModuleInput "
+        "lays out positional inputs (failed at the first call before this rule)",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.layers.*.self_attn", "prepare_input"),),
+    ),
+    Example(
+        verdict="FAIL",
         text="under SP: input_layernorm: sequence_parallel, q_proj: colwise, and self_attn not gathered",
         args={"tp": 2, "sequence_parallel": True},
         edits=(("sequence_parallel", "model.layers.*.self_attn", None),),
@@ -210,10 +217,48 @@ def _off_axis_layouts(ctx: CheckContext) -> Iterator[Problem]:
             )
 
 
+def _prepare_arity(ctx: CheckContext) -> Iterator[Problem]:
+    """torch's PrepareModuleInput lays out the module's positional inputs, one layout each, and
+    PrepareModuleOutput its outputs: a module called otherwise fails at its first call
+    ("module inputs and input_layouts should have same length")."""
+    flow = flow_of(ctx)
+    if isinstance(flow, str):
+        return
+    reported: set[str] = set()
+    for name, _module, rule, _lay in ctx.assigned():
+        style = rule.style.name
+        call = flow.signature(name)
+        if style not in ("prepare_input", "prepare_output") or call is None or rule.pattern in reported:
+            continue
+        if style == "prepare_input" and call.positional != 1:
+            reported.add(rule.pattern)
+            given = (
+                f"only keyword arguments ({', '.join(f'{k}=' for k in call.keywords)})"
+                if not call.positional
+                else f"{call.positional} positional arguments"
+            )
+            yield Problem(
+                loc=rule.loc,
+                message=f"{rule.pattern} is called with {given}; prepare_input lays out exactly one positional "
+                "input, so torch fails at the first call (module inputs and input_layouts should have same length)",
+                fix="use 'shared_input' (replicated) or 'gather_seq_input' (sequence shard): they take the block's "
+                "first positional input or its hidden_states= keyword",
+            )
+        elif style == "prepare_output" and call.outputs != 1:
+            reported.add(rule.pattern)
+            yield Problem(
+                loc=rule.loc,
+                message=f"{rule.pattern} returns {call.outputs} values; prepare_output lays out exactly one output, "
+                "so torch fails at the first call",
+                fix="put prepare_output on the submodule that makes the tensor (its projection), not on the block",
+            )
+
+
 def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.resolved is None or ctx.tp == 1:
         return
     yield from _off_axis_layouts(ctx)
+    yield from _prepare_arity(ctx)
     flow = _Flow.of(ctx)
     yield from _unconsumed(ctx, flow)
     yield from _unproduced(flow)

@@ -78,4 +78,5 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "attention block whose heads are split over tp; all-reduced, every rank would meet its own heads "
             "with every head's entries (a shape error at run time)",
             fix=f"'{rule.pattern}: {{style: rowwise, output_layouts: shard(-1)}}' (each rank keeps its heads' entries)",
+            suggestion={rule.pattern: {"style": "rowwise", "output_layouts": "shard(-1)"}},
         )

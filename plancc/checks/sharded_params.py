@@ -94,6 +94,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             fix=f"add '{key}: per_head_params' (one entry per head: sharded with the heads)"
             if per_head
             else f"add '{key}: replicated_with_grad_allreduce' (weights replicated, gradients summed over tp)",
+            suggestion={key: "per_head_params" if per_head else "replicated_with_grad_allreduce"},
         )
 
     for call in flow.calls:

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+from torch.distributed.tensor import DeviceMesh, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .block_input import BlockInput
 from .expert_styles import local_parameters, sum_gradients_over
 from .kinds import own_parameters
 
@@ -50,12 +51,19 @@ class PerHeadParameters(ParallelStyle):
     heads' entries as plain tensors (transformers' ``local_params``).
 
     Left whole, each rank's attention would meet all heads' sinks with its own heads only (a
-    shape error), or, replicated, form their gradients from its own heads (a partial sum)."""
+    shape error), or, replicated, form their gradients from its own heads (a partial sum).
 
-    def __init__(self, *, src_data_rank: int | None = 0):
+    ``input_layouts`` (``replicate``, or ``shard(1)`` under SP) also lays out the block's input
+    once for its projections, as ``shared_input`` / ``gather_seq_input`` do on a block with no
+    style of its own: one collective for the summed input gradients of q, k and v."""
+
+    def __init__(self, *, input_layouts: Placement | None = None, src_data_rank: int | None = 0):
+        self.input_layouts = input_layouts
         self.src_data_rank = src_data_rank
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.input_layouts is not None:  # the block's input, as shared_input / gather_seq_input lay it out
+            BlockInput(input_layouts=self.input_layouts)._apply(module, device_mesh)
         params = own_parameters(module)
         if not params:  # a layer without sinks (style-module-kind reports a rule where none has them)
             return module

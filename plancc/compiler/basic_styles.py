@@ -1,4 +1,4 @@
-"""plancc's own small torch styles (leave whole, rotary under SP, gather the sequence), and the
+"""plancc's own small torch styles (leave whole, rotary under SP, a block's input), and the
 placements read off any built torch style (``layouts_of``: what ``plancc styles`` prints and what
 ``tests/test_styles.py`` holds the declared table to). Imported only where styles are built."""
 
@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .attention_styles import LatentKeyValueProjection, PerHeadParameters
+from .block_input import BlockInput
 from .expert_styles import ExpertsOverTensorParallel
 from .kinds import Layouts, ModuleKind
 from .placements import from_torch
@@ -78,42 +79,6 @@ class RotaryUnderSequenceParallel(ParallelStyle):
         return module
 
 
-class GatherSequenceInput(ParallelStyle):
-    """All-gather a sequence-sharded input (``Shard(1)``) into the whole sequence.
-
-    Put on a block (``self_attn``, ``mlp``) rather than on its projections: HF attention
-    reshapes q/k/v with its *input's* sequence length, so the block itself must see the
-    full sequence; one all-gather then serves q, k and v. The input is the first positional
-    argument or, as HF decoder layers pass it to attention, the ``hidden_states`` keyword.
-    In backward the projections' partial input gradients are all-reduced by their own
-    styles, and this style keeps this rank's sequence slice of the sum.
-    """
-
-    def __init__(self, *, use_local_output: bool = True):
-        self.input_layouts = (Shard(1),)
-        self.desired_input_layouts = (Replicate(),)
-        self.use_local_output = use_local_output
-
-    def _gather(self, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, self.input_layouts, run_check=False)
-        x = x.redistribute(placements=self.desired_input_layouts)
-        return x.to_local() if self.use_local_output else x
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(
-            mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if args and isinstance(args[0], torch.Tensor):
-                args = (self._gather(args[0], device_mesh), *args[1:])
-            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                kwargs = {**kwargs, "hidden_states": self._gather(kwargs["hidden_states"], device_mesh)}
-            return args, kwargs
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-
 def _plain(*, input: Any, output: Any, local_output: bool | None, weight: Any) -> Layouts:
     """``Layouts`` from torch's placement objects (plain values: ``compiler.placements``)."""
 
@@ -154,7 +119,13 @@ def layouts_of(style: ParallelStyle) -> Layouts:
         )
     if isinstance(style, PerHeadParameters):
         # the block's input and output are the residual stream; its own parameters follow the heads
-        return _plain(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.OTHER: Shard(0)})
+        given = style.input_layouts
+        return _plain(
+            input=given or Replicate(),
+            output=Replicate(),
+            local_output=given is None,
+            weight={ModuleKind.OTHER: Shard(0)},
+        )
     if isinstance(style, LatentKeyValueProjection):
         return _plain(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()})
     if isinstance(style, SequenceParallel):
@@ -165,7 +136,7 @@ def layouts_of(style: ParallelStyle) -> Layouts:
             local_output=style.use_local_output,
             weight={kind: Replicate() for kind in ModuleKind},
         )
-    if isinstance(style, (PrepareModuleInput, GatherSequenceInput)):
+    if isinstance(style, (PrepareModuleInput, BlockInput)):
         inputs, wanted = style.input_layouts, style.desired_input_layouts
         assert inputs is not None and wanted is not None  # every spec sets both
         return _plain(

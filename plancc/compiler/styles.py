@@ -9,9 +9,12 @@ style with random overrides and holds the built object's placements to the decla
 
 Conventions shared by the whole vocabulary (they are what makes styles compose):
 - Between modules, activations are plain local tensors (``use_local_output=True``), except
-  the logits styles, which hand the vocab-sharded DTensor to the logprob evaluator. transformers
-  5.x mixes module outputs with plain tensors (residual adds, masks, rotary cos/sin), so a
-  DTensor escaping a module fails with "mixed torch.Tensor and DTensor".
+  the logits styles, which hand the vocab-sharded DTensor to the logprob evaluator, and the
+  block-input styles (``shared_input``, ``gather_seq_input``), which hand one DTensor to the
+  projections inside their block so that backward sums the projections' input gradients before
+  one collective. transformers 5.x mixes module outputs with plain tensors (residual adds,
+  masks, rotary cos/sin), so a DTensor reaching anything else fails with "mixed torch.Tensor
+  and DTensor" (the ``dtensor-output`` check says so before a run).
 - Sequence-parallel regions hold ``Shard(1)`` local shards; a consumer of a sequence-sharded
   activation must declare ``Shard(1)`` input (``colwise_seq``, ``sequence_parallel``,
   ``gather_seq_input``), because a plain tensor carries no layout for torch to redistribute.
@@ -46,7 +49,8 @@ _FACTORIES = {
     "LatentKeyValueProjection": "plancc.compiler.attention_styles",
     "LeaveWhole": "plancc.compiler.basic_styles",
     "RotaryUnderSequenceParallel": "plancc.compiler.basic_styles",
-    "GatherSequenceInput": "plancc.compiler.basic_styles",
+    "GatherSequenceInput": "plancc.compiler.block_input",
+    "SharedInput": "plancc.compiler.block_input",
 }
 
 
@@ -212,9 +216,11 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="per_head_params",
         summary="an attention block's own per-head parameters (learned sinks) sharded with its heads "
-        "(shard(0) over tp), the block computing with this rank's entries",
+        "(shard(0) over tp), the block computing with this rank's entries; with input_layouts, the block's "
+        "input laid out once for its projections too (as shared_input / gather_seq_input)",
         factory="PerHeadParameters",
         module_kinds=frozenset({ModuleKind.OTHER}),
+        overridable=frozenset({"input_layouts"}),
         aliases=("local_params",),
     ),
     StyleSpec(
@@ -249,8 +255,16 @@ _SPECS: tuple[StyleSpec, ...] = (
     ),
     StyleSpec(
         name="gather_seq_input",
-        summary="adapter: all-gather a sequence-sharded input (attention/MLP blocks under SP, closes SP)",
+        summary="a block's input (attention/MLP under SP): all-gathered once from the sequence shard and handed "
+        "to its projections as one DTensor, so backward reduce-scatters their summed gradients once",
         factory="GatherSequenceInput",
+        overridable=frozenset({"use_local_output"}),
+    ),
+    StyleSpec(
+        name="shared_input",
+        summary="a block's replicated input (attention/MLP without SP) handed to its projections as one DTensor: "
+        "backward all-reduces their summed input gradients once, not once per projection",
+        factory="SharedInput",
         overridable=frozenset({"use_local_output"}),
     ),
     StyleSpec(
@@ -372,8 +386,15 @@ def _layouts(name: str, overrides: tuple[tuple[str, Any], ...]) -> Layouts:
     if spec.factory == "ExpertsOverTensorParallel":
         return Layouts(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.EXPERTS: Shard(0)})
     if spec.factory == "PerHeadParameters":
-        # the block's input and output are the residual stream; its own parameters follow the heads
-        return Layouts(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.OTHER: Shard(0)})
+        # the block's input and output are the residual stream; its own parameters follow the heads;
+        # with input_layouts its input goes on to the projections as one replicated DTensor
+        block_input = p.get("input_layouts")
+        return Layouts(
+            input=block_input or Replicate(),
+            output=Replicate(),
+            local_output=block_input is None,
+            weight={ModuleKind.OTHER: Shard(0)},
+        )
     if spec.factory == "LatentKeyValueProjection":
         return Layouts(
             input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()}
@@ -388,8 +409,9 @@ def _layouts(name: str, overrides: tuple[tuple[str, Any], ...]) -> Layouts:
         )
     if spec.factory == "PrepareModuleInput":
         return Layouts(input=p["input_layouts"], output=p["desired_input_layouts"], local_output=local, weight=None)
-    if spec.factory == "GatherSequenceInput":
-        return Layouts(input=Shard(1), output=Replicate(), local_output=local, weight=None)
+    if spec.factory in ("GatherSequenceInput", "SharedInput"):
+        given: Placement = Shard(1) if spec.factory == "GatherSequenceInput" else Replicate()
+        return Layouts(input=given, output=Replicate(), local_output=p.get("use_local_output", False), weight=None)
     if spec.factory == "PrepareModuleOutput":
         return Layouts(input=p["output_layouts"], output=p["desired_output_layouts"], local_output=local, weight=None)
     if spec.factory == "RotaryUnderSequenceParallel":

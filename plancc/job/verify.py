@@ -50,6 +50,8 @@ class VerifyReport:
     # what fp32 alone misses (the unsharded model, fp32 against fp64), on the first batch
     logits_floor: float = 0.0
     grad_floor: float = 0.0
+    # the sharded model's worst gradient against fp64 (0: not measured)
+    grad_exact_rel: float = 0.0
     dropout_off: list[str] = field(default_factory=list)  # config fields set to 0 for the comparison
 
     def tolerance(self, key: str) -> float:
@@ -83,10 +85,25 @@ def within_tolerance(report: VerifyReport, reference_loss: float = 5.0) -> bool:
     return (
         report.logits_max_rel <= report.tolerance("logits_rel")
         and report.loss_abs <= TOLERANCES["loss_abs"]
-        and report.grad_max_rel <= report.tolerance("grad_rel")
+        and _gradients_within(report)
         and all(d <= TOLERANCES["step_loss_rel"] * reference_loss for d in report.step_loss_abs)
         and report.replicas_identical
     )
+
+
+def _gradients_within(report: VerifyReport) -> bool:
+    """Within fp32's bar of the fp32 reference -- or, where fp32 itself is further off than
+    that (a sum with cancellation: Doge's dynamic-mask ``A``), no further from the exact (fp64)
+    gradients than ``EXACT_FACTOR`` times the fp32 reference is. Only a distance from exact
+    tells rounding from a bug: a doubled or missing gradient is off by its whole size."""
+    if report.grad_max_rel <= report.tolerance("grad_rel"):
+        return True
+    return 0 < report.grad_exact_rel <= EXACT_FACTOR * report.grad_floor
+
+
+# A sharded sum adds tp partial sums and then the ranks' results: more roundings than the
+# one-device sum, each as large. Measured: Doge at tp=2 sits 1.97x fp32's distance (1.55e-5 vs 7.9e-6).
+EXACT_FACTOR = 4.0
 
 
 def _replicas_identical(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
@@ -124,16 +141,10 @@ def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[st
     return config, dropped
 
 
-def _fp32_floor(
-    reference64: torch.nn.Module,
-    reference: torch.nn.Module,
-    ref_logits: torch.Tensor,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    dp: int,
-) -> tuple[float, float]:
-    """(logits, worst gradient) relative difference of the fp32 reference (logits and grads
-    formed) from the same model in fp64 on the same batch."""
+def _fp64_run(
+    reference64: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, dp: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """(logits, gradients) of the reference in fp64 on the same batch: what fp32 rounds away."""
     try:
         with batched_experts(reference64):
             logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -141,13 +152,8 @@ def _fp32_floor(
     except RuntimeError:
         # a modeling file that computes in fp32 on purpose (a router casting its input) cannot
         # run in fp64: no floor measured, the fixed fp32 bars apply
-        return 0.0, 0.0
-    grads64 = {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
-    worst = 0.0
-    for name, p in reference.named_parameters():
-        if p.grad is not None and name in grads64:
-            worst = max(worst, _rel(p.grad.double(), grads64[name]))
-    return _rel(ref_logits.detach().double(), logits64.detach()), worst
+        return None
+    return logits64.detach(), {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
 
 
 def build_pair(
@@ -190,17 +196,28 @@ def _reference_loss(ref_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Ten
     return sum((masked_next_token_loss(ref_logits[s], ids[s], mask[s]) for s in rows), torch.zeros(())) / dp
 
 
-def _worst_gradient(model: torch.nn.Module, reference: torch.nn.Module, report: VerifyReport) -> None:
+def _compare_gradients(
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    grads64: dict[str, torch.Tensor] | None,
+    report: VerifyReport,
+) -> None:
+    """The worst gradient of the sharded model against the fp32 reference; with ``grads64``,
+    also how far each model's worst gradient is from the fp64 one (the floors)."""
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         ref_grad = ref_params[name].grad
         assert ref_grad is not None, name  # the reference runs the same loss on the same parameters
-        rel = _rel(full(p.grad), ref_grad)
+        sharded = full(p.grad)
+        rel = _rel(sharded, ref_grad)
         report.params_compared += 1
         if rel >= report.grad_max_rel:
             report.grad_max_rel, report.worst_grad = rel, name
+        if grads64 is not None and name in grads64:
+            report.grad_floor = max(report.grad_floor, _rel(ref_grad.double(), grads64[name]))
+            report.grad_exact_rel = max(report.grad_exact_rel, _rel(sharded.double(), grads64[name]))
 
 
 def verify_against_unsharded(
@@ -257,11 +274,11 @@ def verify_against_unsharded(
         loss.backward()
         ref_loss.backward()
         if step == 0:
-            _worst_gradient(model, reference, report)
-            report.logits_floor, report.grad_floor = _fp32_floor(
-                reference64, reference, ref_full, ids, mask, mesh["dp"].size()
-            )
+            exact = _fp64_run(reference64, ids, mask, mesh["dp"].size())
             del reference64
+            if exact is not None:
+                report.logits_floor = _rel(ref_full.detach().double(), exact[0])
+            _compare_gradients(model, reference, None if exact is None else exact[1], report)
         clip_grad_norm_(model.parameters(), max_grad_norm)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
         for optimizer in (opt, ref_opt):

@@ -11,12 +11,13 @@ are read off the resulting local shards (rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,11 @@ from ..dataflow import batched_experts
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import build_model
+from ..runtime.collectives import CountCollectives, Traffic, mesh_axes
 from ..runtime.failures import ModuleTracker, failure_diagnostic
 from ..runtime.mesh import build_mesh
 from ..runtime.parallelize import parallelize
+from .explain import human_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +47,13 @@ class DryRunReport:
     optimizer_bytes: int  # AdamW: two fp32 moments per local parameter element
     seconds: float
     diagnostics: tuple[Diagnostic, ...] = ()
+    # one forward and one backward of a decoder layer: its collectives
+    traffic: LayerTraffic = field(default_factory=lambda: LayerTraffic())
+    layers: int = 0
+
+    @property
+    def layer_traffic(self) -> Traffic:
+        return self.traffic.layer
 
     @property
     def world_size(self) -> int:
@@ -79,6 +89,7 @@ class _Measured:
     param_bytes: int = 0
     grad_bytes: int = 0
     stage: str = "parallelize"
+    traffic: Traffic = field(default_factory=Traffic)
 
 
 def _forward_backward(
@@ -90,10 +101,15 @@ def _forward_backward(
     seq_len: int,
     batch: int,
     measured: _Measured,
+    count: bool = False,
 ) -> None:
-    """Parallelize on meta, then materialize, forward and backward on fake tensors."""
+    """Parallelize on meta, then materialize, forward and backward on fake tensors; with
+    ``count``, the collectives of each pass too (every op then goes through Python once more:
+    the small copies of ``_one_layer`` count, the full-size run does not)."""
     mesh = build_mesh(layout, device_type="cpu")
     parallelize(model, plan, mesh, sequence_parallel=layout.sequence_parallel, ep=layout.ep)  # on meta: no storage
+    # the expert mesh's groups are parallelize's own; a collective on none of the mesh's axes is ep's
+    counter = CountCollectives(mesh_axes(mesh), unknown="ep" if layout.ep > 1 else "other")
     # batched_mm experts: grouped_mm has no fp32 kernel for fake tensors (same shapes and memory)
     with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model):
         measured.stage = "materialize"
@@ -101,11 +117,95 @@ def _forward_backward(
         measured.param_bytes = sum(_local_bytes(p) for p in model.parameters())
         measured.stage = "forward"
         ids = torch.randint(0, config.vocab_size, (batch, seq_len))
-        logits = model(input_ids=ids, use_cache=False).logits
-        local = logits.to_local() if isinstance(logits, DTensor) else logits
-        measured.stage = "backward"
-        local.float().sum().backward()
+        with counter if count else contextlib.nullcontext():
+            logits = model(input_ids=ids, use_cache=False).logits
+            local = logits.to_local() if isinstance(logits, DTensor) else logits
+            measured.stage = counter.phase = "backward"
+            local.float().sum().backward()
         measured.grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters())
+    measured.traffic = counter.traffic()
+
+
+def _layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
+    """(parent, attribute, list) of the model's decoder layers: its longest ModuleList."""
+    lists = [(m, n, c) for m in model.modules() for n, c in m.named_children() if isinstance(c, torch.nn.ModuleList)]
+    return max(lists, key=lambda found: len(found[2]), default=None)
+
+
+def _cut(model: torch.nn.Module, keep: list[int]) -> torch.nn.Module:
+    """A copy of an unparallelized meta ``model`` with only its decoder layers ``keep`` (the
+    list swapped while copying: a 64-layer model is not built, or copied, again)."""
+    found = _layers(model)
+    assert found is not None, "the caller found the layers"
+    parent, name, layers = found
+    setattr(parent, name, torch.nn.ModuleList([layers[i] for i in keep]))
+    try:
+        return copy.deepcopy(model)
+    finally:
+        setattr(parent, name, layers)
+
+
+def _traffic_of(
+    model: torch.nn.Module, plan: Plan, layout: Layout, config: PretrainedConfig, *, seq_len: int, batch: int
+) -> Traffic | None:
+    """The collectives of a (cut) model, or None when the plan does not fit it (a MoE plan on a
+    model left with only its dense layer)."""
+    measured = _Measured()
+    try:
+        _forward_backward(model, plan, layout, config, seq_len=seq_len, batch=batch, measured=measured, count=True)
+    except PlanError:
+        return None
+    return measured.traffic
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerTraffic:
+    """One decoder layer's collectives (``layer``), and which layer (``index``; -1: not measured)."""
+
+    layer: Traffic = field(default_factory=Traffic)
+    index: int = -1
+
+
+Cuts = dict[tuple[int, ...], torch.nn.Module]
+
+
+def _layer_cuts(model: torch.nn.Module) -> Cuts:
+    """Copies of an unparallelized meta ``model`` with its first and last layers, with only the
+    first, and with only the last (empty for a model of fewer than two layers)."""
+    found = _layers(model)
+    if found is None or len(found[2]) < 2:
+        return {}
+    first, last = 0, len(found[2]) - 1
+    return {keep: _cut(model, list(keep)) for keep in ((first, last), (first,), (last,))}
+
+
+def _one_layer(
+    cuts: Cuts, plan: Plan, layout: Layout, config: PretrainedConfig, *, seq_len: int, batch: int
+) -> LayerTraffic:
+    """The copy with the first and last layers less a copy without one of them -- the last, or the
+    first where the plan needs the last (MoE layers after dense ones) -- is that layer's traffic.
+    Two small models, counted, instead of the whole one."""
+    if not cuts:
+        return LayerTraffic()
+    (first, last), *_ = cuts
+    both = _traffic_of(cuts[(first, last)], plan, layout, config, seq_len=seq_len, batch=batch)
+    if both is None:
+        return LayerTraffic()
+    for measured, rest in ((last, (first,)), (first, (last,))):
+        without = _traffic_of(cuts[rest], plan, layout, config, seq_len=seq_len, batch=batch)
+        if without is not None:
+            return LayerTraffic(layer=both.minus(without), index=measured)
+    return LayerTraffic()
+
+
+def layer_traffic(
+    plan: Plan, config: PretrainedConfig, layout: Layout, *, seq_len: int = 256, batch: int = 1
+) -> LayerTraffic:
+    """One decoder layer's collectives at ``layout``, from two small copies of the model (first
+    and last layers; one of them): ``dry_run``'s figure alone."""
+    cuts = _layer_cuts(build_model(copy.deepcopy(config), device="meta", dtype=torch.float32))
+    with _fake_process_group(layout.world_size), quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
+        return _one_layer(cuts, plan, layout, config, seq_len=seq_len, batch=batch)
 
 
 def dry_run(
@@ -119,6 +219,7 @@ def dry_run(
     with _fake_process_group(layout.world_size), quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
         # fp32 master weights, as FSDP mixed-precision training keeps them
         model = build_model(copy.deepcopy(config), device="meta", dtype=torch.float32)
+        cuts = _layer_cuts(model)  # before parallelize changes ``model``
         with ModuleTracker() as tracker:
             try:
                 _forward_backward(model, plan, layout, config, seq_len=seq_len, batch=batch, measured=measured)
@@ -135,6 +236,10 @@ def dry_run(
                         rule_id="dry-run",
                     )
                 )
+        layers = len(found[2]) if (found := _layers(model)) is not None else 0
+        traffic = LayerTraffic()
+        if not diagnostics:
+            traffic = _one_layer(cuts, plan, layout, config, seq_len=seq_len, batch=batch)
     if not diagnostics and measured.grad_bytes == 0:
         diagnostics.append(
             Diagnostic(
@@ -152,4 +257,29 @@ def dry_run(
         optimizer_bytes=2 * measured.param_bytes,  # fp32 params: AdamW's two moments match them
         seconds=time.perf_counter() - started,
         diagnostics=tuple(diagnostics),
+        traffic=traffic,
+        layers=layers,
     )
+
+
+def describe_traffic(report: DryRunReport, *, seq_len: int, batch: int = 1) -> list[str]:
+    """Lines for people: what one decoder layer and the whole step send, per pass and axis."""
+
+    def passes(traffic: Traffic) -> str:
+        parts = []
+        for phase in ("forward", "backward"):
+            axes = sorted({c.axis for c in traffic.collectives if c.phase == phase})
+            calls = "; ".join(
+                ", ".join(f"{n} {kind.replace('_', '-')}" for kind, n in sorted(traffic.counts(phase, axis).items()))
+                + f" on {axis}"
+                for axis in axes
+            )
+            parts.append(f"{phase} {calls or 'nothing'} ({human_bytes(traffic.wire_bytes(phase))})")
+        return "; ".join(parts)
+
+    if report.traffic.index < 0:
+        return []
+    return [
+        f"  on the wire per rank, decoder layer {report.traffic.index} of {report.layers} "
+        f"(batch {batch} x {seq_len} tokens): {passes(report.traffic.layer)}"
+    ]

@@ -159,8 +159,9 @@ def import_hf(model_spec: str) -> str:
     text = header + yaml.safe_dump(plan, sort_keys=False, width=120)
     # HF's plans leave some parameters in tp-sharded regions (sharded-region-params) and some
     # per-head outputs all-reduced (per-head-output); the checks' fixes name the rule to write,
-    # and one fix can uncover the next (a per-head output sharded: the parameter it meets)
-    for _ in range(3):
+    # and one fix can uncover the next (a per-head output sharded: the parameter it meets). Then
+    # the blocks whose projections share an input get it once (shared-input), as the shipped plans
+    for _ in range(4):
         missing = _rules_the_checks_ask_for(text, model)
         if not missing:
             break
@@ -169,12 +170,13 @@ def import_hf(model_spec: str) -> str:
     return text
 
 
-_FIXABLE = ("sharded-region-params", "per-head-output")
+# errors whose fix is rules to write, and the one warning whose rule the shipped plans all follow
+_FIXABLE = ("sharded-region-params", "per-head-output", "shared-input")
 
 
 def _rules_the_checks_ask_for(text: str, model: nn.Module) -> dict[str, Any]:
-    """glob -> style for what the plan gets wrong at tp=2 that a check's fix spells out as a
-    rule (``'GLOB: STYLE'``, the style a name or a flow mapping)."""
-    found = check_plan(parse_plan(text, "<import-hf>"), model, tp=2)
-    rules = [yaml.safe_load(d.fix.split("'")[1]) for d in found if d.rule in _FIXABLE and d.is_error and d.fix]
-    return {glob: style for rule in rules for glob, style in rule.items()}
+    """glob -> style for what the plan gets wrong at tp=2 that a check suggests as rules to write
+    (``Diagnostic.suggestion``); once nothing is wrong, what it sends more than once."""
+    found = [d for d in check_plan(parse_plan(text, "<import-hf>"), model, tp=2) if d.rule in _FIXABLE and d.suggestion]
+    wanted = [d for d in found if d.is_error] or found  # a block's correctness before its traffic
+    return {glob: style for d in wanted for glob, style in (d.suggestion or {}).items()}
