@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from . import cp, logprobs, weights
     from .checks import check_plan
-    from .compiler.lower import compile_plan
     from .compiler.plan import Plan, Rule, StyleRef, load_plan, parse_plan
     from .compiler.resolve import ResolvedPlan, resolve_plan
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
@@ -27,12 +26,13 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .runtime.gradnorm import clip_grad_norm_
     from .runtime.loss import causal_lm_loss
     from .runtime.materialize import materialize
-    from .runtime.mesh import MeshError, MeshSpec, build_mesh, layout_of
+    from .runtime.mesh import MeshError, MeshSpec, ParallelMesh, build_mesh, layout_of
     from .runtime.parallelize import parallelize
+    from .runtime.styles.lower import compile_plan
 
 _HOMES = {
     "check_plan": "plancc.checks",
-    "compile_plan": "plancc.compiler.lower",
+    "compile_plan": "plancc.runtime.styles.lower",
     **dict.fromkeys(["Plan", "Rule", "StyleRef", "load_plan", "parse_plan"], "plancc.compiler.plan"),
     **dict.fromkeys(["ResolvedPlan", "resolve_plan"], "plancc.compiler.resolve"),
     **dict.fromkeys(["Diagnostic", "PlanError", "Severity", "SourceLoc"], "plancc.errors"),
@@ -40,7 +40,7 @@ _HOMES = {
     "materialize": "plancc.runtime.materialize",
     "causal_lm_loss": "plancc.runtime.loss",
     "clip_grad_norm_": "plancc.runtime.gradnorm",
-    **dict.fromkeys(["MeshError", "MeshSpec", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
+    **dict.fromkeys(["MeshError", "MeshSpec", "ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
 }
 _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
@@ -51,6 +51,7 @@ __all__ = [
     "LayoutError",
     "MeshError",
     "MeshSpec",
+    "ParallelMesh",
     "Plan",
     "PlanError",
     "ResolvedPlan",

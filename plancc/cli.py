@@ -534,7 +534,9 @@ def _prelaunch(
         _emit(
             [
                 # the world size comes from --nproc-per-node x --nnodes here, not from --world-size
-                replace(d, loc=SourceLoc(path=str(plan_path)), fix=fit if "world size" in d.message else d.fix)
+                replace(
+                    d, loc=SourceLoc(path=str(plan_path)), fix=fit if "world_size" in (d.suggestion or {}) else d.fix
+                )
                 for d in exc.diagnostics
             ],
             fmt,

@@ -44,7 +44,8 @@ class Diagnostic:
     fix: str | None = None
     severity: Severity = Severity.ERROR
     # the fix as data, where it is rules to write: {glob: style}, a style a name or a mapping
-    # (``{"style": "rowwise", "output_layouts": "shard(-1)"}``); tools apply it without reading ``fix``
+    # (``{"style": "rowwise", "output_layouts": "shard(-1)"}``), or the facts a fix is made of
+    # (``mesh-sizes``: the world size and its divisors); tools read it, never the text of ``fix``
     suggestion: Mapping[str, Any] | None = None
 
     @property

@@ -65,6 +65,10 @@ class Layout:
         if problem is not None:
             raise LayoutError([problem])
 
+    def to_json(self) -> dict[str, int | bool]:
+        """The serialised form: a ``Layout(**layout.to_json())`` on the other side is this one."""
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "sequence_parallel": self.sequence_parallel}
+
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp
@@ -163,6 +167,8 @@ class Layout:
             message=f"{shown}cp={cp} x tp={tp} does not fit world size {world_size}{why}",
             fix=f"choose cp*tp among the divisors of {world_size}: {divisors}"
             + (", or drop --dp to infer it" if dp is not None else ""),
+            # what a caller that knows where the world size came from can rephrase the fix with
+            suggestion={"world_size": world_size, "divisors": divisors},
         )
         return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel), [problem]
 

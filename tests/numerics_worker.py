@@ -241,8 +241,9 @@ def packed_projections_match(blocks_cases):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from plancc.compiler.packed_styles import PackedColwise, PackedRowwise
     from plancc.compiler.styles import STYLES
+    from plancc.runtime.styles import torch_style
+    from plancc.runtime.styles.packed import PackedColwise, PackedRowwise
 
     _, world = init_gloo()
     mesh = init_device_mesh("cpu", (world,))
@@ -269,7 +270,7 @@ def packed_projections_match(blocks_cases):
         parallelize_module(
             sharded,
             mesh,
-            {"up": PackedColwise(blocks=blocks), "down": STYLES["rowwise"].build(), "back": PackedRowwise(blocks=blocks)},
+            {"up": PackedColwise(blocks=blocks), "down": torch_style(STYLES["rowwise"].declare()), "back": PackedRowwise(blocks=blocks)},
         )
         x = torch.randn(3, 5, 6, dtype=torch.float64)
         want, got = whole(x), sharded(x)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import plancc
-from plancc.compiler.block_input import GatherSequenceInput, SharedInput
+from plancc.runtime.styles.block_input import GatherSequenceInput, SharedInput
 from plancc.models import build_meta_model
 
 from .conftest import PLANS

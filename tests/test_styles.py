@@ -13,15 +13,18 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from plancc.compiler.attention_styles import LatentKeyValueProjection, PerHeadParameters
-from plancc.compiler.basic_styles import LeaveWhole, RotaryUnderSequenceParallel, layouts_of
-from plancc.compiler.block_input import GatherSequenceInput, SharedInput
-from plancc.compiler.expert_styles import ExpertsOverTensorParallel
-from plancc.compiler.packed_styles import PackedColwise, PackedRowwise
 from plancc.compiler.placements import Replicate, Shard
 from plancc.compiler.plan import parse_plan
 from plancc.compiler.schema import plan_schema
 from plancc.compiler.styles import ALIASES, STYLE_NAMES, STYLES, canonical_style, default_layouts, style_layouts
+from plancc.runtime.styles import torch_style
+from plancc.runtime.styles.attention import LatentKeyValueProjection, PerHeadParameters
+from plancc.runtime.styles.basic import LeaveWhole, RotaryUnderSequenceParallel
+from plancc.runtime.styles.block_input import GatherSequenceInput, SharedInput
+from plancc.runtime.styles.experts import ExpertsOverTensorParallel
+from plancc.runtime.styles.packed import PackedColwise, PackedRowwise
+
+from .style_oracle import layouts_of
 
 R, S1, S2, SL = Replicate(), Shard(1), Shard(2), Shard(-1)
 
@@ -69,7 +72,7 @@ def test_vocabulary_is_exactly_the_documented_one():
 
 @given(st.sampled_from(STYLE_NAMES))
 def test_every_style_name_lowers_to_its_documented_layouts(name):
-    style = canonical_style(name).build()
+    style = torch_style(canonical_style(name).declare())
     assert isinstance(style, ParallelStyle)
     cls, inp, out, local = DOCUMENTED[ALIASES.get(name, name)]
     lay = layouts_of(style)
@@ -90,7 +93,7 @@ def test_mapping_form_overrides_reach_the_torch_style(name, data):
     body = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
     plan = parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {{style: {name}, {body}}}\n")
     (rule,) = plan.tensor_parallel
-    style = spec.build(rule.style.overrides)
+    style = torch_style(spec.declare(rule.style.overrides))
     # what the checks read from the table alone is what the built torch style does
     assert style_layouts(rule.style) == layouts_of(style)
     for key, value in values.items():

@@ -90,29 +90,43 @@ def check_plan(
     model_or_config: Any,
     layout: Layout | None = None,
     *,
+    seq_len: int | None = None,
+    resolved: Iterable[ResolvedPlan] | None = None,
     tp: int = 1,
     cp: int = 1,
     ep: int = 1,
     dp: int | None = None,
     world_size: int | None = None,
     sequence_parallel: bool = False,
-    seq_len: int | None = None,
-    resolved: Iterable[ResolvedPlan] | None = None,
 ) -> list[Diagnostic]:
-    """Every problem of ``plan`` on this model at this layout, errors and warnings.
+    """Every problem of ``plan`` on this model at ``layout``, errors and warnings.
 
-    Pass a ``Layout``, or the sizes (``tp``, ``cp``, ``ep``, ``dp``, ``world_size``,
-    ``sequence_parallel``) to build one; sizes that do not fit are a ``mesh-sizes`` problem
-    and the other rules still run. Glob problems (``glob-no-match``, ``rule-conflict``) come
-    from resolving and are included; rules whose globs failed are not checked further.
+    Glob problems (``glob-no-match``, ``rule-conflict``) come from resolving and are included;
+    rules whose globs failed are not checked further. Without a ``layout``, the sizes (``tp``,
+    ``cp``, ``ep``, ``dp``, ``world_size``, ``sequence_parallel``: plancc 0.1's keywords) build
+    one; sizes that do not fit are a ``mesh-sizes`` problem and the other rules still run.
     """
-    problems: list[Diagnostic] = []
     if layout is None:
         layout, layout_problems = Layout.diagnose(
             world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=plan.loc
         )
     else:
         layout_problems = []
+    return check_at(plan, model_or_config, layout, layout_problems, seq_len=seq_len, resolved=resolved)
+
+
+def check_at(
+    plan: Plan,
+    model_or_config: Any,
+    layout: Layout,
+    layout_problems: Iterable[Diagnostic] = (),
+    *,
+    seq_len: int | None = None,
+    resolved: Iterable[ResolvedPlan] | None = None,
+) -> list[Diagnostic]:
+    """``check_plan`` at a layout already diagnosed (``validate_plan`` diagnoses it once and
+    reports both the layout and why the sizes did not fit)."""
+    problems: list[Diagnostic] = []
     model = model_or_config if isinstance(model_or_config, nn.Module) else build_meta_model(model_or_config)
     if resolved is None:
         resolved, problems = resolve_sections(plan, model)

@@ -2,14 +2,13 @@
 
 The plan, the checks and ``plancc explain`` reason about placements without touching torch's
 DTensor package (importing ``torch.distributed.tensor`` costs about a second, which every
-``plancc validate`` in a pre-commit hook would pay). Only a style built for a real model
-(``compiler.styles.built_style``) turns them into torch's placements, here.
+``plancc validate`` in a pre-commit hook would pay). Only the runtime, building a style for a
+real model, turns them into torch's placements (``plancc.runtime.styles.placements``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,22 +24,3 @@ class Replicate:
 
 
 Placement = Shard | Replicate
-
-
-def to_torch(placement: Placement) -> Any:
-    """torch's DTensor placement of the same meaning."""
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-
-    return TorchShard(placement.dim) if isinstance(placement, Shard) else TorchReplicate()
-
-
-def from_torch(placement: Any) -> Placement:
-    """The plain value of a torch ``Shard``/``Replicate`` placement."""
-    from torch.distributed.tensor import Shard as TorchShard
-
-    if isinstance(placement, TorchShard):
-        return Shard(placement.dim)
-    if type(placement).__name__ == "Replicate":
-        return Replicate()
-    raise ValueError(f"no plain placement for {placement!r}")

@@ -1,11 +1,11 @@
 """The style vocabulary: the one table mapping a style name to a torch ``ParallelStyle``.
 
-Every style is declared once: the torch class that implements it (by name, imported only when
-a style is built for a real model), keyword defaults, and the placements it gives its module's
-input, output and weight (``style_layouts``), which the checks, ``plancc explain`` and
-``plancc styles`` read without importing torch's DTensor package. A property test builds every
-style with random overrides and holds the built object's placements to the declared ones
-(``basic_styles.layouts_of``), so the two cannot drift apart.
+Every style is declared once: a declaration class (``compiler.declarations``: one frozen,
+torch-free class per style kind, carrying the placements it gives its module's input, output
+and weight) and its keyword defaults. The checks, ``plancc explain`` and ``plancc styles`` read
+the declaration; the runtime builds the torch ``ParallelStyle`` from the same object
+(``plancc.runtime.styles.torch_style``). A property test builds every style with random
+overrides and holds the built torch object's placements to the declared ones.
 
 Conventions shared by the whole vocabulary (they are what makes styles compose):
 - Between modules, activations are plain local tensors (``use_local_output=True``), except
@@ -26,41 +26,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
-from importlib import import_module
 from typing import Any, Protocol
 
+from . import declarations as d
 from .kinds import Layouts, ModuleKind, module_kind
-from .placements import Placement, Replicate, Shard, to_torch
+from .placements import Placement, Replicate, Shard
 
 __all__ = ["Layouts", "ModuleKind", "module_kind"]  # re-exported: the checks' vocabulary
-
-# The torch classes of the vocabulary, by module: imported when a style is first built.
-_TORCH = "torch.distributed.tensor.parallel"
-_FACTORIES = {
-    "ColwiseParallel": _TORCH,
-    "RowwiseParallel": _TORCH,
-    "SequenceParallel": _TORCH,
-    "PrepareModuleInput": _TORCH,
-    "PrepareModuleOutput": _TORCH,
-    "PackedColwise": "plancc.compiler.packed_styles",
-    "PackedRowwise": "plancc.compiler.packed_styles",
-    "ExpertsOverTensorParallel": "plancc.compiler.expert_styles",
-    "PerHeadParameters": "plancc.compiler.attention_styles",
-    "LatentKeyValueProjection": "plancc.compiler.attention_styles",
-    "LeaveWhole": "plancc.compiler.basic_styles",
-    "RotaryUnderSequenceParallel": "plancc.compiler.basic_styles",
-    "GatherSequenceInput": "plancc.compiler.block_input",
-    "SharedInput": "plancc.compiler.block_input",
-}
-
-
-def torch_class(factory: str) -> Any:
-    """The torch ``ParallelStyle`` class a table row names."""
-    return getattr(import_module(_FACTORIES[factory]), factory)
-
-
-def _torch_value(value: Any) -> Any:
-    return to_torch(value) if isinstance(value, (Shard, Replicate)) else value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,17 +41,16 @@ class StyleSpec:
 
     name: str
     summary: str
-    factory: str  # a key of _FACTORIES
+    declaration: type[d.Declaration]
     defaults: Mapping[str, Any] = field(default_factory=dict)
     module_kinds: frozenset[ModuleKind] = frozenset(ModuleKind)
     # Override keys a plan may set in the mapping form for this style.
     overridable: frozenset[str] = frozenset()
     aliases: tuple[str, ...] = ()
 
-    def build(self, overrides: Mapping[str, Any] | None = None) -> Any:
-        """The torch ``ParallelStyle`` (imports torch's DTensor package)."""
-        params = {**self.defaults, **(overrides or {})}
-        return torch_class(self.factory)(**{k: _torch_value(v) for k, v in params.items()})
+    def declare(self, overrides: Mapping[str, Any] | None = None) -> d.Declaration:
+        """The declaration of this style with a plan's overrides (no torch import)."""
+        return self.declaration(**{**self.defaults, **(overrides or {})})
 
     @property
     def fits_any_module(self) -> bool:
@@ -93,14 +64,14 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="colwise",
         summary="shard the output features; output stays sharded for a rowwise consumer",
-        factory="ColwiseParallel",
+        declaration=d.Colwise,
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
     ),
     StyleSpec(
         name="colwise_rep",
         summary="colwise, then all-gather the output features",
-        factory="ColwiseParallel",
+        declaration=d.Colwise,
         defaults={"output_layouts": Replicate()},
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
@@ -109,7 +80,7 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="colwise_seq",
         summary="colwise whose input is sequence-sharded (all-gathered on the sequence first)",
-        factory="ColwiseParallel",
+        declaration=d.Colwise,
         defaults={"input_layouts": Shard(1)},
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
@@ -117,7 +88,7 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="colwise_logits",
         summary="lm_head: vocab-sharded logits kept as a DTensor for the logprob evaluator",
-        factory="ColwiseParallel",
+        declaration=d.Colwise,
         defaults={"output_layouts": Shard(-1), "use_local_output": False},
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
@@ -125,7 +96,7 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="colwise_logits_seq",
         summary="colwise_logits whose input is sequence-sharded (lm_head under SP)",
-        factory="ColwiseParallel",
+        declaration=d.Colwise,
         defaults={"input_layouts": Shard(1), "output_layouts": Shard(-1), "use_local_output": False},
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
@@ -133,14 +104,14 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="rowwise",
         summary="shard the input features; partial outputs are all-reduced",
-        factory="RowwiseParallel",
+        declaration=d.Rowwise,
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
     ),
     StyleSpec(
         name="rowwise_rep",
         summary="rowwise whose input is replicated (each rank slices its part locally)",
-        factory="RowwiseParallel",
+        declaration=d.Rowwise,
         defaults={"input_layouts": Replicate()},
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
@@ -149,7 +120,7 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="rowwise_seq",
         summary="rowwise with a reduce-scatter onto the sequence dim (closes a TP region under SP)",
-        factory="RowwiseParallel",
+        declaration=d.Rowwise,
         defaults={"output_layouts": Shard(1)},
         module_kinds=_LINEAR_LIKE,
         overridable=_LINEAR_OVERRIDES,
@@ -158,21 +129,21 @@ _SPECS: tuple[StyleSpec, ...] = (
         name="packed_colwise",
         summary="colwise for a fused projection whose output holds `blocks` projections (gate_up_proj): "
         "each rank gets its 1/tp of every block (one all-to-all of the output)",
-        factory="PackedColwise",
+        declaration=d.PackedColwise,
         module_kinds=frozenset({ModuleKind.LINEAR}),
         overridable=frozenset({"blocks", "input_layouts"}),
     ),
     StyleSpec(
         name="packed_rowwise",
         summary="rowwise whose input comes per block from a packed_colwise producer, unsplit",
-        factory="PackedRowwise",
+        declaration=d.PackedRowwise,
         module_kinds=frozenset({ModuleKind.LINEAR}),
         overridable=frozenset({"blocks", "output_layouts"}),
     ),
     StyleSpec(
         name="embedding_rowwise",
         summary="vocab-parallel embedding: rows (vocab) sharded, lookups all-reduced",
-        factory="RowwiseParallel",
+        declaration=d.Rowwise,
         defaults={"input_layouts": Replicate()},
         module_kinds=frozenset({ModuleKind.EMBEDDING}),
         overridable=_LINEAR_OVERRIDES,
@@ -180,7 +151,7 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="embedding_seq",
         summary="vocab-parallel embedding reduce-scattered onto the sequence dim (opens SP)",
-        factory="RowwiseParallel",
+        declaration=d.Rowwise,
         defaults={"input_layouts": Replicate(), "output_layouts": Shard(1)},
         module_kinds=frozenset({ModuleKind.EMBEDDING}),
         overridable=_LINEAR_OVERRIDES,
@@ -188,7 +159,7 @@ _SPECS: tuple[StyleSpec, ...] = (
     StyleSpec(
         name="sequence_parallel",
         summary="norm on a sequence shard; weights replicated, gradients summed over tp",
-        factory="SequenceParallel",
+        declaration=d.SequenceSharded,
         defaults={"use_local_output": True},
         module_kinds=frozenset({ModuleKind.NORM, ModuleKind.OTHER}),
         overridable=frozenset({"use_local_output"}),
@@ -197,7 +168,7 @@ _SPECS: tuple[StyleSpec, ...] = (
         name="qk_norm",
         summary="weights replicated, gradients summed over tp: a module with parameters inside a tp "
         "region (per-head q/k norms, learnable activations)",
-        factory="SequenceParallel",
+        declaration=d.SequenceSharded,
         # q/k enter the norm as [batch, seq, heads, head_dim] with heads sharded by the
         # colwise projection (an MLP activation: [batch, seq, features], features sharded):
         # dim 2 either way, and the weight's gradient is a sum over it, i.e. over tp.
@@ -210,7 +181,7 @@ _SPECS: tuple[StyleSpec, ...] = (
         summary="mixture-of-experts: whole experts spread over tp (experts / tp each), tokens "
         "routed to another rank's experts skipped, partial outputs all-reduced; with --ep over "
         "ep x tp, tokens exchanged by all-to-all",
-        factory="ExpertsOverTensorParallel",
+        declaration=d.ExpertsOverTensorParallel,
         module_kinds=frozenset({ModuleKind.EXPERTS}),
     ),
     StyleSpec(
@@ -218,7 +189,7 @@ _SPECS: tuple[StyleSpec, ...] = (
         summary="an attention block's own per-head parameters (learned sinks) sharded with its heads "
         "(shard(0) over tp), the block computing with this rank's entries; with input_layouts, the block's "
         "input laid out once for its projections too (as shared_input / gather_seq_input)",
-        factory="PerHeadParameters",
+        declaration=d.PerHeadParameters,
         module_kinds=frozenset({ModuleKind.OTHER}),
         overridable=frozenset({"input_layouts"}),
         aliases=("local_params",),
@@ -227,25 +198,25 @@ _SPECS: tuple[StyleSpec, ...] = (
         name="mla_kv_a_proj",
         summary="multi-head latent attention's kv_a_proj_with_mqa: whole, the gradient of its rotary "
         "key (last rope_dim outputs, shared by every head) summed over tp",
-        factory="LatentKeyValueProjection",
+        declaration=d.LatentKeyValueProjection,
         module_kinds=frozenset({ModuleKind.LINEAR}),
         overridable=frozenset({"rope_dim"}),
     ),
     StyleSpec(
         name="rotary_sp",
         summary="rotary embedding under SP: plain tensors in and out, global position ids required",
-        factory="RotaryUnderSequenceParallel",
+        declaration=d.RotaryUnderSequenceParallel,
         module_kinds=frozenset({ModuleKind.ROTARY}),
     ),
     StyleSpec(
         name="replicate",
         summary="explicitly left whole on every tp rank",
-        factory="LeaveWhole",
+        declaration=d.LeaveWhole,
     ),
     StyleSpec(
         name="shard_seq_output",
         summary="adapter: slice a replicated output onto the sequence dim (opens SP)",
-        factory="PrepareModuleOutput",
+        declaration=d.PrepareOutput,
         defaults={
             "output_layouts": Replicate(),
             "desired_output_layouts": Shard(1),
@@ -257,27 +228,27 @@ _SPECS: tuple[StyleSpec, ...] = (
         name="gather_seq_input",
         summary="a block's input (attention/MLP under SP): all-gathered once from the sequence shard and handed "
         "to its projections as one DTensor, so backward reduce-scatters their summed gradients once",
-        factory="GatherSequenceInput",
+        declaration=d.GatherSequenceInput,
         overridable=frozenset({"use_local_output"}),
     ),
     StyleSpec(
         name="shared_input",
         summary="a block's replicated input (attention/MLP without SP) handed to its projections as one DTensor: "
         "backward all-reduces their summed input gradients once, not once per projection",
-        factory="SharedInput",
+        declaration=d.SharedInput,
         overridable=frozenset({"use_local_output"}),
     ),
     StyleSpec(
         name="prepare_input",
         summary="adapter: redistribute inputs from input_layouts to desired_input_layouts",
-        factory="PrepareModuleInput",
+        declaration=d.PrepareInput,
         defaults={"input_layouts": Replicate(), "desired_input_layouts": Replicate(), "use_local_output": True},
         overridable=frozenset({"input_layouts", "desired_input_layouts", "use_local_output"}),
     ),
     StyleSpec(
         name="prepare_output",
         summary="adapter: redistribute outputs from output_layouts to desired_output_layouts",
-        factory="PrepareModuleOutput",
+        declaration=d.PrepareOutput,
         defaults={"output_layouts": Replicate(), "desired_output_layouts": Replicate(), "use_local_output": True},
         overridable=frozenset({"output_layouts", "desired_output_layouts", "use_local_output"}),
     ),
@@ -320,19 +291,16 @@ class StyleChoice(Protocol):
     def overrides(self) -> Mapping[str, Any]: ...
 
 
-def built_style(choice: StyleChoice) -> Any:
-    """The torch style object of a plan's style choice, built once per distinct choice.
-
-    torch's styles keep no per-module state (``_apply`` only registers hooks that read the
-    style's layouts), so one object serves every module of a rule: a 1000-layer plan builds
-    a few dozen objects instead of thousands.
-    """
-    return _build(canonical_style(choice.name).name, tuple(sorted(choice.overrides.items())))
+def declared(choice: StyleChoice) -> d.Declaration:
+    """The declaration of a plan's style choice, one object per distinct choice: torch's
+    styles keep no per-module state, so the runtime builds one torch style per declaration and
+    a 1000-layer plan builds a few dozen objects instead of thousands."""
+    return _declared(canonical_style(choice.name).name, tuple(sorted(choice.overrides.items())))
 
 
 @cache
-def _build(name: str, overrides: tuple[tuple[str, Any], ...]) -> Any:
-    return STYLES[name].build(dict(overrides))
+def _declared(name: str, overrides: tuple[tuple[str, Any], ...]) -> d.Declaration:
+    return STYLES[name].declare(dict(overrides))
 
 
 def parse_layout(text: str) -> Placement:
@@ -353,68 +321,11 @@ def format_layout(placement: Placement | None) -> str:
 
 
 def style_layouts(choice: StyleChoice) -> Layouts:
-    """What the style of a plan's choice does to its module, from the table alone (no torch
-    object is built): the placements the checks reason with."""
-    return _layouts(canonical_style(choice.name).name, tuple(sorted(choice.overrides.items())))
+    """What the style of a plan's choice does to its module, from its declaration alone (no
+    torch object is built): the placements the checks reason with."""
+    return declared(choice).layouts()
 
 
 def default_layouts(name: str) -> Layouts:
     """What a style does with its defaults (the ``plancc styles`` table)."""
-    return _layouts(canonical_style(name).name, ())
-
-
-@cache
-def _layouts(name: str, overrides: tuple[tuple[str, Any], ...]) -> Layouts:
-    spec = STYLES[name]
-    p = {**spec.defaults, **dict(overrides)}
-    local = p.get("use_local_output", True)
-    if spec.factory in ("ColwiseParallel", "PackedColwise"):
-        # a packed output is each block's shard(-1), regrouped: what a consumer sees is shard(-1)
-        return Layouts(
-            input=p.get("input_layouts", Replicate()),
-            output=p.get("output_layouts", Shard(-1)),
-            local_output=local,
-            weight={ModuleKind.LINEAR: Shard(0), ModuleKind.EMBEDDING: Shard(1)},
-        )
-    if spec.factory in ("RowwiseParallel", "PackedRowwise"):
-        return Layouts(
-            input=p.get("input_layouts", Shard(-1)),
-            output=p.get("output_layouts", Replicate()),
-            local_output=local,
-            weight={ModuleKind.LINEAR: Shard(1), ModuleKind.EMBEDDING: Shard(0)},
-        )
-    if spec.factory == "ExpertsOverTensorParallel":
-        return Layouts(input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.EXPERTS: Shard(0)})
-    if spec.factory == "PerHeadParameters":
-        # the block's input and output are the residual stream; its own parameters follow the heads;
-        # with input_layouts its input goes on to the projections as one replicated DTensor
-        block_input = p.get("input_layouts")
-        return Layouts(
-            input=block_input or Replicate(),
-            output=Replicate(),
-            local_output=block_input is None,
-            weight={ModuleKind.OTHER: Shard(0)},
-        )
-    if spec.factory == "LatentKeyValueProjection":
-        return Layouts(
-            input=Replicate(), output=Replicate(), local_output=True, weight={ModuleKind.LINEAR: Replicate()}
-        )
-    if spec.factory == "SequenceParallel":
-        shard = Shard(p.get("sequence_dim", 1))
-        return Layouts(
-            input=shard,
-            output=shard,
-            local_output=p.get("use_local_output", False),
-            weight={kind: Replicate() for kind in ModuleKind},
-        )
-    if spec.factory == "PrepareModuleInput":
-        return Layouts(input=p["input_layouts"], output=p["desired_input_layouts"], local_output=local, weight=None)
-    if spec.factory in ("GatherSequenceInput", "SharedInput"):
-        given: Placement = Shard(1) if spec.factory == "GatherSequenceInput" else Replicate()
-        return Layouts(input=given, output=Replicate(), local_output=p.get("use_local_output", False), weight=None)
-    if spec.factory == "PrepareModuleOutput":
-        return Layouts(input=p["output_layouts"], output=p["desired_output_layouts"], local_output=local, weight=None)
-    if spec.factory == "RotaryUnderSequenceParallel":
-        # reads a sequence shard (for its dtype only) and global positions: whole-sequence cos/sin
-        return Layouts(input=Shard(1), output=Replicate(), local_output=True, weight=None)
-    return Layouts(input=None, output=None, local_output=None, weight=None)
+    return _declared(canonical_style(name).name, ()).layouts()

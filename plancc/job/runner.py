@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -42,7 +41,7 @@ from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
 from ..runtime.loss import batch_slice, reported_loss, sharded_loss
 from ..runtime.materialize import materialize
-from ..runtime.mesh import build_mesh, default_device_type, layout_of
+from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
 from ..runtime.parallelize import parallelize
 from ..runtime.stepping import require_stepped
 from ..runtime.weights import export_hf, has_safetensors, load_hf_weights
@@ -165,17 +164,19 @@ class _Job:
     """What every worker mode starts from: process group, mesh, plan, model config."""
 
     device: str
-    mesh: DeviceMesh
+    mesh: ParallelMesh  # rebuilt once from the layout the CLI serialised into the run config
     plan: Plan
     model_name: str
     config: PretrainedConfig
     dataset: TokenDataset | None = None  # the --data file, read and validated once
-    sequence_parallel: bool = False
-    ep: int = 1  # expert parallelism: borrowed from dp, not an axis of the mesh
 
     @property
     def layout(self) -> Layout:
-        return layout_of(self.mesh, sequence_parallel=self.sequence_parallel, ep=self.ep)
+        return self.mesh.layout
+
+    @property
+    def ep(self) -> int:
+        return self.mesh.layout.ep
 
 
 def _setup(cfg: RunConfig) -> _Job:
@@ -207,8 +208,6 @@ def _setup(cfg: RunConfig) -> _Job:
         model_name=model_name,
         config=config,
         dataset=dataset,
-        sequence_parallel=cfg.layout.sequence_parallel,
-        ep=layout.ep,
     )
 
 
@@ -216,7 +215,7 @@ def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
     model = build_model(copy.deepcopy(job.config), device="meta")  # its own config: cp changes it
-    parallelize(model, job.plan, job.mesh, sequence_parallel=cfg.layout.sequence_parallel, ep=job.ep, param_dtype=dtype)
+    parallelize(model, job.plan, job.mesh, param_dtype=dtype)
     return model, _load_weights(cfg, model, job.config, job.device)
 
 
@@ -489,8 +488,6 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
             job.plan,
             job.model_name,
             job.mesh,
-            sequence_parallel=cfg.layout.sequence_parallel,
-            ep=job.ep,
             steps=cfg.steps,
             seed=cfg.seed,
             lr=cfg.lr,
@@ -589,7 +586,7 @@ def _logprobs_of(
     """This rank's rows of log-probs (and entropy), and the worst difference from the unsharded
     ``reference`` when there is one."""
     sequences, device = job.dataset.sequences if job.dataset else (), job.device
-    multiple = _sequence_multiple(cfg.layout)
+    multiple = _sequence_multiple(job.layout)
     results: dict[int, Row] = {}
     worst = 0.0
     options: dict[str, Any] = {"mesh": job.mesh, "temperature": cfg.temperature}
@@ -637,7 +634,7 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
         for i in range(len(sequences)):  # no --out: JSONL on stdout, for a pipe
             print(json.dumps(merged[i]), flush=True)
     log(
-        f"plancc logprobs: {job.plan.name} on {job.model_name} | {cfg.layout.describe()} | weights: {source} "
+        f"plancc logprobs: {job.plan.name} on {job.model_name} | {job.layout.describe()} | weights: {source} "
         f"| {len(merged)} sequences" + (f" -> {cfg.out}" if cfg.out else "")
     )
     ok = True

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import PretrainedConfig
 
@@ -32,6 +31,7 @@ from ..runtime.cp import load_balanced_indices
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.loss import batch_slice, masked_next_token_loss, reported_loss, sharded_loss
 from ..runtime.materialize import materialize
+from ..runtime.mesh import MeshLike, parallel_mesh
 from ..runtime.parallelize import parallelize
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -106,7 +106,7 @@ def _gradients_within(report: VerifyReport) -> bool:
 EXACT_FACTOR = 4.0
 
 
-def _replicas_identical(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
+def _replicas_identical(model: torch.nn.Module, mesh: MeshLike) -> bool:
     """Parameters replicated over tp must hold the same values on every tp rank."""
     tp = mesh["tp"]
     if tp.size() == 1:
@@ -159,14 +159,15 @@ def _fp64_run(
 def build_pair(
     plan: Plan,
     model_spec: Any,
-    mesh: DeviceMesh,
+    mesh: MeshLike,
     *,
-    sequence_parallel: bool = False,
-    ep: int = 1,
+    sequence_parallel: bool | None = None,
+    ep: int | None = None,
     seed: int = 0,
     device: str = "cpu",
 ) -> tuple[torch.nn.Module, torch.nn.Module, PretrainedConfig]:
-    """(parallelized model, unsharded reference, config) with the same seeded weights."""
+    """(parallelized model, unsharded reference, config) with the same seeded weights.
+    ``sequence_parallel``/``ep`` override ``mesh``'s layout (as ``parallelize``'s do)."""
     config = load_config(model_spec)
     torch.manual_seed(seed)
     # Initialized on the CPU (as the runner does), so a seed means the same weights everywhere.
@@ -223,10 +224,10 @@ def _compare_gradients(
 def verify_against_unsharded(
     plan: Plan,
     model_spec: Any,
-    mesh: DeviceMesh,
+    mesh: MeshLike,
     *,
-    sequence_parallel: bool = False,
-    ep: int = 1,
+    sequence_parallel: bool | None = None,
+    ep: int | None = None,
     steps: int = 3,
     global_batch: int = 4,
     seq_len: int = 16,
@@ -239,9 +240,8 @@ def verify_against_unsharded(
     """Train the parallelized model and its unsharded twin side by side for ``steps`` steps
     and compare: logits, loss and every gradient at the first step, the loss after each."""
     config, dropped = without_dropout(load_config(model_spec))
-    model, reference, config = build_pair(
-        plan, config, mesh, sequence_parallel=sequence_parallel, ep=ep, seed=seed, device=device
-    )
+    mesh = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
+    model, reference, config = build_pair(plan, config, mesh, seed=seed, device=device)
     reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
     if batches is None:
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)

@@ -25,7 +25,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..compiler.expert_styles import (
+from .styles.experts import (
     ExpertsOverTensorParallel,
     local_parameters,
     plain,

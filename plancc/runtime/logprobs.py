@@ -21,12 +21,12 @@ from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .cp import all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
 from .fused_logprobs import fused_logprobs
+from .mesh import MeshLike
 
 # Rows per chunk, chosen so one fp32 chunk is about this many bytes. On CPU a chunk that
 # stays in cache between the passes is fastest. On GPU each chunk costs a handful of kernel
@@ -182,7 +182,7 @@ def _dtensor_layout(logits: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup | 
 
 
 def vocab_layout(
-    logits: torch.Tensor, model: torch.nn.Module, mesh: DeviceMesh | None
+    logits: torch.Tensor, model: torch.nn.Module, mesh: MeshLike | None
 ) -> tuple[torch.Tensor, dist.ProcessGroup | None, int | None]:
     """(local logits, tp group or None, vocab_start) for a model's output logits.
 
@@ -307,7 +307,7 @@ def per_position(
     return result
 
 
-def _cp_size(cp: DeviceMesh) -> int:
+def _cp_size(cp: MeshLike) -> int:
     return (cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp).size()
 
 
@@ -326,7 +326,7 @@ def _positions_logprobs(
     inputs: dict[str, Any],
     targets: torch.Tensor,
     *,
-    mesh: DeviceMesh | None,
+    mesh: MeshLike | None,
     temperature: float,
     chunk_size: int | None,
     entropy: bool,
@@ -375,9 +375,9 @@ def token_logprobs(
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: MeshLike | None = None,
     position_ids: torch.Tensor | None = None,
-    cp: DeviceMesh | None = None,
+    cp: MeshLike | None = None,
     temperature: float = 1.0,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int | None = None,
@@ -393,9 +393,9 @@ def token_logprobs(
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: MeshLike | None = None,
     position_ids: torch.Tensor | None = None,
-    cp: DeviceMesh | None = None,
+    cp: MeshLike | None = None,
     temperature: float = 1.0,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int | None = None,
@@ -410,9 +410,9 @@ def token_logprobs(
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: MeshLike | None = None,
     position_ids: torch.Tensor | None = None,
-    cp: DeviceMesh | None = None,
+    cp: MeshLike | None = None,
     temperature: float = 1.0,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int | None = None,

@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 
 from .cp import load_balanced_indices
 from .fused_logprobs import fused_nll_loss
 from .logprobs import IGNORE_INDEX, fusable, lm_head_bypassed, through_output, vocab_layout, vocab_parallel_logprobs
-from .mesh import dp_cp_mesh
+from .mesh import MeshLike, dp_cp_mesh
 
 
 def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -27,7 +26,7 @@ def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: 
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
-def sharded_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def sharded_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, mesh: MeshLike) -> torch.Tensor:
     """The loss to backpropagate for one dp slice: the masked next-token mean.
 
     Fused where the model allows (``fusable``): the decoder runs with its lm_head bypassed
@@ -59,25 +58,25 @@ def sharded_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
     return -(logprobs * weights).sum()
 
 
-def reported_loss(loss: torch.Tensor, mesh: DeviceMesh) -> float:
+def reported_loss(loss: torch.Tensor, mesh: MeshLike) -> float:
     """The mean loss over the global batch, from every rank's share of it."""
     value = loss.detach().clone()
     dist.all_reduce(value, group=dp_cp_group(mesh))
     return value.item() / (mesh["dp"].size() * mesh["cp"].size())
 
 
-def dp_cp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+def dp_cp_group(mesh: MeshLike) -> dist.ProcessGroup:
     return dp_cp_mesh(mesh).get_group()
 
 
-def batch_slice(mesh: DeviceMesh, global_batch: int) -> slice:
+def batch_slice(mesh: MeshLike, global_batch: int) -> slice:
     dp, rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = global_batch // dp
     return slice(rank * per, (rank + 1) * per)
 
 
 def causal_lm_loss(
-    model: torch.nn.Module, input_ids: torch.Tensor, *, mesh: DeviceMesh, attention_mask: torch.Tensor | None = None
+    model: torch.nn.Module, input_ids: torch.Tensor, *, mesh: MeshLike, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The next-token cross entropy of a model parallelized by ``plancc.parallelize``, for an
     own training loop: this rank passes its data-parallel slice of the batch (full-length

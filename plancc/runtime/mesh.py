@@ -8,11 +8,19 @@ never disagree.
 
 With expert parallelism a second mesh over the same ranks, ``(edp, ep, tp)``, carries the
 experts: ``build_expert_mesh`` (``plancc.layout`` says how ep borrows from dp).
+
+``ParallelMesh`` holds all of it as one frozen value -- the ``Layout`` (sizes, ep, sequence
+parallelism), the device mesh and the expert mesh -- and is what ``build_mesh`` returns and what
+every runtime call takes (torchtitan's ``ParallelDims`` is the model). ``mesh["tp"]`` and the
+other sub-meshes read off it as off a ``DeviceMesh``. A bare ``DeviceMesh`` with loose
+``sequence_parallel``/``ep`` keywords still works everywhere (``parallel_mesh`` turns it into one).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +37,94 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True, slots=True)
+class ParallelMesh:
+    """The parallel layout of a job and its device meshes, as one value.
+
+    ``layout``: the sizes, ep and sequence parallelism. ``device_mesh``: the (dp, cp, tp) mesh
+    (with its flattened ``dp_cp`` axis). ``expert_mesh``: the (edp, ep, tp) mesh of the same ranks
+    when ``layout.ep > 1``, else None. Indexing (``pm["tp"]``, ``pm["dp", "cp"]``) and anything else
+    a ``DeviceMesh`` answers (``pm.get_rank()``) go to ``device_mesh``.
+    """
+
+    layout: Layout
+    device_mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None = None
+
+    def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
+        return self.device_mesh[axes]
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names the dataclass does not have: DeviceMesh's own (shape, get_rank);
+        # never for dunders or before the fields exist (copy and pickle probe both)
+        if name.startswith("__") or name in ParallelMesh.__slots__:
+            raise AttributeError(name)
+        return getattr(self.device_mesh, name)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def dp_cp(self) -> DeviceMesh:
+        """The flattened (dp, cp) axis FSDP shards over."""
+        return dp_cp_mesh(self.device_mesh)
+
+    def to_json(self) -> dict[str, Any]:
+        """The serialised form (the layout: a mesh is rebuilt from it, once, on every rank)."""
+        return self.layout.to_json()
+
+
+# What the runtime's calls take: a ParallelMesh, or (plancc 0.1's way) a bare plancc DeviceMesh.
+MeshLike = ParallelMesh | DeviceMesh
+
+
+def parallel_mesh(
+    mesh: ParallelMesh | DeviceMesh, *, sequence_parallel: bool | None = None, ep: int | None = None
+) -> ParallelMesh:
+    """``mesh`` as a ``ParallelMesh``: as it is, with any keyword given overriding its layout
+    (the keywords of plancc 0.1, which took a bare ``DeviceMesh`` plus loose ``sequence_parallel``
+    and ``ep``). Building an expert mesh is collective: every rank calls this alike."""
+    if isinstance(mesh, ParallelMesh):
+        layout = mesh.layout
+        if sequence_parallel is not None:
+            layout = replace(layout, sequence_parallel=sequence_parallel)
+        if ep is not None and ep != layout.ep:
+            layout = replace(layout, ep=ep)
+            return _with_experts(layout, mesh.device_mesh)
+        return mesh if layout == mesh.layout else replace(mesh, layout=layout)
+    require_plancc_axes(mesh)
+    layout = layout_of(mesh, sequence_parallel=bool(sequence_parallel), ep=ep or 1)
+    return _with_experts(layout, mesh)
+
+
+def _with_experts(layout: Layout, mesh: DeviceMesh) -> ParallelMesh:
+    expert_mesh = build_expert_mesh(mesh, layout.ep) if layout.ep > 1 else None
+    return ParallelMesh(layout=layout, device_mesh=mesh, expert_mesh=expert_mesh)
+
+
+def device_mesh_of(mesh: ParallelMesh | DeviceMesh) -> DeviceMesh:
+    return mesh.device_mesh if isinstance(mesh, ParallelMesh) else mesh
+
+
 def build_mesh(
-    layout: Layout | None = None, *, dp: int | None = None, cp: int = 1, tp: int = 1, device_type: str | None = None
-) -> DeviceMesh:
-    """A (dp, cp, tp) mesh over the default process group (initialized by the caller or by
-    torchrun's environment): from ``layout``, or from sizes with dp inferred from the world
-    size. The flattened ``dp_cp`` axis always exists."""
+    layout: Layout | None = None,
+    *,
+    dp: int | None = None,
+    cp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    device_type: str | None = None,
+) -> ParallelMesh:
+    """The ``ParallelMesh`` of ``layout`` (or of sizes, dp inferred from the world size) over the
+    default process group (initialized by the caller or by torchrun's environment): the (dp, cp,
+    tp) device mesh with its flattened ``dp_cp`` axis, and the expert mesh when ep > 1.
+    Collective: every rank calls it alike."""
     if not dist.is_initialized():
         raise LayoutError.from_message(
             "torch.distributed is not initialized",
@@ -42,7 +132,7 @@ def build_mesh(
         )
     world = dist.get_world_size()
     if layout is None:
-        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp)
+        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel)
     elif layout.world_size != world:
         raise LayoutError.from_message(
             f"the layout {layout.describe()} has {layout.world_size} ranks, the process group {world}",
@@ -53,18 +143,21 @@ def build_mesh(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     mesh = init_device_mesh(device_type, (layout.dp, layout.cp, layout.tp), mesh_dim_names=AXES)
     dp_cp_mesh(mesh)  # create the flattened axis on every rank now: it is collective
-    return mesh
+    return _with_experts(layout, mesh)
 
 
-def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def dp_cp_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
     """The flattened (dp, cp) axis FSDP shards over. torch keeps flattened axes on the root
     mesh (``_flatten`` returns the existing one), so there is nothing to cache here; slicing
     ``mesh["dp_cp"]`` off the root is deprecated since torch 2.11."""
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
-def layout_of(mesh: DeviceMesh, *, sequence_parallel: bool = False, ep: int = 1) -> Layout:
-    """The layout a plancc mesh was built from (ep is not an axis of it: it borrows from dp)."""
+def layout_of(mesh: DeviceMesh | ParallelMesh, *, sequence_parallel: bool = False, ep: int = 1) -> Layout:
+    """The layout a plancc mesh was built from (ep is not an axis of it: it borrows from dp).
+    A ``ParallelMesh`` carries its own."""
+    if isinstance(mesh, ParallelMesh):
+        return mesh.layout
     return Layout(
         dp=mesh["dp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), ep=ep, sequence_parallel=sequence_parallel
     )
@@ -84,7 +177,7 @@ def build_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_AXES)
 
 
-def require_plancc_axes(mesh: DeviceMesh) -> None:
+def require_plancc_axes(mesh: DeviceMesh | ParallelMesh) -> None:
     """A mesh from elsewhere (torchtitan's dp_shard/tp, a 1-D mesh) fails deep inside torch
     with a slicing error; say what is needed instead."""
     names = tuple(mesh.mesh_dim_names or ())

@@ -22,8 +22,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._pytree import tree_map
 
-from ..compiler.expert_styles import ExpertsOverTensorParallel
-from ..compiler.lower import lower
 from ..compiler.plan import Plan
 from ..compiler.resolve import ResolvedPlan, resolve_plan, tied_parameter_groups, units_without_outside_users
 from ..errors import Diagnostic, PlanError
@@ -32,7 +30,9 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
 from .expert_parallel import spread_experts
 from .hooks import GlobalSequenceInputs
-from .mesh import build_expert_mesh, dp_cp_mesh, require_plancc_axes
+from .mesh import ParallelMesh, parallel_mesh
+from .styles.experts import ExpertsOverTensorParallel
+from .styles.lower import lower
 
 
 def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
@@ -145,10 +145,10 @@ def apply_fsdp(
 def parallelize(
     model: nn.Module,
     plan: Plan,
-    mesh: DeviceMesh,
+    mesh: ParallelMesh | DeviceMesh,
     *,
-    sequence_parallel: bool = False,
-    ep: int = 1,
+    sequence_parallel: bool | None = None,
+    ep: int | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
@@ -158,29 +158,32 @@ def parallelize(
     then FSDP2 ``fully_shard`` on the plan's units and the root. Works on a meta-device model
     (materialize it afterwards with ``plancc.materialize``).
 
-    ``ep``: expert parallelism, ranks borrowed from dp (``plancc.layout`` explains): the plan's
+    ``mesh``: a ``ParallelMesh`` (``plancc.build_mesh``), which says the layout -- sequence
+    parallelism and expert parallelism included. ``sequence_parallel`` and ``ep``, the keywords of
+    plancc 0.1 (which took a bare ``DeviceMesh``), still work and override the mesh's layout.
+    Expert parallelism borrows ranks from dp (``plancc.layout`` explains): the plan's
     ``moe_experts`` spread over ep*tp ranks with all-to-all token exchange.
     ``activation_checkpointing``: None follows the plan, False disables, True requires the
     plan to name targets.
     """
-    require_plancc_axes(mesh)
-    resolved = resolve_plan(plan, model, sequence_parallel=sequence_parallel)
+    pm = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
+    resolved = resolve_plan(plan, model, sequence_parallel=pm.sequence_parallel)
     failures.remember(model, resolved)
-    expert_mesh = build_expert_mesh(mesh, ep) if ep > 1 else None
-    experts = apply_tensor_parallel(model, resolved, mesh["tp"], expert_mesh=expert_mesh)
+    expert_mesh = pm.expert_mesh
+    experts = apply_tensor_parallel(model, resolved, pm["tp"], expert_mesh=expert_mesh)
     if expert_mesh is not None and not experts:
         raise PlanError(
             [
                 Diagnostic(
                     rule="expert-parallel",
                     loc=plan.loc,
-                    message=f"ep={ep} but the plan spreads no experts (no 'moe_experts' rule matched this model)",
+                    message=f"ep={pm.ep} but the plan spreads no experts (no 'moe_experts' rule matched this model)",
                     fix="drop --ep, or give the model's experts modules the 'moe_experts' style",
                 )
             ]
         )
-    if mesh["cp"].size() > 1:
-        enable_context_parallel(model, mesh["cp"])
+    if pm["cp"].size() > 1:
+        enable_context_parallel(model, pm["cp"])
     if activation_checkpointing is not False:
         if activation_checkpointing and not resolved.activation_checkpointing:
             raise PlanError(
@@ -199,11 +202,11 @@ def parallelize(
     return apply_fsdp(
         model,
         resolved.fsdp_units,
-        dp_cp_mesh(mesh),
+        pm.dp_cp,
         mp_policy=mp,
         offload_policy=offload,
         reshard_after_forward=plan.fsdp_reshard_after_forward,
         experts=experts,
         expert_mesh=expert_mesh,
-        gradient_divide_factor=float(mesh["dp"].size() * mesh["cp"].size()),
+        gradient_divide_factor=float(pm.layout.fsdp_size),
     )

@@ -107,9 +107,10 @@ def _forward_backward(
     ``count``, the collectives of each pass too (every op then goes through Python once more:
     the small copies of ``_one_layer`` count, the full-size run does not)."""
     mesh = build_mesh(layout, device_type="cpu")
-    parallelize(model, plan, mesh, sequence_parallel=layout.sequence_parallel, ep=layout.ep)  # on meta: no storage
-    # the expert mesh's groups are parallelize's own; a collective on none of the mesh's axes is ep's
-    counter = CountCollectives(mesh_axes(mesh), unknown="ep" if layout.ep > 1 else "other")
+    parallelize(model, plan, mesh)  # on meta: no storage
+    # the expert mesh reuses the mesh's groups where their ranks agree; a collective on none of
+    # the mesh's axes is ep's
+    counter = CountCollectives(mesh_axes(mesh.device_mesh), unknown="ep" if layout.ep > 1 else "other")
     # batched_mm experts: grouped_mm has no fp32 kernel for fake tensors (same shapes and memory)
     with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model):
         measured.stage = "materialize"

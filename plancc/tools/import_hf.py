@@ -45,7 +45,7 @@ HF_STYLES = {
     "moe_tp_experts": "moe_experts",
     "mla_kv_a_proj": "mla_kv_a_proj",
     # a fused projection split per block (HF's _StridedShard with split_factor 2): the same
-    # arithmetic, the weight kept in the plain layout (plancc.compiler.packed_styles)
+    # arithmetic, the weight kept in the plain layout (plancc.runtime.styles.packed)
     "packed_colwise": "packed_colwise",
     "packed_rowwise": "packed_rowwise",
     # an attention block's own per-head parameters (sinks), sharded with its heads; HF adds a

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .kinds import expert_count, is_experts_module
+from ...compiler.kinds import expert_count, is_experts_module
 
 
 def sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Lowering: a resolved plan -> ``{module name: ParallelStyle}`` for torch.
 
 Keys are concrete module names, never globs, so torch's own glob matching (which skips
-misses with a warning) never runs on a plancc plan.
+misses with a warning) never runs on a plancc plan. The compiler hands over declarations
+(``compiler.styles.declared``); this is where they become torch objects.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .plan import Plan
-from .resolve import ResolvedPlan, resolve_plan
-from .styles import built_style
+from ...compiler.plan import Plan
+from ...compiler.resolve import ResolvedPlan, resolve_plan
+from ...compiler.styles import declared
+from .build import torch_style
 
 
 def lower(resolved: ResolvedPlan) -> dict[str, ParallelStyle]:
-    return {name: built_style(rule.style) for name, rule in resolved.assignments.items()}
+    return {name: torch_style(declared(rule.style)) for name, rule in resolved.assignments.items()}
 
 
 def compile_plan(

@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ...compiler.kinds import own_parameters
 from .block_input import BlockInput
-from .expert_styles import local_parameters, sum_gradients_over
-from .kinds import own_parameters
+from .experts import local_parameters, sum_gradients_over
 
 
 class LatentKeyValueProjection(ParallelStyle):

@@ -1,0 +1,51 @@
+"""Rank-side code of tests/test_parallel_mesh.py (spawned by tests/distributed.py)."""
+
+from __future__ import annotations
+
+from .distributed import init_gloo
+
+
+def three_ways_to_say_sp():
+    """The same plan under SP at tp=2, told three ways: the layout inside the ParallelMesh,
+    plancc 0.1's keyword on build_mesh's result, and the keyword on a bare DeviceMesh.
+    Returns this rank's losses and what the mesh says of itself."""
+    import copy
+
+    import torch
+
+    import plancc
+    from plancc.models import build_model, load_config
+    from plancc.runtime.mesh import ParallelMesh
+
+    init_gloo()
+    config = load_config("tiny-qwen3")
+    torch.manual_seed(0)
+    state = build_model(copy.deepcopy(config), device="cpu").state_dict()
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    plan = plancc.load_plan("plans/qwen3.yaml")
+    pm = plancc.build_mesh(plancc.Layout(tp=2, sequence_parallel=True), device_type="cpu")
+    plain = plancc.build_mesh(tp=2, device_type="cpu")
+    ways = {"layout": (pm, {}), "keyword": (plain, {"sequence_parallel": True}),
+            "device_mesh": (plain.device_mesh, {"sequence_parallel": True})}
+    losses, seen = {}, {}
+    for name, (mesh, keywords) in ways.items():
+        model = build_model(copy.deepcopy(config), device="meta")
+        plancc.parallelize(model, plan, mesh, **keywords)
+        plancc.materialize(model, "cpu", full_state_dict=dict(state))
+        # under SP a decoder layer holds this rank's half of the sequence
+        model.model.layers[0].register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.__setitem__(name, (args[0] if args else kwargs["hidden_states"]).shape[1]),
+            with_kwargs=True,
+        )
+        losses[name] = plancc.causal_lm_loss(model, ids, mesh=mesh).item()
+    rebuilt = plancc.Layout(**pm.to_json())
+    return {
+        "losses": losses,
+        "sequence_seen": seen,
+        "is_parallel_mesh": isinstance(pm, ParallelMesh),
+        "tp": pm["tp"].size(),
+        "sp": pm.sequence_parallel,
+        "rebuilt_equal": rebuilt == pm.layout,
+        "copy_equal": copy.copy(pm) == pm,
+        "layout_of": plancc.layout_of(pm) == pm.layout,
+    }
