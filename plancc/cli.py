@@ -5,12 +5,16 @@ Exit codes: 0 ok (warnings allowed), 1 plan/config problems, 2 usage errors.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from dataclasses import fields as dataclass_fields
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import typer
 
@@ -108,6 +112,82 @@ MaxRestartsOpt = Annotated[
 ]
 
 
+CpOpt = Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")]
+DpOpt = Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")]
+SpOpt = Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutFlags:
+    """--tp --cp --ep --dp --sp, declared once for every command that takes a layout."""
+
+    tp: TpOpt = 1
+    cp: CpOpt = 1
+    ep: EpOpt = 1
+    dp: DpOpt = None
+    sp: SpOpt = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchFlags:
+    """How workers start, spelled as torchrun spells it: declared once, built once."""
+
+    nproc_per_node: NprocOpt = None
+    nnodes: NnodesOpt = "1"
+    node_rank: NodeRankOpt = 0
+    rdzv_endpoint: RdzvEndpointOpt = None
+    rdzv_id: RdzvIdOpt = None
+    master_addr: MasterAddrOpt = "127.0.0.1"
+    master_port: MasterPortOpt = None
+    max_restarts: MaxRestartsOpt = 0
+
+    def options(self, nproc_per_node: int) -> LaunchOptions:
+        from .job.launch import LaunchOptions
+
+        meeting = f"{self.master_addr}:{self.master_port}" if self.master_port else None
+        return LaunchOptions(
+            nproc_per_node=nproc_per_node,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            # torchrun's --master-addr/--master-port name the same meeting point as --rdzv-endpoint
+            rdzv_endpoint=self.rdzv_endpoint or meeting,
+            rdzv_id=self.rdzv_id,
+            max_restarts=self.max_restarts,
+        )
+
+
+def grouped(**groups: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A command that takes option groups (``layout: LayoutFlags``) as one parameter each:
+    typer sees every field of each group as an option of its own (in the command's signature),
+    the command gets the group back as one frozen value."""
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        hints = {name: get_type_hints(cls, include_extras=True) for name, cls in groups.items()}
+        flat = [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[name][f.name])
+            for name, cls in groups.items()
+            for f in dataclass_fields(cls)
+        ]
+        kept = [p for name, p in own.parameters.items() if name not in groups]
+        required = [p for p in kept if p.default is p.empty]
+        optional = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in kept if p.default is not p.empty]
+
+        @functools.wraps(command)
+        def run(**given: Any) -> None:
+            for name, cls in groups.items():
+                given[name] = cls(**{f.name: given.pop(f.name) for f in dataclass_fields(cls)})
+            command(**given)
+
+        params = [*required, *flat, *optional]
+        run.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        del run.__wrapped__  # typer reads the signature above, not the command's own
+        return run
+
+    return decorate
+
+
 def _emit(diagnostics: list[Diagnostic], fmt: Format, summary: dict | None = None) -> None:
     if fmt is Format.json:
         payload = json.loads(format_json(diagnostics))
@@ -140,15 +220,12 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 @app.command()
+@grouped(layout=LayoutFlags)
 def validate(
     plan_paths: Annotated[list[Path], typer.Argument(metavar="PLAN...", help="plan YAML files (one report each)")],
+    layout: LayoutFlags,
     model: ModelOpt = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    ep: EpOpt = 1,
-    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="total ranks")] = None,
-    sp: Annotated[bool, typer.Option("--sp", help="check with the sequence-parallel overlay on")] = False,
     seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="training sequence length")] = None,
     dry_run: Annotated[
         bool,
@@ -173,11 +250,11 @@ def validate(
                 plan_path,
                 model=model,
                 world_size=world_size,
-                dp=dp,
-                cp=cp,
-                tp=tp,
-                ep=ep,
-                sequence_parallel=sp,
+                dp=layout.dp,
+                cp=layout.cp,
+                tp=layout.tp,
+                ep=layout.ep,
+                sequence_parallel=layout.sp,
                 seq_len=seq_len,
                 skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
             )
@@ -245,14 +322,11 @@ def _dry_run(report: ValidationReport, seq_len: int | None) -> tuple[str, list[D
 
 
 @app.command()
+@grouped(layout=LayoutFlags)
 def explain(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    layout: LayoutFlags,
     model: ModelOpt = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help="tensor-parallel degree")] = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (default 1, or ep)")] = None,
-    ep: EpOpt = 1,
-    sp: Annotated[bool, typer.Option("--sp", help="with the sequence-parallel overlay")] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Every parameter's global shape, its per-rank shard and placements, and per-rank bytes."""
@@ -261,14 +335,23 @@ def explain(
     from .tools.explain import render
 
     try:
-        report = validate_plan(plan_path, model=model, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp, skeleton=False)
+        report = validate_plan(
+            plan_path,
+            model=model,
+            dp=layout.dp,
+            cp=layout.cp,
+            tp=layout.tp,
+            ep=layout.ep,
+            sequence_parallel=layout.sp,
+            skeleton=False,
+        )
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or report.meta_model is None:
         _emit(list(report.diagnostics), fmt)
         raise typer.Exit(EXIT_PLAN)
     # the model and resolution validate built: nothing is built twice
-    exp = explain_plan(report.meta_model, report.resolved_for(sp), report.layout)
+    exp = explain_plan(report.meta_model, report.resolved_for(layout.sp), report.layout)
     if fmt is Format.json:
         print(json.dumps({"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}, indent=2))
         return
@@ -371,22 +454,12 @@ def models(fmt: FormatOpt = Format.text) -> None:
 
 
 @app.command()
+@grouped(layout=LayoutFlags, launch=LaunchFlags)
 def apply(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    layout: LayoutFlags,
+    launch: LaunchFlags,
     model: ModelOpt = None,
-    nproc_per_node: NprocOpt = None,
-    nnodes: NnodesOpt = "1",
-    node_rank: NodeRankOpt = 0,
-    rdzv_endpoint: RdzvEndpointOpt = None,
-    rdzv_id: RdzvIdOpt = None,
-    master_addr: MasterAddrOpt = "127.0.0.1",
-    master_port: MasterPortOpt = None,
-    max_restarts: MaxRestartsOpt = 0,
-    tp: TpOpt = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    ep: EpOpt = 1,
-    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
-    sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
     steps: Annotated[int, typer.Option("--steps", min=0, help="optimizer steps to run")] = 5,
     data: Annotated[Path | None, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
     batch_size: Annotated[
@@ -442,17 +515,16 @@ def apply(
 ) -> None:
     """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
     from .job.config import RunConfig
-    from .job.launch import LaunchOptions
 
-    nproc_per_node = _default_nproc(nproc_per_node, device)
-    model, layout, report = _prelaunch(
-        plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, seq_len=None if data else seq_len, ep=ep
+    nproc_per_node = _default_nproc(launch.nproc_per_node, device)
+    model, chosen, report = _prelaunch(
+        plan_path, model, nproc_per_node, launch.nnodes, layout, fmt, seq_len=None if data else seq_len
     )
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
-        batch_size = layout.dp * -(-4 // layout.dp)
+        batch_size = chosen.dp * -(-4 // chosen.dp)
     cfg = RunConfig(
         plan=str(plan_path),
-        layout=layout,
+        layout=chosen,
         model=model,
         steps=steps,
         data=str(data) if data else None,
@@ -475,16 +547,7 @@ def apply(
         tensorboard=str(tensorboard) if tensorboard else None,
     )
     warnings = _preflight(cfg, report, fmt)
-    opts = LaunchOptions(
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        # torchrun's --master-addr/--master-port name the same meeting point as --rdzv-endpoint
-        rdzv_endpoint=rdzv_endpoint or (f"{master_addr}:{master_port}" if master_port else None),
-        rdzv_id=rdzv_id,
-        max_restarts=max_restarts,
-    )
-    _launch_and_report(opts, cfg, fmt, warnings)
+    _launch_and_report(launch.options(nproc_per_node), cfg, fmt, warnings)
 
 
 def _default_nproc(given: int | None, device: str | None) -> int:
@@ -512,13 +575,9 @@ def _prelaunch(
     model: str | None,
     nproc_per_node: int,
     nnodes: str,
-    dp: int | None,
-    cp: int,
-    tp: int,
-    sp: bool,
+    flags: LayoutFlags,
     fmt: Format,
     seq_len: int | None = None,
-    ep: int = 1,
 ) -> tuple[str, Layout, ValidationReport]:
     """The layout and the plan against the model at this layout, checked before a process
     starts. Returns (model name, layout, the validation report)."""
@@ -528,7 +587,9 @@ def _prelaunch(
 
     world = nproc_per_node * _world_size(nnodes)
     try:
-        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp)
+        layout = Layout.infer(
+            world_size=world, dp=flags.dp, cp=flags.cp, tp=flags.tp, ep=flags.ep, sequence_parallel=flags.sp
+        )
     except LayoutError as exc:
         fit = f"choose --tp/--cp/--dp whose product is {world}"
         _emit(
@@ -644,23 +705,13 @@ def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunCon
 
 
 @app.command()
+@grouped(layout=LayoutFlags, launch=LaunchFlags)
 def logprobs(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     data: Annotated[Path, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]} per line')],
+    layout: LayoutFlags,
+    launch: LaunchFlags,
     model: ModelOpt = None,
-    nproc_per_node: NprocOpt = None,
-    nnodes: NnodesOpt = "1",
-    node_rank: NodeRankOpt = 0,
-    rdzv_endpoint: RdzvEndpointOpt = None,
-    rdzv_id: RdzvIdOpt = None,
-    master_addr: MasterAddrOpt = "127.0.0.1",
-    master_port: MasterPortOpt = None,
-    max_restarts: MaxRestartsOpt = 0,
-    tp: TpOpt = 1,
-    cp: Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")] = 1,
-    ep: EpOpt = 1,
-    dp: Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")] = None,
-    sp: Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")] = False,
     out: Annotated[Path | None, typer.Option("--out", help='JSONL output: {"logprobs": [...]} per line')] = None,
     entropy: Annotated[
         bool, typer.Option("--entropy", help='also the entropy of each position\'s distribution: "entropy": [...]')
@@ -685,13 +736,12 @@ def logprobs(
 ) -> None:
     """Per-token log-probs of each input line from the parallelized model."""
     from .job.config import RunConfig
-    from .job.launch import LaunchOptions
 
-    nproc_per_node = _default_nproc(nproc_per_node, device)
-    model, layout, report = _prelaunch(plan_path, model, nproc_per_node, nnodes, dp, cp, tp, sp, fmt, ep=ep)
+    nproc_per_node = _default_nproc(launch.nproc_per_node, device)
+    model, chosen, report = _prelaunch(plan_path, model, nproc_per_node, launch.nnodes, layout, fmt)
     cfg = RunConfig(
         plan=str(plan_path),
-        layout=layout,
+        layout=chosen,
         model=model,
         data=str(data),
         batch_size=batch_size,
@@ -707,16 +757,7 @@ def logprobs(
         json_output=fmt is Format.json,
     )
     warnings = _preflight(cfg, report, fmt)
-    opts = LaunchOptions(
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        # torchrun's --master-addr/--master-port name the same meeting point as --rdzv-endpoint
-        rdzv_endpoint=rdzv_endpoint or (f"{master_addr}:{master_port}" if master_port else None),
-        rdzv_id=rdzv_id,
-        max_restarts=max_restarts,
-    )
-    _launch_and_report(opts, cfg, fmt, warnings)
+    _launch_and_report(launch.options(nproc_per_node), cfg, fmt, warnings)
 
 
 class Interrupted(BaseException):
