@@ -127,6 +127,10 @@ class LayoutFlags:
     dp: DpOpt = None
     sp: SpOpt = False
 
+    def sizes(self) -> dict[str, Any]:
+        """The layout keywords of ``validate_plan`` and ``Layout.infer``."""
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "sequence_parallel": self.sp}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LaunchFlags:
@@ -250,12 +254,8 @@ def validate(
                 plan_path,
                 model=model,
                 world_size=world_size,
-                dp=layout.dp,
-                cp=layout.cp,
-                tp=layout.tp,
-                ep=layout.ep,
-                sequence_parallel=layout.sp,
                 seq_len=seq_len,
+                **layout.sizes(),
                 skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
             )
         except PlanError as exc:
@@ -335,16 +335,7 @@ def explain(
     from .tools.explain import render
 
     try:
-        report = validate_plan(
-            plan_path,
-            model=model,
-            dp=layout.dp,
-            cp=layout.cp,
-            tp=layout.tp,
-            ep=layout.ep,
-            sequence_parallel=layout.sp,
-            skeleton=False,
-        )
+        report = validate_plan(plan_path, model=model, skeleton=False, **layout.sizes())
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or report.meta_model is None:
@@ -587,9 +578,7 @@ def _prelaunch(
 
     world = nproc_per_node * _world_size(nnodes)
     try:
-        layout = Layout.infer(
-            world_size=world, dp=flags.dp, cp=flags.cp, tp=flags.tp, ep=flags.ep, sequence_parallel=flags.sp
-        )
+        layout = Layout.infer(world_size=world, **flags.sizes())
     except LayoutError as exc:
         fit = f"choose --tp/--cp/--dp whose product is {world}"
         _emit(

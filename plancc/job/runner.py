@@ -174,10 +174,6 @@ class _Job:
     def layout(self) -> Layout:
         return self.mesh.layout
 
-    @property
-    def ep(self) -> int:
-        return self.mesh.layout.ep
-
 
 def _setup(cfg: RunConfig) -> _Job:
     device = _init(cfg)

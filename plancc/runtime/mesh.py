@@ -107,10 +107,6 @@ def _with_experts(layout: Layout, mesh: DeviceMesh) -> ParallelMesh:
     return ParallelMesh(layout=layout, device_mesh=mesh, expert_mesh=expert_mesh)
 
 
-def device_mesh_of(mesh: ParallelMesh | DeviceMesh) -> DeviceMesh:
-    return mesh.device_mesh if isinstance(mesh, ParallelMesh) else mesh
-
-
 def build_mesh(
     layout: Layout | None = None,
     *,
