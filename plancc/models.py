@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.overrides import TorchFunctionMode
 
 from .errors import Diagnostic, PlanError, SourceLoc, closest, quiet_logger
@@ -389,21 +390,20 @@ def parameters_on_meta() -> Iterator[None]:
     would lose them at ``to_empty``. They are tiny, so they are built on the CPU and
     ``materialize`` carries them over.
     """
-    original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            kwargs = {"requires_grad": param.requires_grad}
-            module._parameters[name] = type(param)(param.to("meta"), **kwargs)
+    def on_meta(_module: nn.Module, _name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None  # registered as given
+        return type(param)(param.to("meta"), requires_grad=param.requires_grad)
 
-    # patched on the class for the duration of one model's construction only
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    # torch's registration hook, removed when this one model is built (no patch of nn.Module)
+    # (torch types the hook as returning None; its docs and code take a returned parameter)
+    handle = register_module_parameter_registration_hook(on_meta)  # type: ignore[arg-type]
     try:
         with _LargeAllocationsOnMeta():
             yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        handle.remove()
 
 
 class _LargeAllocationsOnMeta(TorchFunctionMode):

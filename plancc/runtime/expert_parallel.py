@@ -15,7 +15,7 @@ have no routing to count, assumes a balanced load.
 
 from __future__ import annotations
 
-import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,10 +24,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from .styles.experts import (
-    ExpertsOverTensorParallel,
-    local_parameters,
+    ExpertArguments,
+    local_parameters_during_forward,
     plain,
     shard_experts,
     sum_gradients_over,
@@ -35,47 +36,86 @@ from .styles.experts import (
 )
 
 
-def spread_experts(module: nn.Module, style: ExpertsOverTensorParallel, ep_tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard ``module``'s experts over the 2-D (ep, tp) mesh and route its tokens to them."""
-    ep_mesh, tp_mesh = ep_tp_mesh["ep"], ep_tp_mesh["tp"]
-    ep, tp = ep_mesh.size(), tp_mesh.size()
-    local, first = shard_experts(module, ep_tp_mesh, src_data_rank=style.src_data_rank)
-    per_ep_rank = local * tp
-    original = module.forward
-    signature = inspect.signature(original)
-    hidden_arg, index_arg, weight_arg = list(signature.parameters)[:3]
-    group = ep_mesh.get_group()
+class ExpertParallel(ParallelStyle):
+    """``moe_experts`` over a 2-D (ep, tp) mesh: the plan's experts style when ``--ep`` spreads
+    them over ep as well as tp. torchtitan's ``ExpertParallel`` shape: a pre-forward hook
+    dispatches the tokens (all-to-all), the experts run on what arrived, a forward hook combines
+    the rows at home. What the combine needs from the dispatch (the routing order, the split
+    sizes) is kept per call on a stack, as activation checkpointing re-enters the forward."""
 
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        bound = signature.bind(*args, **kwargs)
-        given = bound.arguments
-        hidden, ids, weights = (plain(given[a]) for a in (hidden_arg, index_arg, weight_arg))
+    def __init__(self, *, src_data_rank: int | None = 0):
+        self.src_data_rank = src_data_rank
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        ep_mesh, tp_mesh = device_mesh["ep"], device_mesh["tp"]
+        local, first = shard_experts(module, device_mesh, src_data_rank=self.src_data_rank)
+        route = _Routing(ExpertArguments.of(module), ep_mesh, tp_mesh, local, first)
+        module.register_forward_pre_hook(route.dispatch, with_kwargs=True)
+        local_parameters_during_forward(module)
+        module.register_forward_hook(route.combine, always_call=True)
+        return module
+
+
+@dataclass(frozen=True)
+class _Dispatched:
+    """One call's routing, from the dispatch to the combine."""
+
+    shape: torch.Size  # the hidden states as given
+    hidden: torch.Tensor  # one row per token
+    token: torch.Tensor  # the token of each sent (token, choice) pair, in send order
+    weights: torch.Tensor  # the routing weight of each sent pair, applied at home
+    send: list[int]
+    receive: list[int]
+
+
+class _Routing:
+    def __init__(
+        self, arguments: ExpertArguments, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh, local: int, first: int
+    ) -> None:
+        self.arguments = arguments
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.tp_mesh = tp_mesh
+        self.local = local  # experts on this rank
+        self.first = first  # global id of the first
+        self.per_ep_rank = local * tp_mesh.size()
+        self.calls: list[_Dispatched] = []
+
+    def dispatch(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Send each (token, choice) pair to the ep rank holding its expert."""
+        bound = self.arguments.bind(args, kwargs)
+        hidden, ids, weights = (plain(x) for x in self.arguments.read(bound))
         shape = hidden.shape
         hidden = hidden.reshape(-1, shape[-1])  # one row per token
         choices = ids.shape[-1]
         flat_ids = ids.reshape(-1)
-        destination = torch.div(flat_ids, per_ep_rank, rounding_mode="floor")
+        destination = torch.div(flat_ids, self.per_ep_rank, rounding_mode="floor")
         order = torch.argsort(destination, stable=True)  # (token, choice) pairs by ep rank
-        send, receive = _exchange_counts(destination, ep, group)
+        send, receive = _exchange_counts(destination, self.ep, self.group)
         token = torch.div(order, choices, rounding_mode="floor")
-        arrived = _all_to_all(hidden[token], receive, send, group)
-        arrived_ids = _all_to_all(flat_ids[order], receive, send, group) - first
+        arrived = _all_to_all(hidden[token], receive, send, self.group)
+        arrived_ids = _all_to_all(flat_ids[order], receive, send, self.group) - self.first
+        self.calls.append(_Dispatched(shape, hidden, token, weights.reshape(-1)[order], send, receive))
         # one expert per arrived row, weight 1 (applied at home); the other tp ranks' experts:
         # transformers' sentinel, skipped
-        elsewhere = (arrived_ids < 0) | (arrived_ids >= local)
-        given[index_arg] = arrived_ids.masked_fill(elsewhere, local).unsqueeze(1)
-        given[weight_arg] = (~elsewhere).to(arrived.dtype).unsqueeze(1)
-        given[hidden_arg] = sum_gradients_over(arrived, tp_mesh) if tp > 1 else arrived
-        with local_parameters(module):
-            rows = original(*bound.args, **bound.kwargs)
-        rows = sum_over(rows, tp_mesh) if tp > 1 else rows
-        returned = _all_to_all(rows, send, receive, group)
-        weighted = returned * weights.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
-        return out if out.shape == shape else out.reshape(shape)  # a view only when it must be
+        elsewhere = (arrived_ids < 0) | (arrived_ids >= self.local)
+        ids_in = arrived_ids.masked_fill(elsewhere, self.local).unsqueeze(1)
+        weights_in = (~elsewhere).to(arrived.dtype).unsqueeze(1)
+        hidden_in = sum_gradients_over(arrived, self.tp_mesh) if self.tp_mesh.size() > 1 else arrived
+        return self.arguments.write(bound, hidden_in, ids_in, weights_in)
 
-    module.forward = forward
-    return module
+    def combine(self, _module: nn.Module, _args: Any, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Bring the expert outputs home, weight them and sum each token's choices."""
+        if not self.calls:  # the dispatch itself failed
+            return rows
+        call = self.calls.pop()
+        if rows is None:  # the experts' forward raised; the exception goes on
+            return rows
+        rows = sum_over(rows, self.tp_mesh) if self.tp_mesh.size() > 1 else rows
+        returned = _all_to_all(rows, call.send, call.receive, self.group)
+        weighted = returned * call.weights.unsqueeze(1)
+        out = torch.zeros_like(call.hidden).index_add(0, call.token, weighted.to(call.hidden.dtype))
+        return out if out.shape == call.shape else out.reshape(call.shape)  # a view only when it must be
 
 
 def _exchange_counts(destination: torch.Tensor, ep: int, group: dist.ProcessGroup) -> tuple[list[int], list[int]]:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_map
 
 from ..compiler.plan import Plan
@@ -28,7 +28,7 @@ from ..errors import Diagnostic, PlanError
 from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
-from .expert_parallel import spread_experts
+from .expert_parallel import ExpertParallel
 from .hooks import GlobalSequenceInputs
 from .mesh import ParallelMesh, parallel_mesh
 from .styles.experts import ExpertsOverTensorParallel
@@ -67,14 +67,18 @@ def apply_tensor_parallel(
     """The plan's styles on the tp mesh, its experts on ``expert_mesh`` (ep, tp) when given;
     the names of the experts modules spread over ep."""
     styles = lower(resolved)
-    spread: list[str] = []
+    # with --ep the experts styles run on the (ep, tp) mesh, the rest on tp (torchtitan applies
+    # its ExpertParallel the same way: one parallelize_module call per mesh)
+    over_ep: dict[str, ParallelStyle] = {}
     if expert_mesh is not None:
-        modules = dict(model.named_modules())
-        for name, style in list(styles.items()):
-            if isinstance(style, ExpertsOverTensorParallel):
-                spread_experts(modules[name], style, expert_mesh["ep", "tp"])
-                spread.append(name)
-                del styles[name]
+        over_ep = {
+            name: ExpertParallel(src_data_rank=style.src_data_rank)
+            for name, style in styles.items()
+            if isinstance(style, ExpertsOverTensorParallel)
+        }
+        parallelize_module(model, expert_mesh["ep", "tp"], over_ep)
+        styles = {name: style for name, style in styles.items() if name not in over_ep}
+    spread = list(over_ep)
     if tp_mesh.size() == 1:
         return spread
     groups = tied_parameter_groups(model)

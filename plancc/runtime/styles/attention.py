@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...compiler.kinds import own_parameters
 from .block_input import BlockInput
-from .experts import local_parameters, sum_gradients_over
+from .experts import local_parameters_during_forward, sum_gradients_over
 
 
 class LatentKeyValueProjection(ParallelStyle):
@@ -73,11 +73,5 @@ class PerHeadParameters(ParallelStyle):
                 raise ValueError(f"{type(module).__name__}.{name}: {param.shape[0]} heads do not split over tp={tp}")
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        original = module.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with local_parameters(module):
-                return original(*args, **kwargs)
-
-        module.forward = forward
+        local_parameters_during_forward(module)
         return module

@@ -25,8 +25,7 @@ mesh and moves tokens between ep ranks: ``plancc.runtime.expert_parallel``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,18 +49,27 @@ def sum_over(partial: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return summed.to_local()
 
 
-@contextmanager
-def local_parameters(module: nn.Module) -> Iterator[None]:
-    """Run the module's own forward on this rank's experts as plain tensors (the forward
-    indexes and reshapes them; ``to_local`` keeps the gradient flowing to the DTensor)."""
-    saved = dict(module._parameters)
-    try:
-        for name, param in saved.items():
+def local_parameters_during_forward(module: nn.Module) -> None:
+    """The module's own forward sees this rank's slice of its DTensor parameters as plain
+    tensors (it indexes and reshapes them; ``to_local`` keeps the gradient flowing to the
+    DTensor): swapped in by a pre-hook, swapped back by a hook that runs even when the forward
+    raises. FSDP2 prepends its own pre-hook (unshard) and appends its post-hook (reshard), so
+    the swap sees the unsharded parameters and is undone before they are resharded."""
+    saved: list[dict[str, Any]] = []  # a stack: activation checkpointing re-enters the forward
+
+    def swap_in(mod: nn.Module, _args: Any) -> None:
+        saved.append(dict(mod._parameters))
+        for name, param in saved[-1].items():
             if isinstance(param, DTensor):
-                module._parameters[name] = param.to_local()
-        yield
-    finally:
-        module._parameters.update(saved)
+                mod._parameters[name] = param.to_local()  # type: ignore[assignment]  # for this forward only
+
+    def swap_back(mod: nn.Module, _args: Any, output: Any) -> Any:
+        if saved:
+            mod._parameters.update(saved.pop())
+        return output
+
+    module.register_forward_pre_hook(swap_in)
+    module.register_forward_hook(swap_back, always_call=True)
 
 
 def plain(x: Any) -> Any:
@@ -69,7 +77,10 @@ def plain(x: Any) -> Any:
 
 
 class ExpertsOverTensorParallel(ParallelStyle):
-    """Whole experts spread over the tp ranks; their partial outputs all-reduced."""
+    """Whole experts spread over the tp ranks; their partial outputs all-reduced.
+
+    All by hooks: the routing ids of other ranks' experts become transformers' sentinel on the
+    way in, and the partial outputs are summed on the way out."""
 
     def __init__(self, *, src_data_rank: int | None = 0):
         self.src_data_rank = src_data_rank
@@ -77,25 +88,54 @@ class ExpertsOverTensorParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         local, first = shard_experts(module, device_mesh, src_data_rank=self.src_data_rank)
         tp_mesh = device_mesh
-        original = module.forward
-        signature = inspect.signature(original)
-        hidden_arg, index_arg, weight_arg = list(signature.parameters)[:3]
+        arguments = ExpertArguments.of(module)
 
-        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-            bound = signature.bind(*args, **kwargs)
-            given = bound.arguments
-            ids = given[index_arg] - first
+        def keep_own_experts(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            bound = arguments.bind(args, kwargs)
+            hidden, ids, weights = arguments.read(bound)
+            ids = ids - first
             elsewhere = (ids < 0) | (ids >= local)
-            given[index_arg] = ids.masked_fill(elsewhere, local)
-            weights = sum_gradients_over(plain(given[weight_arg]), tp_mesh)
-            given[weight_arg] = weights.masked_fill(elsewhere, 0)
-            given[hidden_arg] = sum_gradients_over(plain(given[hidden_arg]), tp_mesh)
-            with local_parameters(module):
-                partial = original(*bound.args, **bound.kwargs)
+            weights = sum_gradients_over(plain(weights), tp_mesh).masked_fill(elsewhere, 0)
+            hidden = sum_gradients_over(plain(hidden), tp_mesh)
+            return arguments.write(bound, hidden, ids.masked_fill(elsewhere, local), weights)
+
+        def sum_partial_outputs(_module: nn.Module, _args: Any, partial: torch.Tensor) -> torch.Tensor:
             return sum_over(partial, tp_mesh)
 
-        module.forward = forward
+        module.register_forward_pre_hook(keep_own_experts, with_kwargs=True)
+        local_parameters_during_forward(module)
+        module.register_forward_hook(sum_partial_outputs)
         return module
+
+
+@dataclass(frozen=True)
+class ExpertArguments:
+    """Where transformers' experts forward takes its three inputs
+    (``hidden_states, top_k_index, top_k_weights``), by name, positional or keyword."""
+
+    signature: inspect.Signature
+    hidden: str
+    index: str
+    weight: str
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ExpertArguments:
+        signature = inspect.signature(module.forward)
+        hidden, index, weight = list(signature.parameters)[:3]
+        return cls(signature, hidden, index, weight)
+
+    def bind(self, args: Any, kwargs: Any) -> inspect.BoundArguments:
+        return self.signature.bind(*args, **kwargs)
+
+    def read(self, bound: inspect.BoundArguments) -> tuple[Any, Any, Any]:
+        given = bound.arguments
+        return given[self.hidden], given[self.index], given[self.weight]
+
+    def write(
+        self, bound: inspect.BoundArguments, hidden: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[Any, Any]:
+        bound.arguments.update({self.hidden: hidden, self.index: index, self.weight: weight})
+        return bound.args, bound.kwargs
 
 
 def shard_experts(module: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> tuple[int, int]:
