@@ -39,7 +39,17 @@ def three_ways_to_say_sp():
         )
         losses[name] = plancc.causal_lm_loss(model, ids, mesh=mesh).item()
     rebuilt = plancc.Layout(**pm.to_json())
+    # the fused evaluator takes its tp group off the mesh, as plancc 0.1's group= said it
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(6, 8, generator=gen), torch.randn(10, 8, generator=gen)
+    rows = weight[pm["tp"].get_local_rank() * 5 :][:5]
+    targets = torch.randint(0, 10, (6,), generator=gen)
+    by_mesh = plancc.logprobs.fused_logprobs(hidden, rows, targets, mesh=pm)
+    by_group = plancc.logprobs.fused_logprobs(hidden, rows, targets, group=pm["tp"].get_group())
+    whole = torch.log_softmax(hidden @ weight.T, dim=-1).gather(1, targets[:, None]).squeeze(1)
     return {
+        "fused_mesh_equals_group": torch.equal(by_mesh, by_group),
+        "fused_mesh_right": torch.allclose(by_mesh, whole, atol=1e-5),
         "losses": losses,
         "sequence_seen": seen,
         "is_parallel_mesh": isinstance(pm, ParallelMesh),

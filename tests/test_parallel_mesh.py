@@ -22,5 +22,6 @@ def test_sequence_parallel_said_by_the_mesh_or_by_the_old_keywords_trains_the_sa
         assert got["is_parallel_mesh"] and got["tp"] == 2 and got["sp"], (rank, got)
         assert got["rebuilt_equal"] and got["copy_equal"] and got["layout_of"], (rank, got)
         assert got["sequence_seen"] == {"layout": 8, "keyword": 8, "device_mesh": 8}, (rank, got)  # 16 / tp
+        assert got["fused_mesh_equals_group"] and got["fused_mesh_right"], (rank, got)
         losses = got["losses"]
         assert losses["layout"] == losses["keyword"] == losses["device_mesh"], (rank, losses)

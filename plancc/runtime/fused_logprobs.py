@@ -39,37 +39,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import fused_kernels
-
-# Chunk bounds: on CPU small enough to stay near the cache between the matmul and the
-# reductions; on GPU large enough that each chunk's kernel launches are noise.
-CPU_CHUNK_BYTES = 24 * 2**20
-CPU_CHUNK_FRACTION = 24  # at most 1/24 of the tokens: one fp32 chunk about 4% of the logits
-# Whole blocks of rows: MKL's sgemm (AVX2, AMD EPYC) ran the chunks of 4096 x 1024 x 32768 in
-# 2.2 s at 160 or 192 rows, 2.7 s at 128 and 3.7 s at 205 (the whole matmul at once: 2.5 s).
-CPU_ROW_BLOCK = 32
-GPU_CHUNK_BYTES = 256 * 2**20
-GPU_ROW_TILE = 128  # the matmul's row tile: a chunk of 220 rows would pay for 256
-# Gradient chunks on GPU are larger: each one adds its gx.T @ h into the fp32 [V, H] weight
-# gradient, a read and a write of all of it, so few chunks keep that traffic well below the
-# matmuls' time (measured on an H100, docs/gpu.md: 2048 rows 137 ms, 1024 rows 145 ms, 512
-# rows 177 ms at 16k x 152k x 4096). Powers of two: 1664-row chunks measured 154 ms.
-GPU_GRAD_CHUNK_BYTES = 1280 * 2**20
-MIN_ROWS = 16
-
-
-def default_chunk(n: int, v_local: int, device: torch.device, *, grad: bool = False) -> int:
-    """Tokens per chunk. CPU: whole blocks of CPU_ROW_BLOCK rows, at most 1/CPU_CHUNK_FRACTION
-    of the tokens (one fp32 chunk is then below 5% of the logits it replaces) and within
-    CPU_CHUNK_BYTES; GPU: whole row tiles within GPU_CHUNK_BYTES of fp32 logits, or where the
-    chunk forms gradients a power of two within GPU_GRAD_CHUNK_BYTES."""
-    row_bytes = 4 * max(1, v_local)
-    if device.type == "cpu":
-        return _whole_blocks(
-            max(1, min(max(MIN_ROWS, n // CPU_CHUNK_FRACTION), CPU_CHUNK_BYTES // row_bytes)), CPU_ROW_BLOCK
-        )
-    if grad:
-        return 1 << max(0, (GPU_GRAD_CHUNK_BYTES // row_bytes).bit_length() - 1)
-    return max(1, _whole_blocks(GPU_CHUNK_BYTES // row_bytes, GPU_ROW_TILE))
+from .mesh import MeshLike
+from .vocab_stats import ChunkStats, combine_over_ranks, default_chunk, merge
 
 
 def default_columns(n: int, v_local: int, device: torch.device) -> int | None:
@@ -100,11 +71,6 @@ class _Chunks:
     forward: int  # tokens per chunk of a forward that keeps nothing of it
     grad: int  # tokens per chunk where a chunk forms gradients
     columns: int | None = None  # fused_logprobs by blocks of vocab columns (default_columns)
-
-
-def _whole_blocks(rows: int, block: int) -> int:
-    """``rows`` rounded down to whole blocks, when there is at least one."""
-    return rows - rows % block if rows >= block else rows
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,45 +173,53 @@ def _column_blocks(
 
 def _stats_by_columns(
     hidden: torch.Tensor, w32: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, width: int, entropy: bool
-) -> _ChunkStats:
+) -> ChunkStats:
     """Every token's partial statistics over this rank's columns, a block of columns at a time,
-    merged with a running max as the blocks come (the merge ``_combine`` does over tp ranks)."""
+    merged with a running max as the blocks come (``vocab_stats.merge``, the merge the tp ranks' statistics get)."""
     h32 = _as_fp32(hidden)
-    run: _ChunkStats | None = None
+    run: ChunkStats | None = None
     for _, _, x, block in _column_blocks(h32, w32, vocab, width):
         cols, here = _target_columns(targets, block, x.shape[1])
         st = _stats(x, cols, here, entropy)[0]
-        if run is None:
-            run = st
-            continue
-        m = torch.maximum(run.m, st.m)
-        (s_run, t_run), (s_st, t_st) = _moved_to(run, m), _moved_to(st, m)
-        t = t_run + t_st if t_run is not None and t_st is not None else None
-        run = _ChunkStats(m, s_run + s_st, run.picked + st.picked, t)
+        run = st if run is None else merge(run, st)
     assert run is not None, "a rank holds at least one column"
     return run
 
 
-def _grad_by_columns(
-    hidden: torch.Tensor,
-    w32: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    ent: torch.Tensor | None,
-    g_lp: torch.Tensor,
-    g_ent: torch.Tensor | None,
-    vocab: _Vocab,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+_Maybe = torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Backward:
+    """What a gradient walker takes from the forward and from autograd: the flat inputs, the
+    per-token log-normalizer and entropy forward saved, and the incoming gradients."""
+
+    hidden: torch.Tensor  # [N, H]
+    weight: torch.Tensor  # [V_local, H] (fp32 for the column walk)
+    targets: torch.Tensor  # [N]
+    lse: torch.Tensor  # [N] over the whole vocabulary
+    ent: torch.Tensor | None  # [N], where the entropy was asked for
+    g_lp: torch.Tensor  # [N] d loss / d log-prob
+    g_ent: torch.Tensor | None  # [N] d loss / d entropy
+    vocab: _Vocab
+
+    def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, _Maybe, torch.Tensor, _Maybe]:
+        """(targets, lse, ent, g_lp, g_ent) of tokens lo..hi."""
+        ent = self.ent[lo:hi] if self.ent is not None else None
+        g_ent = self.g_ent[lo:hi] if self.g_ent is not None else None
+        return self.targets[lo:hi], self.lse[lo:hi], ent, self.g_lp[lo:hi], g_ent
+
+
+def _grad_by_columns(b: _Backward, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of hidden, grad of the local weight), both fp32, a block of ``width`` vocabulary
     columns at a time over all tokens (``default_columns`` says why): each block's logits are
     recomputed, turned into their gradient in place, and give ``grad_h += gx @ W_b`` and the
     block's own rows ``grad_w[b] = gx.T @ h``."""
-    h32 = _as_fp32(hidden)
+    h32, w32 = _as_fp32(b.hidden), b.weight
     grad_h = torch.zeros(h32.shape, dtype=torch.float32, device=h32.device)
     grad_w = torch.empty(w32.shape, dtype=torch.float32, device=w32.device)  # every row written once
-    for lo, w_b, x, block in _column_blocks(h32, w32, vocab, width):
-        gx = _local_grad_logits(x, targets, lse, ent, g_lp, g_ent, block)
+    for lo, w_b, x, block in _column_blocks(h32, w32, b.vocab, width):
+        gx = _local_grad_logits(x, b.targets, b.lse, b.ent, b.g_lp, b.g_ent, block)
         grad_h.addmm_(gx, w_b)
         torch.mm(gx.T, h32, out=grad_w[lo : lo + w_b.shape[0]])
     return grad_h, grad_w
@@ -276,17 +250,7 @@ def _keep_mask(full: torch.Tensor, vocab: _Vocab) -> torch.Tensor:
     return keep
 
 
-@dataclass(frozen=True, slots=True)
-class _ChunkStats:
-    """Per-token partial statistics over one rank's columns, relative to ``m``."""
-
-    m: torch.Tensor  # max logit
-    s: torch.Tensor  # sum of exp(x - m)
-    picked: torch.Tensor  # the target's logit where this rank holds it, else 0
-    t: torch.Tensor | None  # sum of exp(x - m) * (x - m): for the entropy
-
-
-def _stats(x: torch.Tensor, cols: torch.Tensor, here: torch.Tensor, entropy: bool) -> tuple[_ChunkStats, torch.Tensor]:
+def _stats(x: torch.Tensor, cols: torch.Tensor, here: torch.Tensor, entropy: bool) -> tuple[ChunkStats, torch.Tensor]:
     """Partial statistics of a chunk of logits, and ``exp(x - m)``, computed in the storage of
     ``x`` (consumed: one chunk buffer, not three)."""
     hit = x.gather(1, cols.unsqueeze(1)).squeeze(1)
@@ -295,38 +259,9 @@ def _stats(x: torch.Tensor, cols: torch.Tensor, here: torch.Tensor, entropy: boo
     z = x.sub_(m.unsqueeze(1))
     if not entropy:
         e = z.exp_()
-        return _ChunkStats(m, e.sum(1), picked, None), e
+        return ChunkStats(m, e.sum(1), picked, None), e
     e = z.exp()
-    return _ChunkStats(m, e.sum(1), picked, (e * z).sum(1)), e
-
-
-def _moved_to(st: _ChunkStats, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``st``'s sum of exponentials (and entropy term) relative to a max ``m >= st.m`` instead of
-    its own: how partial statistics of different columns are merged (blocks, tp ranks)."""
-    scale = (st.m - m).exp()
-    t = (st.t + (st.m - m) * st.s) * scale if st.t is not None else None
-    return st.s * scale, t
-
-
-def _combine(
-    parts: _ChunkStats, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logsumexp, target logit, entropy or None) over the whole vocabulary, from every tp
-    rank's partial statistics: two all-reduces of O(tokens) values."""
-    m, s, picked, t = parts.m, parts.s, parts.picked, parts.t
-    if group is not None and dist.get_world_size(group) > 1:
-        g = m.clone()
-        dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
-        s_g, t_g = _moved_to(parts, g)
-        rows = [s_g, picked] + ([t_g] if t_g is not None else [])
-        stacked = torch.stack(rows)
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-        m, s, picked = g, stacked[0], stacked[1]
-        t = stacked[2] if t is not None else None
-    lse = m + s.log()
-    # H = lse - E[x] and E[x] = m + t / s, both relative to the same max
-    ent = (s.log() - t / s) if t is not None else None
-    return lse, picked, ent
+    return ChunkStats(m, e.sum(1), picked, (e * z).sum(1)), e
 
 
 def _gather_vocab(x: torch.Tensor, group: dist.ProcessGroup | None, widths: list[int]) -> torch.Tensor:
@@ -443,7 +378,7 @@ def _fp32_weight(weight: torch.Tensor, fast: bool) -> torch.Tensor | None:
 
 def _chunk_stats(
     h: torch.Tensor, logits: _ChunkLogits, targets: torch.Tensor, vocab: _Vocab, entropy: bool
-) -> tuple[_ChunkStats, torch.Tensor]:
+) -> tuple[ChunkStats, torch.Tensor]:
     """A chunk's partial statistics, and its storage: on the PyTorch path ``exp(x - m)``
     computed in place, on the kernel path the unscaled logits, read once and left as they are."""
     x = logits(h)
@@ -455,7 +390,7 @@ def _chunk_stats(
     scale = 1.0 / vocab.temperature
     m, s, t = fused_kernels.chunk_stats(x, scale, entropy)
     hit = x.gather(1, cols.unsqueeze(1)).squeeze(1) * scale
-    return _ChunkStats(m, s, torch.where(here, hit, torch.zeros_like(hit)), t), x
+    return ChunkStats(m, s, torch.where(here, hit, torch.zeros_like(hit)), t), x
 
 
 def _kernel_grad(
@@ -485,7 +420,7 @@ def _kernel_grad(
 
 def _stats_by_tokens(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: _Vocab, chunk: int, entropy: bool
-) -> _ChunkStats:
+) -> ChunkStats:
     """Every token's partial statistics over this rank's columns, a chunk of tokens at a time."""
     n = hidden.shape[0]
     m, s, picked = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
@@ -497,44 +432,31 @@ def _stats_by_tokens(
         m[lo:hi], s[lo:hi], picked[lo:hi] = st.m, st.s, st.picked
         if t is not None and st.t is not None:
             t[lo:hi] = st.t
-    return _ChunkStats(m, s, picked, t)
+    return ChunkStats(m, s, picked, t)
 
 
-def _grad_by_tokens(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    ent: torch.Tensor | None,
-    g_lp: torch.Tensor,
-    g_ent: torch.Tensor | None,
-    vocab: _Vocab,
-    chunk: int,
-    fast: bool,
-    widths: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _grad_by_tokens(b: _Backward, chunk: int, fast: bool, widths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of hidden, grad of the local weight), both fp32, a chunk of tokens at a time: each
     chunk's logits recomputed, turned into their gradient and added into the weight's."""
-    n = hidden.shape[0]
+    hidden, weight, vocab = b.hidden, b.weight, b.vocab
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     w32 = _fp32_weight(weight, fast)
     logits = _ChunkLogits(weight, chunk, w32)
-    for lo in range(0, n, chunk):
-        hi = min(n, lo + chunk)
+    for lo in range(0, hidden.shape[0], chunk):
+        hi = min(hidden.shape[0], lo + chunk)
         h = hidden[lo:hi]
-        e = ent[lo:hi] if ent is not None else None
-        g_e = g_ent[lo:hi] if g_ent is not None else None
+        targets, lse, ent, g_lp, g_ent = b.rows(lo, hi)
         if fast:
             x = logits(h)
-            gx = _kernel_grad(x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_e, vocab, weight.dtype)
+            gx = _kernel_grad(x, targets, lse, ent, g_lp, g_ent, vocab, weight.dtype)
         else:
             x = _chunk_logits(h, logits, vocab)
             keep = None
             if vocab.filtered:
-                _, _, _, keep = _filtered_chunk(x, targets[lo:hi], vocab, widths, False)
+                _, _, _, keep = _filtered_chunk(x, targets, vocab, widths, False)
                 keep = _rank_slice(keep, vocab, x.shape[1])
-            gx = _local_grad_logits(x, targets[lo:hi], lse[lo:hi], e, g_lp[lo:hi], g_e, vocab, keep)
+            gx = _local_grad_logits(x, targets, lse, ent, g_lp, g_ent, vocab, keep)
         _grad_matmuls(gx, weight, w32, h, grad_h[lo:hi], grad_w)
         del x, gx
     return grad_h, grad_w
@@ -572,7 +494,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 stats = _stats_by_columns(hidden, _as_fp32(weight), targets, vocab, chunks.columns, entropy)
             else:
                 stats = _stats_by_tokens(hidden, weight, targets, vocab, chunk, entropy)
-            full_lse, full_picked, full_ent = _combine(stats, vocab.group)
+            full_lse, full_picked, full_ent = combine_over_ranks(stats, vocab.group)
             lse.copy_(full_lse)
             lp.copy_(torch.where(targets != vocab.ignore_index, full_picked - full_lse, torch.zeros_like(full_lse)))
             if entropy and full_ent is not None:
@@ -591,14 +513,12 @@ class _FusedLogprobs(torch.autograd.Function):
         chunks: _Chunks = ctx.chunks
         e_all = ent if ctx.entropy else None
         if chunks.columns is not None:  # set only for the unfiltered PyTorch path (_prepare)
-            grad_h, grad_w = _grad_by_columns(
-                hidden, _as_fp32(weight), targets, lse, e_all, g_lp, g_ent, vocab, chunks.columns
-            )
+            walk = _Backward(hidden, _as_fp32(weight), targets, lse, e_all, g_lp, g_ent, vocab)
+            grad_h, grad_w = _grad_by_columns(walk, chunks.columns)
         else:
             fast = fused_kernels.active(hidden.device) and not vocab.filtered
-            grad_h, grad_w = _grad_by_tokens(
-                hidden, weight, targets, lse, e_all, g_lp, g_ent, vocab, chunks.grad, fast, ctx.widths
-            )
+            walk = _Backward(hidden, weight, targets, lse, e_all, g_lp, g_ent, vocab)
+            grad_h, grad_w = _grad_by_tokens(walk, chunks.grad, fast, ctx.widths)
         # every tp rank holds a partial sum over its columns; the hidden states are replicated
         _all_reduce_sum(grad_h, vocab.group)
         return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None
@@ -681,7 +601,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             hi = min(n, lo + chunk)
             h = hidden[lo:hi]
             st, x = _chunk_stats(h, logits, targets[lo:hi], vocab, False)
-            lse, picked, _ = _combine(st, vocab.group)  # per chunk: the gradient needs it now
+            lse, picked, _ = combine_over_ranks(st, vocab.group)  # per chunk: the gradient needs it now
             valid = targets[lo:hi] != vocab.ignore_index
             lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
             loss, g = _chunk_loss(loss_fn, lp[lo:hi], slice(lo, hi), need_grad)
@@ -742,6 +662,7 @@ def _prepare(
     targets: torch.Tensor,
     *,
     group: dist.ProcessGroup | None,
+    mesh: MeshLike | None,
     vocab_start: int | None,
     temperature: float,
     top_k: int | None,
@@ -753,6 +674,8 @@ def _prepare(
     logits: an explicit ``chunk_size`` is tokens per chunk everywhere; by default unfiltered
     ``fused_logprobs`` on CPU may walk vocabulary columns instead, forward and backward
     (``default_columns``)."""
+    if group is None and mesh is not None:
+        group = mesh["tp"].get_group()
     local_w, group, start, size = _vocab_of(weight, group, vocab_start)
     if isinstance(hidden, DTensor):
         if not all(isinstance(p, Replicate) for p in hidden.placements):
@@ -802,6 +725,7 @@ def fused_logprobs(
     targets: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
+    mesh: MeshLike | None = None,
     vocab_start: int | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -815,8 +739,9 @@ def fused_logprobs(
     tp rank. With ``entropy=True``: ``(logprobs, entropy)`` of each token's distribution.
 
     ``weight``: the lm_head weight ``[V, H]``, or this rank's vocab rows of it -- a DTensor
-    sharded on dim 0 (its mesh gives the group and offset), or a plain shard with ``group``
-    (``vocab_start`` is derived from the shard sizes when omitted). ``hidden``: the same
+    sharded on dim 0 (its mesh gives the group and offset), or a plain shard with its tp group:
+    ``mesh`` (a ``ParallelMesh``, whose ``tp`` axis it is) or ``group``, the keyword of plancc
+    0.1 (``vocab_start`` is derived from the shard sizes when omitted). ``hidden``: the same
     tokens on every tp rank (a replicated DTensor is accepted).
     ``top_k`` / ``top_p``: the distribution as a sampler saw it (temperature, then top-k, then
     top-p; filtered-out targets get -inf). ``ignore_index`` targets give 0 (log-prob and
@@ -829,6 +754,7 @@ def fused_logprobs(
         weight,
         targets,
         group=group,
+        mesh=mesh,
         vocab_start=vocab_start,
         temperature=temperature,
         top_k=top_k,
@@ -849,6 +775,7 @@ def fused_nll_loss(
     weights: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
+    mesh: MeshLike | None = None,
     vocab_start: int | None = None,
     ignore_index: int = -100,
     chunk_size: int | None = None,
@@ -869,6 +796,7 @@ def fused_nll_loss(
         targets,
         nll,
         group=group,
+        mesh=mesh,
         vocab_start=vocab_start,
         ignore_index=ignore_index,
         chunk_size=chunk_size,
@@ -882,6 +810,7 @@ def fused_token_loss(
     loss_fn: TokenLossFn,
     *,
     group: dist.ProcessGroup | None = None,
+    mesh: MeshLike | None = None,
     vocab_start: int | None = None,
     ignore_index: int = -100,
     chunk_size: int | None = None,
@@ -906,6 +835,7 @@ def fused_token_loss(
         weight,
         targets,
         group=group,
+        mesh=mesh,
         vocab_start=vocab_start,
         temperature=1.0,
         top_k=None,

@@ -27,22 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .cp import all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
 from .fused_logprobs import fused_logprobs
 from .mesh import MeshLike
-
-# Rows per chunk, chosen so one fp32 chunk is about this many bytes. On CPU a chunk that
-# stays in cache between the passes is fastest. On GPU each chunk costs a handful of kernel
-# launches, so chunks are larger: a sixteenth of the fp32 logits, between the two bounds.
-CPU_CHUNK_BYTES = 4 * 2**20
-GPU_CHUNK_BYTES = (4 * 2**20, 256 * 2**20)
-
-
-def _default_chunk(rows: int, v_local: int, device: torch.device) -> int:
-    row_bytes = 4 * max(1, v_local)
-    if device.type == "cpu":
-        target = CPU_CHUNK_BYTES
-    else:
-        low, high = GPU_CHUNK_BYTES
-        target = min(high, max(low, rows * row_bytes // 16))
-    return max(1, target // row_bytes)
+from .vocab_stats import ChunkStats, combine_over_ranks, default_chunk
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
@@ -72,14 +57,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
             picked[lo:hi] = torch.where(here, hit, torch.zeros_like(hit))
             lse[lo:hi] = torch.logsumexp(x, dim=1)  # one fused pass over the chunk
             del x, hit  # free this chunk before the next one is allocated
-        if group is not None and dist.get_world_size(group) > 1:
-            # logsumexp over ranks from the per-rank ones: 2 collectives of O(tokens) values
-            m = lse.clone()
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            stacked = torch.stack([(lse - m).exp_(), picked])
-            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-            lse = m + stacked[0].log()
-            picked = stacked[1]
+        # logsumexp over ranks from the per-rank ones: 2 collectives of O(tokens) values
+        lse, picked, _ = combine_over_ranks(ChunkStats.of_logsumexp(lse, picked), group)
         ctx.save_for_backward(logits, targets, lse)
         ctx.vocab_start, ctx.chunk, ctx.ignore_index = vocab_start, chunk, ignore_index
         valid = flat_t != ignore_index
@@ -154,7 +133,7 @@ def vocab_parallel_logprobs(
             f"targets {tuple(targets.shape)} do not match logits {tuple(logits.shape)} without the vocab dim"
         )
     rows = logits.numel() // max(1, logits.shape[-1])
-    chunk = chunk_size or _default_chunk(rows, logits.shape[-1], logits.device)
+    chunk = chunk_size or default_chunk(rows, logits.shape[-1], logits.device)
     _check_targets(targets, logits.shape[-1], group, ignore_index)
     return _VocabParallelLogprob.apply(logits, targets, group, vocab_start, chunk, ignore_index)
 
