@@ -160,6 +160,73 @@ class LaunchFlags:
         )
 
 
+SeedOpt = Annotated[int, typer.Option("--seed", help="seed of the initial weights and the synthetic data")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda if available)")]
+TimeoutOpt = Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")]
+VerifyOpt = Annotated[
+    bool,
+    typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond tolerance (log-probs: 1e-5)"),
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerFlags:
+    """What every launched job's workers take (apply and logprobs): declared once."""
+
+    seed: SeedOpt = 0
+    device: DeviceOpt = None
+    timeout: TimeoutOpt = 300
+    verify: VerifyOpt = False
+
+    def run_config(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields these flags set."""
+        return {"seed": self.seed, "device": self.device, "timeout_s": self.timeout, "verify": self.verify}
+
+
+SaveOpt = Annotated[Path | None, typer.Option("--save", help="DCP checkpoint directory")]
+ResumeOpt = Annotated[Path | None, typer.Option("--resume", help="checkpoint directory to continue from")]
+SaveEveryOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--save-every", min=1, help="also checkpoint every N steps into --save (atomic; resume takes the newest)"
+    ),
+]
+KeepOpt = Annotated[int | None, typer.Option("--keep", min=1, help="keep only the newest K checkpoints in --save")]
+ExportOpt = Annotated[Path | None, typer.Option("--export-hf", help="write final weights with save_pretrained")]
+MetricsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--metrics",
+        help="write one JSON line per step here (loss, grad norm, lr, tok/s, peak memory); a resumed run appends",
+    ),
+]
+TensorboardOpt = Annotated[
+    Path | None, typer.Option("--tensorboard", help="TensorBoard event files here (needs the tensorboard extra)")
+]
+
+
+def _path(value: Path | None) -> str | None:
+    return str(value) if value else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OutputFlags:
+    """Where a training run writes: checkpoints, the final export, per-step metrics."""
+
+    save: SaveOpt = None
+    resume: ResumeOpt = None
+    save_every: SaveEveryOpt = None
+    keep: KeepOpt = None
+    export_hf: ExportOpt = None
+    metrics: MetricsOpt = None
+    tensorboard: TensorboardOpt = None
+
+    def run_config(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields these flags set."""
+        paths = {name: _path(getattr(self, name)) for name in ("save", "resume", "export_hf", "metrics", "tensorboard")}
+        return {**paths, "save_every": self.save_every, "keep": self.keep}
+
+
 def grouped(**groups: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """A command that takes option groups (``layout: LayoutFlags``) as one parameter each:
     typer sees every field of each group as an option of its own (in the command's signature),
@@ -445,11 +512,13 @@ def models(fmt: FormatOpt = Format.text) -> None:
 
 
 @app.command()
-@grouped(layout=LayoutFlags, launch=LaunchFlags)
+@grouped(layout=LayoutFlags, launch=LaunchFlags, worker=WorkerFlags, output=OutputFlags)
 def apply(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     layout: LayoutFlags,
     launch: LaunchFlags,
+    worker: WorkerFlags,
+    output: OutputFlags,
     model: ModelOpt = None,
     steps: Annotated[int, typer.Option("--steps", min=0, help="optimizer steps to run")] = 5,
     data: Annotated[Path | None, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
@@ -465,49 +534,18 @@ def apply(
         int | None,
         typer.Option("--schedule-steps", min=1, help="LR schedule horizon (set it when a run will be resumed)"),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="seed of the initial weights and the synthetic data")] = 0,
-    save: Annotated[Path | None, typer.Option("--save", help="DCP checkpoint directory")] = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="checkpoint directory to continue from")] = None,
-    metrics: Annotated[
-        Path | None,
-        typer.Option(
-            "--metrics",
-            help="write one JSON line per step here (loss, grad norm, lr, tok/s, peak memory); a resumed run appends",
-        ),
-    ] = None,
-    save_every: Annotated[
-        int | None,
-        typer.Option(
-            "--save-every", min=1, help="also checkpoint every N steps into --save (atomic; resume takes the newest)"
-        ),
-    ] = None,
-    keep: Annotated[
-        int | None, typer.Option("--keep", min=1, help="keep only the newest K checkpoints in --save")
-    ] = None,
-    tensorboard: Annotated[
-        Path | None,
-        typer.Option("--tensorboard", help="TensorBoard event files here (needs the tensorboard extra)"),
-    ] = None,
-    export_hf: Annotated[
-        Path | None, typer.Option("--export-hf", help="write final weights with save_pretrained")
-    ] = None,
-    verify: Annotated[
-        bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond tolerance")
-    ] = False,
-    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
     param_dtype: Annotated[
         str | None,
         typer.Option(
             "--param-dtype", help="FSDP mixed precision for compute, e.g. bfloat16 (master weights stay fp32)"
         ),
     ] = None,
-    timeout: Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")] = 300,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
     from .job.config import RunConfig
 
-    nproc_per_node = _default_nproc(launch.nproc_per_node, device)
+    nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
     model, chosen, report = _prelaunch(
         plan_path, model, nproc_per_node, launch.nnodes, layout, fmt, seq_len=None if data else seq_len
     )
@@ -518,24 +556,15 @@ def apply(
         layout=chosen,
         model=model,
         steps=steps,
-        data=str(data) if data else None,
+        data=_path(data),
         batch_size=batch_size,
         seq_len=seq_len,
         lr=lr,
-        seed=seed,
         schedule_steps=schedule_steps,
-        save=str(save) if save else None,
-        resume=str(resume) if resume else None,
-        export_hf=str(export_hf) if export_hf else None,
-        verify=verify,
-        device=device,
-        timeout_s=timeout,
         param_dtype=param_dtype,
         json_output=fmt is Format.json,
-        metrics=str(metrics) if metrics else None,
-        save_every=save_every,
-        keep=keep,
-        tensorboard=str(tensorboard) if tensorboard else None,
+        **worker.run_config(),
+        **output.run_config(),
     )
     warnings = _preflight(cfg, report, fmt)
     _launch_and_report(launch.options(nproc_per_node), cfg, fmt, warnings)
@@ -694,12 +723,13 @@ def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunCon
 
 
 @app.command()
-@grouped(layout=LayoutFlags, launch=LaunchFlags)
+@grouped(layout=LayoutFlags, launch=LaunchFlags, worker=WorkerFlags)
 def logprobs(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     data: Annotated[Path, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]} per line')],
     layout: LayoutFlags,
     launch: LaunchFlags,
+    worker: WorkerFlags,
     model: ModelOpt = None,
     out: Annotated[Path | None, typer.Option("--out", help='JSONL output: {"logprobs": [...]} per line')] = None,
     entropy: Annotated[
@@ -715,18 +745,12 @@ def logprobs(
         bool,
         typer.Option("--pack", help="pack each batch's sequences into one row (documents never attend to each other)"),
     ] = False,
-    seed: Annotated[int, typer.Option("--seed", help="seed of the initial weights and the synthetic data")] = 0,
-    verify: Annotated[
-        bool, typer.Option("--verify", help="compare with the unsharded model; exit 1 beyond 1e-5")
-    ] = False,
-    device: Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda if available)")] = None,
-    timeout: Annotated[int, typer.Option("--timeout", min=10, help="seconds before a collective gives up")] = 300,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Per-token log-probs of each input line from the parallelized model."""
     from .job.config import RunConfig
 
-    nproc_per_node = _default_nproc(launch.nproc_per_node, device)
+    nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
     model, chosen, report = _prelaunch(plan_path, model, nproc_per_node, launch.nnodes, layout, fmt)
     cfg = RunConfig(
         plan=str(plan_path),
@@ -734,16 +758,13 @@ def logprobs(
         model=model,
         data=str(data),
         batch_size=batch_size,
-        seed=seed,
-        verify=verify,
-        device=device,
-        timeout_s=timeout,
         mode="logprobs",
-        out=str(out) if out else None,
+        out=_path(out),
         pack=pack,
         entropy=entropy,
         temperature=temperature,
         json_output=fmt is Format.json,
+        **worker.run_config(),
     )
     warnings = _preflight(cfg, report, fmt)
     _launch_and_report(launch.options(nproc_per_node), cfg, fmt, warnings)
