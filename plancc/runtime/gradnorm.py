@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -30,7 +31,10 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         local = g
         if isinstance(g, DTensor):
             mesh, local = g.device_mesh, g.to_local()
-            axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+            # FSDP2 over a dim TP already shards places a _StridedShard on the dp axis, which in
+            # torch 2.13 is no Shard (and says is_shard() False): missing it undercounted every
+            # such gradient dp times, and clipping at dp x tp scaled the step wrongly
+            axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
         device = local.device
         square = local.detach().float().pow(2).sum()
         key = (mesh, axes)
