@@ -2,7 +2,8 @@
 
 The package is layered (each layer imports only the ones below it; ``.importlinter``
 enforces it): ``compiler`` reads and compiles plans, ``checks`` checks them against a model
-config, ``runtime`` applies them inside a job, ``job`` runs training and evaluation, ``tools``
+config, ``runtime`` applies them inside a job, ``engine`` is the RL policy engine
+(``Policy``), ``job`` runs training and evaluation, ``tools``
 explain and dry-run plans, ``cli`` is the command line. ``layout``, ``models`` and
 ``errors`` are shared by all.
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .checks import check_plan
     from .compiler.plan import Plan, Rule, StyleRef, load_plan, parse_plan
     from .compiler.resolve import ResolvedPlan, resolve_plan
+    from .engine.batches import BatchError
+    from .engine.policy import Norm, Policy
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
     from .layout import Layout, LayoutError
     from .runtime.gradnorm import clip_grad_norm_
@@ -42,18 +45,23 @@ _HOMES = {
     "clip_grad_norm_": "plancc.runtime.gradnorm",
     **dict.fromkeys(["MeshError", "MeshSpec", "ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
+    **dict.fromkeys(["Norm", "Policy"], "plancc.engine.policy"),
+    "BatchError": "plancc.engine.batches",
 }
 _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
 
 __all__ = [
+    "BatchError",
     "Diagnostic",
     "Layout",
     "LayoutError",
     "MeshError",
     "MeshSpec",
+    "Norm",
     "ParallelMesh",
     "Plan",
     "PlanError",
+    "Policy",
     "ResolvedPlan",
     "Rule",
     "Severity",

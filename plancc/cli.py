@@ -705,7 +705,7 @@ def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunCon
     """One line for a run stopped by Ctrl-C / SIGTERM: where it stopped and what is kept."""
     import signal
 
-    from .job import checkpoint
+    from .engine import checkpoint
 
     info = (result or {}).get("interrupted") or {}
     last = info.get("last_checkpoint")

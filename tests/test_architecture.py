@@ -69,7 +69,7 @@ def test_project_modules_are_imported_at_the_top_of_a_module_except_by_the_cli()
 
 def test_the_folders_show_the_layers():
     layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert layers == {"compiler", "checks", "runtime", "job", "tools"}
+    assert layers == {"compiler", "checks", "runtime", "engine", "job", "tools"}
 
 
 def test_validating_a_plan_initializes_no_process_group():
@@ -82,4 +82,4 @@ def test_validating_a_plan_initializes_no_process_group():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     loaded = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
-    assert not [m for m in loaded if m.startswith(("plancc.runtime", "plancc.job", "plancc.tools"))]
+    assert not [m for m in loaded if m.startswith(("plancc.runtime", "plancc.engine", "plancc.job", "plancc.tools"))]

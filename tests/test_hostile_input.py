@@ -70,7 +70,7 @@ def test_a_checkpoint_whose_metadata_runs_code_is_refused_and_runs_nothing(saved
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_latest_and_shard_paths_that_leave_the_folder_are_not_followed(saved, tmp_path, cli):
-    import plancc.job.checkpoint as checkpoint
+    import plancc.engine.checkpoint as checkpoint
 
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plancc.job import checkpoint
+from plancc.engine import checkpoint
 
 from .conftest import PLANS
 from .distributed import launch

@@ -81,6 +81,8 @@ class CheckpointInfo:
     ep: int = 1  # expert parallelism (absent before plancc 0.3)
     # name -> global shape of every parameter, to say which one differs (absent in plancc 0.1)
     parameters: dict[str, list[int]] = field(default_factory=dict)
+    # the LR schedule's counters (plancc.Policy with an lr_scheduler; absent before plancc 0.4)
+    schedule: dict[str, Any] = field(default_factory=dict)
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
-from . import checkpoint
 from .config import PARAM_DTYPES, RunConfig
 from .data import read_jsonl
 

@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
+from ..engine import checkpoint, faults
+from ..engine.build import build_parallel_model, from_folder
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import architecture_of, build_model, default_preset, load_config
@@ -40,12 +42,9 @@ from ..runtime.failures import diagnosed
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
 from ..runtime.loss import batch_slice, reported_loss, sharded_loss
-from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
-from ..runtime.parallelize import parallelize
 from ..runtime.stepping import require_stepped
-from ..runtime.weights import export_hf, has_safetensors, load_hf_weights
-from . import checkpoint, faults
+from ..runtime.weights import export_hf
 from .config import PARAM_DTYPES, RunConfig
 from .data import TokenDataset, dataset_batch, read_jsonl, synthetic_batch
 from .verify import EXACT_FACTOR, TOLERANCES, verify_against_unsharded, within_tolerance
@@ -126,24 +125,7 @@ def _init(cfg: RunConfig) -> str:
 
 
 def _from_folder(cfg: RunConfig) -> bool:
-    return bool(cfg.model) and Path(str(cfg.model)).is_dir() and has_safetensors(str(cfg.model))
-
-
-def _load_weights(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, device: str) -> str:
-    """Fill a parallelized meta model; returns where its weights came from."""
-    if _from_folder(cfg):
-        materialize(model, device)
-        load_hf_weights(model, str(cfg.model))
-        return f"safetensors from {cfg.model}"
-    # Seeded init, identical to an unsharded model built with the same seed: every rank
-    # builds the full model on the CPU and keeps its shards (fine for presets and tests;
-    # real models come from a folder).
-    torch.manual_seed(cfg.seed)
-    full = build_model(config, device="cpu")
-    state = {k: v.to(device) for k, v in full.state_dict().items()}
-    del full
-    materialize(model, device, full_state_dict=state)
-    return f"random init (seed {cfg.seed})"
+    return from_folder(cfg.model)
 
 
 def _batches(
@@ -210,9 +192,9 @@ def _setup(cfg: RunConfig) -> _Job:
 def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
-    model = build_model(copy.deepcopy(job.config), device="meta")  # its own config: cp changes it
-    parallelize(model, job.plan, job.mesh, param_dtype=dtype)
-    return model, _load_weights(cfg, model, job.config, job.device)
+    return build_parallel_model(
+        job.plan, cfg.model, job.config, job.mesh, device=job.device, seed=cfg.seed, param_dtype=dtype
+    )
 
 
 class _MetricsFile:

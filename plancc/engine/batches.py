@@ -1,0 +1,165 @@
+"""One place that cuts a rank's slice of a global batch into microbatches, for ``train`` and
+``logprobs`` alike: by rows (``micro_batch_size``), by a token budget (``max_tokens``), and with
+the rows of a microbatch packed into one row without padding (``pack``).
+
+A batch is a dict of tensors whose first dim is the row: ``input_ids [b, s]``,
+``attention_mask [b, s]`` and whatever else the loss reads (``advantages [b]``,
+``old_logprobs [b, s]``, ...). ``check_batch`` says what is wrong with one before anything runs
+(every problem names the field, row or microbatch), ``plan_microbatches`` chooses the rows of
+each microbatch, ``Microbatch`` lays one out for the model (padded to the sequence multiple the
+layout needs, or packed with ``cu_seqlens``) and puts the model's per-position results back
+into the batch's own ``[rows, s]`` shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+Batch = Mapping[str, torch.Tensor]
+
+
+class BatchError(ValueError):
+    """A batch, or a way of cutting it, that cannot be trained or evaluated as given."""
+
+
+def check_batch(batch: Batch, *, max_tokens: int | None = None, micro_batch_size: int | None = None) -> None:
+    """Raise ``BatchError`` naming the field or row when ``batch`` cannot be used."""
+    if not isinstance(batch, Mapping):
+        raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
+    for name in ("input_ids", "attention_mask"):
+        if name not in batch:
+            raise BatchError(f"the batch has no '{name}' field (fields: {sorted(batch)})")
+    for name, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise BatchError(f"field '{name}' is a {type(value).__name__}, not a tensor")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] < 2:
+        raise BatchError(f"'input_ids' must be [rows, seq] with rows >= 1 and seq >= 2, got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise BatchError(f"'input_ids' must hold integer token ids, got {ids.dtype}")
+    rows, seq = ids.shape
+    for name, value in batch.items():
+        if value.ndim == 0 or value.shape[0] != rows:
+            got = tuple(value.shape)
+            raise BatchError(f"field '{name}' has shape {got}: its rows disagree with input_ids' {rows}")
+        if value.ndim >= 2 and value.shape[1] != seq:  # a 2-D field is per token: sliced along them too
+            raise BatchError(f"field '{name}' has {value.shape[1]} positions per row, input_ids {seq}")
+    if mask.shape != ids.shape:
+        raise BatchError(f"'attention_mask' {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise BatchError(f"row {empty[0]} has no attended token (attention_mask all 0)")
+    if micro_batch_size is not None and micro_batch_size < 1:
+        raise BatchError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens is not None:
+        lengths = mask.sum(1)
+        longest = int(lengths.argmax())
+        if max_tokens < 1 or int(lengths[longest]) > max_tokens:
+            raise BatchError(
+                f"row {longest} has {int(lengths[longest])} tokens, more than max_tokens={max_tokens}: "
+                "raise max_tokens to at least the longest row"
+            )
+
+
+def plan_microbatches(lengths: list[int], *, micro_batch_size: int | None, max_tokens: int | None) -> list[list[int]]:
+    """The rows of each microbatch, from the rows' token counts: consecutive groups of
+    ``micro_batch_size`` rows; bins of at most ``max_tokens`` tokens (first fit, longest rows
+    first, so the bins come out balanced); else one microbatch of every row."""
+    rows = list(range(len(lengths)))
+    if max_tokens is not None:
+        bins: list[list[int]] = []
+        loads: list[int] = []
+        for r in sorted(rows, key=lambda r: -lengths[r]):
+            fits = [b for b in range(len(bins)) if loads[b] + lengths[r] <= max_tokens]
+            if fits:
+                b = min(fits, key=lambda b: loads[b])  # the least loaded bin that fits: balanced
+                bins[b].append(r)
+                loads[b] += lengths[r]
+            else:
+                bins.append([r])
+                loads.append(lengths[r])
+        return [sorted(b) for b in bins]
+    size = micro_batch_size or len(rows)
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+def spread_to(microbatches: list[list[int]], count: int) -> list[list[int]]:
+    """``microbatches`` made ``count`` long (collectives line up only when every dp rank runs
+    as many forwards and backwards): the largest ones split in two while that is possible; what
+    is still missing is an empty microbatch (a dummy pass that adds nothing)."""
+    out = [list(m) for m in microbatches]
+    while len(out) < count:
+        largest = max(range(len(out)), key=lambda i: len(out[i]))
+        if len(out[largest]) < 2:
+            break
+        rows = out.pop(largest)
+        out[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    return out + [[] for _ in range(count - len(out))]
+
+
+def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The positions that have a log-prob: attended, after the first, and after an attended one
+    (the log-prob of the first real token after left padding comes from padding alone)."""
+    real = attention_mask.bool()
+    keep = real.clone()
+    keep[:, 0] = False
+    keep[:, 1:] &= real[:, :-1]
+    return keep
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Microbatch:
+    """Some rows of a batch laid out for one forward: ``input_ids``, ``attention_mask`` (None when
+    packed) and ``cu_seqlens`` (packed only) as the model takes them, and how to put the model's
+    per-position results back into ``[rows, s]``."""
+
+    rows: list[int]
+    fields: dict[str, torch.Tensor]  # every field of the batch, these rows (what the loss reads)
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    positions: list[torch.Tensor] | None  # packed: each row's attended positions
+    seq: int  # the batch's own sequence length
+
+    @classmethod
+    def of(cls, batch: Batch, rows: list[int], *, multiple: int, pack: bool) -> Microbatch:
+        """``rows`` of ``batch``, padded on the right to a multiple of ``multiple`` positions
+        (SP: tp; CP: 2 * cp), or packed: each row's attended tokens one after the other, each
+        document padded to the multiple (CP shards every document)."""
+        index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
+        fields = {name: value.index_select(0, index) for name, value in batch.items()}
+        ids, mask = fields["input_ids"], fields["attention_mask"]
+        seq = ids.shape[1]
+        if not pack:
+            width = -(-seq // multiple) * multiple
+            if width != seq:
+                ids = torch.nn.functional.pad(ids, (0, width - seq))
+                mask = torch.nn.functional.pad(mask, (0, width - seq))
+            return cls(
+                rows=rows, fields=fields, input_ids=ids, attention_mask=mask, cu_seqlens=None, positions=None, seq=seq
+            )
+        positions = [m.nonzero().flatten() for m in mask.bool()]
+        lengths = [-(-len(p) // multiple) * multiple for p in positions]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=ids.device)
+        packed = torch.zeros((1, int(cu[-1])), dtype=ids.dtype, device=ids.device)
+        for r, where in enumerate(positions):
+            start = int(cu[r])
+            packed[0, start : start + len(where)] = ids[r, where]
+        return cls(
+            rows=rows, fields=fields, input_ids=packed, attention_mask=None, cu_seqlens=cu, positions=positions, seq=seq
+        )
+
+    def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
+        """The model's ``[rows', s']`` result (padded or packed) as ``[rows, s]`` of the batch:
+        0 where the batch has padding."""
+        if self.positions is None:
+            return per_position[:, : self.seq]
+        assert self.cu_seqlens is not None, "a packed microbatch has its boundaries"
+        out = per_position.new_zeros((len(self.rows), self.seq))
+        for r, where in enumerate(self.positions):
+            start = int(self.cu_seqlens[r])
+            out[r, where] = per_position[0, start : start + len(where)]
+        return out

@@ -1,0 +1,511 @@
+"""``plancc.Policy``: the RL policy engine -- one object that owns a parallelized model, its
+optimizer and schedule, a frozen reference and the layout, and does what every RL stack writes
+by hand around such a model (NeMo-RL's DTensor policy worker, verl's FSDP actor):
+
+- ``train(batch, loss_fn)``: one optimizer step on a global batch with the caller's loss, cut
+  into microbatches (rows, a token budget, packing), where the loss is normalized by the valid
+  tokens / sequences of the *whole global batch* over every data-parallel rank (``Norm``), so
+  the gradient is the one of the unsharded model trained on the whole batch in one pass,
+  however the batch is cut;
+- ``logprobs`` / ``reference_logprobs``: the policy's and the initial weights' log-probs;
+- ``weights()``: the trained weights as ``(hf_name, full tensor)`` one bucket at a time, for an
+  inference engine's ``load_weights``;
+- ``offload`` / ``onload``, ``save`` / ``load`` (DCP), ``export_hf``.
+
+Every method is collective: every rank of the job calls it alike, each with its own slice of
+the global batch (``dp_rank`` says which; the ranks of one tp / cp group pass the same rows,
+full length: the engine shards the sequence for cp itself).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ..compiler.plan import Plan, load_plan
+from ..errors import SourceLoc
+from ..layout import Layout
+from ..models import architecture_of, load_config
+from ..runtime.gradnorm import clip_grad_norm_
+from ..runtime.logprobs import token_logprobs
+from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
+from ..runtime.stepping import require_stepped
+from ..runtime.weights import export_hf
+from . import checkpoint
+from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
+from .build import build_parallel_model
+from .streaming import full_weights
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
+OptimizerSpec = Callable[[Any], torch.optim.Optimizer] | Mapping[str, Any] | None
+SchedulerSpec = Callable[[torch.optim.Optimizer], Any] | Mapping[str, Any] | None
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Norm:
+    """The normalizers of one global batch, the same on every rank: ``tokens`` is the sum of
+    ``token_mask`` (default: every attended position after the first) and ``sequences`` the
+    rows with ``sample_mask`` (default: every row), over every data-parallel rank's slice.
+
+    Why global: a loss normalized per microbatch or per rank (``mean`` over what it sees) weighs
+    a token by how many tokens happen to share its microbatch, so gradient accumulation and data
+    parallelism change the gradient. Divide by ``norm.tokens`` (or ``norm.sequences``) and every
+    microbatch's loss is its exact share of the global batch's loss."""
+
+    tokens: float
+    sequences: float
+
+
+class Policy:
+    """A parallelized causal LM as an RL policy. Construct it the same way on every rank of a
+    torchrun job (the default process group is initialized when it is not yet).
+
+    ``plan``: a plan file or ``Plan``; ``model``: a preset, a Hugging Face folder or a
+    ``config.json`` (as ``--model``). The layout: ``tp``, ``cp``, ``ep``, ``dp`` (inferred),
+    ``sp``, or one ``layout=plancc.Layout(...)``. ``optimizer``: ``params -> Optimizer`` or
+    ``{"name": "torch.optim.AdamW", "kwargs": {...}}`` (default AdamW); ``lr_scheduler``:
+    ``optimizer -> scheduler`` or name + kwargs (default constant). ``reference=True`` keeps the
+    initial weights for ``reference_logprobs``.
+    """
+
+    def __init__(
+        self,
+        plan: str | Path | Plan,
+        model: str | Path,
+        *,
+        tp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        dp: int | None = None,
+        sp: bool = False,
+        layout: Layout | None = None,
+        optimizer: OptimizerSpec = None,
+        lr_scheduler: SchedulerSpec = None,
+        max_grad_norm: float | None = 1.0,
+        param_dtype: torch.dtype | str | None = None,
+        reference: bool = False,
+        seed: int = 0,
+        device: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.device = device or default_device_type()
+        _init_process_group(self.device, timeout_s)
+        if layout is None:
+            layout = Layout.infer(world_size=dist.get_world_size(), dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp)
+        self.mesh: ParallelMesh = build_mesh(layout, device_type=self.device)
+        self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
+        self.source = str(model)
+        self.config = load_config(self.source)
+        dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
+        self.model, self.weight_source = build_parallel_model(
+            self.plan, self.source, self.config, self.mesh, device=self.device, seed=seed, param_dtype=dtype
+        )
+        self.optimizer = _optimizer(optimizer, self.model.parameters())
+        self.scheduler = _scheduler(lr_scheduler, self.optimizer)
+        self.max_grad_norm = max_grad_norm
+        self.step = 0
+        self._reference = _host_copy(self._shards()) if reference else None
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def layout(self) -> Layout:
+        return self.mesh.layout
+
+    @property
+    def dp_rank(self) -> int:
+        """Which slice of a global batch this rank holds: rows ``dp_rank * B/dp_size ...``."""
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    def slice_of(self, global_rows: int) -> slice:
+        """This rank's rows of a global batch of ``global_rows`` (which dp must divide)."""
+        if global_rows % self.dp_size:
+            raise BatchError(f"a global batch of {global_rows} rows does not split over dp={self.dp_size}")
+        per = global_rows // self.dp_size
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        *,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pack: bool = False,
+        entropy: bool = False,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's slice of a global batch; metrics reduced over ranks.
+
+        For each microbatch: ``loss_fn(logprobs, microbatch, norm) -> (loss, metrics)``, where
+        ``logprobs [rows, s]`` fp32 are log p(input_ids[t] | input_ids[<t]) (0 at position 0 and
+        padding), ``microbatch`` holds every field of the batch for its rows (and ``entropy``
+        with ``entropy=True``) and ``norm`` the global batch's ``Norm``. The loss is this
+        microbatch's share of the global batch's loss (divide by ``norm.tokens`` or
+        ``norm.sequences``, never by what the microbatch holds). Then the gradients are clipped by
+        their global norm, the optimizer and schedule step.
+
+        Returns ``loss`` (of the global batch), ``grad_norm`` (before clipping), ``lr`` (the one
+        this step used), ``tokens`` and ``sequences`` (the global normalizers), ``microbatches``
+        (per rank), ``seconds``, and each of the loss's own metrics summed over the microbatches
+        of every dp rank.
+        """
+        self._require_onloaded("train")
+        started = time.perf_counter()
+        batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        norm = self._norm(batch)
+        plan = self._microbatches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums: dict[str, float] = {}
+        try:
+            for index, rows in enumerate(plan):
+                mb = Microbatch.of(batch, rows or [0], multiple=self._multiple(), pack=pack)
+                lp, ent = self._forward(mb, entropy=entropy, temperature=1.0)
+                if not rows:  # a dummy pass: this rank has fewer microbatches than another
+                    (lp.sum() * 0.0).backward()
+                    continue
+                fields = dict(mb.fields)
+                if ent is not None:
+                    fields["entropy"] = ent
+                loss, metrics = self._agree(partial(_call_loss, loss_fn, lp, fields, norm, index))
+                # FSDP averages gradients over dp (and cp); the global loss is the sum of every
+                # rank's share, so its gradient is dp times that average
+                (loss * self.dp_size).backward()
+                loss_sum += loss.detach().to(torch.float64)
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
+            self._agree(lambda: _finite(grad_norm))
+            require_stepped(self.model, self.optimizer, where=SourceLoc(path=self.plan.name))
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
+            raise
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        reduced = self._sum_over_dp([float(loss_sum), *sums.values()])
+        return {
+            "loss": reduced[0],
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": norm.tokens,
+            "sequences": norm.sequences,
+            "microbatches": float(len(plan)),
+            "seconds": time.perf_counter() - started,
+            **dict(zip(sums, reduced[1:], strict=True)),
+        }
+
+    # ------------------------------------------------------------------ log-probs
+    def logprobs(
+        self,
+        batch: Batch,
+        *,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``[rows, s]`` fp32 log-probs of this rank's rows under the policy (0 at position 0 and
+        padding), at the sampler's ``temperature``; with ``entropy=True`` a pair."""
+        self._require_onloaded("logprobs")
+        batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        plan = self._microbatches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        rows_total, seq = batch["input_ids"].shape
+        out = torch.zeros((rows_total, seq), dtype=torch.float32, device=self.device)
+        ent_out = torch.zeros_like(out) if entropy else None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for rows in plan:
+                    mb = Microbatch.of(batch, rows or [0], multiple=self._multiple(), pack=False)
+                    lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
+                    if rows:
+                        out[rows] = lp
+                        if ent_out is not None and ent is not None:
+                            ent_out[rows] = ent
+        finally:
+            self.model.train(was_training)
+        return (out, ent_out) if ent_out is not None else out
+
+    def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``logprobs`` under the frozen initial weights (``reference=True``); the policy's
+        weights and optimizer state are left bitwise as they were."""
+        if self._reference is None:
+            raise ValueError("this Policy keeps no reference: construct it with reference=True")
+        with self._weights_swapped(self._reference):
+            return self.logprobs(batch, **options)
+
+    # ------------------------------------------------------------------ weights out
+    def weights(
+        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` of every weight as ``export_hf`` writes it (tied weights
+        once, transformers' checkpoint names and layouts), gathered one bucket of at most
+        ``bucket_bytes`` (or one larger tensor) at a time: the iterable inference engines'
+        ``load_weights`` take. Collective: every rank iterates it to the end."""
+        self._require_onloaded("weights")
+        _reshard(self.model)
+        yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def export_hf(self, folder: str | Path) -> None:
+        """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""
+        self._require_onloaded("export_hf")
+        _reshard(self.model)
+        source = self.source if Path(self.source).is_dir() else None
+        export_hf(self.model, self.config, folder, source=source)
+
+    # ------------------------------------------------------------------ memory
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to host memory (while a rollout engine
+        runs on the device); ``onload`` brings them back. A no-op on CPU."""
+        _reshard(self.model)
+        self._move("cpu")
+        self._offloaded = True
+
+    def onload(self) -> None:
+        self._move(self.device)
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder: str | Path) -> Path:
+        """A DCP checkpoint of the model, optimizer and schedule (atomic; loadable at another
+        layout). Returns the step folder."""
+        self._require_onloaded("save")
+        _reshard(self.model)
+        info = checkpoint.CheckpointInfo(
+            step=self.step,
+            architecture=architecture_of(self.config),
+            model_signature=checkpoint.model_signature(self.model),
+            plan=self.plan.name,
+            dp=self.layout.dp,
+            cp=self.layout.cp,
+            tp=self.layout.tp,
+            ep=self.layout.ep,
+            parameters=checkpoint.parameter_shapes(self.model),
+            schedule=_schedule_state(self.scheduler),
+        )
+        return checkpoint.save(folder, self.model, self.optimizer, info)
+
+    def load(self, folder: str | Path) -> None:
+        """Continue from ``save``'s newest checkpoint in ``folder`` (any layout)."""
+        self._require_onloaded("load")
+        _reshard(self.model)
+        info = checkpoint.load(
+            folder, self.model, self.optimizer, architecture=architecture_of(self.config), plan=self.plan.name
+        )
+        self.step = info.step
+        if self.scheduler is not None and info.schedule:
+            self.scheduler.load_state_dict(info.schedule)
+
+    # ------------------------------------------------------------------ internals
+    def _require_onloaded(self, what: str) -> None:
+        if self._offloaded:
+            raise RuntimeError(f"Policy.{what}: the policy is offloaded; call onload() first")
+
+    def _multiple(self) -> int:
+        """Sequence lengths split evenly over the sequence-sharding ranks (SP: tp; CP: 2 * cp)."""
+        layout = self.layout
+        return (layout.tp if layout.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
+
+    def _checked(
+        self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
+    ) -> dict[str, torch.Tensor]:
+        """The batch on this device once every rank has found its own slice usable (the same
+        error, naming the rank, is raised on every rank otherwise)."""
+        self._agree(lambda: check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens))
+        return {name: value.to(self.device) for name, value in batch.items()}
+
+    def _norm(self, batch: dict[str, torch.Tensor]) -> Norm:
+        mask = batch.get("token_mask")
+        tokens = (mask if mask is not None else default_token_mask(batch["attention_mask"])).float().sum()
+        sample = batch.get("sample_mask")
+        sequences = sample.float().sum() if sample is not None else torch.tensor(float(batch["input_ids"].shape[0]))
+        total = self._sum_over_dp([float(tokens), float(sequences)])
+        return Norm(tokens=total[0], sequences=total[1])
+
+    def _microbatches(
+        self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None, max_tokens: int | None
+    ) -> list[list[int]]:
+        """This rank's microbatches, as many as the dp rank with the most (collectives line up)."""
+        lengths = batch["attention_mask"].sum(1).tolist()
+        plan = plan_microbatches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        count = torch.tensor([len(plan)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
+        return spread_to(plan, int(count.item()))
+
+    def _forward(
+        self, mb: Microbatch, *, entropy: bool, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        result: Any = token_logprobs(  # type: ignore[call-overload]  # entropy is a bool here, not a Literal
+            self.model,
+            mb.input_ids,
+            attention_mask=mb.attention_mask,
+            cu_seqlens=mb.cu_seqlens,
+            mesh=self.mesh,
+            temperature=temperature,
+            entropy=entropy,
+        )
+        if isinstance(result, tuple):
+            return mb.unpack(result[0]), mb.unpack(result[1])
+        return mb.unpack(result), None
+
+    def _agree(self, check: Callable[[], Any]) -> Any:
+        """``check()`` on every rank; when it raised on any, a ``BatchError`` on every rank that
+        names the first rank's problem (no rank goes on to a collective the others skip)."""
+        problem = ""
+        result = None
+        try:
+            result = check()
+        except BatchError as exc:
+            problem = str(exc)
+        flag = torch.tensor([1 if problem else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            problems: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            rank, first = next((r, p) for r, p in enumerate(problems) if p)
+            raise BatchError(f"rank {rank}: {first}")
+        return result
+
+    def _sum_over_dp(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.mesh["dp"].get_group())
+        return t.tolist()
+
+    def _shards(self) -> list[torch.Tensor]:
+        """This rank's storage of every parameter, in order (written in place by swaps)."""
+        _reshard(self.model)
+        return [_local(p) for p in self.model.parameters()]
+
+    @contextmanager
+    def _weights_swapped(self, shards: list[torch.Tensor]) -> Iterator[None]:
+        """The model computes with ``shards`` (host copies of every parameter's shard) inside;
+        its own weights are put back bitwise afterwards."""
+        own = self._shards()
+        kept = _host_copy(own)
+        with torch.no_grad():
+            for param, value in zip(own, shards, strict=True):
+                param.copy_(value)
+        try:
+            yield
+        finally:
+            own = self._shards()
+            with torch.no_grad():
+                for param, value in zip(own, kept, strict=True):
+                    param.copy_(value)
+
+    def _move(self, device: str) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and not (key == "step" and value.device.type == "cpu"):
+                    state[key] = value.to(device)
+
+
+def _init_process_group(device: str, timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def _reshard(model: nn.Module) -> None:
+    """Every FSDP unit back to its sharded parameters: the root keeps its gathered ones after a
+    forward without backward, and a weight written or read then would be the stale copy."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _host_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies in host memory (pinned on CUDA, so they come back fast)."""
+    copies = [t.detach().to("cpu", copy=True) for t in tensors]
+    return [c.pin_memory() for c in copies] if torch.cuda.is_available() and tensors and tensors[0].is_cuda else copies
+
+
+def _resolve(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"no such class: {name!r} (give a dotted path such as 'torch.optim.AdamW')") from None
+
+
+def _optimizer(spec: OptimizerSpec, params: Any) -> torch.optim.Optimizer:
+    if spec is None:
+        return torch.optim.AdamW(params)
+    if isinstance(spec, Mapping):
+        return _resolve(str(spec["name"]))(params, **dict(spec.get("kwargs", {})))
+    return spec(params)
+
+
+def _scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> Any:
+    if spec is None:
+        return None  # a constant learning rate
+    if isinstance(spec, Mapping):
+        return _resolve(str(spec["name"]))(optimizer, **dict(spec.get("kwargs", {})))
+    return spec(optimizer)
+
+
+def _schedule_state(scheduler: Any) -> dict[str, Any]:
+    """What of a scheduler's state a checkpoint keeps (JSON: its counters, not its lambdas)."""
+    if scheduler is None:
+        return {}
+    return {k: v for k, v in scheduler.state_dict().items() if isinstance(v, (int, float, list, bool, str))}
+
+
+def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:
+    """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails, is not a
+    scalar or is not finite."""
+    try:
+        result = loss_fn(lp, fields, norm)
+    except KeyError as exc:
+        raise BatchError(
+            f"microbatch {index}: the loss reads field {exc} that the batch lacks (fields: {sorted(fields)})"
+        ) from None
+    except Exception as exc:  # the caller's code: say where it failed, on every rank
+        raise BatchError(f"microbatch {index}: the loss raised {type(exc).__name__}: {exc}") from None
+    loss, metrics = result if isinstance(result, tuple) else (result, {})
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
+    if not bool(torch.isfinite(loss.detach())):
+        raise BatchError(f"microbatch {index}: the loss is {float(loss)}, not finite")
+    return loss.reshape(()), {k: float(v) for k, v in dict(metrics).items()}
+
+
+def _finite(grad_norm: float) -> None:
+    if not math.isfinite(grad_norm):
+        raise BatchError(f"the gradient norm is {grad_norm}: some gradient is not finite; the optimizer did not step")

@@ -1,0 +1,68 @@
+"""A parallelized model's weights as ``(hf_name, full tensor)``, gathered one bucket at a time.
+
+The names, shapes and values are what ``export_hf`` writes: the model's state dict with tied
+weights once (transformers' ``remove_tied_weights_from_state_dict``) and transformers' reverse
+weight conversions applied (the checkpoint layout of, e.g., fused MoE experts), bucket by
+bucket. No full state dict is ever gathered: NeMo-RL streams its refit tensor by tensor for the
+same reason (a full gather of a large model runs out of memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from ..errors import quiet_logger
+
+
+def exported_names(model: nn.Module) -> list[str]:
+    """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group."""
+    state = model.state_dict()
+    local = {name: (value.to_local() if isinstance(value, DTensor) else value) for name, value in state.items()}
+    kept = remove_tied_weights_from_state_dict(local, model)  # type: ignore[arg-type]
+    return [name for name in state if name in kept]
+
+
+def buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Consecutive names whose bytes add up to at most ``bucket_bytes`` (a larger tensor alone)."""
+    out: list[list[str]] = []
+    load = 0
+    for name, size in sizes:
+        if out and load + size <= bucket_bytes:
+            out[-1].append(name)
+            load += size
+        else:
+            out.append([name])
+            load = size
+    return out
+
+
+def full_weights(
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` of every exported weight, a bucket at a time. Collective: the
+    full tensor of a sharded parameter is gathered over its mesh on every rank."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    state = model.state_dict()
+    names = exported_names(model)
+
+    def nbytes(value: torch.Tensor) -> int:
+        return value.numel() * (dtype or value.dtype).itemsize
+
+    for bucket in buckets([(name, nbytes(state[name])) for name in names], bucket_bytes):
+        # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
+        with quiet_logger("torch.distributed.tensor"):
+            full = {name: _full(state[name], dtype) for name in bucket}
+        yield from revert_weight_conversion(model, full).items()  # type: ignore[arg-type]
+        del full
+
+
+def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor

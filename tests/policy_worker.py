@@ -1,0 +1,280 @@
+"""Rank-side code of tests/test_policy.py (spawned by tests/distributed.py): plancc.Policy
+against the unsharded model trained on the whole global batch in one pass."""
+
+from __future__ import annotations
+
+import copy
+
+from .distributed import init_gloo
+
+ROWS_PER_RANK = 4
+SEQ = 16
+LR = 0.5
+
+
+# ----------------------------------------------------------------------------- losses
+def _token_mask(mb):
+    from plancc.engine.batches import default_token_mask
+
+    return default_token_mask(mb["attention_mask"]).float()
+
+
+def nll(lp, mb, norm):
+    """SFT: the token mean over the global batch."""
+    mask = _token_mask(mb)
+    loss = -(lp * mask).sum() / norm.tokens
+    return loss, {"nll_sum": float(-(lp.detach() * mask).sum())}
+
+
+def grpo(lp, mb, norm, eps=0.2, beta=0.05):
+    """A clipped GRPO objective with a k3 KL penalty to the reference log-probs."""
+    import torch
+
+    mask = _token_mask(mb)
+    ratio = torch.exp(lp - mb["old_logprobs"])
+    adv = mb["advantages"].unsqueeze(1)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    delta = mb["ref_logprobs"] - lp
+    kl = torch.exp(delta) - delta - 1
+    loss = ((-surrogate + beta * kl) * mask).sum() / norm.tokens
+    return loss, {"kl_sum": float((kl.detach() * mask).sum())}
+
+
+def seq_mean_token_mean(lp, mb, norm):
+    """Each row normalized by its own tokens, then the rows by the global sequence count."""
+    mask = _token_mask(mb)
+    per_row = (lp * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return -per_row.sum() / norm.sequences, {}
+
+
+def nll_per_rank(lp, mb, norm):
+    """The bug the engine exists to prevent: the mean over what this microbatch holds."""
+    mask = _token_mask(mb)
+    return -(lp * mask).sum() / mask.sum(), {}
+
+
+LOSSES = {"nll": nll, "grpo": grpo, "seq_mean_token_mean": seq_mean_token_mean, "nll_per_rank": nll_per_rank}
+
+
+# ----------------------------------------------------------------------------- data
+def global_batch(rows, vocab, seed=1):
+    """Rows of different lengths (right padding), with the fields a GRPO loss reads."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=gen)
+    lengths = torch.randint(SEQ // 3, SEQ + 1, (rows,), generator=gen)
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "advantages": torch.randn(rows, generator=gen),
+        "old_logprobs": -torch.rand(rows, SEQ, generator=gen) * 6,
+        "ref_logprobs": -torch.rand(rows, SEQ, generator=gen) * 6,
+    }
+
+
+def _full_state(model):
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=None):
+    """The unsharded model in ``dtype``, the whole global batch, the log-probs of a plain
+    log_softmax: (loss, updated state). In one pass, or with the gradients accumulated over
+    ``groups`` of rows (to measure what fp32 itself loses to accumulation)."""
+    import torch
+
+    from plancc.engine.batches import default_token_mask
+    from plancc.engine.policy import Norm
+    from plancc.models import build_model
+    from plancc.runtime.logprobs import per_position
+
+    torch.manual_seed(seed)
+    model = build_model(copy.deepcopy(config), device="cpu").to(dtype)
+    norm = Norm(
+        tokens=float(default_token_mask(batch["attention_mask"]).sum()), sequences=float(batch["input_ids"].shape[0])
+    )
+    total = 0.0
+    for rows in groups or [list(range(batch["input_ids"].shape[0]))]:
+        ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:, None]).squeeze(2)
+        lp = per_position(picked, mask, None).to(dtype)
+        fields = {k: (v[rows].to(dtype) if v.is_floating_point() else v[rows]) for k, v in batch.items()}
+        loss, _ = loss_fn(lp, fields, norm)
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return total, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _update_error(before, after, want):
+    """(worst difference of the sharded and the exact update of one parameter relative to the
+    norm of the whole exact update, that parameter, and the same relative to its own update)."""
+    deltas = {name: (after[name] - before[name], w - before[name]) for name, w in want.items() if name in after}
+    whole = max(sum(float(ref.norm()) ** 2 for _, ref in deltas.values()) ** 0.5, 1e-12)
+    worst, where, own = 0.0, "", 0.0
+    for name, (got, ref) in deltas.items():
+        error = float((got - ref).norm())
+        if error / whole > worst:
+            worst, where, own = error / whole, name, error / max(float(ref.norm()), 1e-12)
+    return worst, where, own
+
+
+def _groups(batch, policy, cutting):
+    """The rows (of the global batch) of every microbatch of every dp rank, as the engine cuts them."""
+    from plancc.engine.batches import plan_microbatches
+
+    per = batch["input_ids"].shape[0] // policy.dp_size
+    groups = []
+    for r in range(policy.dp_size):
+        lengths = batch["attention_mask"][r * per : (r + 1) * per].sum(1).tolist()
+        plan = plan_microbatches(
+            lengths, micro_batch_size=cutting.get("micro_batch_size"), max_tokens=cutting.get("max_tokens")
+        )
+        groups += [[r * per + i for i in rows] for rows in plan]
+    return groups
+
+
+def train_cases(plan, model_name, layout_kwargs, cases):
+    """For each (loss, cutting) case: one Policy.train call from the same initial weights against
+    the unsharded reference; returns per case the loss difference and the worst relative update
+    difference."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    init_gloo()
+    policy = plancc.Policy(
+        plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=LR), max_grad_norm=1.0, **layout_kwargs
+    )
+    config = load_config(model_name)
+    initial = [t.clone() for t in policy._shards()]
+    before = _full_state(policy.model)
+    batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size)
+    mine = policy.slice_of(batch["input_ids"].shape[0])
+    out = []
+    for loss_name, cutting in cases:
+        with torch.no_grad():
+            for param, value in zip(policy._shards(), initial, strict=True):
+                param.copy_(value)
+        loss_fn = LOSSES[loss_name]
+        metrics = policy.train({k: v[mine] for k, v in batch.items()}, loss_fn, **cutting)
+        after = _full_state(policy.model)
+        reference_loss = LOSSES[loss_name.replace("_per_rank", "")]
+        try:
+            want_loss, exact = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float64)
+        except RuntimeError:  # transformers' grouped MoE matmul has no fp64: the fp32 model is the bar
+            want_loss, exact = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32)
+        _, fp32 = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32, _groups(batch, policy, cutting))
+        exact = {k: v.float() for k, v in exact.items()}
+        error, where, own = _update_error(before, after, exact)
+        out.append(
+            {
+                "loss": loss_name,
+                "cutting": cutting,
+                "loss_diff": abs(metrics["loss"] - want_loss) / max(1.0, abs(want_loss)),
+                "update_diff": error,
+                "worst_parameter": where,
+                "worst_parameter_own": own,
+                # how far the unsharded fp32 model itself is from exact (the bar beyond 1e-5)
+                "fp32_update_diff": _update_error(before, fp32, exact)[0],
+                "fp32_update_diff_own": _update_error(before, fp32, exact)[2],
+                "microbatches": metrics["microbatches"],
+                "tokens": metrics["tokens"],
+            }
+        )
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):
+    """Policy.logprobs / reference_logprobs against the unsharded model before and after a step;
+    that both leave the weights and optimizer state bitwise; weights() against export_hf; a bad
+    batch refused on every rank with nothing changed."""
+    import torch
+    from safetensors.torch import load_file
+
+    import plancc
+    from plancc.engine.batches import BatchError
+    from plancc.models import build_model, load_config
+    from plancc.runtime.logprobs import token_logprobs
+
+    init_gloo()
+    policy = plancc.Policy(plan, model_name, reference=True, **layout_kwargs)
+    config = load_config(model_name)
+    batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size, seed=3)
+    mine = policy.slice_of(batch["input_ids"].shape[0])
+    local = {k: v[mine] for k, v in batch.items()}
+    torch.manual_seed(0)
+    unsharded = build_model(copy.deepcopy(config), device="cpu").eval()
+    want, want_ent = token_logprobs(
+        unsharded, local["input_ids"], attention_mask=local["attention_mask"], entropy=True, temperature=0.7
+    )
+    got, got_ent = policy.logprobs(local, entropy=True, temperature=0.7, micro_batch_size=3)
+    result = {"logprobs": float((got - want).abs().max()), "entropy": float((got_ent - want_ent).abs().max())}
+    policy.train(local, nll)  # AdamW: the policy moves, the reference stays
+    after_step = _full_state(policy.model)
+    optim_before = {k: {n: v.clone() for n, v in s.items()} for k, s in policy.optimizer.state_dict()["state"].items()}
+    ref_lp = policy.reference_logprobs(local, max_tokens=2 * SEQ)
+    result["reference"] = float((ref_lp - token_logprobs(unsharded, local["input_ids"],
+                                                          attention_mask=local["attention_mask"])).abs().max())
+    moved = policy.logprobs(local)
+    result["policy_moved"] = float((moved - ref_lp).abs().max())
+    after_calls = _full_state(policy.model)
+    optim_after = policy.optimizer.state_dict()["state"]
+    result["weights_bitwise"] = all(torch.equal(after_step[k], after_calls[k]) for k in after_step)
+    result["optimizer_bitwise"] = all(
+        torch.equal(_plain(optim_before[k][n]), _plain(optim_after[k][n])) for k in optim_before for n in optim_before[k]
+    )
+    # weights out, bucket by bucket, against what export_hf writes
+    streamed = {}
+    for name, tensor in policy.weights(bucket_bytes=64 * 1024):
+        streamed[name] = tensor.clone()
+    policy.export_hf(export_dir)
+    exported = load_file(f"{export_dir}/model.safetensors")
+    result["weights_names_equal"] = sorted(streamed) == sorted(exported)
+    result["weights_bitwise"] = all(torch.equal(streamed[k], exported[k]) for k in exported if k in streamed)
+    # a bad batch: refused on every rank, nothing changed
+    bad = dict(local)
+    if policy.dp_rank == 0:
+        bad["advantages"] = bad["advantages"][:-1]
+    before_bad = _full_state(policy.model)
+    try:
+        policy.train(bad, grpo)
+        result["bad_rows"] = "accepted"
+    except BatchError as exc:
+        result["bad_rows"] = str(exc)
+    missing = {k: v for k, v in local.items() if k != "ref_logprobs"}
+    try:
+        policy.train(missing, grpo)
+        result["missing_field"] = "accepted"
+    except BatchError as exc:
+        result["missing_field"] = str(exc)
+    try:
+        policy.train(local, lambda lp, mb, norm: (lp.sum() * float("nan"), {}))
+        result["non_finite"] = "accepted"
+    except BatchError as exc:
+        result["non_finite"] = str(exc)
+    try:
+        policy.train(local, nll, max_tokens=3)
+        result["budget"] = "accepted"
+    except BatchError as exc:
+        result["budget"] = str(exc)
+    after_bad = _full_state(policy.model)
+    result["unchanged_after_bad"] = all(torch.equal(before_bad[k], after_bad[k]) for k in before_bad)
+    torch.distributed.destroy_process_group()
+    return result
+
+
+def _plain(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

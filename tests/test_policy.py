@@ -1,0 +1,134 @@
+"""plancc.Policy, the RL policy engine: one ``train`` call on a global batch cut over dp ranks
+and microbatches gives the loss and the updated parameters of the unsharded model trained on the
+whole batch in one pass with the same loss (the loss 1e-5 relative; every parameter's update
+within 1e-5 of the norm of the whole update, against the unsharded model in fp64, or where fp32
+itself misses that bar as near as 4x the unsharded fp32 model trained on the same microbatches),
+at every layout and every way of
+cutting the batch; a loss normalized per rank does not. Log-probs of the policy and of the
+frozen reference, weights out by bucket, bad input refused on every rank."""
+
+import pytest
+
+from plancc.engine.batches import BatchError, Microbatch, check_batch, plan_microbatches, spread_to
+
+TOLERANCE = 1e-5
+EXACT_FACTOR = 4  # plancc.job.verify.EXACT_FACTOR
+ONE = {}
+UNEVEN = {"micro_batch_size": 3}  # 4 rows per rank: 3 + 1
+BUDGET = {"max_tokens": 30}
+PACKED = {"micro_batch_size": 2, "pack": True}
+ALL_CUTS = [ONE, UNEVEN, BUDGET, PACKED]
+LOSSES = ["nll", "grpo", "seq_mean_token_mean"]
+
+
+def _cases(cuts, losses=LOSSES):
+    return [(loss, cut) for loss in losses for cut in cuts]
+
+
+LAYOUTS = [
+    # (ranks, plan, model, layout, cases)
+    pytest.param(2, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2}, _cases(ALL_CUTS), id="dp2"),
+    pytest.param(2, "plans/qwen3.yaml", "tiny-qwen3", {"tp": 2, "sp": True}, _cases([ONE, PACKED, BUDGET]), id="tp2-sp"),
+    pytest.param(2, "plans/qwen3.yaml", "tiny-qwen3", {"cp": 2}, _cases([UNEVEN, PACKED]), id="cp2"),
+    pytest.param(4, "plans/qwen3.yaml", "tiny-qwen3", {"cp": 2, "tp": 2}, _cases([BUDGET], ["grpo"]), id="cp2xtp2"),
+    pytest.param(4, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2, "tp": 2}, _cases([UNEVEN], ["grpo"]), id="dp2xtp2"),
+    pytest.param(2, "plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, _cases([ONE, BUDGET], ["grpo"]), id="ep2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("ranks", "plan", "model", "layout", "cases"), LAYOUTS)
+def test_one_train_call_equals_the_unsharded_model_on_the_whole_batch(ranks, plan, model, layout, cases):
+    from .distributed import launch
+    from .policy_worker import train_cases
+
+    results = launch(train_cases, ranks, plan, model, layout, cases)
+    for rank, rows in results.items():
+        for row in rows:
+            assert row["loss_diff"] <= TOLERANCE, (rank, row)
+            bar = max(TOLERANCE, EXACT_FACTOR * row["fp32_update_diff"])
+            assert row["update_diff"] <= bar, (rank, row["worst_parameter"], row["fp32_update_diff"], row)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_loss_normalized_per_rank_is_not_the_global_batch_loss():
+    """The same check with the mean taken over what each microbatch holds: the check must fail."""
+    from .distributed import launch
+    from .policy_worker import train_cases
+
+    results = launch(train_cases, 2, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2}, [("nll_per_rank", UNEVEN)])
+    for rank, (row,) in results.items():
+        assert row["update_diff"] > 100 * TOLERANCE, (rank, row)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_logprobs_reference_weights_and_bad_input(tmp_path):
+    from .distributed import launch
+    from .policy_worker import logprobs_reference_weights
+
+    results = launch(logprobs_reference_weights, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", {"tp": 2}, str(tmp_path / "hf"))
+    for rank, got in results.items():
+        assert got["logprobs"] <= TOLERANCE and got["entropy"] <= TOLERANCE, (rank, got)
+        assert got["reference"] <= TOLERANCE, (rank, got)
+        assert got["policy_moved"] > 1e-3, (rank, got)  # the step moved the policy, not the reference
+        assert got["weights_bitwise"] and got["optimizer_bitwise"], (rank, got)
+        assert got["weights_names_equal"] and got["weights_bitwise"], (rank, got)
+        assert "rank 0" in got["bad_rows"] and "advantages" in got["bad_rows"], (rank, got)
+        assert "ref_logprobs" in got["missing_field"], (rank, got)
+        assert "not finite" in got["non_finite"], (rank, got)
+        assert "max_tokens=3" in got["budget"], (rank, got)
+        assert got["unchanged_after_bad"], (rank, got)
+
+
+# ----------------------------------------------------------------------------- cutting, no ranks
+def test_a_token_budget_keeps_every_microbatch_within_it_and_balanced():
+    lengths = [16, 3, 9, 12, 5, 7, 16, 2]
+    plan = plan_microbatches(lengths, micro_batch_size=None, max_tokens=20)
+    assert sorted(r for mb in plan for r in mb) == list(range(8))
+    assert all(sum(lengths[r] for r in mb) <= 20 for mb in plan)
+    assert len(plan) == 4  # 70 tokens: four bins of at most 20
+
+
+def test_microbatch_counts_are_evened_by_splitting_then_by_empty_passes():
+    assert spread_to([[0, 1, 2, 3]], 3) == [[0], [1], [2, 3]]
+    assert spread_to([[0]], 2) == [[0], []]
+
+
+def test_a_packed_microbatch_puts_every_position_back():
+    import torch
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    mask = (ids != 0).long()
+    mb = Microbatch.of({"input_ids": ids, "attention_mask": mask}, [0, 1], multiple=4, pack=True)
+    assert mb.cu_seqlens.tolist() == [0, 4, 8]
+    values = torch.arange(8, dtype=torch.float32)[None, :]
+    assert mb.unpack(values).tolist() == [[0, 1, 2, 0], [4, 5, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    ("batch", "found"),
+    [
+        ({"input_ids": [[1, 2]], "attention_mask": [[1, 1]]}, "is a list"),
+        ({"input_ids": "ids"}, "no 'attention_mask'"),
+    ],
+)
+def test_a_batch_that_is_not_tensors_is_refused_by_name(batch, found):
+    with pytest.raises(BatchError, match=found):
+        check_batch(batch)
+
+
+def test_rows_that_disagree_are_refused_by_field():
+    import torch
+
+    ids = torch.ones((3, 4), dtype=torch.long)
+    with pytest.raises(BatchError, match="'advantages'"):
+        check_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "advantages": torch.ones(2)})
+    with pytest.raises(BatchError, match="'old_logprobs' has 5 positions"):
+        check_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "old_logprobs": torch.ones(3, 5)})
+    with pytest.raises(BatchError, match="row 2 has 4 tokens, more than max_tokens=3"):
+        mask = torch.ones_like(ids)
+        mask[:2, 3] = 0
+        check_batch({"input_ids": ids, "attention_mask": mask}, max_tokens=3)
