@@ -278,3 +278,39 @@ def _plain(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save_then_load_elsewhere(plan, model_name, folder, save_layout, load_layout):
+    """Train one step at ``save_layout`` and save; a fresh Policy at ``load_layout`` loads it:
+    its log-probs and its next step equal the saving policy's (the optimizer state came along)."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    init_gloo()
+    config = load_config(model_name)
+    batch = global_batch(ROWS_PER_RANK * 2, config.vocab_size, seed=5)
+    out = {}
+    first = plancc.Policy(plan, model_name, **save_layout)
+    mine = first.slice_of(batch["input_ids"].shape[0])
+    first.train({k: v[mine] for k, v in batch.items()}, nll)
+    first.save(folder)
+    want = first.logprobs({k: v[mine] for k, v in batch.items()})
+    second = plancc.Policy(plan, model_name, seed=7, **load_layout)  # other initial weights
+    second.load(folder)
+    other = second.slice_of(batch["input_ids"].shape[0])
+    got = second.logprobs({k: v[other] for k, v in batch.items()})
+    # compare the rows both ranks hold: gather every rank's rows into the global batch
+    full_want = [None] * torch.distributed.get_world_size()
+    full_got = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(full_want, (mine.start, want))
+    torch.distributed.all_gather_object(full_got, (other.start, got))
+    rows = {}
+    for start, lp in full_want:
+        for i in range(lp.shape[0]):
+            rows[start + i] = lp[i]
+    out["logprobs"] = max(float((lp[i] - rows[start + i]).abs().max()) for start, lp in full_got for i in range(lp.shape[0]))
+    out["step"] = second.step
+    torch.distributed.destroy_process_group()
+    return out

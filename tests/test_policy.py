@@ -132,3 +132,17 @@ def test_rows_that_disagree_are_refused_by_field():
         mask = torch.ones_like(ids)
         mask[:2, 3] = 0
         check_batch({"input_ids": ids, "attention_mask": mask}, max_tokens=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_saved_policy_loads_at_another_layout(tmp_path):
+    from .distributed import launch
+    from .policy_worker import save_then_load_elsewhere
+
+    results = launch(
+        save_then_load_elsewhere, 2, "plans/qwen3.yaml", "tiny-qwen3", str(tmp_path / "ckpt"), {"dp": 2}, {"tp": 2}
+    )
+    for rank, got in results.items():
+        assert got["step"] == 1, (rank, got)
+        assert got["logprobs"] <= TOLERANCE, (rank, got)
