@@ -108,10 +108,11 @@ def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=N
         loss.backward()
         total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
             p -= LR * p.grad
-    return total, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return total, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
 
 
 def _update_error(before, after, want):
@@ -125,6 +126,51 @@ def _update_error(before, after, want):
         if error / whole > worst:
             worst, where, own = error / whole, name, error / max(float(ref.norm()), 1e-12)
     return worst, where, own
+
+
+def _own_errors(before, after, want):
+    """Each parameter's update difference relative to its own update."""
+    return {
+        name: float(((after[name] - before[name]) - (w - before[name])).norm()) / max(float((w - before[name]).norm()), 1e-12)
+        for name, w in want.items()
+        if name in after
+    }
+
+
+def _recording_sgd(params):
+    """SGD that keeps the full (clipped) gradient of every parameter it steps, by name."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    class RecordingSGD(torch.optim.SGD):
+        names: list = []
+        gradients: dict = {}
+
+        def step(self, closure=None):
+            params = [p for group in self.param_groups for p in group["params"]]
+            self.gradients = {
+                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                for name, p in zip(self.names, params, strict=True)
+                if p.grad is not None
+            }
+            return super().step(closure)
+
+    return RecordingSGD(params, lr=LR)
+
+
+def _gradient_verdict(got, exact, fp32):
+    """Every parameter's gradient against the exact one, relative to its own size: within 1e-5,
+    or where the unsharded fp32 model on the same microbatches misses that itself, within 4x its
+    distance. Returns (worst error / its bar, that parameter, its error, its bar, parameters)."""
+    worst = (0.0, "", 0.0, 0.0)
+    for name, want in exact.items():
+        want = want.double()
+        scale = max(float(want.norm()), 1e-30)
+        error = float((got[name].double() - want).norm()) / scale
+        bar = max(1e-5, 4 * float((fp32[name].double() - want).norm()) / scale)
+        if error / bar > worst[0]:
+            worst = (error / bar, name, error, bar)
+    return (*worst, len(got))
 
 
 def _groups(batch, policy, cutting):
@@ -152,9 +198,8 @@ def train_cases(plan, model_name, layout_kwargs, cases):
     from plancc.models import load_config
 
     init_gloo()
-    policy = plancc.Policy(
-        plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=LR), max_grad_norm=1.0, **layout_kwargs
-    )
+    policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, **layout_kwargs)
+    policy.optimizer.names = [name for name, _ in policy.model.named_parameters()]
     config = load_config(model_name)
     initial = [t.clone() for t in policy._shards()]
     before = _full_state(policy.model)
@@ -170,10 +215,11 @@ def train_cases(plan, model_name, layout_kwargs, cases):
         after = _full_state(policy.model)
         reference_loss = LOSSES[loss_name.replace("_per_rank", "")]
         try:
-            want_loss, exact = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float64)
+            want_loss, exact, exact_grads = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float64)
         except RuntimeError:  # transformers' grouped MoE matmul has no fp64: the fp32 model is the bar
-            want_loss, exact = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32)
-        _, fp32 = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32, _groups(batch, policy, cutting))
+            want_loss, exact, exact_grads = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32)
+        groups = _groups(batch, policy, cutting)
+        _, fp32, fp32_grads = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32, groups)
         exact = {k: v.float() for k, v in exact.items()}
         error, where, own = _update_error(before, after, exact)
         out.append(
@@ -181,12 +227,15 @@ def train_cases(plan, model_name, layout_kwargs, cases):
                 "loss": loss_name,
                 "cutting": cutting,
                 "loss_diff": abs(metrics["loss"] - want_loss) / max(1.0, abs(want_loss)),
+                "gradient": _gradient_verdict(policy.optimizer.gradients, exact_grads, fp32_grads),
                 "update_diff": error,
                 "worst_parameter": where,
                 "worst_parameter_own": own,
                 # how far the unsharded fp32 model itself is from exact (the bar beyond 1e-5)
                 "fp32_update_diff": _update_error(before, fp32, exact)[0],
                 "fp32_update_diff_own": _update_error(before, fp32, exact)[2],
+                "own": _own_errors(before, after, exact),
+                "fp32_own": _own_errors(before, fp32, exact),
                 "microbatches": metrics["microbatches"],
                 "tokens": metrics["tokens"],
             }

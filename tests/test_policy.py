@@ -1,9 +1,10 @@
 """plancc.Policy, the RL policy engine: one ``train`` call on a global batch cut over dp ranks
 and microbatches gives the loss and the updated parameters of the unsharded model trained on the
-whole batch in one pass with the same loss (the loss 1e-5 relative; every parameter's update
-within 1e-5 of the norm of the whole update, against the unsharded model in fp64, or where fp32
-itself misses that bar as near as 4x the unsharded fp32 model trained on the same microbatches),
-at every layout and every way of
+whole batch in one pass with the same loss -- the loss within 1e-5 relative; every parameter's
+(clipped) gradient within 1e-5 of its own size from the unsharded model's in fp64, or, where fp32
+itself misses that, as near as 4x the unsharded fp32 model trained on the same microbatches; the
+updated parameters within 1e-5 of the whole update (a weight near 1.0, a norm's, moves by so
+little that one fp32 ulp of it is 3e-5 of its own update) -- at every layout and every way of
 cutting the batch; a loss normalized per rank does not. Log-probs of the policy and of the
 frozen reference, weights out by bucket, bad input refused on every rank."""
 
@@ -47,6 +48,8 @@ def test_one_train_call_equals_the_unsharded_model_on_the_whole_batch(ranks, pla
     for rank, rows in results.items():
         for row in rows:
             assert row["loss_diff"] <= TOLERANCE, (rank, row)
+            ratio, name, error, bar, compared = row["gradient"]
+            assert ratio <= 1.0 and compared > 0, (rank, row["loss"], row["cutting"], name, error, bar)
             bar = max(TOLERANCE, EXACT_FACTOR * row["fp32_update_diff"])
             assert row["update_diff"] <= bar, (rank, row["worst_parameter"], row["fp32_update_diff"], row)
 
