@@ -540,9 +540,23 @@ def apply(
             "--param-dtype", help="FSDP mixed precision for compute, e.g. bfloat16 (master weights stay fp32)"
         ),
     ] = None,
+    micro_batch_size: Annotated[
+        int | None,
+        typer.Option("--micro-batch-size", min=1, help="rows per microbatch on each dp rank (gradient accumulation)"),
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", min=1, help="microbatches by a token budget, balanced over dp ranks"),
+    ] = None,
+    pack: Annotated[
+        bool, typer.Option("--pack", help="pack a microbatch's sequences into one row, without padding")
+    ] = False,
     fmt: FormatOpt = Format.text,
 ) -> None:
-    """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint."""
+    """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint.
+
+    The loss is the mean next-token NLL over the global batch's tokens, however the batch is cut
+    (over dp ranks, into microbatches): one step equals the unsharded model on the whole batch."""
     from .job.config import RunConfig
 
     nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
@@ -562,6 +576,9 @@ def apply(
         lr=lr,
         schedule_steps=schedule_steps,
         param_dtype=param_dtype,
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+        pack=pack,
         json_output=fmt is Format.json,
         **worker.run_config(),
         **output.run_config(),

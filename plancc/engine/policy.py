@@ -38,7 +38,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..compiler.plan import Plan, load_plan
-from ..errors import SourceLoc
 from ..layout import Layout
 from ..models import architecture_of, load_config
 from ..runtime.gradnorm import clip_grad_norm_
@@ -79,7 +78,8 @@ class Policy:
 
     ``plan``: a plan file or ``Plan``; ``model``: a preset, a Hugging Face folder or a
     ``config.json`` (as ``--model``). The layout: ``tp``, ``cp``, ``ep``, ``dp`` (inferred),
-    ``sp``, or one ``layout=plancc.Layout(...)``. ``optimizer``: ``params -> Optimizer`` or
+    ``sp``, or one ``layout=plancc.Layout(...)``, or a ``mesh=`` already built by
+    ``plancc.build_mesh``. ``optimizer``: ``params -> Optimizer`` or
     ``{"name": "torch.optim.AdamW", "kwargs": {...}}`` (default AdamW); ``lr_scheduler``:
     ``optimizer -> scheduler`` or name + kwargs (default constant). ``reference=True`` keeps the
     initial weights for ``reference_logprobs``.
@@ -96,6 +96,7 @@ class Policy:
         dp: int | None = None,
         sp: bool = False,
         layout: Layout | None = None,
+        mesh: ParallelMesh | None = None,
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
@@ -179,6 +180,7 @@ class Policy:
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, float] = {}
+        non_finite: int | None = None  # the first microbatch whose loss is not finite
         try:
             for index, rows in enumerate(plan):
                 mb = Microbatch.of(batch, rows or [0], multiple=self._multiple(), pack=pack)
@@ -192,15 +194,18 @@ class Policy:
                 loss, metrics = self._agree(partial(_call_loss, loss_fn, lp, fields, norm, index))
                 # FSDP averages gradients over dp (and cp); the global loss is the sum of every
                 # rank's share, so its gradient is dp times that average
-                (loss * self.dp_size).backward()
+                (loss * self.dp_size).backward()  # even when not finite: every rank runs the same passes
+                if non_finite is None and not bool(torch.isfinite(loss.detach())):
+                    non_finite = index
                 loss_sum += loss.detach().to(torch.float64)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
-            self._agree(lambda: _finite(grad_norm))
-            require_stepped(self.model, self.optimizer, where=SourceLoc(path=self.plan.name))
+            self._refuse_non_finite(non_finite, float(loss_sum), grad_norm)
+            require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
+            _reshard(self.model)
             raise
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
@@ -393,6 +398,27 @@ class Policy:
             raise BatchError(f"rank {rank}: {first}")
         return result
 
+    def _refuse_non_finite(self, microbatch: int | None, loss: float, grad_norm: float) -> None:
+        """A ``NonFiniteError`` on every rank when any rank's loss or the gradient norm is not
+        finite, naming the first parameter (in model order, over all ranks) whose gradient is."""
+        flag = torch.tensor([int(microbatch is not None or not math.isfinite(grad_norm))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        names = [name for name, _ in self.model.named_parameters()]
+        bad = torch.zeros(len(names), dtype=torch.int32, device=self.device)
+        for i, (_, param) in enumerate(self.model.named_parameters()):
+            grad = _local(param.grad) if param.grad is not None else None
+            bad[i] = int(grad is not None and not bool(torch.isfinite(grad).all()))
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        total = self._sum_over_dp([loss])[0]
+        raise NonFiniteError(
+            loss=total,
+            grad_norm=grad_norm,
+            microbatch=microbatch,
+            parameter=next((n for n, f in zip(names, bad.tolist(), strict=True) if f), None),
+        )
+
     def _sum_over_dp(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.mesh["dp"].get_group())
@@ -501,11 +527,16 @@ def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
-    if not bool(torch.isfinite(loss.detach())):
-        raise BatchError(f"microbatch {index}: the loss is {float(loss)}, not finite")
     return loss.reshape(()), {k: float(v) for k, v in dict(metrics).items()}
 
 
-def _finite(grad_norm: float) -> None:
-    if not math.isfinite(grad_norm):
-        raise BatchError(f"the gradient norm is {grad_norm}: some gradient is not finite; the optimizer did not step")
+class NonFiniteError(BatchError):
+    """A training step whose loss or gradient norm is not finite: the optimizer did not step."""
+
+    def __init__(self, *, loss: float, grad_norm: float, microbatch: int | None, parameter: str | None) -> None:
+        self.loss, self.grad_norm, self.microbatch, self.parameter = loss, grad_norm, microbatch, parameter
+        where = f" (from microbatch {microbatch} on this rank)" if microbatch is not None else ""
+        first = f"; first non-finite gradient: {parameter}" if parameter else ""
+        super().__init__(
+            f"not finite: loss {loss:.6g}, gradient norm {grad_norm:.6g}{where}{first}; the optimizer did not step"
+        )

@@ -46,7 +46,9 @@ class RunConfig:
     verify: bool = False
     mode: Literal["train", "logprobs"] = "train"
     out: str | None = None  # logprobs: JSONL output path
-    pack: bool = False  # logprobs: pack each batch's sequences into one row (cu_seqlens)
+    pack: bool = False  # pack a batch's (train: a microbatch's) sequences into one row (cu_seqlens)
+    micro_batch_size: int | None = None  # train: rows per microbatch on each dp rank
+    max_tokens: int | None = None  # train: microbatches by a token budget (balanced over dp ranks)
     entropy: bool = False  # logprobs: the entropy of every position's distribution as well
     temperature: float = 1.0  # logprobs: under the sampler's temperature
     device: str | None = None  # cpu or cuda; default: cuda when available

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,21 +29,20 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
 from ..engine import checkpoint, faults
+from ..engine.batches import BatchError, default_token_mask
 from ..engine.build import build_parallel_model, from_folder
+from ..engine.policy import NonFiniteError, Norm, Policy
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import architecture_of, build_model, default_preset, load_config
 from ..runtime.failures import diagnosed
-from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
-from ..runtime.loss import batch_slice, reported_loss, sharded_loss
+from ..runtime.loss import batch_slice
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
-from ..runtime.stepping import require_stepped
 from ..runtime.weights import export_hf
 from .config import PARAM_DTYPES, RunConfig
 from .data import TokenDataset, dataset_batch, read_jsonl, synthetic_batch
@@ -239,22 +238,32 @@ class _MetricsFile:
             self.board.close()
 
 
+def next_token_loss(lp: torch.Tensor, mb: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
+    """The SFT / pre-training loss: the mean next-token NLL over the global batch's tokens."""
+    mask = default_token_mask(mb["attention_mask"]).to(lp.dtype)
+    return -(lp * mask).sum() / norm.tokens, {}
+
+
 @dataclass(kw_only=True, slots=True)
 class _Trainer:
-    """The optimizer, LR schedule and step loop of one training run."""
+    """The LR schedule and step loop of one training run, over a ``plancc.Policy`` (which owns
+    the model, the optimizer, the microbatching and the step itself)."""
 
     cfg: RunConfig
     job: _Job
-    model: nn.Module
+    policy: Policy
     start: int = 0
     done: int = 0  # the global step after the last finished step
     interrupted: int = 0  # the signal that stopped the run early, or 0
     last_checkpoint: int = -1  # the step of the newest checkpoint this run wrote
-    optimizer: torch.optim.Optimizer = field(init=False)
-    schedule: torch.optim.lr_scheduler.LambdaLR = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+    @property
+    def model(self) -> nn.Module:
+        return self.policy.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.policy.optimizer
 
     def resume(self) -> None:
         if self.cfg.resume:
@@ -272,7 +281,7 @@ class _Trainer:
             group["initial_lr"] = self.cfg.lr
         start, horizon, warmup = self.start, self.cfg.schedule_steps or self.total, self.cfg.warmup_steps
         # The schedule is a function of the global step, so a resumed run needs no stored state.
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+        self.policy.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s + start, warmup=warmup, total=horizon)
         )
 
@@ -282,30 +291,41 @@ class _Trainer:
 
     def step(self, step: int, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """One optimizer step on this rank's slice of the global batch; its metrics."""
-        mesh = self.job.mesh
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
-        t0 = time.perf_counter()
-        loss = sharded_loss(self.model, ids, mask, mesh)
-        if faults.poisoned("loss", rank=dist.get_rank(), step=step + 1):
-            loss = loss * float("nan")
-        loss.backward()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        mean_loss = reported_loss(loss, mesh)
-        if not (math.isfinite(mean_loss) and math.isfinite(float(grad_norm))):  # the same verdict on every rank
-            raise _non_finite(self.model, step + 1, mean_loss, float(grad_norm), self.cfg)
-        lr = self.schedule.get_last_lr()[0]  # the LR this step used
-        require_stepped(self.model, self.optimizer, where=SourceLoc(path=self.cfg.plan))
-        self.optimizer.step()
-        self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        tokens = int(mask.sum()) * mesh["dp"].size()
+        poisoned = faults.poisoned("loss", rank=dist.get_rank(), step=step + 1)
+
+        def loss_fn(lp: torch.Tensor, mb: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
+            loss, metrics = next_token_loss(lp, mb, norm)
+            return (loss * float("nan") if poisoned else loss), metrics
+
+        cfg = self.cfg
+        try:
+            row = self.policy.train(
+                {"input_ids": ids, "attention_mask": mask},
+                loss_fn,
+                micro_batch_size=cfg.micro_batch_size,
+                max_tokens=cfg.max_tokens,
+                pack=cfg.pack,
+            )
+        except NonFiniteError as exc:  # the same verdict on every rank
+            raise _non_finite(step + 1, exc, cfg) from None
+        except BatchError as exc:
+            raise PlanError(
+                [
+                    Diagnostic(
+                        rule="data",
+                        loc=SourceLoc(path=cfg.data or cfg.plan),
+                        message=str(exc),
+                        fix="check --data, --micro-batch-size and --max-tokens",
+                    )
+                ]
+            ) from None
         return {
             "step": step + 1,
-            "loss": mean_loss,
-            "grad_norm": float(grad_norm),
-            "lr": float(lr),
-            "tokens_per_s": tokens / dt,
+            "loss": row["loss"],
+            "grad_norm": row["grad_norm"],
+            "lr": row["lr"],
+            "tokens_per_s": row["tokens"] / row["seconds"],
         }
 
     def run(self) -> list[dict[str, float]]:
@@ -375,24 +395,17 @@ class _Trainer:
 EXIT_DIAGNOSED = 4  # a worker stopped on a problem it reported as a diagnostic (result file)
 
 
-def _non_finite(model: nn.Module, step: int, loss: float, grad_norm: float, cfg: RunConfig) -> PlanError:
+def _non_finite(step: int, exc: NonFiniteError, cfg: RunConfig) -> PlanError:
     """The problem of a step whose loss or gradient norm is not finite, naming the first
     parameter (in model order, over all ranks) whose gradient holds a NaN or inf."""
-    names = [name for name, _ in model.named_parameters()]
-    flags = torch.zeros(len(names), dtype=torch.int32)
-    for i, (_, p) in enumerate(model.named_parameters()):
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        flags[i] = int(grad is not None and not bool(torch.isfinite(grad).all()))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    bad = [name for name, flag in zip(names, flags.tolist()) if flag]
-    where = f"; first non-finite gradient: {bad[0]}" if bad else ""
+    where = f"; first non-finite gradient: {exc.parameter}" if exc.parameter else ""
     kept = "the optimizer did not step; " + ("no checkpoint was written by this run" if cfg.save else "nothing saved")
     return PlanError(
         [
             Diagnostic(
                 rule="non-finite",
                 loc=SourceLoc(path=cfg.plan),
-                message=f"step {step}: loss {loss:.6g}, gradient norm {grad_norm:.6g}{where}; {kept}",
+                message=f"step {step}: loss {exc.loss:.6g}, gradient norm {exc.grad_norm:.6g}{where}; {kept}",
                 fix="check the model config (eps, scales) and the data; lower --lr; resume from the last checkpoint",
             )
         ]
@@ -418,12 +431,22 @@ def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
 
 def train(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
-    model, source = _parallel_model(cfg, job)
+    dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
+    policy = Policy(
+        job.plan,
+        cfg.model or job.model_name,
+        mesh=job.mesh,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
+        max_grad_norm=cfg.max_grad_norm,
+        param_dtype=dtype,
+        seed=cfg.seed,
+        device=job.device,
+    )
     log(
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
-        f"{job.layout.describe()} | {job.device} | weights: {source}"
+        f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}"
     )
-    trainer = _Trainer(cfg=cfg, job=job, model=model)
+    trainer = _Trainer(cfg=cfg, job=job, policy=policy)
     lock = _lock_save_folder(cfg)
     trainer.resume()
     t_start = time.perf_counter()
