@@ -363,3 +363,35 @@ def save_then_load_elsewhere(plan, model_name, folder, save_layout, load_layout)
     out["step"] = second.step
     torch.distributed.destroy_process_group()
     return out
+
+
+def slices_that_do_not_fit(plan, model_name):
+    """At dp2 x tp2: dp ranks with different row counts, and tp ranks with different rows, are
+    refused on every rank (naming what is wrong) and change nothing."""
+    import torch
+
+    import plancc
+    from plancc.engine.batches import BatchError
+    from plancc.models import load_config
+
+    init_gloo()
+    policy = plancc.Policy(plan, model_name, dp=2, tp=2)
+    config = load_config(model_name)
+    batch = global_batch(ROWS_PER_RANK * 2, config.vocab_size, seed=9)
+    local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
+    before = _full_state(policy.model)
+    out = {}
+    short = {k: (v[:-1] if policy.dp_rank == 1 else v) for k, v in local.items()}
+    other = dict(local)
+    if torch.distributed.get_rank() == 3:  # dp rank 1, tp rank 1
+        other["input_ids"] = (other["input_ids"] + 1) % config.vocab_size
+    for name, bad in {"uneven": short, "tp_differs": other}.items():
+        try:
+            policy.train(bad, nll)
+            out[name] = "accepted"
+        except BatchError as exc:
+            out[name] = str(exc)
+    after = _full_state(policy.model)
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    torch.distributed.destroy_process_group()
+    return out

@@ -149,3 +149,15 @@ def test_a_saved_policy_loads_at_another_layout(tmp_path):
     for rank, got in results.items():
         assert got["step"] == 1, (rank, got)
         assert got["logprobs"] <= TOLERANCE, (rank, got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slices_that_do_not_fit_the_layout_are_refused_on_every_rank():
+    from .distributed import launch
+    from .policy_worker import slices_that_do_not_fit
+
+    for rank, got in launch(slices_that_do_not_fit, 4, "plans/qwen3.yaml", "tiny-qwen3").items():
+        assert "dp ranks hold [4, 3] rows" in got["uneven"], (rank, got)
+        assert "one tp / cp group were given different rows" in got["tp_differs"], (rank, got)
+        assert got["unchanged"], (rank, got)

@@ -108,9 +108,15 @@ class Policy:
     ) -> None:
         self.device = device or default_device_type()
         _init_process_group(self.device, timeout_s)
-        if layout is None:
-            layout = Layout.infer(world_size=dist.get_world_size(), dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp)
-        self.mesh: ParallelMesh = build_mesh(layout, device_type=self.device)
+        if mesh is None:
+            if layout is None:
+                layout = Layout.infer(
+                    world_size=dist.get_world_size(), dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp
+                )
+            mesh = build_mesh(layout, device_type=self.device)
+        self.mesh: ParallelMesh = mesh
+        # the ranks that hold the same rows (one dp rank's cp x tp group); made now: collective
+        self._replicas = mesh["cp", "tp"]._flatten("cp_tp") if mesh.layout.cp * mesh.layout.tp > 1 else None
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         self.source = str(model)
         self.config = load_config(self.source)
@@ -344,7 +350,35 @@ class Policy:
         """The batch on this device once every rank has found its own slice usable (the same
         error, naming the rank, is raised on every rank otherwise)."""
         self._agree(lambda: check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens))
-        return {name: value.to(self.device) for name, value in batch.items()}
+        on_device = {name: value.to(self.device) for name, value in batch.items()}
+        self._agree(lambda: self._check_slices(on_device))
+        return on_device
+
+    def _check_slices(self, batch: dict[str, torch.Tensor]) -> None:
+        """Every dp rank holds as many rows (a global batch split evenly: ``slice_of``), and the
+        ranks of one tp / cp group hold the same ones (a fingerprint of the rows compared)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        rows = torch.tensor([ids.shape[0]], device=self.device)
+        counts = [torch.zeros_like(rows) for _ in range(self.dp_size)]
+        dist.all_gather(counts, rows, group=self.mesh["dp"].get_group())
+        sizes = [int(c.item()) for c in counts]
+        if len(set(sizes)) > 1:
+            raise BatchError(
+                f"the dp ranks hold {sizes} rows: a global batch splits into equal slices over dp={self.dp_size} "
+                "(pass rows policy.slice_of(global_rows) on each rank)"
+            )
+        if self._replicas is None:
+            return
+        weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
+        print_ = torch.stack([(ids.long() * weights).sum(), (mask.long() * weights).sum(), torch.tensor(ids.shape[1])])
+        low, high = print_.clone(), print_.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._replicas.get_group())
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._replicas.get_group())
+        if not torch.equal(low, high):
+            raise BatchError(
+                "the ranks of one tp / cp group were given different rows: they must pass the same rows, "
+                "full length (the engine shards the sequence for cp itself)"
+            )
 
     def _norm(self, batch: dict[str, torch.Tensor]) -> Norm:
         mask = batch.get("token_mask")
