@@ -395,3 +395,64 @@ def slices_that_do_not_fit(plan, model_name):
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     torch.distributed.destroy_process_group()
     return out
+
+
+def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
+    """Training continued after offload/onload is bitwise the training without it; an offloaded
+    policy refuses to train; weights() equals export_hf (names and values) and gathers no more
+    than a bucket (or one larger tensor) at a time."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+    from safetensors.torch import load_file
+
+    init_gloo()
+    config = load_config(model_name)
+    a = plancc.Policy(plan, model_name, **layout_kwargs)
+    b = plancc.Policy(plan, model_name, **layout_kwargs)
+    batch = global_batch(ROWS_PER_RANK * a.dp_size, config.vocab_size, seed=11)
+    local = {k: v[a.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
+    out = {}
+    a.train(local, nll)
+    b.train(local, nll)
+    a.offload()
+    try:
+        a.train(local, nll)
+        out["offloaded_train"] = "accepted"
+    except RuntimeError as exc:
+        out["offloaded_train"] = str(exc)
+    a.onload()
+    a.train(local, nll)
+    b.train(local, nll)
+    sa, sb = _full_state(a.model), _full_state(b.model)
+    out["bitwise"] = all(torch.equal(sa[k], sb[k]) for k in sa)
+    # weights out: a small bucket, so that many buckets pass
+    bucket = 16 * 1024
+    held, peak, largest, streamed = 0, 0, 0, {}
+    for name, tensor in a.weights(bucket_bytes=bucket):
+        streamed[name] = tensor.clone()
+        largest = max(largest, tensor.numel() * tensor.element_size())
+    out["buckets_bounded"] = _buckets_bounded(a, bucket)
+    a.export_hf(export_dir)
+    exported = {}
+    import glob
+
+    for path in glob.glob(f"{export_dir}/*.safetensors"):
+        exported.update(load_file(path))
+    out["names_equal"] = sorted(streamed) == sorted(exported)
+    out["missing"] = sorted(set(exported) - set(streamed))[:3]
+    out["bitwise_export"] = all(torch.equal(streamed[k], exported[k]) for k in exported if k in streamed)
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def _buckets_bounded(policy, bucket):
+    """Every bucket the stream gathers holds at most ``bucket`` bytes, or one larger tensor."""
+    from plancc.engine.streaming import buckets, exported_names
+
+    state = policy.model.state_dict()
+    sizes = [(n, state[n].numel() * state[n].element_size()) for n in exported_names(policy.model)]
+    groups = buckets(sizes, bucket)
+    by_name = dict(sizes)
+    return len(groups) > 1 and all(sum(by_name[n] for n in g) <= bucket or len(g) == 1 for g in groups)

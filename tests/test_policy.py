@@ -161,3 +161,24 @@ def test_slices_that_do_not_fit_the_layout_are_refused_on_every_rank():
         assert "dp ranks hold [4, 3] rows" in got["uneven"], (rank, got)
         assert "one tp / cp group were given different rows" in got["tp_differs"], (rank, got)
         assert got["unchanged"], (rank, got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("plan", "model", "layout"),
+    [
+        pytest.param("plans/qwen3.yaml", "tiny-qwen3", {"dp": 2}, id="dense-dp2"),
+        pytest.param("plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, id="moe-ep2"),
+        pytest.param("plans/phi3.yaml", "tiny-phi3", {"tp": 2}, id="packed-qkv-tp2"),
+    ],
+)
+def test_offload_round_trip_and_weights_out(tmp_path, plan, model, layout):
+    from .distributed import launch
+    from .policy_worker import offload_round_trip_and_weights
+
+    for rank, got in launch(offload_round_trip_and_weights, 2, plan, model, layout, str(tmp_path / "hf")).items():
+        assert "offloaded" in got["offloaded_train"], (rank, got)
+        assert got["bitwise"], (rank, got)
+        assert got["names_equal"] and got["bitwise_export"], (rank, got)
+        assert got["buckets_bounded"], (rank, got)
