@@ -1,0 +1,124 @@
+"""plancc.Policy on one GPU: offload / onload, and weights out by bucket, measured.
+
+    torchrun --nproc-per-node 1 bench/policy_gpu.py [--model qwen3-0.6b] [--rows 8] [--seq 512]
+
+Two policies from the same seed train side by side: A is offloaded and onloaded between its two
+steps, B is not; their weights must stay bitwise equal. Prints (and writes as JSON with --out):
+device memory before / after ``offload()`` and their ratio, the peak extra memory of
+``weights()`` against its bound (bucket + the largest tensor), and the time and peak of the
+seed's way of getting the same tensors (``get_model_state_dict(full_state_dict=True)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def nll(lp, mb, norm):
+    from plancc.engine.batches import default_token_mask
+
+    mask = default_token_mask(mb["attention_mask"]).to(lp.dtype)
+    return -(lp * mask).sum() / norm.tokens, {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--plan", default="plans/qwen3.yaml")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--bucket-mib", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import plancc
+
+    mib = 2**20
+    a = plancc.Policy(args.plan, args.model, device="cuda", optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}})
+    b = plancc.Policy(args.plan, args.model, device="cuda", optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}})
+    vocab = a.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, vocab, (args.rows, args.seq), generator=gen),
+        "attention_mask": torch.ones(args.rows, args.seq, dtype=torch.long),
+    }
+    result: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    a.train(batch, nll, micro_batch_size=2)
+    b.train(batch, nll, micro_batch_size=2)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    # memory of the whole process: both policies; A's share is what offload frees
+    before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    a.offload()
+    torch.cuda.synchronize()
+    result["offload_s"] = time.perf_counter() - t0
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    a.onload()
+    torch.cuda.synchronize()
+    result["onload_s"] = time.perf_counter() - t0
+    # A's own footprint: what B (identical, never offloaded) holds
+    result["policy_bytes_on_device"] = before / 2
+    result["after_offload_bytes_of_A"] = after - before / 2
+    result["after_offload_ratio"] = (after - before / 2) / (before / 2)
+    a.train(batch, nll, micro_batch_size=2)
+    b.train(batch, nll, micro_batch_size=2)
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    result["bitwise_after_round_trip"] = all(torch.equal(full(sa[k]), full(sb[k])) for k in sa)
+    del b, sb
+    torch.cuda.empty_cache()
+    # weights out by bucket: the peak above what is held before
+    bucket = args.bucket_mib * mib
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    largest, count, total = 0, 0, 0
+    for _, tensor in a.weights(bucket_bytes=bucket):
+        largest = max(largest, tensor.numel() * tensor.element_size())
+        total += tensor.numel() * tensor.element_size()
+        count += 1
+    torch.cuda.synchronize()
+    result["weights_s"] = time.perf_counter() - t0
+    result["weights_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    result["weights_bound_bytes"] = bucket + largest
+    result["weights_tensors"] = count
+    result["weights_total_bytes"] = total
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    state = get_model_state_dict(a.model, options=StateDictOptions(full_state_dict=True))
+    for _, tensor in state.items():
+        tensor.sum()  # one tensor at a time, as the seed's refit hands them on
+    torch.cuda.synchronize()
+    result["seed_full_state_dict_s"] = time.perf_counter() - t0
+    result["seed_full_state_dict_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    del state
+    for key, value in result.items():
+        shown = f"{value / mib:.1f} MiB" if key.endswith("bytes") else value
+        print(f"{key:40s} {shown}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
