@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .compiler.plan import Plan, Rule, StyleRef, load_plan, parse_plan
     from .compiler.resolve import ResolvedPlan, resolve_plan
     from .engine.batches import BatchError
+    from .engine.channel import WeightChannelError, receive_weights, weight_channel
     from .engine.policy import Norm, Policy
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
     from .layout import Layout, LayoutError
@@ -47,6 +48,7 @@ _HOMES = {
     "parallelize": "plancc.runtime.parallelize",
     **dict.fromkeys(["Norm", "Policy"], "plancc.engine.policy"),
     "BatchError": "plancc.engine.batches",
+    **dict.fromkeys(["WeightChannelError", "receive_weights", "weight_channel"], "plancc.engine.channel"),
 }
 _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
 
@@ -67,6 +69,7 @@ __all__ = [
     "Severity",
     "SourceLoc",
     "StyleRef",
+    "WeightChannelError",
     "build_mesh",
     "causal_lm_loss",
     "check_plan",
@@ -79,7 +82,9 @@ __all__ = [
     "materialize",
     "parallelize",
     "parse_plan",
+    "receive_weights",
     "resolve_plan",
+    "weight_channel",
     "weights",
 ]
 assert sorted(__all__) == sorted([*_HOMES, *_SUBMODULES])

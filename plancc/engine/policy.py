@@ -48,7 +48,8 @@ from ..runtime.weights import export_hf
 from . import checkpoint
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
 from .build import build_parallel_model
-from .streaming import full_weights
+from .channel import WeightChannel, WeightChannelError, make_manifest, send_buckets
+from .streaming import full_weights, manifest_buckets, weight_buckets
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
 OptimizerSpec = Callable[[Any], torch.optim.Optimizer] | Mapping[str, Any] | None
@@ -283,6 +284,45 @@ class Policy:
         self._require_onloaded("weights")
         _reshard(self.model)
         yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def weights_manifest(
+        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    ) -> dict[str, Any]:
+        """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
+        tensor's name, shape and dtype, bucket by bucket). Local: nothing is gathered."""
+        buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        return make_manifest(buckets, model=architecture_of(self.config))
+
+    def send_weights(
+        self,
+        channel: WeightChannel | None,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+    ) -> int:
+        """The weights to the receivers of ``channel``, bucket by bucket (``weights_manifest``
+        says what they are). Collective over the policy's ranks: every rank gathers, rank 0 --
+        the channel's rank 0, the only one that passes a channel -- sends. Returns bytes sent."""
+        self._require_onloaded("send_weights")
+        _reshard(self.model)
+        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        sent, problem = 0, ""
+        if dist.get_rank() == 0:
+            if channel is None:
+                problem = "the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)"
+            else:
+                try:
+                    manifest = self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype)
+                    sent = send_buckets(channel, manifest, buckets)
+                except WeightChannelError as exc:
+                    problem = str(exc)
+        for _ in buckets:  # the gathers are collective: every rank runs them all, sent or not
+            pass
+        said = [problem]
+        dist.broadcast_object_list(said, src=0)
+        if said[0]:
+            raise WeightChannelError(said[0])
+        return sent
 
     def export_hf(self, folder: str | Path) -> None:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""

@@ -47,20 +47,50 @@ def full_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` of every exported weight, a bucket at a time. Collective: the
     full tensor of a sharded parameter is gathered over its mesh on every rank."""
+    for bucket in weight_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype):
+        yield from bucket
+
+
+def _plan(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None) -> tuple[dict, list[list[str]]]:
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     state = model.state_dict()
-    names = exported_names(model)
 
     def nbytes(value: torch.Tensor) -> int:
         return value.numel() * (dtype or value.dtype).itemsize
 
-    for bucket in buckets([(name, nbytes(state[name])) for name in names], bucket_bytes):
+    return state, buckets([(name, nbytes(state[name])) for name in exported_names(model)], bucket_bytes)
+
+
+def weight_buckets(
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``."""
+    state, plan = _plan(model, bucket_bytes, dtype)
+    for bucket in plan:
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
         with quiet_logger("torch.distributed.tensor"):
             full = {name: _full(state[name], dtype) for name in bucket}
-        yield from revert_weight_conversion(model, full).items()  # type: ignore[arg-type]
+        yield list(revert_weight_conversion(model, full).items())  # type: ignore[arg-type]
         del full
+
+
+def manifest_buckets(
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """What ``weight_buckets`` yields -- names, shapes, dtypes -- without gathering anything
+    (transformers' reverse conversion runs on meta tensors of the full shapes)."""
+    state, plan = _plan(model, bucket_bytes, dtype)
+    out = []
+    for bucket in plan:
+        meta = {}
+        for name in bucket:
+            value = state[name]
+            wanted = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            meta[name] = torch.empty(tuple(value.shape), dtype=wanted, device="meta")
+        converted = revert_weight_conversion(model, meta)  # type: ignore[arg-type]
+        out.append([(name, tuple(t.shape), t.dtype) for name, t in converted.items()])
+    return out
 
 
 def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

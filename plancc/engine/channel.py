@@ -1,0 +1,255 @@
+"""Weights to a running rollout engine with no disk: a process group of its own between the
+policy's rank 0 and receiver processes started separately (another torchrun job, a Ray actor,
+an inference server's worker), a manifest the receiver gets first, and the weights bucket by
+bucket.
+
+The channel is a TCP store plus a gloo (CPU) or nccl (CUDA) process group that is not the
+default group: the policy's own collectives and the channel's never mix. Its rank 0 is the
+policy's rank 0 (the sender); ranks 1.. are receivers. Before any bucket the two sides compare
+digests of their manifests, so a receiver expecting another model or plan fails at once on
+both sides instead of misreading bytes; every wait is bounded by the channel's timeout.
+
+A bucket travels as one flat byte buffer (the tensors of the bucket one after the other, in
+manifest order), broadcast from rank 0; the receiver keeps one buffer the size of the largest
+bucket and reuses it, so its memory is bounded by the bucket (vLLM's packed broadcast does the
+same). The tensors it yields are views into that buffer, valid until the next one is received:
+an engine's ``load_weights`` copies them into its parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "plancc-weights/1"
+
+
+class WeightChannelError(RuntimeError):
+    """The channel could not carry the weights: a peer missing or gone, or manifests that differ."""
+
+
+@dataclass(slots=True)
+class WeightChannel:
+    """One end of a weight channel (``weight_channel``); reusable for every refit until
+    ``close()``."""
+
+    group: Any  # the channel's own ProcessGroup (None once closed)
+    store: Any  # kept alive with the group
+    rank: int
+    world_size: int
+    device: str
+    timeout: timedelta
+
+    def close(self) -> None:
+        """End the channel on every member (collective over the channel). The sender tears its
+        side down first and the receivers leave after it: a receiver's connection closing under
+        a sender that is still connected surfaces, in gloo, as "connection closed by peer" in
+        whatever collective the sender's process runs next -- its policy's own."""
+        if self.group is None:
+            return
+        try:
+            self.any(False, "closing")
+        finally:
+            if self.is_sender:
+                self.group = None
+                self.store.set("sender_closed", "1")
+            else:
+                with contextlib.suppress(Exception):  # the sender is gone already: nothing to wait for
+                    self.store.wait(["sender_closed"], self.timeout)
+                self.group = None
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self.group is None:
+            raise WeightChannelError(f"weight channel rank {self.rank}: {what}: the channel is closed")
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:  # gloo / nccl say "timed out" or "connection closed" in their words
+            peer = "the receivers" if self.is_sender else "the policy (channel rank 0)"
+            raise WeightChannelError(
+                f"weight channel rank {self.rank}: {what}: no answer from {peer} within "
+                f"{self.timeout.total_seconds():g}s ({str(exc).splitlines()[0][:200]})"
+            ) from None
+
+    def broadcast(self, tensor: torch.Tensor, what: str, *, root: int = 0) -> None:
+        """``tensor`` from channel rank ``root`` to every member (in place on the others): the
+        weights go from rank 0; a rollout engine may answer the same way (its rollouts)."""
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = root, 0
+        self._wait(self.group.broadcast([tensor], options) if self.group is not None else None, what)
+
+    def any(self, flag: bool, what: str) -> bool:
+        """Whether any member of the channel says ``flag``."""
+        t = torch.tensor([int(flag)], device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs type it as RedOpType
+        self._wait(self.group.allreduce([t], options) if self.group is not None else None, what)
+        return bool(t.item())
+
+
+def weight_channel(
+    host: str,
+    port: int,
+    *,
+    rank: int,
+    world_size: int,
+    backend: str | None = None,
+    timeout: float = 60.0,
+) -> WeightChannel:
+    """Join (rank 0: open) the weight channel at ``host:port`` of ``world_size`` members: the
+    policy's rank 0 as rank 0, receivers as 1..world_size-1. ``backend``: gloo or nccl (default:
+    nccl when CUDA is available). Every member must join within ``timeout`` seconds."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a channel of {world_size}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    wait = timedelta(seconds=timeout)
+    try:
+        store = dist.TCPStore(host, port, world_size, rank == 0, timeout=wait, wait_for_workers=False)
+        store.add("joined", 1)
+        store.wait(["joined"], wait)
+        _wait_for_all(store, world_size, wait)
+    except WeightChannelError:
+        raise
+    except Exception as exc:
+        raise WeightChannelError(
+            f"weight channel rank {rank}: could not meet the other {world_size - 1} member(s) at {host}:{port} "
+            f"within {timeout:g}s ({str(exc).splitlines()[0][:200]})"
+        ) from None
+    if backend == "nccl":
+        group: Any = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+        device = "cuda"
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world_size, wait)
+        device = "cpu"
+    return WeightChannel(group, store, rank, world_size, device, wait)
+
+
+def _wait_for_all(store: Any, world_size: int, wait: timedelta) -> None:
+    """Until every member has joined (the store counts them), or the timeout."""
+    import time
+
+    deadline = time.monotonic() + wait.total_seconds()
+    while int(store.add("joined", 0)) < world_size:
+        if time.monotonic() > deadline:
+            joined = int(store.add("joined", 0))
+            raise WeightChannelError(
+                f"weight channel: {joined} of {world_size} members joined within {wait.total_seconds():g}s; "
+                "the missing ones never connected"
+            )
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- manifest
+def make_manifest(buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]], *, model: str) -> dict[str, Any]:
+    """The JSON-serialisable description of what will be sent: every tensor's name, shape and
+    dtype, bucket by bucket, with each bucket's size in bytes."""
+    out = []
+    for bucket in buckets:
+        tensors = [
+            {"name": n, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, shape, dtype in bucket
+        ]
+        out.append({"bytes": sum(_padded(_nbytes(t)) for t in tensors), "tensors": tensors})
+    return {"format": FORMAT, "model": model, "buckets": out}
+
+
+def _nbytes(entry: Mapping[str, Any]) -> int:
+    count = 1
+    for size in entry["shape"]:
+        count *= int(size)
+    return count * _dtype(entry["dtype"]).itemsize
+
+
+ALIGN = 8  # every tensor starts 8-byte aligned in a bucket's buffer (a dtype view needs it)
+
+
+def _padded(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise WeightChannelError(f"manifest: unknown dtype {name!r}")
+    return value
+
+
+def digest(manifest: Mapping[str, Any]) -> int:
+    """A 63-bit fingerprint of a manifest (both sides compare it before any bucket)."""
+    text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _check_manifest(manifest: Any) -> None:
+    if (
+        not isinstance(manifest, Mapping)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("buckets"), list)
+    ):
+        raise WeightChannelError(f"not a plancc weights manifest (format {FORMAT!r} with 'buckets')")
+
+
+def _handshake(channel: WeightChannel, manifest: Mapping[str, Any]) -> None:
+    """Rank 0's manifest digest to every receiver; any mismatch fails every member at once."""
+    mine = digest(manifest)
+    theirs = torch.tensor([mine, len(manifest["buckets"])], dtype=torch.int64, device=channel.device)
+    channel.broadcast(theirs, "manifest handshake")
+    differs = int(theirs[0].item()) != mine
+    if channel.any(differs, "manifest handshake"):
+        who = "this receiver's" if differs else "a receiver's"
+        raise WeightChannelError(
+            f"weight channel rank {channel.rank}: {who} manifest differs from the policy's (another model, "
+            f"plan, dtype or bucket size): the policy sends {int(theirs[1].item())} buckets, this side expected "
+            f"{len(manifest['buckets'])}; nothing was sent"
+        )
+
+
+def send_buckets(
+    channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
+) -> int:
+    """Rank 0's side: the manifest handshake, then each bucket as one buffer. Returns bytes sent."""
+    _check_manifest(manifest)
+    _handshake(channel, manifest)
+    sent = 0
+    for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
+        names = [n for n, _ in bucket]
+        if names != [t["name"] for t in expected["tensors"]]:
+            raise WeightChannelError(f"bucket {index}: the weights do not follow the manifest ({names[:3]} ...)")
+        flat = torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=channel.device)
+        offset = 0
+        for _, tensor in bucket:
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[offset : offset + raw.numel()] = raw.to(channel.device)
+            offset += _padded(raw.numel())
+        channel.broadcast(flat, f"bucket {index} of {len(manifest['buckets'])}")
+        sent += flat.numel()
+    return sent
+
+
+def receive_weights(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver's side: ``(hf_name, tensor)`` of every weight the policy sends, one bucket in
+    flight at a time, each tensor a view into one reused buffer (valid until the next bucket)."""
+    _check_manifest(manifest)
+    _handshake(channel, manifest)
+    largest = max((int(b["bytes"]) for b in manifest["buckets"]), default=0)
+    buffer = torch.empty(largest, dtype=torch.uint8, device=channel.device)
+    count = len(manifest["buckets"])
+    for index, bucket in enumerate(manifest["buckets"]):
+        flat = buffer[: int(bucket["bytes"])]
+        channel.broadcast(flat, f"bucket {index} of {count}")
+        offset = 0
+        for entry in bucket["tensors"]:
+            size = _nbytes(entry)
+            dtype = _dtype(entry["dtype"])
+            yield entry["name"], flat[offset : offset + size].view(dtype).reshape(entry["shape"])
+            offset += _padded(size)

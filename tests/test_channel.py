@@ -1,0 +1,60 @@
+"""Weights to a rollout engine in another process with no disk: the manifest first, then the
+weights bucket by bucket over a channel of its own (plancc.weight_channel). What arrives equals
+export_hf bitwise, the receiver's buffer is one bucket, and a receiver that expects another
+manifest fails on both sides with a clear error instead of a hang."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = 32 * 1024
+
+
+def _run(tmp_path, tamper):
+    from .channel_worker import policy_side
+    from .distributed import free_port, launch
+
+    port = free_port()
+    manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "tests.channel_worker", str(port), str(manifest), str(received), "1" if tamper else "0"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        results = launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, BUCKET, str(manifest),
+                         str(tmp_path / "hf"))
+        out, _ = receiver.communicate(timeout=180)
+    finally:
+        receiver.kill()
+    return results, receiver.returncode, out, received
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_receiver_gets_what_export_hf_writes_one_bucket_at_a_time(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    results, code, out, received = _run(tmp_path, tamper=False)
+    assert code == 0, out
+    assert "error" not in results[0] and results[0]["sent"] > 0, results
+    got = torch.load(received)
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    buffer = int(out.split("BUFFER")[1].split()[0])
+    largest = max(t.numel() * t.element_size() for t in want.values())
+    assert buffer <= max(BUCKET, largest) + 8 * len(want), (buffer, BUCKET, largest)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_receiver_expecting_another_manifest_fails_on_both_sides(tmp_path):
+    results, code, out, _ = _run(tmp_path, tamper=True)
+    assert code == 3 and "manifest differs from the policy's" in out, out
+    assert "manifest differs" in results[0]["error"], results
