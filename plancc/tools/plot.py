@@ -1,4 +1,5 @@
-"""``plancc plot``: the loss curve, gradient norm and throughput of a ``--metrics`` file, as a
+"""``plancc plot``: the loss curve, gradient norm and throughput (and an RL loop's reward and KL)
+of a ``--metrics`` file, as a
 PNG (matplotlib, an optional extra: ``pip install 'plancc[plot]'``)."""
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from pathlib import Path
 
 from ..errors import Diagnostic, PlanError, SourceLoc
 
-PANELS = (("loss", "loss"), ("grad_norm", "gradient norm"), ("tokens_per_s", "tokens / s"))
+PANELS = (
+    ("loss", "loss"),
+    ("grad_norm", "gradient norm"),
+    ("tokens_per_s", "tokens / s"),
+    ("reward", "reward"),  # an RL loop's (examples/grpo.py)
+    ("kl", "KL to the reference"),
+)
 
 
 def _problem(path: Path, line: int, message: str, fix: str, rule: str = "metrics-file") -> PlanError:
@@ -74,8 +81,10 @@ def plot(path: Path, out: Path) -> int:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(PANELS), 1, figsize=(7, 8), sharex=True)
-    for ax, (key, label) in zip(axes, PANELS, strict=True):
+    panels = [(key, label) for key, label in PANELS if any(key in row for row in rows)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.7 * len(panels)), sharex=True, squeeze=False)
+    axes = axes[:, 0]
+    for ax, (key, label) in zip(axes, panels, strict=True):
         points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
         ax.set_ylabel(label)

@@ -1,0 +1,264 @@
+"""GRPO on a tiny model on CPU, end to end: a parallelized policy (plancc.Policy) with a frozen
+reference, rollouts sampled by an unsharded Hugging Face model in another process that receives
+the policy's weights over a weight channel after every step, group-normalized advantages, and
+the clipped objective with a KL term. The reward is verifiable: the share of sampled tokens that
+lie in the lower half of the vocabulary (a random model scores about 0.5; a trained one 1.0).
+
+    python examples/grpo.py [--steps 16] [--nproc 2] [--tp 1] [--metrics grpo.jsonl]
+    plancc plot grpo.jsonl --out grpo.png
+
+The policy runs on ``--nproc`` ranks started by torch's elastic launcher (torchrun's machinery);
+the rollout engine is one more process (``--role rollout``). Each step:
+
+1. the policy's rank 0 sends the weights over the channel (bucket by bucket); the rollout engine
+   loads them (``load_state_dict`` of what arrives: the names are Hugging Face's);
+2. the engine samples ``--group`` responses for each of ``--prompts`` prompts and sends the
+   token ids back over the same channel;
+3. every policy rank takes its dp slice, computes the old log-probs (the policy's) and the
+   reference's, the rewards and the group-normalized advantages, and calls ``Policy.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+PLAN = os.path.join(HERE, "..", "plans", "qwen3.yaml")
+MODEL = "tiny-qwen3"
+PROMPT_LEN = 4
+RESPONSE_LEN = 6
+
+
+# ----------------------------------------------------------------------------- the task
+def reward(responses, vocab):
+    """The share of each response's tokens in the lower half of the vocabulary: [rows]."""
+    return (responses < vocab // 2).float().mean(1)
+
+
+def grpo_loss(lp, mb, norm, eps=0.2, beta=0.02):
+    """The clipped surrogate with group-normalized advantages and a k3 KL to the reference,
+    a token mean over the global batch (``norm.tokens``)."""
+    import torch
+
+    mask = mb["token_mask"].float()
+    ratio = torch.exp(lp - mb["old_logprobs"])
+    adv = mb["advantages"][:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    delta = mb["ref_logprobs"] - lp
+    kl = torch.exp(delta) - delta - 1
+    loss = ((beta * kl - surrogate) * mask).sum() / norm.tokens
+    return loss, {"kl_sum": float((kl.detach() * mask).sum())}
+
+
+# ----------------------------------------------------------------------------- rollout engine
+def rollout(args) -> int:
+    """The rollout engine: an unsharded model that takes the policy's weights every step."""
+    import torch
+
+    import plancc
+    from plancc.models import build_model, load_config
+
+    torch.set_num_threads(1)
+    config = load_config(MODEL)
+    model = build_model(config, device="cpu").eval()  # its weights come over the channel
+    manifest = _wait_for_file(args.manifest)
+    channel = plancc.weight_channel("127.0.0.1", args.port, rank=1, world_size=2, backend="gloo", timeout=120)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    rows = args.prompts * args.group
+    for _ in range(args.steps):
+        with torch.no_grad():
+            received = {name: tensor.clone() for name, tensor in plancc.receive_weights(channel, manifest)}
+            missing, unexpected = model.load_state_dict(received, strict=False)
+            assert not unexpected, unexpected
+            model.tie_weights()
+            prompts = torch.randint(0, config.vocab_size, (args.prompts, PROMPT_LEN), generator=gen)
+            ids = prompts.repeat_interleave(args.group, dim=0)
+            for _ in range(RESPONSE_LEN):
+                logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
+                token = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+                ids = torch.cat([ids, token], dim=1)
+        channel.broadcast(ids.contiguous(), "rollouts", root=1)
+        assert ids.shape == (rows, PROMPT_LEN + RESPONSE_LEN)
+    channel.close()
+    return 0
+
+
+def _wait_for_file(path: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rollout: no manifest at {path} within {timeout:g}s") from None
+            time.sleep(0.1)
+
+
+# ----------------------------------------------------------------------------- policy
+def policy_rank(args) -> list[dict]:
+    """One rank of the policy: the GRPO loop. Rank 0 returns the per-step metrics."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+
+    policy = plancc.Policy(
+        PLAN,
+        MODEL,
+        tp=args.tp,
+        reference=True,
+        seed=args.seed,
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": args.lr}},
+    )
+    vocab = policy.config.vocab_size
+    rank0 = dist.get_rank() == 0
+    channel = None
+    if rank0:
+        manifest = policy.weights_manifest(bucket_bytes=1 << 20)
+        with open(args.manifest + ".tmp", "w") as f:
+            json.dump(manifest, f)
+        os.replace(args.manifest + ".tmp", args.manifest)
+        channel = plancc.weight_channel("127.0.0.1", args.port, rank=0, world_size=2, backend="gloo", timeout=120)
+    rows = args.prompts * args.group
+    history = []
+    for step in range(1, args.steps + 1):
+        policy.send_weights(channel, bucket_bytes=1 << 20)
+        ids = torch.zeros((rows, PROMPT_LEN + RESPONSE_LEN), dtype=torch.long)
+        if channel is not None:
+            channel.broadcast(ids, "rollouts", root=1)
+        dist.broadcast(ids, src=0)  # to every policy rank
+        rewards = reward(ids[:, PROMPT_LEN:], vocab)
+        grouped = rewards.view(args.prompts, args.group)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+        token_mask = torch.zeros_like(ids, dtype=torch.bool)
+        token_mask[:, PROMPT_LEN:] = True  # the response tokens are trained, the prompt is not
+        batch = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "token_mask": token_mask,
+            "advantages": advantages,
+        }
+        mine = policy.slice_of(rows)
+        batch = {k: v[mine] for k, v in batch.items()}
+        batch["old_logprobs"] = policy.logprobs(batch)
+        batch["ref_logprobs"] = policy.reference_logprobs(batch)
+        metrics = policy.train(batch, grpo_loss, micro_batch_size=args.micro_batch_size)
+        row = {
+            "step": step,
+            "reward": float(rewards.mean()),
+            "kl": metrics["kl_sum"] / metrics["tokens"],
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+        }
+        history.append(row)
+        if rank0:
+            print(f"step {step:>3}  reward {row['reward']:.3f}  kl {row['kl']:.5f}  loss {row['loss']:+.5f}", flush=True)
+    if channel is not None:
+        channel.close()
+    return history
+
+
+def _policy_entry(args_dict: dict) -> list[dict]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    try:
+        return policy_rank(argparse.Namespace(**args_dict))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args) -> list[dict]:
+    """The rollout process and the policy's ranks; the metrics of every step."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    folder = tempfile.mkdtemp(prefix="plancc-grpo-")
+    args.port, args.manifest = _free_port(), os.path.join(folder, "manifest.json")
+    engine = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--role", "rollout", *_flags(args)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=args.nproc,
+            run_id=f"plancc-grpo-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+            max_restarts=0,
+            monitor_interval=0.2,
+            start_method="spawn",
+        )
+        history = elastic_launch(config, _policy_entry)(vars(args))[0]
+        if engine.wait(timeout=120) != 0:
+            raise SystemExit(f"the rollout engine exited with {engine.returncode}")
+    finally:
+        engine.kill()
+    if args.metrics:
+        with open(args.metrics, "w") as f:
+            for row in history:
+                f.write(json.dumps(row) + "\n")
+    return history
+
+
+def _flags(args) -> list[str]:
+    return [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("role", "metrics") and v is not None
+    ]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics", default=None, help="one JSON line per step: reward, kl, loss")
+    parser.add_argument("--role", choices=["driver", "rollout"], default="driver")
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--manifest", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.role == "rollout":
+        return rollout(args)
+    history = run(args)
+    first, last = history[: len(history) // 4 or 1], history[-(len(history) // 4 or 1) :]
+    mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
+    print(f"reward: first steps {mean(first):.3f} -> last steps {mean(last):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
