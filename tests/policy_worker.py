@@ -456,3 +456,24 @@ def _buckets_bounded(policy, bucket):
     groups = buckets(sizes, bucket)
     by_name = dict(sizes)
     return len(groups) > 1 and all(sum(by_name[n] for n in g) <= bucket or len(g) == 1 for g in groups)
+
+
+def torchrun_reference_for_ray(plan, model_name, layout_kwargs):
+    """What tests/test_ray_group.py's actors compute, on ranks started by the elastic launcher:
+    log-probs of the global batch (this rank's slice), one SGD step, its metrics."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    init_gloo()
+    policy = plancc.Policy(plan, model_name, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}, **layout_kwargs)
+    batch = global_batch(ROWS_PER_RANK * policy.dp_size, load_config(model_name).vocab_size, seed=13)
+    mine = policy.slice_of(batch["input_ids"].shape[0])
+    local = {k: v[mine] for k, v in batch.items()}
+    out = {"start": mine.start, "logprobs": policy.logprobs(local)}
+    metrics = policy.train(local, grpo, micro_batch_size=3)
+    out["metrics"] = {k: v for k, v in metrics.items() if k != "seconds"}
+    out["after"] = policy.logprobs(local)
+    torch.distributed.destroy_process_group()
+    return out
