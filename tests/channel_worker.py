@@ -79,6 +79,62 @@ def receiver(port: int, manifest_path: str, out_path: str, tamper: bool) -> int:
     return 0
 
 
+def policy_side_twice(plan, model_name, ports, bucket_bytes, manifest_path, export_dir):
+    """The weights sent to a receiver that dies after the first bucket (every policy rank gets one
+    error naming the bucket and the peer, the weights stay as they were), then over a new channel
+    to a receiver that takes them all."""
+    import os
+
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    from .policy_worker import ROWS_PER_RANK, _full_state, global_batch, nll
+
+    init_gloo()
+    policy = plancc.Policy(plan, model_name, tp=2)
+    policy.train(global_batch(ROWS_PER_RANK, load_config(model_name).vocab_size, seed=4), nll)
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        with open(manifest_path + ".tmp", "w") as f:
+            json.dump(policy.weights_manifest(bucket_bytes=bucket_bytes), f)
+        os.replace(manifest_path + ".tmp", manifest_path)
+    before = _full_state(policy.model)
+    result = {}
+    for attempt, port in enumerate(ports):
+        channel = plancc.weight_channel("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout=20) if rank0 else None
+        try:
+            result[f"sent_{attempt}"] = policy.send_weights(channel, bucket_bytes=bucket_bytes)
+            if channel is not None:
+                channel.close()
+        except plancc.WeightChannelError as exc:
+            result[f"error_{attempt}"] = str(exc)
+    after = _full_state(policy.model)
+    result["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    policy.export_hf(export_dir)
+    torch.distributed.destroy_process_group()
+    return result
+
+
+def dying_receiver(port: int, manifest_path: str) -> int:
+    """Joins, takes the first bucket, and dies (no goodbye)."""
+    import os
+
+    import plancc
+
+    while not os.path.exists(manifest_path):
+        time.sleep(0.1)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=20)
+    for _ in plancc.receive_weights(channel, manifest):
+        os._exit(9)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "dying":
+        sys.exit(dying_receiver(int(sys.argv[2]), sys.argv[3]))
     port, manifest_path, out_path, tamper = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
     sys.exit(receiver(port, manifest_path, out_path, tamper))

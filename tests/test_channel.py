@@ -1,7 +1,9 @@
 """Weights to a rollout engine in another process with no disk: the manifest first, then the
 weights bucket by bucket over a channel of its own (plancc.weight_channel). What arrives equals
-export_hf bitwise, the receiver's buffer is one bucket, and a receiver that expects another
-manifest fails on both sides with a clear error instead of a hang."""
+export_hf bitwise, the receiver's buffer is one bucket; a receiver that expects another
+manifest fails on both sides with a clear error, one that never joins is an error within the
+timeout, and one that dies mid-transfer is an error on every policy rank naming the bucket and
+the peer, with the weights unchanged and a new channel working."""
 
 import os
 import subprocess
@@ -58,3 +60,51 @@ def test_a_receiver_expecting_another_manifest_fails_on_both_sides(tmp_path):
     results, code, out, _ = _run(tmp_path, tamper=True)
     assert code == 3 and "manifest differs from the policy's" in out, out
     assert "manifest differs" in results[0]["error"], results
+
+
+def test_a_receiver_that_never_joins_is_an_error_within_the_timeout():
+    import time
+
+    import plancc
+
+    from .distributed import free_port
+
+    started = time.monotonic()
+    with pytest.raises(plancc.WeightChannelError, match="1 of 2 members joined within 2s"):
+        plancc.weight_channel("127.0.0.1", free_port(), rank=0, world_size=2, backend="gloo", timeout=2)
+    assert time.monotonic() - started < 60  # bounded: a hang would hit the test's timeout instead
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_works(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from .channel_worker import policy_side_twice
+    from .distributed import free_port, launch
+
+    ports = [free_port(), free_port()]
+    manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    dying = subprocess.Popen([sys.executable, "-m", "tests.channel_worker", "dying", str(ports[0]), str(manifest)],
+                             cwd=ROOT, env=env)
+    good = subprocess.Popen([sys.executable, "-m", "tests.channel_worker", str(ports[1]), str(manifest),
+                             str(received), "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        results = launch(policy_side_twice, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", ports, BUCKET, str(manifest),
+                         str(tmp_path / "hf"))
+        out, _ = good.communicate(timeout=120)
+    finally:
+        dying.kill()
+        good.kill()
+    for rank, got in results.items():
+        error = got["error_0"]
+        assert "bucket" in error and "receivers" in error, (rank, error)  # which bucket, which peer
+        assert got["unchanged"], (rank, got)  # the policy's weights are as they were
+        assert got["sent_1"] > 0 or rank != 0, (rank, got)  # rank 0 sends over the new channel
+        assert "error_1" not in got, (rank, got)
+    assert good.returncode == 0, out
+    got = torch.load(received)
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .batches import Batch
+from .channel import weight_channel
 from .policy import Policy
 
 
@@ -71,8 +72,6 @@ class PolicyWorker:
         return getattr(self.policy, method)(*args, **kwargs)
 
     def open_channel(self, host: str, port: int, world_size: int, backend: str | None, timeout: float) -> None:
-        from .channel import weight_channel
-
         assert self.policy is not None, "setup() first"
         if self.policy.mesh.get_rank() == 0:
             self.channel = weight_channel(host, port, rank=0, world_size=world_size, backend=backend, timeout=timeout)
