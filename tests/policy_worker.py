@@ -477,3 +477,49 @@ def torchrun_reference_for_ray(plan, model_name, layout_kwargs):
     out["after"] = policy.logprobs(local)
     torch.distributed.destroy_process_group()
     return out
+
+
+def weights_peak_memory(plan, config_path, layout_kwargs, bucket):
+    """This rank's peak resident memory while it streams weights() (each tensor dropped once
+    seen), and while it takes the seed's full state dict, above what it held before: measured
+    from the kernel's peak-RSS counter, with every allocation of 4 KiB or more its own mapping
+    (returned to the kernel when freed), so resident memory follows the live tensors."""
+    import ctypes
+    import re
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import plancc
+
+    init_gloo()
+    policy = plancc.Policy(plan, config_path, **layout_kwargs)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 4096)  # M_MMAP_THRESHOLD: fixed, not adjusted upwards
+
+    def status(field):
+        return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+    def peak_of(run):
+        torch.distributed.barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak starts again from now
+        base = status("VmRSS")
+        run()
+        return status("VmHWM") - base
+
+    largest = [0]
+
+    def stream():
+        for _, tensor in policy.weights(bucket_bytes=bucket):
+            largest[0] = max(largest[0], tensor.numel() * tensor.element_size())
+            del tensor
+
+    def seed_way():
+        state = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True))
+        for _, tensor in state.items():
+            tensor.sum()
+
+    out = {"stream": peak_of(stream), "seed": peak_of(seed_way), "largest": largest[0]}
+    out["total"] = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    torch.distributed.destroy_process_group()
+    return out
