@@ -1,0 +1,134 @@
+"""Refit, side by side in one run: the policy's weights to a rollout engine in another process,
+plancc's way (``send_weights``: bucket by bucket over a weight channel) against the seed's
+(NeMo-RL's ``broadcast_weights_for_collective``: every policy rank takes the full state dict,
+``get_model_state_dict(full_state_dict=True)``, then rank 0 broadcasts one tensor at a time).
+
+    python bench/refit.py [--model tiny-qwen3] [--tp 2] [--bucket-mib 4] [--rounds 3]
+
+Both run over the same channel, alternately, ``--rounds`` times each; prints the median time per
+refit on the sender, the bytes the receiver got and the number of messages, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from tests.distributed import free_port, init_gloo, launch  # noqa: E402
+
+
+def _seed_send(policy, channel) -> tuple[int, int]:
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True))
+    sent = messages = 0
+    if channel is not None:
+        for _, tensor in state.items():
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            channel.broadcast(flat, "seed refit")
+            sent, messages = sent + flat.numel(), messages + 1
+    return sent, messages
+
+
+def policy_side(model, tp, bucket, rounds, port, manifest_path):
+    import torch
+
+    import plancc
+
+    init_gloo()
+    policy = plancc.Policy(os.path.join(ROOT, "plans", "qwen3.yaml"), model, tp=tp)
+    rank0 = torch.distributed.get_rank() == 0
+    channel = None
+    if rank0:
+        manifest = policy.weights_manifest(bucket_bytes=bucket)
+        with open(manifest_path + ".tmp", "w") as f:
+            json.dump({"manifest": manifest, "seed": [[k, list(v.shape), str(v.dtype)] for k, v in
+                                                      policy.model.state_dict().items()]}, f)
+        os.replace(manifest_path + ".tmp", manifest_path)
+        channel = plancc.weight_channel("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout=120)
+    times: dict[str, list[float]] = {"plancc": [], "seed": []}
+    info = {}
+    for _ in range(rounds):
+        for way in ("plancc", "seed"):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            if way == "plancc":
+                sent = policy.send_weights(channel, bucket_bytes=bucket)
+                info["plancc"] = (sent, len(policy.weights_manifest(bucket_bytes=bucket)["buckets"]))
+            else:
+                info["seed"] = _seed_send(policy, channel)
+            times[way].append(time.perf_counter() - t0)
+    if channel is not None:
+        channel.close()
+    torch.distributed.destroy_process_group()
+    return {"times": times, "info": info}
+
+
+def receiver(port: int, manifest_path: str, rounds: int) -> None:
+    import torch
+
+    import plancc
+
+    while not os.path.exists(manifest_path):
+        time.sleep(0.05)
+    with open(manifest_path) as f:
+        both = json.load(f)
+    channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=120)
+    for _ in range(rounds):
+        for _name, tensor in plancc.receive_weights(channel, both["manifest"]):
+            pass
+        for _name, shape, dtype in both["seed"]:
+            count = 1
+            for s in shape:
+                count *= s
+            buffer = torch.empty(count * getattr(torch, dtype.removeprefix("torch.")).itemsize, dtype=torch.uint8)
+            channel.broadcast(buffer, "seed refit")
+    channel.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--bucket-mib", type=float, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--role", default="driver")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--manifest")
+    args = parser.parse_args()
+    if args.role == "receiver":
+        receiver(args.port, args.manifest, args.rounds)
+        return
+    port = free_port()
+    manifest = os.path.join(tempfile.mkdtemp(prefix="plancc-refit-"), "manifest.json")
+    engine = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "receiver", "--port", str(port),
+                               "--manifest", manifest, "--rounds", str(args.rounds)],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        bucket = int(args.bucket_mib * 2**20)
+        result = launch(policy_side, args.tp, args.model, args.tp, bucket, args.rounds, port, manifest)[0]
+        engine.wait(timeout=300)
+    finally:
+        engine.kill()
+    times, info = result["times"], result["info"]
+    ours, seed = statistics.median(times["plancc"]), statistics.median(times["seed"])
+    print(f"{args.model} at tp={args.tp}, one receiver process, gloo, {args.rounds} alternating rounds (median):")
+    print(f"  plancc send_weights ({args.bucket_mib:g} MiB buckets)   {ours * 1e3:8.1f} ms   "
+          f"{info['plancc'][0] / 2**20:8.2f} MiB in {info['plancc'][1]} messages")
+    print(f"  seed: full state dict, one tensor at a time  {seed * 1e3:8.1f} ms   "
+          f"{info['seed'][0] / 2**20:8.2f} MiB in {info['seed'][1]} messages")
+    print(f"  time ratio plancc/seed                      {ours / seed:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
