@@ -23,8 +23,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .compiler.plan import Plan, Rule, StyleRef, load_plan, parse_plan
     from .compiler.resolve import ResolvedPlan, resolve_plan
     from .engine.batches import BatchError
-    from .engine.channel import WeightChannelError, receive_weights, weight_channel
+    from .engine.channel import WeightChannelError, weight_channel
     from .engine.policy import Norm, Policy
+    from .engine.refit import receive_weights
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
     from .layout import Layout, LayoutError
     from .runtime.gradnorm import clip_grad_norm_
@@ -48,7 +49,8 @@ _HOMES = {
     "parallelize": "plancc.runtime.parallelize",
     **dict.fromkeys(["Norm", "Policy"], "plancc.engine.policy"),
     "BatchError": "plancc.engine.batches",
-    **dict.fromkeys(["WeightChannelError", "receive_weights", "weight_channel"], "plancc.engine.channel"),
+    **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
+    "receive_weights": "plancc.engine.refit",
 }
 _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
 

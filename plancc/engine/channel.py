@@ -151,16 +151,19 @@ def _wait_for_all(store: Any, world_size: int, wait: timedelta) -> None:
 
 
 # ----------------------------------------------------------------------------- manifest
-def make_manifest(buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]], *, model: str) -> dict[str, Any]:
+def make_manifest(
+    buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]], *, model: str, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The JSON-serialisable description of what will be sent: every tensor's name, shape and
-    dtype, bucket by bucket, with each bucket's size in bytes."""
+    dtype, bucket by bucket, with each bucket's size in bytes, and the model's config (a
+    receiver that reshards builds the model's layout from it)."""
     out = []
     for bucket in buckets:
         tensors = [
             {"name": n, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, shape, dtype in bucket
         ]
         out.append({"bytes": sum(_padded(_nbytes(t)) for t in tensors), "tensors": tensors})
-    return {"format": FORMAT, "model": model, "buckets": out}
+    return {"format": FORMAT, "model": model, "config": config or {}, "buckets": out}
 
 
 def _nbytes(entry: Mapping[str, Any]) -> int:
@@ -190,7 +193,7 @@ def digest(manifest: Mapping[str, Any]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
-def _check_manifest(manifest: Any) -> None:
+def check_manifest(manifest: Any) -> None:
     if (
         not isinstance(manifest, Mapping)
         or manifest.get("format") != FORMAT
@@ -199,7 +202,7 @@ def _check_manifest(manifest: Any) -> None:
         raise WeightChannelError(f"not a plancc weights manifest (format {FORMAT!r} with 'buckets')")
 
 
-def _handshake(channel: WeightChannel, manifest: Mapping[str, Any]) -> None:
+def handshake(channel: WeightChannel, manifest: Mapping[str, Any]) -> None:
     """Rank 0's manifest digest to every receiver; any mismatch fails every member at once."""
     mine = digest(manifest)
     theirs = torch.tensor([mine, len(manifest["buckets"])], dtype=torch.int64, device=channel.device)
@@ -218,8 +221,8 @@ def send_buckets(
     channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
 ) -> int:
     """Rank 0's side: the manifest handshake, then each bucket as one buffer. Returns bytes sent."""
-    _check_manifest(manifest)
-    _handshake(channel, manifest)
+    check_manifest(manifest)
+    handshake(channel, manifest)
     sent = 0
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
         names = [n for n, _ in bucket]
@@ -236,11 +239,11 @@ def send_buckets(
     return sent
 
 
-def receive_weights(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """A receiver's side: ``(hf_name, tensor)`` of every weight the policy sends, one bucket in
     flight at a time, each tensor a view into one reused buffer (valid until the next bucket)."""
-    _check_manifest(manifest)
-    _handshake(channel, manifest)
+    check_manifest(manifest)
+    handshake(channel, manifest)
     largest = max((int(b["bytes"]) for b in manifest["buckets"]), default=0)
     buffer = torch.empty(largest, dtype=torch.uint8, device=channel.device)
     count = len(manifest["buckets"])

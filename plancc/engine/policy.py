@@ -48,7 +48,8 @@ from ..runtime.weights import export_hf
 from . import checkpoint
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
 from .build import build_parallel_model
-from .channel import WeightChannel, WeightChannelError, make_manifest, send_buckets
+from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
+from .reshard import send_shards
 from .streaming import full_weights, manifest_buckets, weight_buckets
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
@@ -291,7 +292,7 @@ class Policy:
         """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
         tensor's name, shape and dtype, bucket by bucket). Local: nothing is gathered."""
         buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        return make_manifest(buckets, model=architecture_of(self.config))
+        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict())
 
     def send_weights(
         self,
@@ -299,12 +300,23 @@ class Policy:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: torch.dtype | None = None,
+        reshard: bool = False,
     ) -> int:
         """The weights to the receivers of ``channel``, bucket by bucket (``weights_manifest``
         says what they are). Collective over the policy's ranks: every rank gathers, rank 0 --
-        the channel's rank 0, the only one that passes a channel -- sends. Returns bytes sent."""
+        the channel's rank 0, the only one that passes a channel -- sends. Returns bytes sent.
+
+        ``reshard=True``: the receivers hold the model at a layout of their own
+        (``plancc.receive_weights(..., plan=, tp=)``) and each gets only its shard, straight
+        from the policy ranks that hold it; every policy rank passes the channel (it joined as
+        its own global rank)."""
         self._require_onloaded("send_weights")
         _reshard(self.model)
+        if reshard:
+            if channel is None:
+                raise ValueError("a resharded refit sends from every policy rank: each joins the weight channel")
+            handshake(channel, self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype))
+            return send_shards(channel, self.model, receivers=channel.world_size - dist.get_world_size())
         buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
         sent, problem = 0, ""
         if dist.get_rank() == 0:

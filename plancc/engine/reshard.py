@@ -1,0 +1,175 @@
+"""Resharded refit: every rank of a rollout engine gets only its own shard of each weight, sent
+straight from the policy ranks that hold those elements.
+
+Both sides know their layouts as data: a parameter's DTensor placements on its mesh say which
+box of the global tensor (offsets and lengths per dim) a rank holds. Every member of the channel
+publishes its boxes in the channel's store; the policy ranks publish theirs (and which of them
+own a box: of the ranks that hold the same replicated elements, the first), the receivers
+theirs (from their own plan at their own tensor-parallel size). Both sides then walk the same
+list of transfers -- for each parameter, each receiver, each policy owner: the intersection of
+the two boxes -- in the same order, as point-to-point messages over the channel: a global order,
+so no cycle of waits. A receiver gets exactly its shard, whatever the two layouts are.
+
+A policy parameter whose local elements are no box (FSDP2's ``_StridedShard``: FSDP over a dim
+that TP also shards, at dp > 1) is gathered whole by the policy's ranks first and sent from
+rank 0: the only tensors any policy rank gathers are those whose layouts do not line up.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .channel import WeightChannel, WeightChannelError
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
+
+
+def local_box(param: torch.Tensor) -> tuple[Box | None, bool]:
+    """(the box of the global tensor this rank holds, or None when its elements are no box;
+    whether this rank is the one that sends it: the first of the ranks holding the same box)."""
+    if not isinstance(param, DTensor):
+        return (tuple(0 for _ in param.shape), tuple(param.shape)), True
+    mesh, placements = param.device_mesh, list(param.placements)
+    owner = True
+    for axis, placement in enumerate(placements):
+        if mesh.size(axis) == 1:
+            placements[axis] = Replicate()  # a size-1 axis shards nothing
+        elif isinstance(placement, Replicate):
+            owner = owner and mesh.get_local_rank(axis) == 0
+        elif type(placement) is not Shard:  # _StridedShard, Partial: not a box of the global tensor
+            return None, False
+    lengths, offsets = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    return (tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)), owner
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    offsets, lengths = [], []
+    for (ao, al), (bo, bl) in zip(zip(*a, strict=True), zip(*b, strict=True), strict=True):
+        lo, hi = max(ao, bo), min(ao + al, bo + bl)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return tuple(offsets), tuple(lengths)
+
+
+def _slices(box: Box, within: Box) -> tuple[slice, ...]:
+    """``box`` as slices of a tensor holding ``within``."""
+    return tuple(slice(o - w, o - w + n) for o, n, w in zip(box[0], box[1], within[0], strict=True))
+
+
+def _publish(channel: WeightChannel, boxes: Mapping[str, Any]) -> None:
+    channel.store.set(f"boxes/{channel.rank}", json.dumps(boxes))
+
+
+def _read(channel: WeightChannel, rank: int) -> dict[str, Any]:
+    key = f"boxes/{rank}"
+    try:
+        channel.store.wait([key], channel.timeout)
+    except Exception:
+        raise WeightChannelError(
+            f"weight channel rank {channel.rank}: rank {rank} published no layout within "
+            f"{channel.timeout.total_seconds():g}s"
+        ) from None
+    return dict(json.loads(channel.store.get(key)))
+
+
+def _transfers(
+    names: list[str], policy: list[dict[str, Any]], receivers: list[dict[str, Any]], first_receiver: int
+) -> Iterator[tuple[str, int, int, Box]]:
+    """(parameter, policy rank, receiver channel rank, box) of every message, in one order."""
+    for name in names:
+        for r, wanted in enumerate(receivers):
+            want = _box(wanted[name]["box"])
+            for p, held in enumerate(policy):
+                entry = held[name]
+                if not entry["owner"]:
+                    continue
+                part = intersect(_box(entry["box"]), want)
+                if part is not None:
+                    yield name, p, first_receiver + r, part
+
+
+def _box(value: Any) -> Box:
+    offsets, lengths = value
+    return tuple(offsets), tuple(lengths)
+
+
+def _message(channel: WeightChannel, work: Any, what: str) -> None:
+    channel._wait(work, what)
+
+
+def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int) -> int:
+    """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
+    this rank sent."""
+    params = dict(model.named_parameters())
+    boxes, gathered = {}, {}
+    for name, param in params.items():
+        box, owner = local_box(param)
+        if box is None:  # no box here: gathered whole, rank 0 sends
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            gathered[name] = full.detach()
+            box, owner = (tuple(0 for _ in full.shape), tuple(full.shape)), dist.get_rank() == 0
+        boxes[name] = {"box": [list(box[0]), list(box[1])], "owner": owner}
+    _publish(channel, boxes)
+    policy_world = channel.world_size - receivers
+    policy = [boxes if p == channel.rank else _read(channel, p) for p in range(policy_world)]
+    wanted = [_read(channel, policy_world + r) for r in range(receivers)]
+    sent = 0
+    for index, (name, p, r, part) in enumerate(_transfers(list(params), policy, wanted, policy_world)):
+        if p != channel.rank:
+            continue
+        held = gathered.get(name)
+        if held is None:
+            param = params[name]
+            held = param.to_local() if isinstance(param, DTensor) else param
+        piece = held.detach()[_slices(part, _box(policy[p][name]["box"]))].contiguous().to(channel.device)
+        _message(channel, channel.group.send([piece], r, index), f"{name} to channel rank {r}")
+        sent += piece.numel() * piece.element_size()
+    return sent
+
+
+def receive_shards(
+    channel: WeightChannel, model: nn.Module, *, policy_world: int
+) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """A receiver's side: (name, this rank's local shard, bytes received for it) of every
+    parameter of ``model`` (the receiver's own parallelized model, meta or real), in order."""
+    params = dict(model.named_parameters())
+    mine = {}
+    for name, param in params.items():
+        box, _ = local_box(param)
+        if box is None:
+            raise WeightChannelError(
+                f"the receiver's layout of {name} is no box of the tensor ({getattr(param, 'placements', None)})"
+            )
+        mine[name] = {"box": [list(box[0]), list(box[1])], "owner": True}
+    _publish(channel, mine)
+    policy = [_read(channel, p) for p in range(policy_world)]
+    receivers = [
+        mine if policy_world + r == channel.rank else _read(channel, policy_world + r)
+        for r in range(channel.world_size - policy_world)
+    ]
+    current, shard, got = None, torch.empty(0), 0
+    for index, (name, p, r, part) in enumerate(_transfers(list(params), policy, receivers, policy_world)):
+        if r != channel.rank:
+            continue
+        if name != current:
+            if current is not None:
+                yield current, shard, got
+            current, got = name, 0
+            box = _box(mine[name]["box"])
+            shard = torch.empty(box[1], dtype=params[name].dtype, device=channel.device)
+        piece = torch.empty(part[1], dtype=shard.dtype, device=channel.device)
+        _message(channel, channel.group.recv([piece], p, index), f"{name} from channel rank {p}")
+        shard[_slices(part, _box(mine[name]["box"]))] = piece
+        got += piece.numel() * piece.element_size()
+    if current is not None:
+        yield current, shard, got
