@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .compiler.resolve import ResolvedPlan, resolve_plan
     from .engine.batches import BatchError
     from .engine.channel import WeightChannelError, weight_channel
+    from .engine.colocated import receive_shared_weights
     from .engine.policy import Norm, Policy
     from .engine.refit import receive_weights
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
@@ -51,6 +52,7 @@ _HOMES = {
     "BatchError": "plancc.engine.batches",
     **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
     "receive_weights": "plancc.engine.refit",
+    "receive_shared_weights": "plancc.engine.colocated",
 }
 _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
 
@@ -84,6 +86,7 @@ __all__ = [
     "materialize",
     "parallelize",
     "parse_plan",
+    "receive_shared_weights",
     "receive_weights",
     "resolve_plan",
     "weight_channel",

@@ -162,11 +162,11 @@ def make_manifest(
         tensors = [
             {"name": n, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, shape, dtype in bucket
         ]
-        out.append({"bytes": sum(_padded(_nbytes(t)) for t in tensors), "tensors": tensors})
+        out.append({"bytes": sum(aligned(entry_nbytes(t)) for t in tensors), "tensors": tensors})
     return {"format": FORMAT, "model": model, "config": config or {}, "buckets": out}
 
 
-def _nbytes(entry: Mapping[str, Any]) -> int:
+def entry_nbytes(entry: Mapping[str, Any]) -> int:
     count = 1
     for size in entry["shape"]:
         count *= int(size)
@@ -176,7 +176,7 @@ def _nbytes(entry: Mapping[str, Any]) -> int:
 ALIGN = 8  # every tensor starts 8-byte aligned in a bucket's buffer (a dtype view needs it)
 
 
-def _padded(size: int) -> int:
+def aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
@@ -233,7 +233,7 @@ def send_buckets(
         for _, tensor in bucket:
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()] = raw.to(channel.device)
-            offset += _padded(raw.numel())
+            offset += aligned(raw.numel())
         channel.broadcast(flat, f"bucket {index} of {len(manifest['buckets'])}")
         sent += flat.numel()
     return sent
@@ -252,7 +252,7 @@ def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iter
         channel.broadcast(flat, f"bucket {index} of {count}")
         offset = 0
         for entry in bucket["tensors"]:
-            size = _nbytes(entry)
+            size = entry_nbytes(entry)
             dtype = _dtype(entry["dtype"])
             yield entry["name"], flat[offset : offset + size].view(dtype).reshape(entry["shape"])
-            offset += _padded(size)
+            offset += aligned(size)

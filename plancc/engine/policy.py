@@ -49,6 +49,7 @@ from . import checkpoint
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
 from .build import build_parallel_model
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
+from .colocated import share_buckets
 from .reshard import send_shards
 from .streaming import full_weights, manifest_buckets, weight_buckets
 
@@ -335,6 +336,25 @@ class Policy:
         if said[0]:
             raise WeightChannelError(said[0])
         return sent
+
+    def share_weights(
+        self, connection: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+    ) -> int:
+        """The weights to a consumer process on the same device (a colocated rollout engine),
+        bucket by bucket by handle: CUDA IPC on a GPU, shared memory on the CPU, through a
+        ``multiprocessing`` connection (``plancc.receive_shared_weights`` on the other end).
+        Collective over the policy's ranks; rank 0, the only one that passes a connection,
+        shares. Returns bytes shared."""
+        self._require_onloaded("share_weights")
+        _reshard(self.model)
+        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        shared = 0
+        if dist.get_rank() == 0:
+            manifest = self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype)
+            shared = share_buckets(connection, manifest, buckets, self.device)
+        for _ in buckets:  # the gathers are collective: every rank runs them all
+            pass
+        return shared
 
     def export_hf(self, folder: str | Path) -> None:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""
