@@ -46,7 +46,7 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir)
     return result
 
 
-def receiver(port: int, manifest_path: str, out_path: str, tamper: bool) -> int:
+def receiver(port: int, manifest_path: str, out_path: str, tamper: bool, timeout: float = 60) -> int:
     """Join the channel as rank 1 once the manifest is there; save what arrives."""
     import torch
 
@@ -65,7 +65,7 @@ def receiver(port: int, manifest_path: str, out_path: str, tamper: bool) -> int:
             time.sleep(0.1)
     if tamper:  # a receiver that expects another model: one tensor of another shape
         manifest["buckets"][0]["tensors"][0]["shape"][0] += 1
-    channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=60)
+    channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=timeout)
     try:
         received = {name: tensor.clone() for name, tensor in plancc.receive_weights(channel, manifest)}
     except plancc.WeightChannelError as exc:
@@ -137,4 +137,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "dying":
         sys.exit(dying_receiver(int(sys.argv[2]), sys.argv[3]))
     port, manifest_path, out_path, tamper = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-    sys.exit(receiver(port, manifest_path, out_path, tamper))
+    timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 60
+    sys.exit(receiver(port, manifest_path, out_path, tamper, timeout))

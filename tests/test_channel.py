@@ -108,3 +108,39 @@ def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_
     got = torch.load(received)
     want = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_naming_peer_and_bucket(
+    tmp_path, monkeypatch
+):
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .channel_worker import policy_side
+    from .distributed import free_port, launch
+
+    port = free_port()
+    manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "tests.channel_worker", str(port), str(manifest), str(received), "0", "10"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    monkeypatch.setenv("PLANCC_FAULT", "send:kill@0#2")  # the policy's rank 0 dies before bucket 2
+    try:
+        with pytest.raises(ChildFailedError):
+            launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, BUCKET, str(manifest),
+                   str(tmp_path / "hf"))
+        died = time.monotonic()
+        out, _ = receiver.communicate(timeout=120)
+        waited = time.monotonic() - died
+    finally:
+        receiver.kill()
+    assert receiver.returncode == 3, out
+    (line,) = [x for x in out.splitlines() if x.startswith("ERROR:")]
+    assert "bucket 1 of" in line and "the policy (channel rank 0)" in line, line
+    assert waited < 60, waited  # the channel's timeout (10 s), not a hang
+    assert not received.exists()
