@@ -112,8 +112,11 @@ def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "fault", ["send:kill@0#2", "gather:kill@1#2"], ids=["sender-dies", "another-policy-rank-dies"]
+)
 def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_naming_peer_and_bucket(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, fault
 ):
     import time
 
@@ -129,7 +132,7 @@ def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_na
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    monkeypatch.setenv("PLANCC_FAULT", "send:kill@0#2")  # the policy's rank 0 dies before bucket 2
+    monkeypatch.setenv("PLANCC_FAULT", fault)  # a policy rank dies before bucket 2 (sending it, gathering it)
     try:
         with pytest.raises(ChildFailedError):
             launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, BUCKET, str(manifest),

@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
+from . import faults
 
 
 def exported_names(model: nn.Module) -> list[str]:
@@ -67,7 +69,9 @@ def weight_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``."""
     state, plan = _plan(model, bucket_bytes, dtype)
-    for bucket in plan:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for index, bucket in enumerate(plan):
+        faults.inject("gather", rank=rank, step=index + 1)
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
         with quiet_logger("torch.distributed.tensor"):
             full = {name: _full(state[name], dtype) for name in bucket}
