@@ -16,17 +16,21 @@ ROOT = Path(__file__).resolve().parents[1]
 BUCKET = 32 * 1024
 
 
+def _receiver(*args):
+    """A receiver process (``python -m tests.channel_worker ARGS``), its output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.channel_worker", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 def _run(tmp_path, tamper):
     from .channel_worker import policy_side
     from .distributed import free_port, launch
 
     port = free_port()
     manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
-    receiver = subprocess.Popen(
-        [sys.executable, "-m", "tests.channel_worker", str(port), str(manifest), str(received), "1" if tamper else "0"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    receiver = _receiver(port, manifest, received, "1" if tamper else "0")
     try:
         results = launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, BUCKET, str(manifest),
                          str(tmp_path / "hf"))
@@ -86,11 +90,8 @@ def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_
 
     ports = [free_port(), free_port()]
     manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    dying = subprocess.Popen([sys.executable, "-m", "tests.channel_worker", "dying", str(ports[0]), str(manifest)],
-                             cwd=ROOT, env=env)
-    good = subprocess.Popen([sys.executable, "-m", "tests.channel_worker", str(ports[1]), str(manifest),
-                             str(received), "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    dying = _receiver("dying", ports[0], manifest)
+    good = _receiver(ports[1], manifest, received, "0")
     try:
         results = launch(policy_side_twice, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", ports, BUCKET, str(manifest),
                          str(tmp_path / "hf"))
@@ -127,11 +128,7 @@ def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_na
 
     port = free_port()
     manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
-    receiver = subprocess.Popen(
-        [sys.executable, "-m", "tests.channel_worker", str(port), str(manifest), str(received), "0", "10"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    receiver = _receiver(port, manifest, received, "0", "10")
     monkeypatch.setenv("PLANCC_FAULT", fault)  # a policy rank dies before bucket 2 (sending it, gathering it)
     try:
         with pytest.raises(ChildFailedError):
