@@ -565,7 +565,7 @@ def _init_process_group(device: str, timeout_s: float) -> None:
         return
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    if device == "cpu":
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # the caller's choice stands
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
