@@ -50,6 +50,7 @@ from .batches import Batch, BatchError, Microbatch, check_batch, default_token_m
 from .build import build_parallel_model
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
+from .offload import HostCopy, device_tensors
 from .reshard import send_shards
 from .streaming import full_weights, manifest_buckets, weight_buckets
 
@@ -133,6 +134,7 @@ class Policy:
         self.step = 0
         self._reference = _host_copy(self._shards()) if reference else None
         self._offloaded = False
+        self._host: HostCopy | None = None  # what offload() keeps of the device memory
 
     # ------------------------------------------------------------------ layout
     @property
@@ -365,14 +367,19 @@ class Policy:
 
     # ------------------------------------------------------------------ memory
     def offload(self) -> None:
-        """Parameters, gradients and optimizer state to host memory (while a rollout engine
-        runs on the device); ``onload`` brings them back. A no-op on CPU."""
+        """Parameters, gradients and optimizer state to pinned host memory (while a rollout
+        engine runs on the device); ``onload`` brings them back (``engine.offload`` says how).
+        Nothing moves on CPU."""
+        if self._offloaded:
+            return
         _reshard(self.model)
-        self._move("cpu")
+        self._host = HostCopy.offload(device_tensors(self.model, self.optimizer))
         self._offloaded = True
 
     def onload(self) -> None:
-        self._move(self.device)
+        if self._host is not None:
+            self._host.onload()
+            self._host = None
         self._offloaded = False
 
     # ------------------------------------------------------------------ checkpoints
@@ -551,13 +558,6 @@ class Policy:
             with torch.no_grad():
                 for param, value in zip(own, kept, strict=True):
                     param.copy_(value)
-
-    def _move(self, device: str) -> None:
-        self.model.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and not (key == "step" and value.device.type == "cpu"):
-                    state[key] = value.to(device)
 
 
 def _init_process_group(device: str, timeout_s: float) -> None:

@@ -1,0 +1,74 @@
+"""Device memory of a parallelized model and its optimizer, to pinned host memory and back.
+
+Not ``module.to("cpu")``: that makes new tensors, FSDP2 then re-pads every sharded parameter
+into fresh (pageable) storage, and the optimizer's references must be rebuilt. Instead every
+device storage behind a parameter, a gradient or an optimizer state is copied into pinned host
+memory and resized to nothing; ``onload`` gives it its size back and copies the bytes in. Every
+tensor object -- FSDP's sharded parameters, the views into them, the optimizer's state -- stays
+the one it was, so training goes on bitwise as if nothing happened (the way verl and NeMo-RL
+free an FSDP model's memory between phases)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def device_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor of the model (parameters, their gradients, buffers) and of the optimizer's
+    state, as the local tensors that own device storage."""
+    for param in model.parameters():
+        yield _local(param)
+        if param.grad is not None:
+            yield _local(param.grad)
+    for buffer in model.buffers():
+        yield _local(buffer)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield _local(value)
+
+
+@dataclass
+class HostCopy:
+    """The device storages a model and its optimizer hold, kept in pinned host memory while
+    offloaded."""
+
+    storages: list[torch.UntypedStorage] = field(default_factory=list)
+    copies: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def offload(cls, tensors: Iterator[torch.Tensor]) -> HostCopy:
+        kept = cls()
+        seen: set[int] = set()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.device.type == "cpu" or storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(raw, non_blocking=True)
+            kept.storages.append(storage)
+            kept.copies.append(host)
+        if kept.storages:
+            torch.cuda.synchronize()  # the copies are done before the storages go
+        for storage in kept.storages:
+            storage.resize_(0)
+        return kept
+
+    def onload(self) -> None:
+        for storage, host in zip(self.storages, self.copies, strict=True):
+            storage.resize_(host.numel())
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host, non_blocking=True)
+        if self.storages:
+            torch.cuda.synchronize()
+        self.storages, self.copies = [], []
