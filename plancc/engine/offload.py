@@ -46,16 +46,23 @@ class HostCopy:
     copies: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def offload(cls, tensors: Iterator[torch.Tensor]) -> HostCopy:
+    def offload(cls, tensors: Iterator[torch.Tensor], reuse: list[torch.Tensor] | None = None) -> HostCopy:
+        """Copy and free; ``reuse``: the pinned buffers of an earlier offload, taken again where
+        the sizes match (allocating pinned memory is most of an offload's time)."""
         kept = cls()
         seen: set[int] = set()
+        spare = list(reuse or [])
         for tensor in tensors:
             storage = tensor.untyped_storage()
             if storage.device.type == "cpu" or storage.nbytes() == 0 or storage.data_ptr() in seen:
                 continue
             seen.add(storage.data_ptr())
             raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
+            index = len(kept.copies)
+            if index < len(spare) and spare[index].numel() == raw.numel():
+                host = spare[index]
+            else:
+                host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(raw, non_blocking=True)
             kept.storages.append(storage)
             kept.copies.append(host)
@@ -65,10 +72,12 @@ class HostCopy:
             storage.resize_(0)
         return kept
 
-    def onload(self) -> None:
+    def onload(self) -> list[torch.Tensor]:
+        """Give every storage its bytes back; returns the pinned buffers, for the next offload."""
         for storage, host in zip(self.storages, self.copies, strict=True):
             storage.resize_(host.numel())
             torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host, non_blocking=True)
         if self.storages:
             torch.cuda.synchronize()
-        self.storages, self.copies = [], []
+        buffers, self.storages, self.copies = self.copies, [], []
+        return buffers

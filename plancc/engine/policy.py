@@ -135,6 +135,7 @@ class Policy:
         self._reference = _host_copy(self._shards()) if reference else None
         self._offloaded = False
         self._host: HostCopy | None = None  # what offload() keeps of the device memory
+        self._pinned: list[torch.Tensor] = []  # its pinned host buffers, reused by the next offload
 
     # ------------------------------------------------------------------ layout
     @property
@@ -373,12 +374,12 @@ class Policy:
         if self._offloaded:
             return
         _reshard(self.model)
-        self._host = HostCopy.offload(device_tensors(self.model, self.optimizer))
+        self._host = HostCopy.offload(device_tensors(self.model, self.optimizer), reuse=self._pinned)
         self._offloaded = True
 
     def onload(self) -> None:
         if self._host is not None:
-            self._host.onload()
+            self._pinned = self._host.onload()  # kept for the next offload: pinning is slow
             self._host = None
         self._offloaded = False
 
