@@ -477,3 +477,38 @@ def torchrun_reference_for_ray(plan, model_name, layout_kwargs):
     out["after"] = policy.logprobs(local)
     torch.distributed.destroy_process_group()
     return out
+
+
+def weights_peak_memory(plan, config_path, layout_kwargs, bucket):
+    """This rank's peak bytes of the tensors made while it streams weights() (each one dropped
+    once seen) and while it takes the seed's full state dict (tests/live_bytes.py)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    import plancc
+
+    from .live_bytes import LiveBytes
+
+    init_gloo()
+    policy = plancc.Policy(plan, config_path, **layout_kwargs)
+    held = [t._local_tensor if isinstance(t, DTensor) else t
+            for t in [*policy.model.parameters(), *policy.model.buffers()]]
+    largest = [0]
+
+    def stream():
+        for _, tensor in policy.weights(bucket_bytes=bucket):
+            largest[0] = max(largest[0], tensor.numel() * tensor.element_size())
+
+    def seed_way():
+        return len(get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True)))
+
+    out = {}
+    for name, run in {"stream": stream, "seed": seed_way}.items():
+        with LiveBytes(held) as counter:
+            run()
+        out[name] = counter.peak
+    out["largest"] = largest[0]
+    out["total"] = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    torch.distributed.destroy_process_group()
+    return out

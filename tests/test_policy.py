@@ -182,3 +182,25 @@ def test_offload_round_trip_and_weights_out(tmp_path, plan, model, layout):
         assert got["bitwise"], (rank, got)
         assert got["names_equal"] and got["bitwise_export"], (rank, got)
         assert got["buckets_bounded"], (rank, got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])
+def test_weights_out_take_a_bucket_of_memory_not_the_model(tmp_path, layout):
+    """Measured per rank (tests/live_bytes.py): streaming weights() holds at most bucket_bytes +
+    the largest tensor, where the seed's full state dict holds the whole model."""
+    from plancc.models import load_config
+
+    from .distributed import launch
+    from .policy_worker import weights_peak_memory
+
+    config = load_config("tiny-qwen3")
+    config.vocab_size, config.hidden_size, config.intermediate_size, config.head_dim = 8192, 256, 1024, 64
+    config.save_pretrained(tmp_path / "wide")
+    bucket = 2 * 2**20
+    results = launch(weights_peak_memory, 2, "plans/qwen3.yaml", str(tmp_path / "wide" / "config.json"), layout,
+                     bucket)
+    for rank, got in results.items():
+        assert 0 < got["stream"] <= bucket + got["largest"], (rank, got)
+        assert got["seed"] >= 0.9 * got["total"], (rank, got)  # the whole model at once

@@ -50,7 +50,9 @@ def full_weights(
     """``(hf_name, full tensor)`` of every exported weight, a bucket at a time. Collective: the
     full tensor of a sharded parameter is gathered over its mesh on every rank."""
     for bucket in weight_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype):
-        yield from bucket
+        bucket.reverse()
+        while bucket:  # handed on one by one, so that none is still held when the next bucket is gathered
+            yield bucket.pop()
 
 
 def _plan(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None) -> tuple[dict, list[list[str]]]:
