@@ -6,7 +6,9 @@ plancc's way (``send_weights``: bucket by bucket over a weight channel) against 
     python bench/refit.py [--model tiny-qwen3] [--tp 2] [--bucket-mib 4] [--rounds 3]
 
 Both run over the same channel, alternately, ``--rounds`` times each; prints the median time per
-refit on the sender, the bytes the receiver got and the number of messages, and the ratio.
+refit on the sender, the bytes the receiver got and the number of messages, the ratio, and the
+peak bytes of tensors each way holds on a policy rank (tests/live_bytes.py, one more untimed
+round: counting slows the ops).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from tests.distributed import free_port, init_gloo, launch  # noqa: E402
+from tests.live_bytes import LiveBytes  # noqa: E402
 
 
 def _seed_send(policy, channel) -> tuple[int, int]:
@@ -57,21 +60,34 @@ def policy_side(model, tp, bucket, rounds, port, manifest_path):
         os.replace(manifest_path + ".tmp", manifest_path)
         channel = plancc.weight_channel("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout=120)
     times: dict[str, list[float]] = {"plancc": [], "seed": []}
+    peaks = {"plancc": 0, "seed": 0}
     info = {}
+    from torch.distributed.tensor import DTensor
+
+    held = [t._local_tensor if isinstance(t, DTensor) else t for t in [*policy.model.parameters(),
+                                                                      *policy.model.buffers()]]
+    manifest_buckets = len(policy.weights_manifest(bucket_bytes=bucket)["buckets"])
     for _ in range(rounds):
         for way in ("plancc", "seed"):
             torch.distributed.barrier()
             t0 = time.perf_counter()
             if way == "plancc":
                 sent = policy.send_weights(channel, bucket_bytes=bucket)
-                info["plancc"] = (sent, len(policy.weights_manifest(bucket_bytes=bucket)["buckets"]))
+                info["plancc"] = (sent, manifest_buckets)
             else:
                 info["seed"] = _seed_send(policy, channel)
             times[way].append(time.perf_counter() - t0)
+    for way in ("plancc", "seed"):  # once more, counting what each way holds (slower: not timed)
+        with LiveBytes(held) as counter:
+            if way == "plancc":
+                policy.send_weights(channel, bucket_bytes=bucket)
+            else:
+                _seed_send(policy, channel)
+        peaks[way] = counter.peak
     if channel is not None:
         channel.close()
     torch.distributed.destroy_process_group()
-    return {"times": times, "info": info}
+    return {"times": times, "info": info, "peaks": peaks}
 
 
 def receiver(port: int, manifest_path: str, rounds: int) -> None:
@@ -84,7 +100,7 @@ def receiver(port: int, manifest_path: str, rounds: int) -> None:
     with open(manifest_path) as f:
         both = json.load(f)
     channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=120)
-    for _ in range(rounds):
+    for _ in range(rounds + 1):
         for _name, tensor in plancc.receive_weights(channel, both["manifest"]):
             pass
         for _name, shape, dtype in both["seed"]:
@@ -116,17 +132,21 @@ def main() -> None:
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         bucket = int(args.bucket_mib * 2**20)
-        result = launch(policy_side, args.tp, args.model, args.tp, bucket, args.rounds, port, manifest)[0]
+        results = launch(policy_side, args.tp, args.model, args.tp, bucket, args.rounds, port, manifest)
+        result = results[0]
         engine.wait(timeout=300)
     finally:
         engine.kill()
     times, info = result["times"], result["info"]
+    peak = {way: max(r["peaks"][way] for r in results.values()) for way in ("plancc", "seed")}
     ours, seed = statistics.median(times["plancc"]), statistics.median(times["seed"])
     print(f"{args.model} at tp={args.tp}, one receiver process, gloo, {args.rounds} alternating rounds (median):")
     print(f"  plancc send_weights ({args.bucket_mib:g} MiB buckets)   {ours * 1e3:8.1f} ms   "
-          f"{info['plancc'][0] / 2**20:8.2f} MiB in {info['plancc'][1]} messages")
+          f"{info['plancc'][0] / 2**20:8.2f} MiB in {info['plancc'][1]} messages, "
+          f"peak held per policy rank {peak['plancc'] / 2**20:8.2f} MiB")
     print(f"  seed: full state dict, one tensor at a time  {seed * 1e3:8.1f} ms   "
-          f"{info['seed'][0] / 2**20:8.2f} MiB in {info['seed'][1]} messages")
+          f"{info['seed'][0] / 2**20:8.2f} MiB in {info['seed'][1]} messages, "
+          f"peak held per policy rank {peak['seed'] / 2**20:8.2f} MiB")
     print(f"  time ratio plancc/seed                      {ours / seed:8.3f}")
 
 

@@ -231,16 +231,41 @@ def send_buckets(
         names = [n for n, _ in bucket]
         if names != [t["name"] for t in expected["tensors"]]:
             raise WeightChannelError(f"bucket {index}: the weights do not follow the manifest ({names[:3]} ...)")
-        flat = torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=channel.device)
-        offset = 0
-        for _, tensor in bucket:
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[offset : offset + raw.numel()] = raw.to(channel.device)
-            offset += aligned(raw.numel())
+        flat = _alone(bucket, int(expected["bytes"]), channel.device)
+        if flat is None:
+            flat = _packed(bucket, int(expected["bytes"]), channel.device)
         faults.inject("send", rank=dist.get_rank() if dist.is_initialized() else 0, step=index + 1)
         channel.broadcast(flat, f"bucket {index} of {len(manifest['buckets'])}")
         sent += flat.numel()
+        del flat
     return sent
+
+
+def _alone(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> torch.Tensor | None:
+    """A bucket of one tensor (one larger than a bucket, or the last) as its own bytes, with no
+    copy, when they are the bucket's bytes exactly; else None."""
+    if len(bucket) != 1:
+        return None
+    tensor = bucket[0][1]
+    if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes or tensor.device.type != device:
+        return None
+    bucket.clear()
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _packed(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> torch.Tensor:
+    """The bucket's tensors one after the other (8-byte aligned) in one buffer, each freed once
+    copied: the bucket is held once, not twice."""
+    flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    offset = 0
+    bucket.reverse()
+    while bucket:
+        _, tensor = bucket.pop()
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[offset : offset + raw.numel()] = raw.to(device)
+        offset += aligned(raw.numel())
+        del tensor, raw
+    return flat
 
 
 def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:

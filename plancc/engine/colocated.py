@@ -28,10 +28,13 @@ def share_buckets(
         if flat.device.type == "cpu":
             flat.share_memory_()
         offset = 0
-        for _, tensor in bucket:
+        bucket.reverse()
+        while bucket:  # each tensor freed once packed: the bucket is held once, not twice
+            _, tensor = bucket.pop()
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()] = raw
             offset += aligned(raw.numel())
+            del tensor, raw
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)  # the copies are done before the handle is read
         connection.send(("bucket", index, flat))

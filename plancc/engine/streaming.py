@@ -77,8 +77,9 @@ def weight_buckets(
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
         with quiet_logger("torch.distributed.tensor"):
             full = {name: _full(state[name], dtype) for name in bucket}
-        yield list(revert_weight_conversion(model, full).items())  # type: ignore[arg-type]
-        del full
+        converted = list(revert_weight_conversion(model, full).items())  # type: ignore[arg-type]
+        del full  # the caller alone holds the bucket: it may free each tensor as it goes
+        yield converted
 
 
 def manifest_buckets(
