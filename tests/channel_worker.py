@@ -32,7 +32,7 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir)
         import os
 
         os.replace(manifest_path + ".tmp", manifest_path)
-        channel = plancc.weight_channel("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout=60)
+        channel = _open_on_any_port(port)  # a file the receiver reads the port from
     else:
         channel = None
     try:
@@ -46,7 +46,7 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir)
     return result
 
 
-def receiver(port: int, manifest_path: str, out_path: str, tamper: bool, timeout: float = 60) -> int:
+def receiver(port: str, manifest_path: str, out_path: str, tamper: bool, timeout: float = 60) -> int:
     """Join the channel as rank 1 once the manifest is there; save what arrives."""
     import torch
 
@@ -65,7 +65,7 @@ def receiver(port: int, manifest_path: str, out_path: str, tamper: bool, timeout
             time.sleep(0.1)
     if tamper:  # a receiver that expects another model: one tensor of another shape
         manifest["buckets"][0]["tensors"][0]["shape"][0] += 1
-    channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=timeout)
+    channel = plancc.weight_channel("127.0.0.1", _port(port), rank=1, world_size=2, backend="gloo", timeout=timeout)
     try:
         received = {name: tensor.clone() for name, tensor in plancc.receive_weights(channel, manifest)}
     except plancc.WeightChannelError as exc:
@@ -79,7 +79,38 @@ def receiver(port: int, manifest_path: str, out_path: str, tamper: bool, timeout
     return 0
 
 
-def policy_side_twice(plan, model_name, ports, bucket_bytes, manifest_path, export_dir):
+def _port(value) -> int:
+    """A port, or ``file:PATH``: the port rank 0's channel got, once it writes it there."""
+    text = str(value)
+    if not text.startswith("file:"):
+        return int(text)
+    path = text.removeprefix("file:")
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with open(path) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no port at {path}") from None
+            time.sleep(0.05)
+
+
+def _open_on_any_port(port_path: str):
+    """Rank 0's channel on a port the system picks, written to ``port_path`` for the receiver."""
+    import os
+
+    import plancc
+
+    def tell(port: int) -> None:
+        with open(port_path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(port_path + ".tmp", port_path)
+
+    return plancc.weight_channel("127.0.0.1", 0, rank=0, world_size=2, backend="gloo", timeout=60, on_open=tell)
+
+
+def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path, export_dir):
     """The weights sent to a receiver that dies after the first bucket (every policy rank gets one
     error naming the bucket and the peer, the weights stay as they were), then over a new channel
     to a receiver that takes them all."""
@@ -102,8 +133,8 @@ def policy_side_twice(plan, model_name, ports, bucket_bytes, manifest_path, expo
         os.replace(manifest_path + ".tmp", manifest_path)
     before = _full_state(policy.model)
     result = {}
-    for attempt, port in enumerate(ports):
-        channel = plancc.weight_channel("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout=20) if rank0 else None
+    for attempt, port_path in enumerate(port_paths):
+        channel = _open_on_any_port(port_path) if rank0 else None
         try:
             result[f"sent_{attempt}"] = policy.send_weights(channel, bucket_bytes=bucket_bytes)
             if channel is not None:
@@ -117,7 +148,7 @@ def policy_side_twice(plan, model_name, ports, bucket_bytes, manifest_path, expo
     return result
 
 
-def dying_receiver(port: int, manifest_path: str) -> int:
+def dying_receiver(port: str, manifest_path: str) -> int:
     """Joins, takes the first bucket, and dies (no goodbye)."""
     import os
 
@@ -127,7 +158,7 @@ def dying_receiver(port: int, manifest_path: str) -> int:
         time.sleep(0.1)
     with open(manifest_path) as f:
         manifest = json.load(f)
-    channel = plancc.weight_channel("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout=20)
+    channel = plancc.weight_channel("127.0.0.1", _port(port), rank=1, world_size=2, backend="gloo", timeout=20)
     for _ in plancc.receive_weights(channel, manifest):
         os._exit(9)
     return 0
@@ -135,7 +166,7 @@ def dying_receiver(port: int, manifest_path: str) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "dying":
-        sys.exit(dying_receiver(int(sys.argv[2]), sys.argv[3]))
-    port, manifest_path, out_path, tamper = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+        sys.exit(dying_receiver(sys.argv[2], sys.argv[3]))
+    port, manifest_path, out_path, tamper = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
     timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 60
     sys.exit(receiver(port, manifest_path, out_path, tamper, timeout))

@@ -26,11 +26,11 @@ def _receiver(*args):
 
 def _run(tmp_path, tamper):
     from .channel_worker import policy_side
-    from .distributed import free_port, launch
+    from .distributed import launch
 
-    port = free_port()
+    port = str(tmp_path / "port")  # the policy opens the channel on a port the system picks, written here
     manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
-    receiver = _receiver(port, manifest, received, "1" if tamper else "0")
+    receiver = _receiver(f"file:{port}", manifest, received, "1" if tamper else "0")
     try:
         results = launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, BUCKET, str(manifest),
                          str(tmp_path / "hf"))
@@ -86,12 +86,13 @@ def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_
     from safetensors.torch import load_file
 
     from .channel_worker import policy_side_twice
-    from .distributed import free_port, launch
+    from .distributed import launch
 
-    ports = [free_port(), free_port()]
+    # each channel on a port the system gives rank 0 (told through a file): nothing to collide with
+    ports = [str(tmp_path / "port0"), str(tmp_path / "port1")]
     manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
-    dying = _receiver("dying", ports[0], manifest)
-    good = _receiver(ports[1], manifest, received, "0")
+    dying = _receiver("dying", f"file:{ports[0]}", manifest)
+    good = _receiver(f"file:{ports[1]}", manifest, received, "0")
     try:
         results = launch(policy_side_twice, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", ports, BUCKET, str(manifest),
                          str(tmp_path / "hf"))
@@ -124,11 +125,11 @@ def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_na
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .channel_worker import policy_side
-    from .distributed import free_port, launch
+    from .distributed import launch
 
-    port = free_port()
+    port = str(tmp_path / "port")
     manifest, received = tmp_path / "manifest.json", tmp_path / "received.pt"
-    receiver = _receiver(port, manifest, received, "0", "10")
+    receiver = _receiver(f"file:{port}", manifest, received, "0", "10")
     monkeypatch.setenv("PLANCC_FAULT", fault)  # a policy rank dies before bucket 2 (sending it, gathering it)
     try:
         with pytest.raises(ChildFailedError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -49,6 +49,11 @@ class WeightChannel:
     world_size: int
     device: str
     timeout: timedelta
+
+    @property
+    def port(self) -> int:
+        """The port the channel meets at (rank 0 may open it at port 0: the system picks one)."""
+        return int(self.store.port)
 
     def close(self) -> None:
         """End the channel on every member (collective over the channel). The sender tears its
@@ -109,16 +114,22 @@ def weight_channel(
     world_size: int,
     backend: str | None = None,
     timeout: float = 60.0,
+    on_open: Callable[[int], None] | None = None,
 ) -> WeightChannel:
     """Join (rank 0: open) the weight channel at ``host:port`` of ``world_size`` members: the
-    policy's rank 0 as rank 0, receivers as 1..world_size-1. ``backend``: gloo or nccl (default:
-    nccl when CUDA is available). Every member must join within ``timeout`` seconds."""
+    policy's rank 0 as rank 0, receivers as 1..world_size-1. Rank 0 may pass port 0 and an
+    ``on_open(port)`` that tells the receivers the port the system picked (before it waits for
+    them): no port is chosen in advance and taken by someone else meanwhile.
+    ``backend``: gloo or nccl (default: nccl when CUDA is available). Every member must join
+    within ``timeout`` seconds."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a channel of {world_size}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     wait = timedelta(seconds=timeout)
     try:
         store = dist.TCPStore(host, port, world_size, rank == 0, timeout=wait, wait_for_workers=False)
+        if on_open is not None:
+            on_open(int(store.port))
         store.add("joined", 1)
         store.wait(["joined"], wait)
         _wait_for_all(store, world_size, wait)
