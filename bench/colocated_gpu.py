@@ -12,7 +12,6 @@ memory above what it held before (``torch.cuda.max_memory_allocated``).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -20,6 +19,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_report import report  # noqa: E402
 
 
 def consumer(connection, rounds: int) -> None:
@@ -96,11 +98,7 @@ def main() -> None:
         "seed_peak_extra_bytes": peaks["seed"],
         "bucket_bytes": args.bucket_mib * 2**20,
     }
-    for key, value in result.items():
-        print(f"{key:28s} {value}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
     torch.distributed.destroy_process_group()
 
 

@@ -12,12 +12,14 @@ seed's way of getting the same tensors (``get_model_state_dict(full_state_dict=T
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpu_report import report  # noqa: E402
 
 
 def nll(lp, mb, norm):
@@ -44,8 +46,9 @@ def main() -> None:
     import plancc
 
     mib = 2**20
-    a = plancc.Policy(args.plan, args.model, device="cuda", optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}})
-    b = plancc.Policy(args.plan, args.model, device="cuda", optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}})
+    adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5}}
+    a = plancc.Policy(args.plan, args.model, device="cuda", optimizer=adamw)
+    b = plancc.Policy(args.plan, args.model, device="cuda", optimizer=adamw)
     vocab = a.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batch = {
@@ -123,12 +126,7 @@ def main() -> None:
     result["seed_full_state_dict_s"] = time.perf_counter() - t0
     result["seed_full_state_dict_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
     del state
-    for key, value in result.items():
-        shown = f"{value / mib:.1f} MiB" if key.endswith("bytes") else value
-        print(f"{key:40s} {shown}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
     torch.distributed.destroy_process_group()
 
 
