@@ -89,6 +89,13 @@ class Layout:
         return self.ep * self.tp
 
     @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length must be a multiple of to split evenly over the ranks that
+        shard the sequence: tp under SP, times 2 * cp under CP (each cp rank takes a head and a
+        tail chunk)."""
+        return (self.tp if self.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+
+    @property
     def sizes(self) -> dict[str, int]:
         return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
 

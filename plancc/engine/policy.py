@@ -195,7 +195,7 @@ class Policy:
         non_finite: int | None = None  # the first microbatch whose loss is not finite
         try:
             for index, rows in enumerate(plan):
-                mb = Microbatch.of(batch, rows or [0], multiple=self._multiple(), pack=pack)
+                mb = Microbatch.of(batch, rows or [0], multiple=self.layout.sequence_multiple, pack=pack)
                 lp, ent = self._forward(mb, entropy=entropy, temperature=1.0)
                 if not rows:  # a dummy pass: this rank has fewer microbatches than another
                     (lp.sum() * 0.0).backward()
@@ -260,7 +260,7 @@ class Policy:
         try:
             with torch.no_grad():
                 for rows in plan:
-                    mb = Microbatch.of(batch, rows or [0], multiple=self._multiple(), pack=False)
+                    mb = Microbatch.of(batch, rows or [0], multiple=self.layout.sequence_multiple, pack=False)
                     lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
                     if rows:
                         out[rows] = lp
@@ -418,11 +418,6 @@ class Policy:
     def _require_onloaded(self, what: str) -> None:
         if self._offloaded:
             raise RuntimeError(f"Policy.{what}: the policy is offloaded; call onload() first")
-
-    def _multiple(self) -> int:
-        """Sequence lengths split evenly over the sequence-sharding ranks (SP: tp; CP: 2 * cp)."""
-        layout = self.layout
-        return (layout.tp if layout.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
 
     def _checked(
         self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None

@@ -123,10 +123,6 @@ def _init(cfg: RunConfig) -> str:
     return device
 
 
-def _from_folder(cfg: RunConfig) -> bool:
-    return from_folder(cfg.model)
-
-
 def _batches(
     cfg: RunConfig, dataset: TokenDataset | None, vocab_size: int, start: int, count: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -526,7 +522,7 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
 
 def _reference_model(cfg: RunConfig, config: PretrainedConfig, device: str) -> nn.Module:
     """The unsharded model with the same weights as the parallelized one."""
-    if _from_folder(cfg):
+    if from_folder(cfg.model):
         reference: nn.Module = AutoModelForCausalLM.from_pretrained(str(cfg.model))
         return reference.to(device)
     torch.manual_seed(cfg.seed)
@@ -561,11 +557,6 @@ def _packed_batch(seqs: list[tuple[int, ...]], multiple: int) -> Rows:
     return ids, None, cu
 
 
-def _sequence_multiple(layout: Layout) -> int:
-    """Sequence lengths must split evenly over the sequence-sharding ranks (SP: tp; CP: 2*cp)."""
-    return (layout.tp if layout.sequence_parallel else 1) * (2 * layout.cp if layout.cp > 1 else 1)
-
-
 Row = dict[str, list[float]]  # {"logprobs": [...]} and, with --entropy, {"entropy": [...]}
 
 
@@ -587,7 +578,7 @@ def _logprobs_of(
     """This rank's rows of log-probs (and entropy), and the worst difference from the unsharded
     ``reference`` when there is one."""
     sequences, device = job.dataset.sequences if job.dataset else (), job.device
-    multiple = _sequence_multiple(job.layout)
+    multiple = job.layout.sequence_multiple
     results: dict[int, Row] = {}
     worst = 0.0
     options: dict[str, Any] = {"mesh": job.mesh, "temperature": cfg.temperature}
