@@ -97,6 +97,14 @@ class WeightChannel:
         options.rootRank, options.rootTensor = root, 0
         self._wait(self.group.broadcast([tensor], options) if self.group is not None else None, what)
 
+    def send(self, tensor: torch.Tensor, to: int, tag: int, what: str) -> None:
+        """``tensor`` to channel rank ``to`` alone (a resharded refit's point-to-point pieces)."""
+        self._wait(self.group.send([tensor], to, tag) if self.group is not None else None, what)
+
+    def recv(self, tensor: torch.Tensor, source: int, tag: int, what: str) -> None:
+        """Into ``tensor``, what channel rank ``source`` sends with ``tag``."""
+        self._wait(self.group.recv([tensor], source, tag) if self.group is not None else None, what)
+
     def any(self, flag: bool, what: str) -> bool:
         """Whether any member of the channel says ``flag``."""
         t = torch.tensor([int(flag)], device=self.device)
@@ -244,7 +252,7 @@ def send_buckets(
             raise WeightChannelError(f"bucket {index}: the weights do not follow the manifest ({names[:3]} ...)")
         flat = _alone(bucket, int(expected["bytes"]), channel.device)
         if flat is None:
-            flat = _packed(bucket, int(expected["bytes"]), channel.device)
+            flat = pack_into(torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=channel.device), bucket)
         faults.inject("send", rank=dist.get_rank() if dist.is_initialized() else 0, step=index + 1)
         channel.broadcast(flat, f"bucket {index} of {len(manifest['buckets'])}")
         sent += flat.numel()
@@ -264,19 +272,27 @@ def _alone(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> 
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def _packed(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> torch.Tensor:
-    """The bucket's tensors one after the other (8-byte aligned) in one buffer, each freed once
-    copied: the bucket is held once, not twice."""
-    flat = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+def pack_into(flat: torch.Tensor, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bucket's tensors one after the other (each 8-byte aligned) in the byte buffer
+    ``flat``, each freed once copied: the bucket is held once, not twice. Empties ``bucket``."""
     offset = 0
     bucket.reverse()
     while bucket:
         _, tensor = bucket.pop()
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        flat[offset : offset + raw.numel()] = raw.to(device)
+        flat[offset : offset + raw.numel()] = raw.to(flat.device)
         offset += aligned(raw.numel())
         del tensor, raw
     return flat
+
+
+def unpack(flat: torch.Tensor, entries: list[Mapping[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, view into flat)`` of each manifest entry of a bucket ``pack_into`` laid out."""
+    offset = 0
+    for entry in entries:
+        size = entry_nbytes(entry)
+        yield entry["name"], flat[offset : offset + size].view(_dtype(entry["dtype"])).reshape(entry["shape"])
+        offset += aligned(size)
 
 
 def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -290,9 +306,4 @@ def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iter
     for index, bucket in enumerate(manifest["buckets"]):
         flat = buffer[: int(bucket["bytes"])]
         channel.broadcast(flat, f"bucket {index} of {count}")
-        offset = 0
-        for entry in bucket["tensors"]:
-            size = entry_nbytes(entry)
-            dtype = _dtype(entry["dtype"])
-            yield entry["name"], flat[offset : offset + size].view(dtype).reshape(entry["shape"])
-            offset += aligned(size)
+        yield from unpack(flat, bucket["tensors"])

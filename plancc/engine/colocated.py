@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .channel import aligned, check_manifest, entry_nbytes
+from .channel import check_manifest, pack_into, unpack
 
 
 def share_buckets(
@@ -27,14 +27,7 @@ def share_buckets(
         flat = torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=device)
         if flat.device.type == "cpu":
             flat.share_memory_()
-        offset = 0
-        bucket.reverse()
-        while bucket:  # each tensor freed once packed: the bucket is held once, not twice
-            _, tensor = bucket.pop()
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[offset : offset + raw.numel()] = raw
-            offset += aligned(raw.numel())
-            del tensor, raw
+        pack_into(flat, bucket)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)  # the copies are done before the handle is read
         connection.send(("bucket", index, flat))
@@ -57,11 +50,6 @@ def receive_shared_weights(connection: Any) -> Iterator[tuple[str, torch.Tensor]
         if message[0] == "end":
             return
         _, index, flat = message
-        offset = 0
-        for entry in manifest["buckets"][index]["tensors"]:
-            size = entry_nbytes(entry)
-            dtype = getattr(torch, entry["dtype"])
-            yield entry["name"], flat[offset : offset + size].view(dtype).reshape(entry["shape"])
-            offset += aligned(size)
+        yield from unpack(flat, manifest["buckets"][index]["tensors"])
         del flat
         connection.send(("done", index))

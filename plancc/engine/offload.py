@@ -15,26 +15,23 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+from ..runtime.styles.experts import plain
 
 
 def device_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """Every tensor of the model (parameters, their gradients, buffers) and of the optimizer's
     state, as the local tensors that own device storage."""
     for param in model.parameters():
-        yield _local(param)
+        yield plain(param)
         if param.grad is not None:
-            yield _local(param.grad)
+            yield plain(param.grad)
     for buffer in model.buffers():
-        yield _local(buffer)
+        yield plain(buffer)
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                yield _local(value)
+                yield plain(value)
 
 
 @dataclass

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
@@ -44,6 +43,7 @@ from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
 from ..runtime.stepping import require_stepped
+from ..runtime.styles.experts import plain
 from ..runtime.weights import export_hf
 from . import checkpoint
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
@@ -133,8 +133,7 @@ class Policy:
         self.max_grad_norm = max_grad_norm
         self.step = 0
         self._reference = _host_copy(self._shards()) if reference else None
-        self._offloaded = False
-        self._host: HostCopy | None = None  # what offload() keeps of the device memory
+        self._host: HostCopy | None = None  # while offloaded: what offload() keeps of the device memory
         self._pinned: list[torch.Tensor] = []  # its pinned host buffers, reused by the next offload
 
     # ------------------------------------------------------------------ layout
@@ -321,24 +320,15 @@ class Policy:
                 raise ValueError("a resharded refit sends from every policy rank: each joins the weight channel")
             handshake(channel, self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype))
             return send_shards(channel, self.model, receivers=channel.world_size - dist.get_world_size())
-        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        sent, problem = 0, ""
-        if dist.get_rank() == 0:
+
+        def send(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
             if channel is None:
-                problem = "the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)"
-            else:
-                try:
-                    manifest = self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype)
-                    sent = send_buckets(channel, manifest, buckets)
-                except WeightChannelError as exc:
-                    problem = str(exc)
-        for _ in buckets:  # the gathers are collective: every rank runs them all, sent or not
-            pass
-        said = [problem]
-        dist.broadcast_object_list(said, src=0)
-        if said[0]:
-            raise WeightChannelError(said[0])
-        return sent
+                raise WeightChannelError(
+                    "the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)"
+                )
+            return send_buckets(channel, manifest, buckets)
+
+        return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype)
 
     def share_weights(
         self, connection: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
@@ -350,14 +340,36 @@ class Policy:
         shares. Returns bytes shared."""
         self._require_onloaded("share_weights")
         _reshard(self.model)
+
+        def share(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
+            return share_buckets(connection, manifest, buckets, self.device)
+
+        return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def _from_rank0(
+        self,
+        hand_out: Callable[[dict[str, Any], Iterator[list[tuple[str, torch.Tensor]]]], int],
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+    ) -> int:
+        """Every rank gathers the weights bucket by bucket (collective); rank 0 hands each one
+        out as it comes (``hand_out(manifest, buckets)``). A ``WeightChannelError`` there is
+        raised on every rank, after every rank has run every gather."""
         buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        shared = 0
+        sent, problem = 0, ""
         if dist.get_rank() == 0:
-            manifest = self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype)
-            shared = share_buckets(connection, manifest, buckets, self.device)
-        for _ in buckets:  # the gathers are collective: every rank runs them all
+            try:
+                sent = hand_out(self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype), buckets)
+            except WeightChannelError as exc:
+                problem = str(exc)
+        for _ in buckets:  # the gathers are collective: every rank runs them all, sent or not
             pass
-        return shared
+        said = [problem]
+        dist.broadcast_object_list(said, src=0)
+        if said[0]:
+            raise WeightChannelError(said[0])
+        return sent
 
     def export_hf(self, folder: str | Path) -> None:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""
@@ -371,17 +383,15 @@ class Policy:
         """Parameters, gradients and optimizer state to pinned host memory (while a rollout
         engine runs on the device); ``onload`` brings them back (``engine.offload`` says how).
         Nothing moves on CPU."""
-        if self._offloaded:
+        if self._host is not None:
             return
         _reshard(self.model)
         self._host = HostCopy.offload(device_tensors(self.model, self.optimizer), reuse=self._pinned)
-        self._offloaded = True
 
     def onload(self) -> None:
         if self._host is not None:
             self._pinned = self._host.onload()  # kept for the next offload: pinning is slow
             self._host = None
-        self._offloaded = False
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path) -> Path:
@@ -416,7 +426,7 @@ class Policy:
 
     # ------------------------------------------------------------------ internals
     def _require_onloaded(self, what: str) -> None:
-        if self._offloaded:
+        if self._host is not None:
             raise RuntimeError(f"Policy.{what}: the policy is offloaded; call onload() first")
 
     def _checked(
@@ -517,7 +527,7 @@ class Policy:
         names = [name for name, _ in self.model.named_parameters()]
         bad = torch.zeros(len(names), dtype=torch.int32, device=self.device)
         for i, (_, param) in enumerate(self.model.named_parameters()):
-            grad = _local(param.grad) if param.grad is not None else None
+            grad = plain(param.grad)
             bad[i] = int(grad is not None and not bool(torch.isfinite(grad).all()))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         total = self._sum_over_dp([loss])[0]
@@ -536,7 +546,7 @@ class Policy:
     def _shards(self) -> list[torch.Tensor]:
         """This rank's storage of every parameter, in order (written in place by swaps)."""
         _reshard(self.model)
-        return [_local(p) for p in self.model.parameters()]
+        return [plain(p) for p in self.model.parameters()]
 
     @contextmanager
     def _weights_swapped(self, shards: list[torch.Tensor]) -> Iterator[None]:
@@ -571,10 +581,6 @@ def _reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _host_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -615,8 +621,8 @@ def _schedule_state(scheduler: Any) -> dict[str, Any]:
 
 
 def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:
-    """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails, is not a
-    scalar or is not finite."""
+    """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails or is not a
+    scalar (a non-finite one is backpropagated first, then refused: ``_refuse_non_finite``)."""
     try:
         result = loss_fn(lp, fields, norm)
     except KeyError as exc:

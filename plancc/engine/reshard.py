@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..runtime.styles.experts import plain
 from .channel import WeightChannel, WeightChannelError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
@@ -103,10 +104,6 @@ def _box(value: Any) -> Box:
     return tuple(offsets), tuple(lengths)
 
 
-def _message(channel: WeightChannel, work: Any, what: str) -> None:
-    channel._wait(work, what)
-
-
 def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int) -> int:
     """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
     this rank sent."""
@@ -130,9 +127,9 @@ def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int) -> 
         held = gathered.get(name)
         if held is None:
             param = params[name]
-            held = param.to_local() if isinstance(param, DTensor) else param
+            held = plain(param)
         piece = held.detach()[_slices(part, _box(policy[p][name]["box"]))].contiguous().to(channel.device)
-        _message(channel, channel.group.send([piece], r, index), f"{name} to channel rank {r}")
+        channel.send(piece, r, index, f"{name} to channel rank {r}")
         sent += piece.numel() * piece.element_size()
     return sent
 
@@ -168,7 +165,7 @@ def receive_shards(
             box = _box(mine[name]["box"])
             shard = torch.empty(box[1], dtype=params[name].dtype, device=channel.device)
         piece = torch.empty(part[1], dtype=shard.dtype, device=channel.device)
-        _message(channel, channel.group.recv([piece], p, index), f"{name} from channel rank {p}")
+        channel.recv(piece, p, index, f"{name} from channel rank {p}")
         shard[_slices(part, _box(mine[name]["box"]))] = piece
         got += piece.numel() * piece.element_size()
     if current is not None:

@@ -19,13 +19,14 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
+from ..runtime.styles.experts import plain
 from . import faults
 
 
 def exported_names(model: nn.Module) -> list[str]:
     """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group."""
     state = model.state_dict()
-    local = {name: (value.to_local() if isinstance(value, DTensor) else value) for name, value in state.items()}
+    local = {name: plain(value) for name, value in state.items()}
     kept = remove_tied_weights_from_state_dict(local, model)  # type: ignore[arg-type]
     return [name for name in state if name in kept]
 
