@@ -58,20 +58,19 @@ def main() -> None:
     result: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     a.train(batch, nll, micro_batch_size=2)
     b.train(batch, nll, micro_batch_size=2)
-    torch.cuda.synchronize()
+    def timed(run) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     torch.cuda.empty_cache()
     # memory of the whole process: both policies; A's share is what offload frees
     before = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    a.offload()
-    torch.cuda.synchronize()
-    result["offload_s"] = time.perf_counter() - t0
-    torch.cuda.empty_cache()
+    result["offload_s"] = timed(a.offload)
     after = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    a.onload()
-    torch.cuda.synchronize()
-    result["onload_s"] = time.perf_counter() - t0
+    result["onload_s"] = timed(a.onload)
     # A's own footprint: what B (identical, never offloaded) holds
     result["policy_bytes_on_device"] = before / 2
     result["after_offload_bytes_of_A"] = after - before / 2
@@ -79,15 +78,8 @@ def main() -> None:
     a.train(batch, nll, micro_batch_size=2)
     b.train(batch, nll, micro_batch_size=2)
     # a second round trip: the pinned host buffers of the first are reused
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    a.offload()
-    torch.cuda.synchronize()
-    result["second_offload_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    a.onload()
-    torch.cuda.synchronize()
-    result["second_onload_s"] = time.perf_counter() - t0
+    result["second_offload_s"] = timed(a.offload)
+    result["second_onload_s"] = timed(a.onload)
     a.train(batch, nll, micro_batch_size=2)
     b.train(batch, nll, micro_batch_size=2)
     sa, sb = a.model.state_dict(), b.model.state_dict()
