@@ -181,3 +181,15 @@ def test_apply_trains_the_same_steps_whether_the_batch_is_one_pass_microbatches_
     assert len(curves["one"]) == 2
     for name in ("rows", "packed"):
         assert all(abs(a - b) <= 2e-6 for a, b in zip(curves[name], curves["one"], strict=True)), curves
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_token_budget_smaller_than_a_row_is_a_diagnostic_not_a_traceback(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(2, 2 + n))}) + "\n" for n in (5, 9, 7, 12)))
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--data", data, "--steps", 1, "--batch-size", 4,
+                                "--max-tokens", 4)
+    assert code == 1, (out, err)
+    assert "[data]" in err and "more than max_tokens=4" in err and "fix:" in err, err
+    assert "Traceback" not in err
