@@ -54,6 +54,8 @@ def _main(
 
 EXIT_PLAN = 1
 EXIT_USAGE = 2
+# problems of the command line itself (exit 2), not of the plan, the config or the data
+USAGE_RULES = frozenset({"file-not-found", "file-unreadable", "usage", "path-overlap"})
 
 
 class Format(StrEnum):
@@ -273,9 +275,7 @@ def _emit(diagnostics: list[Diagnostic], fmt: Format, summary: dict | None = Non
 def _exit_code(exc: PlanError) -> int:
     from .models import ModelSpecError
 
-    usage = isinstance(exc, ModelSpecError) or any(
-        d.rule in ("file-not-found", "file-unreadable", "usage") for d in exc.diagnostics
-    )
+    usage = isinstance(exc, ModelSpecError) or any(d.rule in USAGE_RULES for d in exc.diagnostics)
     return EXIT_USAGE if usage else EXIT_PLAN
 
 
@@ -423,8 +423,18 @@ def plot(
     out: Annotated[Path, typer.Option("--out", "-o", help="PNG to write")] = Path("metrics.png"),
 ) -> None:
     """Draw loss, gradient norm and throughput per step from a --metrics file."""
+    from .paths import RunPath, overlaps
     from .tools.plot import plot as draw
 
+    problems = overlaps(
+        [
+            RunPath(flag="METRICS.jsonl", path=str(metrics_file), output=False),
+            RunPath(flag="-o", path=str(out), output=True),
+        ]
+    )
+    if problems:
+        _emit(problems, Format.text)
+        raise typer.Exit(EXIT_USAGE)
     try:
         steps = draw(metrics_file, out)
     except PlanError as exc:
@@ -659,7 +669,7 @@ def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format) -> tuple[D
     problems = preflight(cfg, report.meta_model, report.config)  # the model and config validate built
     if problems:
         _emit(problems, fmt)
-        raise typer.Exit(EXIT_USAGE if any(d.rule == "usage" for d in problems) else EXIT_PLAN)
+        raise typer.Exit(EXIT_USAGE if any(d.rule in USAGE_RULES for d in problems) else EXIT_PLAN)
     warnings = (*report.diagnostics, *notices(cfg))
     if fmt is Format.text:  # on stderr: stdout may carry data; json: into the one final document
         for warning in warnings:
@@ -673,6 +683,11 @@ def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warning
     outcome = launch(opts, cfg)
     if outcome.interrupted:
         _report_interruption(outcome.interrupted, outcome.result, cfg, fmt)
+    stopped = (outcome.result or {}).get("interrupted")
+    if stopped:  # a signal reached a worker, not the launcher: the run still stopped early
+        import signal
+
+        _report_interruption(int(signal.Signals[stopped["signal"]]), outcome.result, cfg, fmt)
     if outcome.result is not None and outcome.result.get("diagnostics"):  # a worker stopped on a diagnosed problem
         _emit([Diagnostic.from_json(d) for d in outcome.result["diagnostics"]], fmt)
         raise typer.Exit(EXIT_PLAN)

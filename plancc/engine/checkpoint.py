@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..errors import Diagnostic, PlanError, SourceLoc
+from ..runtime.weights import refuse_non_finite_weights
 from . import faults
 
 META = "plancc.json"
@@ -151,7 +152,7 @@ def check_save_folder(root: str | Path) -> None:
     probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
     if not os.access(probe, os.W_OK | os.X_OK) or str(path.resolve()).startswith(("/proc", "/sys", "/dev")):
         raise _error(path, f"cannot write checkpoints here ({probe} is not writable)", "pass a writable folder")
-    if path.is_dir():
+    if (path / LOCK).is_file():  # a run may hold it; without a lock file none does, and none is made
         FolderLock(path).acquire().release()
 
 
@@ -205,7 +206,9 @@ def _shared_token() -> str:
 
 
 def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> Path:
-    """Collective: every rank calls it. Returns the finished step directory."""
+    """Collective: every rank calls it. Returns the finished step directory. Weights that are
+    not finite are refused (a ``PlanError`` on every rank): no checkpoint ever holds them."""
+    refuse_non_finite_weights(model, what=f"saving step {info.step}")
     root = Path(root)
     final = _step_dir(root, info.step)
     partial = root / f".partial-{final.name}-{_shared_token()}"

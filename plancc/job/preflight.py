@@ -11,6 +11,7 @@ checkpoint folder to save into (writable, not held by another run) and the expor
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from torch import nn
 from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of
+from ..paths import RunPath, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from .config import PARAM_DTYPES, RunConfig
 from .data import read_jsonl
@@ -60,6 +62,14 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "--param-dtype",
                 f"--param-dtype {cfg.param_dtype!r} is not a dtype plancc trains in",
                 f"use one of {', '.join(sorted(PARAM_DTYPES))}",
+            )
+        )
+    if not math.isfinite(cfg.lr) or cfg.lr < 0:
+        found.append(
+            problem(
+                "--lr",
+                f"--lr {cfg.lr} is not a learning rate: it must be a finite number >= 0",
+                "pass a finite, non-negative --lr such as 1e-5",
             )
         )
     if cfg.device not in (None, "cpu", "cuda"):
@@ -112,10 +122,30 @@ def _output_problems(out: Path, flag: str = "--out") -> list[Diagnostic]:
     return []
 
 
+def run_paths(cfg: RunConfig) -> list[RunPath]:
+    """Every path the run reads or writes, named by its flag."""
+    model = cfg.model if cfg.model and os.path.exists(cfg.model) else None  # a preset names no path
+    return [
+        RunPath(flag="PLAN", path=cfg.plan, output=False),
+        RunPath(flag="--data", path=cfg.data or "", output=False),
+        RunPath(flag="--model", path=model or "", output=False),
+        RunPath(flag="--resume", path=cfg.resume or "", output=False),
+        RunPath(flag="--save", path=cfg.save or "", output=True),
+        RunPath(flag="--export-hf", path=cfg.export_hf or "", output=True, encloses=True),
+        RunPath(flag="--metrics", path=cfg.metrics or "", output=True),
+        RunPath(flag="--tensorboard", path=cfg.tensorboard or "", output=True),
+        RunPath(flag="--out", path=cfg.out or "", output=True),
+    ]
+
+
 def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
     """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
     meta, as ``plancc validate`` builds it). Empty when the run can start."""
     problems = _flag_problems(cfg)
+    # a run resumes from, and saves into, its own checkpoint folder
+    problems += overlaps(run_paths(cfg), allowed=[("--save", "--resume")])
+    if problems:  # the checks below open the named files and folders: not those of a refused run
+        return problems
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
     if folder is not None:
         problems += check_folder(folder, model)

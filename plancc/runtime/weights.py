@@ -11,6 +11,7 @@ Export: the full state dict gathered on rank 0 and written with ``save_pretraine
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
-from ..errors import Diagnostic, PlanError, quiet_logger
+from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
 from ..models import build_model
 from .hf_folder import check_export_target, check_folder, has_weights, read_folder
 
@@ -142,39 +143,132 @@ _COMPANIONS = (
 )
 
 
+# What an export wrote, kept in its folder: the next export into that folder removes the files
+# of this one that it does not write again (an earlier export's extra shards and index), and
+# never a file that no export wrote.
+EXPORT_MANIFEST = ".plancc-export.json"
+
+
 def export_hf(
     model: torch.nn.Module, config: PretrainedConfig, folder: str | Path, *, source: str | Path | None = None
 ) -> None:
     """Collective: write the model's full weights as a ``save_pretrained`` folder (rank 0),
     with the tokenizer and generation files of ``source`` (the folder the model came from).
 
-    The folder is written beside its destination and moved into place whole: an earlier
-    export there is replaced only once the new one is complete, and no shard of it (nor its
-    index) survives to be mixed with the new one.
+    The export is written beside the folder's files, then each of its files moved into place
+    atomically (``os.replace``), the list of them last. Nothing else in the folder is touched:
+    a user's notes, data or checkpoints there stay, and only a file that an earlier export
+    listed as its own, and this one does not write again, is removed (so no shard or index of
+    an earlier export is mixed with this one). Refused when any weight is not finite.
     """
     problems = check_export_target(folder, source)
     if problems:
         raise PlanError(problems)
+    refuse_non_finite_weights(model, what=f"exporting to {folder}")
     # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning per
     # tensor on every rank: an accepted cost of a one-off export, not news for the user
     with quiet_logger("torch.distributed.tensor"):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         target = Path(folder)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".partial-{target.name}-", dir=target.parent))
-        plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
-        plain.load_state_dict(state, strict=False)
-        with _no_progress_bars():  # the CLI says what was exported, in one line
-            plain.save_pretrained(str(partial))
-        _copy_companions(source, partial)
-        aside = target.parent / f".replaced-{partial.name}" if target.exists() else None
-        if aside is not None:
-            os.rename(target, aside)
-        os.rename(partial, target)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        target.mkdir(parents=True, exist_ok=True)
+        for leftover in target.glob(".plancc-partial-*"):  # an export that died mid-way: its own folder
+            shutil.rmtree(leftover, ignore_errors=True)
+        partial = Path(tempfile.mkdtemp(prefix=".plancc-partial-", dir=target))
+        try:
+            plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
+            plain.load_state_dict(state, strict=False)
+            with _no_progress_bars():  # the CLI says what was exported, in one line
+                plain.save_pretrained(str(partial))
+            _copy_companions(source, partial)
+            _publish_export(partial, target)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # a folder of this export's own making
     dist.barrier()
+
+
+# Files an inference engine may load from a folder by their kind, not by name (vLLM reads every
+# *.safetensors an index lists): left beside a new export, they would be mixed into it.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def _publish_export(partial: Path, target: Path) -> None:
+    """Move every file of ``partial`` into ``target`` (each atomically), then list them.
+
+    A file the previous export listed and this one does not write again is removed (it was
+    plancc's). A file no export listed that this one would overwrite, or a weight file (shard,
+    index) that would be mixed with it, is moved, not removed, into a ``.plancc-superseded-N``
+    folder inside ``target``: nothing a user put there is lost."""
+    written = sorted(entry.name for entry in partial.iterdir() if entry.is_file())
+    earlier = set(_exported_files(target))
+    foreign = [
+        entry
+        for entry in sorted(target.iterdir())
+        if entry.name not in earlier
+        and (entry.is_file() or entry.is_symlink())
+        and (entry.name in written or entry.name.endswith(_WEIGHT_SUFFIXES))
+    ]
+    if foreign:
+        aside = _fresh_folder(target, ".plancc-superseded")
+        for entry in foreign:
+            os.replace(entry, aside / entry.name)
+    for name in written:
+        os.replace(partial / name, target / name)
+    for name in sorted(earlier - set(written)):
+        stale = target / name
+        if stale.is_file() and not stale.is_symlink():
+            stale.unlink()
+    manifest = partial / EXPORT_MANIFEST
+    manifest.write_text(json.dumps({"files": written}, indent=1) + "\n")
+    os.replace(manifest, target / EXPORT_MANIFEST)
+
+
+def _fresh_folder(parent: Path, prefix: str) -> Path:
+    for n in range(1, 10_000):
+        candidate = parent / f"{prefix}-{n}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=parent))
+
+
+def _exported_files(folder: Path) -> list[str]:
+    """The files the last export into ``folder`` wrote (none when it lists none, or not clearly)."""
+    try:
+        listed = json.loads((folder / EXPORT_MANIFEST).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    # plain names only: a tampered list must not reach outside the folder
+    return [n for n in listed if isinstance(n, str) and n and "/" not in n and n not in (".", "..")]
+
+
+def refuse_non_finite_weights(model: torch.nn.Module, *, what: str) -> None:
+    """Collective: a ``PlanError`` on every rank when any rank's shard of any parameter holds a
+    NaN or an infinity, naming the first such parameter: such weights are never saved."""
+    names, flags = [], []
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        names.append(name)
+        flags.append(int(local.numel() > 0 and not bool(torch.isfinite(local.detach()).all())))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    bad = torch.tensor(flags or [0], dtype=torch.int32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    first = next((n for n, f in zip(names, bad.tolist(), strict=False) if f), None)
+    if first is None:
+        return
+    raise PlanError(
+        [
+            Diagnostic(
+                rule="non-finite",
+                loc=SourceLoc(path=first),
+                message=f"the weights hold non-finite values (first: {first}); refused {what}, nothing written",
+                fix="lower --lr (a finite, small learning rate) or check the data; resume from the last checkpoint",
+            )
+        ]
+    )
 
 
 @contextmanager
