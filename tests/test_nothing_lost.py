@@ -477,3 +477,29 @@ def test_an_interrupted_run_says_where_it_stopped_keeps_its_checkpoints_and_leav
         assert no_workers_within(10), leftover_workers()
     finally:
         launcher.kill()
+
+
+# --------------------------------------------------------------------------- round 3: a signal to one worker
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_to_one_worker_stops_the_run_with_its_code_never_as_a_success(tmp_path, sig):
+    """A scheduler or an operator may signal one worker rather than the launcher: the run still
+    stopped early, so it says where, writes no export, and exits 128 + the signal."""
+    export = tmp_path / "ex"
+    launcher = subprocess.Popen([sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "100000",
+                                 "--export-hf", str(export)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step    2/"):
+                break
+        os.kill(_worker_of_rank(1), sig)
+        out, err = launcher.communicate(timeout=120)
+        assert launcher.returncode == 128 + sig, (out, err)
+        (said,) = [line for line in err.splitlines() if line.startswith("interrupted at step")]
+        assert said.endswith("last checkpoint: none") and "Traceback" not in err
+        assert not export.exists()
+        assert no_workers_within(10), leftover_workers()
+    finally:
+        launcher.kill()

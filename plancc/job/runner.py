@@ -582,9 +582,13 @@ def _logprobs_of(
     results: dict[int, Row] = {}
     worst = 0.0
     options: dict[str, Any] = {"mesh": job.mesh, "temperature": cfg.temperature}
-    for lo in range(0, len(mine), cfg.batch_size):
+    # Every dp rank runs as many forward passes as the one with the most rows (FSDP gathers the
+    # weights in each: a rank that stopped early would leave its peers in a collective); a rank
+    # out of rows computes its first row again, or the data's, and keeps nothing of it.
+    most_rows = -(-len(sequences) // job.mesh["dp"].size())
+    for lo in range(0, most_rows, cfg.batch_size):
         rows = mine[lo : lo + cfg.batch_size]
-        seqs = [sequences[i] for i in rows]
+        seqs = [sequences[i] for i in rows] or [sequences[mine[0] if mine else 0]]
         ids, mask, cu = (
             t.to(device) if t is not None else None
             for t in (_packed_batch if cfg.pack else _padded_batch)(seqs, multiple)
@@ -595,7 +599,7 @@ def _logprobs_of(
                 lp, ent = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, entropy=True, **options)
             else:
                 lp, ent = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, **options), None
-            if reference is not None:
+            if reference is not None and rows:
                 want = token_logprobs(reference, ids, attention_mask=mask, cu_seqlens=cu, temperature=cfg.temperature)
                 worst = max(worst, (lp - want).abs().max().item())
         for r, i in enumerate(rows):
