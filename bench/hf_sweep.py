@@ -15,6 +15,8 @@ to a folder, then
 3. ``plancc apply plan --model DIR --tp 2 --steps 1 --verify`` (2 gloo processes) -> OK / FAILED
 4. with ``--ep``, for plans with a ``moe_experts`` rule: the same at ``--ep 2`` (2 processes) and
    ``--ep 2 --tp 2`` (4 processes) -> OK / FAILED each
+5. with ``--cp``: ``check_plan(plan, DIR, cp=2)`` and, where it accepts the layout, ``plancc apply
+   plan --model DIR --cp 2 --steps 1 --verify`` -> verified / refused (the check's reason) / FAILED
 
 One line per model type: ``imported``, ``validated``, ``verified`` or the first stage that
 failed and why. Takes ~15 s per verified model on a 2-core CPU.
@@ -41,6 +43,9 @@ TINY = {
     "head_dim": 16,
     "vocab_size": 256,
     "pad_token_id": 0,  # defaults name ids of the real vocabulary
+    # shorter than the 32-token sequences apply trains on: the window is exercised (and under
+    # context parallelism, crosses the shard boundary)
+    "sliding_window": 8,
     # mixtures of experts: few, small experts
     "num_experts": 4,
     "num_local_experts": 4,
@@ -163,12 +168,26 @@ def _expert_parallel(plan_path: Path, spec: str) -> str:
     return "; ".join(results)
 
 
+def _context_parallel(plan_path: Path, spec: str) -> str:
+    """cp=2: refused by the checks (with their reason), verified, or FAILED with the reason."""
+    import plancc
+    from plancc.checks import check_plan
+
+    errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, cp=2) if d.is_error]
+    if errors:
+        return f"cp=2 refused: {errors[0].message[:160]} [{errors[0].rule}]"
+    ok, why = _verify(plan_path, spec, 2, "--cp", "2")
+    return "cp=2 verified" if ok else f"cp=2 FAILED: {why}"
+
+
 def sweep_one(
-    model_type: str, work: Path, verify: bool, ep: bool = False, tp_verify: bool = True
+    model_type: str, work: Path, verify: bool, ep: bool = False, tp_verify: bool = True, cp: bool = False
 ) -> tuple[str, str, str]:
     stage, why, plan_path, spec = _through_validate(model_type, work)
     if stage != "validated" or not verify:
         return stage, why, ""
+    if cp:
+        return stage, why, _context_parallel(plan_path, spec)
     if tp_verify:
         ok, why = _verify(plan_path, spec, 2, "--tp", "2")
         stage = "verified" if ok else "verify failed"
@@ -220,6 +239,7 @@ def main() -> None:
     parser.add_argument("--markdown", help="also write the table to this file")
     parser.add_argument("--ep", action="store_true", help="also verify MoE plans at ep=2 and ep=2 x tp=2")
     parser.add_argument("--skip-tp-verify", action="store_true", help="with --ep: only the expert-parallel runs")
+    parser.add_argument("--cp", action="store_true", help="verify at cp=2 instead of tp=2 (the cp column)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     types = args.only or candidates()
@@ -227,7 +247,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model_type in types:
             stage, why, ep = sweep_one(
-                model_type, Path(tmp), not args.no_verify, ep=args.ep, tp_verify=not args.skip_tp_verify
+                model_type,
+                Path(tmp),
+                not args.no_verify,
+                ep=args.ep,
+                tp_verify=not args.skip_tp_verify,
+                cp=args.cp,
             )
             if args.skip_tp_verify and not ep:
                 continue  # an expert-parallel-only sweep lists the MoE plans only
@@ -237,12 +262,17 @@ def main() -> None:
     for _, stage, _, ep in rows:
         counts[stage] = counts.get(stage, 0) + 1
         if ep:
-            key = "ep verified" if "FAILED" not in ep else "ep failed"
+            kind = "cp" if args.cp else "ep"
+            verdict = "failed" if "FAILED" in ep else "refused" if "refused" in ep else "verified"
+            key = f"{kind} {verdict}"
             counts[key] = counts.get(key, 0) + 1
     summary = ", ".join(f"{n} {stage}" for stage, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     print(f"\n{len(rows)} model types: {summary}")
     if args.markdown:
-        if args.skip_tp_verify:
+        if args.cp:
+            table = ["| model type | validated (tp=2) | context parallelism (cp=2, apply --verify) |", "|---|---|---|"]
+            table += [f"| {t} | {s} {w.replace('|', '/')} | {e.replace('|', '/')} |" for t, s, w, e in rows]
+        elif args.skip_tp_verify:
             table = ["| model type | expert parallelism (apply --verify) |", "|---|---|"]
             table += [f"| {t} | {e.replace('|', '/')} |" for t, _, _, e in rows]
         elif args.ep:

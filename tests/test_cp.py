@@ -180,3 +180,74 @@ def test_cp_token_logprobs_with_plain_vocab_shard_logits(tmp_path):
     results = launch(compare_cp_token_logprobs, 4, str(plan), "tiny-qwen3", 2, 2, False)
     for rank, r in results.items():
         assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)
+
+
+def _folder(tmp_path, model_type, **fields):
+    """A tiny config of ``model_type`` saved as a model folder (no weights: seeded init)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    tiny = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(model_type, **{**tiny, **fields})
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    folder = tmp_path / model_type
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cp_is_exact_with_a_sliding_window_from_the_config_and_with_learned_sinks(tmp_path):
+    """Mistral passes its window to the attention interface, not on the module; gpt-oss its
+    sinks as ``s_aux``: a window of 6 over 16-token sequences (cp=2: chunks of 4) crosses the
+    shards, and the sinks take probability mass on every row."""
+    from plancc.models import load_config
+    from plancc.tools.import_hf import import_hf
+
+    from .numerics_worker import verify_cases
+    from .test_numerics import assert_matches
+
+    mistral = _folder(tmp_path, "mistral", sliding_window=6)
+    mistral_plan = tmp_path / "mistral.yaml"
+    mistral_plan.write_text(import_hf(str(mistral)))
+    gpt_oss = tmp_path / "gpt-oss"
+    config = load_config("tiny-gpt-oss")
+    config.sliding_window = 6
+    config.save_pretrained(gpt_oss)
+    cases = [(str(mistral_plan), str(mistral), 1, 2, 1, False), (str(PLANS / "gpt_oss.yaml"), str(gpt_oss), 1, 2, 1, False)]
+    results = launch(verify_cases, 2, cases)
+    for rank, reports in results.items():
+        for i, case in enumerate(cases):
+            assert_matches(reports[i], f"rank {rank} {case}")
+
+
+@pytest.mark.parametrize("model_type,layers,culprit", [
+    # hybrids with enough layers to hold attention as well: the layers without it are named
+    ("qwen3_next", 4, "model.layers.0 (Qwen3NextDecoderLayer) has no attention"),  # linear attention
+    ("jamba", 8, "model.layers.0 (JambaMambaDecoderLayer) has no attention"),  # Mamba layers
+    ("doge", 2, "computes its attention mask from its activations"),
+    ("falcon_h1", 2, "is a convolution over the sequence"),  # Mamba beside attention in one layer
+])
+def test_cp_is_refused_at_the_plans_line_for_layers_that_mix_the_sequence_without_attention(
+        tmp_path, model_type, layers, culprit):
+    import plancc
+    from plancc.checks import check_plan
+    from plancc.tools.import_hf import import_hf
+
+    folder = _folder(tmp_path, model_type, sliding_window=None, num_hidden_layers=layers)
+    plan_path = tmp_path / "plan.yaml"
+    plan_path.write_text(import_hf(str(folder)))
+    plan = plancc.load_plan(plan_path)
+    assert not [d for d in check_plan(plan, str(folder), tp=2) if d.is_error]  # tp alone stays fine
+    (problem,) = [d for d in check_plan(plan, str(folder), cp=2) if d.is_error]
+    assert problem.rule == "context-parallel" and problem.loc.line > 0 and culprit in problem.message
+    assert problem.fix and "--cp 1" in problem.fix
+
+
+def test_cp_is_accepted_for_attention_models_with_windows_and_sinks(tmp_path):
+    import plancc
+    from plancc.checks import check_plan
+
+    assert not [d for d in check_plan(plancc.load_plan(PLANS / "gpt_oss.yaml"), "tiny-gpt-oss", cp=2) if d.is_error]
+    assert not [d for d in check_plan(plancc.load_plan(PLANS / "gemma3.yaml"), "tiny-gemma3", cp=2) if d.is_error]

@@ -1,6 +1,13 @@
 """context-parallel: combinations the CP attention does not support; sequence-length:
 sequence lengths that shard evenly over cp (and tp under sequence parallelism).
 
+Under context parallelism every module sees only its rank's shard of the sequence. Attention
+is exact because the CP attention gathers the keys and values; every other module must work
+position by position. A layer that mixes positions some other way -- a linear-attention or
+state-space layer (Qwen3-Next, Jamba, Nemotron-H, MiniMax's lightning attention), a causal
+convolution, an attention whose mask is computed from the activations (Doge's dynamic mask)
+-- would compute on its shard alone, so cp > 1 is refused for such a model.
+
 Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
 length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split
 again over tp (a multiple of 2*cp*tp). Without cp, SP needs a multiple of tp.
@@ -10,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from torch import nn
+
+from ..compiler.kinds import calls_attention_interface, is_cp_attention
 from ..errors import SourceLoc
 from .context import CheckContext, Problem, text_config
 from .example import Example
@@ -59,7 +69,17 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "attention, which has no soft-cap",
             fix="use --cp 1 for this model",
         )
-    attention = [m for m in ctx.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    attention = [m for m in ctx.model.modules() if is_cp_attention(m)]
+    mixer = next(_sequence_mixers(ctx.model), None)
+    if attention and mixer is not None:
+        name, why = mixer
+        yield Problem(
+            loc=ctx.plan.loc,
+            message=f"context parallelism is not supported for {type(ctx.model).__name__}: {name} {why}, which "
+            "would see only its rank's shard of the sequence (the CP attention gathers keys and values for "
+            "attention alone)",
+            fix="use --cp 1 for this model (tensor and data parallelism still apply)",
+        )
     if not attention:
         yield Problem(
             loc=ctx.plan.loc,
@@ -67,3 +87,31 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "modules that call transformers' attention interface, which the CP attention replaces",
             fix="use --cp 1 for this model",
         )
+
+
+def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder's layers: the children of its ``layers`` module list."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and len(module):
+            return [(f"{name}.{child}", layer) for child, layer in module.named_children()]
+    return []
+
+
+def _sequence_mixers(model: nn.Module) -> Iterator[tuple[str, str]]:
+    """(module name, what it does) for each module of the decoder's layers that mixes positions
+    in a way the CP attention does not shard."""
+    for layer_name, layer in _decoder_layers(model):
+        verdicts = [calls_attention_interface(m) for m in layer.modules()]
+        if None not in verdicts and not any(verdicts):
+            kind = type(layer).__name__
+            yield (
+                layer_name,
+                f"({kind}) has no attention that calls transformers' attention interface (a "
+                "linear-attention or state-space layer)",
+            )
+        for name, module in layer.named_modules(prefix=layer_name):
+            cls = type(module).__name__
+            if isinstance(module, nn.Conv1d) or "Conv" in cls:
+                yield name, f"({cls}) is a convolution over the sequence"
+            elif callable(getattr(module, "prepare_dynamic_mask", None)):
+                yield name, f"({cls}) computes its attention mask from its activations (a dynamic mask)"

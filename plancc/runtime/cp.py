@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..compiler.kinds import is_cp_attention
 from .hooks import call_arguments
 
 
@@ -246,7 +247,12 @@ def cp_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: [B, H, S_local, D] queries against all-gathered K/V."""
+    """transformers attention interface: [B, H, S_local, D] queries against all-gathered K/V.
+
+    The layer's sliding window and learned sinks come as the interface's ``sliding_window`` and
+    ``s_aux`` keywords (Mistral, Exaone 4 and gpt-oss pass them so; Gemma 3 also keeps its window
+    on the module): each model's own eager/SDPA path reads them from its mask and its attention,
+    so the CP attention must read them here or silently attend to keys the model would not."""
     ctx = context_of(module)
     assert ctx is not None, "the cp attention runs only on modules enable_context_parallel prepared"
     key = all_gather(key, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
@@ -255,11 +261,39 @@ def cp_attention_forward(
     if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    mask = ctx.mask(getattr(module, "sliding_window", None))
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling
-    )
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    mask = ctx.mask(window)
+    dropout_p = dropout if module.training else 0.0
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling)
+    else:
+        out = _attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_sinks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    dropout_p: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention whose softmax also sums one learned logit per head (gpt-oss's sinks): the sink
+    takes probability mass and gives no value, as the models' own eager attention does it."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    # subtracting the row maximum, as the models do, keeps large sinks from overflowing
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = logits.softmax(dim=-1)[..., :-1].to(value.dtype)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(probs, value)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -338,7 +372,7 @@ def enable_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> CPCo
     hf_model: Any = model  # a transformers PreTrainedModel
     hf_model.set_attn_implementation(register_attention())
     for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+        if is_cp_attention(module):
             attach_context(module, ctx)
     # on the decoder, like the SP hook: model.model(...) called directly is sharded too
     decoder = getattr(model, "model", model)
