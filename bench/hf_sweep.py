@@ -177,6 +177,8 @@ def _context_parallel(plan_path: Path, spec: str) -> str:
     if errors:
         return f"cp=2 refused: {errors[0].message[:160]} [{errors[0].rule}]"
     ok, why = _verify(plan_path, spec, 2, "--cp", "2")
+    if not ok and (broken := _unsharded_forward_fails(spec)):  # nothing plancc could be blamed for
+        return f"cp=2 config: the unsharded tiny model fails too: {broken[:160]}"
     return "cp=2 verified" if ok else f"cp=2 FAILED: {why}"
 
 
@@ -263,7 +265,7 @@ def main() -> None:
         counts[stage] = counts.get(stage, 0) + 1
         if ep:
             kind = "cp" if args.cp else "ep"
-            verdict = "failed" if "FAILED" in ep else "refused" if "refused" in ep else "verified"
+            verdict = next((v for v in ("FAILED", "refused", "config") if f" {v}" in ep), "verified").lower()
             key = f"{kind} {verdict}"
             counts[key] = counts.get(key, 0) + 1
     summary = ", ".join(f"{n} {stage}" for stage, n in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -189,6 +189,10 @@ def _folder(tmp_path, model_type, **fields):
 
     tiny = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if model_type == "deepseek_v32":  # small MLA ranks and indexer, one KV head per head (as bench/hf_sweep.py)
+        tiny.update(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                    head_dim=8, num_key_value_heads=4, index_n_heads=4, index_head_dim=16, n_routed_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32)
     config = AutoConfig.for_model(model_type, **{**tiny, **fields})
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     folder = tmp_path / model_type
@@ -228,6 +232,7 @@ def test_cp_is_exact_with_a_sliding_window_from_the_config_and_with_learned_sink
     ("jamba", 8, "model.layers.0 (JambaMambaDecoderLayer) has no attention"),  # Mamba layers
     ("doge", 2, "computes its attention mask from its activations"),
     ("falcon_h1", 2, "is a convolution over the sequence"),  # Mamba beside attention in one layer
+    ("deepseek_v32", 2, "(DeepseekV32Indexer) picks each query's keys"),  # sparse attention
 ])
 def test_cp_is_refused_at_the_plans_line_for_layers_that_mix_the_sequence_without_attention(
         tmp_path, model_type, layers, culprit):

@@ -5,8 +5,8 @@ Under context parallelism every module sees only its rank's shard of the sequenc
 is exact because the CP attention gathers the keys and values; every other module must work
 position by position. A layer that mixes positions some other way -- a linear-attention or
 state-space layer (Qwen3-Next, Jamba, Nemotron-H, MiniMax's lightning attention), a causal
-convolution, an attention whose mask is computed from the activations (Doge's dynamic mask)
--- would compute on its shard alone, so cp > 1 is refused for such a model.
+convolution, an attention whose mask is computed from the activations (Doge's dynamic mask),
+a sparse-attention indexer that picks keys over the whole sequence (DeepSeek-V3.2) -- would compute on its shard alone, so cp > 1 is refused for such a model.
 
 Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
 length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split
@@ -113,5 +113,10 @@ def _sequence_mixers(model: nn.Module) -> Iterator[tuple[str, str]]:
             cls = type(module).__name__
             if isinstance(module, nn.Conv1d) or "Conv" in cls:
                 yield name, f"({cls}) is a convolution over the sequence"
+            elif cls.endswith("Indexer"):
+                yield (
+                    name,
+                    f"({cls}) picks each query's keys by its own scores over the whole sequence (sparse attention)",
+                )
             elif callable(getattr(module, "prepare_dynamic_mask", None)):
                 yield name, f"({cls}) computes its attention mask from its activations (a dynamic mask)"
