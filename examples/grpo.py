@@ -84,7 +84,7 @@ def rollout(args) -> int:
             ids = prompts.repeat_interleave(args.group, dim=0)
             for _ in range(RESPONSE_LEN):
                 logits = model(input_ids=ids, use_cache=False).logits[:, -1].float()
-                token = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+                token = torch.multinomial(torch.softmax(logits / args.temperature, -1), 1, generator=gen)
                 ids = torch.cat([ids, token], dim=1)
         channel.broadcast(ids.contiguous(), "rollouts", root=1)
         assert ids.shape == (rows, PROMPT_LEN + RESPONSE_LEN)
@@ -150,9 +150,10 @@ def policy_rank(args) -> list[dict]:
         }
         mine = policy.slice_of(rows)
         batch = {k: v[mine] for k, v in batch.items()}
-        batch["old_logprobs"] = policy.logprobs(batch)
-        batch["ref_logprobs"] = policy.reference_logprobs(batch)
-        metrics = policy.train(batch, grpo_loss, micro_batch_size=args.micro_batch_size)
+        # every log-prob at the sampler's temperature: the ratio is exactly 1 before the step
+        batch["old_logprobs"] = policy.logprobs(batch, temperature=args.temperature)
+        batch["ref_logprobs"] = policy.reference_logprobs(batch, temperature=args.temperature)
+        metrics = policy.train(batch, grpo_loss, micro_batch_size=args.micro_batch_size, temperature=args.temperature)
         row = {
             "step": step,
             "reward": float(rewards.mean()),
@@ -241,6 +242,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--temperature", type=float, default=0.8, help="the sampler's, and so the log-probs'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics", default=None, help="one JSON line per step: reward, kl, loss")
     parser.add_argument("--role", choices=["driver", "rollout"], default="driver")

@@ -512,3 +512,36 @@ def weights_peak_memory(plan, config_path, layout_kwargs, bucket):
     out["total"] = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     torch.distributed.destroy_process_group()
     return out
+
+
+def ratio_at_temperatures(plan, model_name, layout_kwargs, temperatures):
+    """max |exp(train's log-probs - logprobs(T)) - 1| over the real tokens, per temperature, with
+    the weights identical (SGD at lr 0): the PPO ratio at step 0."""
+    import torch
+
+    import plancc
+
+    init_gloo()
+    policy = plancc.Policy(plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), **layout_kwargs)
+    batch = global_batch(ROWS_PER_RANK * policy.dp_size, 256, seed=5)
+    local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
+    out = {}
+    for temperature in temperatures:
+        old = policy.logprobs(local, temperature=temperature)
+        seen = []
+
+        def loss(lp, mb, norm):
+            seen.append(lp.detach())
+            return nll(lp, mb, norm)
+
+        policy.train(local, loss, temperature=temperature)
+        mask = _token_mask(local).bool()
+        ratio = torch.exp(seen[0] - old)[mask]
+        untempered = torch.exp(seen[0] - policy.logprobs(local))[mask]
+        out[temperature] = {"ratio_off": float((ratio - 1).abs().max()), "t1_off": float((untempered - 1).abs().max())}
+    try:
+        policy.logprobs(local, temperature=float("inf"))
+        out["inf"] = "accepted"
+    except ValueError as exc:
+        out["inf"] = str(exc)
+    return out

@@ -204,3 +204,20 @@ def test_weights_out_take_a_bucket_of_memory_not_the_model(tmp_path, layout):
     for rank, got in results.items():
         assert 0 < got["stream"] <= bucket + got["largest"], (rank, got)
         assert got["seed"] >= 0.9 * got["total"], (rank, got)  # the whole model at once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}], ids=["dp2", "tp2"])
+def test_train_at_the_samplers_temperature_gives_a_ratio_of_exactly_one_at_step_zero(layout):
+    from .distributed import launch
+    from .policy_worker import ratio_at_temperatures
+
+    temperatures = (0.6, 1.0, 1.3)
+    results = launch(ratio_at_temperatures, 2, "plans/qwen3.yaml", "tiny-qwen3", layout, temperatures)
+    for rank, got in results.items():
+        for t in temperatures:
+            assert got[t]["ratio_off"] == 0.0, (rank, t, got)  # the same computation, bit for bit
+            if t != 1.0:  # the untempered log-probs are not the sampler's: the bias the option removes
+                assert got[t]["t1_off"] > 1e-3, (rank, t, got)
+        assert "must be finite and > 0" in got["inf"], (rank, got)

@@ -6,7 +6,8 @@ is exact because the CP attention gathers the keys and values; every other modul
 position by position. A layer that mixes positions some other way -- a linear-attention or
 state-space layer (Qwen3-Next, Jamba, Nemotron-H, MiniMax's lightning attention), a causal
 convolution, an attention whose mask is computed from the activations (Doge's dynamic mask),
-a sparse-attention indexer that picks keys over the whole sequence (DeepSeek-V3.2) -- would compute on its shard alone, so cp > 1 is refused for such a model.
+a sparse-attention indexer that picks keys over the whole sequence (DeepSeek-V3.2) -- would
+compute on its shard alone, so cp > 1 is refused for such a model.
 
 Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
 length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split

@@ -13,6 +13,7 @@ into the batch's own ``[rows, s]`` shape.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -143,7 +144,7 @@ class Microbatch:
             )
         positions = [m.nonzero().flatten() for m in mask.bool()]
         lengths = [-(-len(p) // multiple) * multiple for p in positions]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=ids.device)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=ids.device)
         packed = torch.zeros((1, int(cu[-1])), dtype=ids.dtype, device=ids.device)
         for r, where in enumerate(positions):
             start = int(cu[r])

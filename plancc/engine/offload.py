@@ -59,7 +59,7 @@ class HostCopy:
             if index < len(spare) and spare[index].numel() == raw.numel():
                 host = spare[index]
             else:
-                host = torch.empty(raw.shape, dtype=torch.uint8, pin_memory=True)
+                host = torch.empty(raw.shape, dtype=torch.uint8, device="cpu", pin_memory=True)
             host.copy_(raw, non_blocking=True)
             kept.storages.append(storage)
             kept.copies.append(host)

@@ -167,6 +167,7 @@ class Policy:
         max_tokens: int | None = None,
         pack: bool = False,
         entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, float]:
         """One optimizer step on this rank's slice of a global batch; metrics reduced over ranks.
 
@@ -178,12 +179,17 @@ class Policy:
         ``norm.sequences``, never by what the microbatch holds). Then the gradients are clipped by
         their global norm, the optimizer and schedule step.
 
+        ``temperature``: the sampler's; the log-probs are those of the logits divided by it, as
+        ``logprobs(temperature=)`` gives them, so a PPO / GRPO ratio against the rollout's
+        log-probs is exactly 1 before the first step (verl and NeMo-RL divide likewise).
+
         Returns ``loss`` (of the global batch), ``grad_norm`` (before clipping), ``lr`` (the one
         this step used), ``tokens`` and ``sequences`` (the global normalizers), ``microbatches``
         (per rank), ``seconds``, and each of the loss's own metrics summed over the microbatches
         of every dp rank.
         """
         self._require_onloaded("train")
+        check_temperature(temperature)
         started = time.perf_counter()
         batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         norm = self._norm(batch)
@@ -195,7 +201,7 @@ class Policy:
         try:
             for index, rows in enumerate(plan):
                 mb = Microbatch.of(batch, rows or [0], multiple=self.layout.sequence_multiple, pack=pack)
-                lp, ent = self._forward(mb, entropy=entropy, temperature=1.0)
+                lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
                 if not rows:  # a dummy pass: this rank has fewer microbatches than another
                     (lp.sum() * 0.0).backward()
                     continue
@@ -249,6 +255,7 @@ class Policy:
         """``[rows, s]`` fp32 log-probs of this rank's rows under the policy (0 at position 0 and
         padding), at the sampler's ``temperature``; with ``entropy=True`` a pair."""
         self._require_onloaded("logprobs")
+        check_temperature(temperature)
         batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         plan = self._microbatches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         rows_total, seq = batch["input_ids"].shape
@@ -455,7 +462,13 @@ class Policy:
         if self._replicas is None:
             return
         weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
-        print_ = torch.stack([(ids.long() * weights).sum(), (mask.long() * weights).sum(), torch.tensor(ids.shape[1])])
+        print_ = torch.stack(
+            [
+                (ids.long() * weights).sum(),
+                (mask.long() * weights).sum(),
+                torch.tensor(ids.shape[1], device=self.device),
+            ]
+        )
         low, high = print_.clone(), print_.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._replicas.get_group())
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._replicas.get_group())
@@ -469,7 +482,11 @@ class Policy:
         mask = batch.get("token_mask")
         tokens = (mask if mask is not None else default_token_mask(batch["attention_mask"])).float().sum()
         sample = batch.get("sample_mask")
-        sequences = sample.float().sum() if sample is not None else torch.tensor(float(batch["input_ids"].shape[0]))
+        sequences = (
+            sample.float().sum()
+            if sample is not None
+            else torch.tensor(float(batch["input_ids"].shape[0]), device=self.device)
+        )
         total = self._sum_over_dp([float(tokens), float(sequences)])
         return Norm(tokens=total[0], sequences=total[1])
 
@@ -636,6 +653,14 @@ def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
     return loss.reshape(()), {k: float(v) for k, v in dict(metrics).items()}
+
+
+def check_temperature(temperature: float) -> None:
+    """The one rule for a sampling temperature, in ``train``, ``logprobs`` and
+    ``reference_logprobs`` alike: a finite number above 0 (0 is greedy decoding, which has no
+    log-probs; an infinite one makes every token equally likely)."""
+    if not isinstance(temperature, int | float) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature {temperature!r} is not a sampling temperature: it must be finite and > 0")
 
 
 class NonFiniteError(BatchError):

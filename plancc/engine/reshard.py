@@ -154,7 +154,7 @@ def receive_shards(
         mine if policy_world + r == channel.rank else _read(channel, policy_world + r)
         for r in range(channel.world_size - policy_world)
     ]
-    current, shard, got = None, torch.empty(0), 0
+    current, shard, got = None, torch.empty(0, device=channel.device), 0
     for index, (name, p, r, part) in enumerate(_transfers(list(params), policy, receivers, policy_world)):
         if r != channel.rank:
             continue

@@ -33,7 +33,8 @@ from .hooks import call_arguments
 
 # --------------------------------------------------------------------------- layout
 def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """The global positions rank ``cp_rank`` holds, in order: chunks r and 2*cp-1-r."""
+    """The global positions rank ``cp_rank`` holds, in order: chunks r and 2*cp-1-r (on the host:
+    callers move them next to the tensors they index)."""
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} is not a rank of a cp group of size {cp_size}")
     if seq_len % (2 * cp_size):
@@ -42,9 +43,9 @@ def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Ten
             f"pad it by {pad_amount(seq_len, cp_size)} (see plancc.cp.pad_to_multiple)"
         )
     chunk = seq_len // (2 * cp_size)
-    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    head = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device="cpu")
     tail_start = (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk, device="cpu")])
 
 
 def pad_amount(seq_len: int, cp_size: int) -> int:
@@ -97,7 +98,7 @@ def load_balanced_indices_packed(cu_seqlens: torch.Tensor, cp_size: int, cp_rank
     for length in _doc_lengths(cu_seqlens):
         out.append(start + load_balanced_indices(length, cp_size, cp_rank))
         start += length
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device="cpu")
 
 
 def shard_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
@@ -118,7 +119,7 @@ def unshard_packed(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, dim: in
 def pad_documents(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     """cu_seqlens after padding every document to a multiple of 2*cp."""
     lengths = [n + pad_amount(n, cp_size) for n in _doc_lengths(cu_seqlens)]
-    return torch.tensor([0] + lengths).cumsum(0)
+    return torch.tensor([0] + lengths, device="cpu").cumsum(0)
 
 
 # --------------------------------------------------------------------------- gather
