@@ -203,8 +203,8 @@ def _folder(tmp_path, model_type, **fields):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cp_is_exact_with_a_sliding_window_from_the_config_and_with_learned_sinks(tmp_path):
-    """Mistral passes its window to the attention interface, not on the module; gpt-oss its
-    sinks as ``s_aux``: a window of 6 over 16-token sequences (cp=2: chunks of 4) crosses the
+    """Mistral passes its window to the attention interface, not on the module; Phi-MoE to its
+    mask only; gpt-oss its sinks as ``s_aux``: a window of 6 over 16-token sequences (cp=2: chunks of 4) crosses the
     shards, and the sinks take probability mass on every row."""
     from plancc.models import load_config
     from plancc.tools.import_hf import import_hf
@@ -219,7 +219,12 @@ def test_cp_is_exact_with_a_sliding_window_from_the_config_and_with_learned_sink
     config = load_config("tiny-gpt-oss")
     config.sliding_window = 6
     config.save_pretrained(gpt_oss)
-    cases = [(str(mistral_plan), str(mistral), 1, 2, 1, False), (str(PLANS / "gpt_oss.yaml"), str(gpt_oss), 1, 2, 1, False)]
+    # Phi-MoE passes no window at all: its mask takes config.sliding_window
+    phimoe = _folder(tmp_path, "phimoe", sliding_window=6, num_local_experts=4, num_experts_per_tok=2)
+    phimoe_plan = tmp_path / "phimoe.yaml"
+    phimoe_plan.write_text(import_hf(str(phimoe)))
+    cases = [(str(mistral_plan), str(mistral), 1, 2, 1, False), (str(PLANS / "gpt_oss.yaml"), str(gpt_oss), 1, 2, 1, False),
+             (str(phimoe_plan), str(phimoe), 1, 2, 1, False)]
     results = launch(verify_cases, 2, cases)
     for rank, reports in results.items():
         for i, case in enumerate(cases):

@@ -262,8 +262,7 @@ def cp_attention_forward(
     if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    mask = ctx.mask(window)
+    mask = ctx.mask(_sliding_window(module, kwargs))
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
     if sinks is None:
@@ -271,6 +270,22 @@ def cp_attention_forward(
     else:
         out = _attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sliding_window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
+    """The layer's window: as the attention interface is told it, else as the module keeps it,
+    else as the model's own mask takes it from the config (Phi-MoE passes none and masks with
+    ``config.sliding_window``; a model with ``layer_types`` windows its sliding layers only)."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if window and kinds is not None and layer is not None and layer < len(kinds):
+        return window if kinds[layer] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) is not False else None
 
 
 def _attention_with_sinks(
