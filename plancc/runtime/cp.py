@@ -279,7 +279,8 @@ def _sliding_window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | No
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
     if hasattr(module, "sliding_window"):
-        return module.sliding_window
+        own = module.sliding_window
+        return own if isinstance(own, int) else None
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
     kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
