@@ -41,3 +41,92 @@ def policy_side(out_path, export_dir, bucket):
     policy.export_hf(export_dir)
     torch.distributed.destroy_process_group()
     return {"shared": shared, "consumer_exit": process.exitcode if process is not None else None}
+
+
+def _ready(connection):
+    """An engine that is up: its imports done (a spawned process takes seconds to import torch,
+    more than the short timeouts of the failure tests), it says so once."""
+    import torch  # noqa: F401
+
+    import plancc  # noqa: F401
+
+    connection.send("ready")
+
+
+def ready_consumer(connection, out_path):
+    _ready(connection)
+    consumer(connection, out_path)
+
+
+def consumer_that_dies(connection, after_buckets):
+    """Takes ``after_buckets`` buckets, then dies without a word (an engine that crashed)."""
+    import os
+
+    _ready(connection)
+    kind, manifest = connection.recv()
+    for _ in range(after_buckets):
+        _, index, _flat = connection.recv()
+        connection.send(("done", index))
+    connection.recv()  # the next bucket arrives
+    os._exit(3)
+
+
+def consumer_that_hangs(connection):
+    """Reads the manifest and the first bucket, then never answers (an engine stuck)."""
+    import time
+
+    _ready(connection)
+    connection.recv()
+    connection.recv()
+    time.sleep(600)
+
+
+def refit_failures(modes):
+    """Each failure mode of a colocated refit: the error every rank raised (type, message), that
+    every rank then meets at a barrier (no rank left inside a collective), and that a clean refit
+    to a new consumer works afterwards."""
+    import os
+    import time
+
+    import torch
+
+    import plancc
+
+    init_gloo()
+    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", tp=2)
+    rank0 = torch.distributed.get_rank() == 0
+    context = multiprocessing.get_context("spawn")
+    out = {}
+    for mode in modes:
+        os.environ["PLANCC_FAULT"] = {"pack": "pack:raise@0#2", "gather": "gather:raise@1#2"}.get(mode, "")
+        process, mine = None, None
+        if rank0:
+            mine, theirs = context.Pipe()
+            target, args = {"dies": (consumer_that_dies, (theirs, 1)), "hangs": (consumer_that_hangs, (theirs,))}.get(
+                mode, (ready_consumer, (theirs, os.devnull)))
+            process = context.Process(target=target, args=args)
+            process.start()
+            theirs.close()  # the consumer's end is the consumer's: its death then closes it
+            assert mine.recv() == "ready"
+        started = time.monotonic()
+        try:
+            policy.share_weights(mine, bucket_bytes=32 * 1024, timeout=3.0)
+            out[mode] = {"error": None}
+        except Exception as exc:
+            out[mode] = {"type": type(exc).__name__, "error": str(exc)}
+        out[mode]["seconds"] = time.monotonic() - started
+        torch.distributed.barrier()
+        if process is not None:
+            process.kill()
+            process.join(timeout=30)
+    os.environ["PLANCC_FAULT"] = ""
+    process, mine = None, None
+    if rank0:
+        mine, theirs = context.Pipe()
+        process = context.Process(target=consumer, args=(theirs, os.devnull))
+        process.start()
+    out["after"] = policy.share_weights(mine, bucket_bytes=32 * 1024, timeout=30.0)
+    if process is not None:
+        process.join(timeout=60)
+    torch.distributed.destroy_process_group()
+    return out

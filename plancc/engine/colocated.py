@@ -12,18 +12,29 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .channel import check_manifest, pack_into, unpack
+from . import faults
+from .channel import WeightChannelError, check_manifest, pack_into, unpack
 
 
 def share_buckets(
-    connection: Any, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]], device: str
+    connection: Any,
+    manifest: Mapping[str, Any],
+    buckets: Iterator[list[tuple[str, torch.Tensor]]],
+    device: str,
+    *,
+    timeout: float = 60.0,
 ) -> int:
-    """The producer's side: each bucket packed into one buffer and handed over; returns bytes."""
+    """The producer's side: each bucket packed into one buffer and handed over; returns bytes.
+    The consumer has ``timeout`` seconds to take each bucket: a consumer that hangs or dies is
+    a ``WeightChannelError`` naming the bucket, never a wait without end."""
     check_manifest(manifest)
     connection.send(("manifest", dict(manifest)))
     shared = 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
+        faults.inject("pack", rank=rank, step=index + 1)
         flat = torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=device)
         if flat.device.type == "cpu":
             flat.share_memory_()
@@ -31,12 +42,28 @@ def share_buckets(
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)  # the copies are done before the handle is read
         connection.send(("bucket", index, flat))
-        if connection.recv() != ("done", index):  # the consumer has what it needs of this bucket
-            raise RuntimeError(f"the consumer did not acknowledge bucket {index}")
+        _acknowledged(connection, index, timeout)  # the consumer has what it needs of this bucket
         shared += flat.numel()
         del flat
     connection.send(("end", None))
     return shared
+
+
+def _acknowledged(connection: Any, index: int, timeout: float) -> None:
+    """The consumer's answer to bucket ``index`` (0-based on the wire, 1-based in messages, as
+    every refit error counts buckets). A consumer that died is seen only once no other process
+    holds its end of the connection: the process that started it closes its copy."""
+    try:
+        ready = connection.poll(timeout)
+        answer = connection.recv() if ready else None
+    except (EOFError, OSError):
+        raise WeightChannelError(
+            f"the colocated consumer is gone (its end closed) before taking bucket {index + 1}"
+        ) from None
+    if not ready:
+        raise WeightChannelError(f"the colocated consumer did not take bucket {index + 1} within {timeout:g}s")
+    if answer != ("done", index):
+        raise WeightChannelError(f"the colocated consumer answered {answer!r} to bucket {index + 1}")
 
 
 def receive_shared_weights(connection: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -46,6 +46,7 @@ from ..runtime.stepping import require_stepped
 from ..runtime.styles.experts import plain
 from ..runtime.weights import export_hf
 from . import checkpoint
+from .agreement import RefitAgreement
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
 from .build import build_parallel_model
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
@@ -338,18 +339,23 @@ class Policy:
         return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype)
 
     def share_weights(
-        self, connection: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+        self,
+        connection: Any,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+        timeout: float = 60.0,
     ) -> int:
         """The weights to a consumer process on the same device (a colocated rollout engine),
         bucket by bucket by handle: CUDA IPC on a GPU, shared memory on the CPU, through a
         ``multiprocessing`` connection (``plancc.receive_shared_weights`` on the other end).
         Collective over the policy's ranks; rank 0, the only one that passes a connection,
-        shares. Returns bytes shared."""
+        shares; the consumer has ``timeout`` seconds to take each bucket. Returns bytes shared."""
         self._require_onloaded("share_weights")
         _reshard(self.model)
 
         def share(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
-            return share_buckets(connection, manifest, buckets, self.device)
+            return share_buckets(connection, manifest, buckets, self.device, timeout=timeout)
 
         return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype)
 
@@ -361,21 +367,20 @@ class Policy:
         dtype: torch.dtype | None,
     ) -> int:
         """Every rank gathers the weights bucket by bucket (collective); rank 0 hands each one
-        out as it comes (``hand_out(manifest, buckets)``). A ``WeightChannelError`` there is
-        raised on every rank, after every rank has run every gather."""
-        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        sent, problem = 0, ""
+        out as it comes (``hand_out(manifest, buckets)``). Any exception on any rank -- rank 0's
+        hand-out, another rank's gather -- is raised on every rank as one ``WeightChannelError``
+        naming the rank, the bucket and the cause (``engine.agreement``)."""
+        agreement = RefitAgreement(self.device)
+        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement)
+        sent = 0
         if dist.get_rank() == 0:
             try:
                 sent = hand_out(self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype), buckets)
-            except WeightChannelError as exc:
-                problem = str(exc)
-        for _ in buckets:  # the gathers are collective: every rank runs them all, sent or not
+            except Exception as exc:  # noted; raised on every rank at the next settle
+                agreement.note(exc)
+        for _ in buckets:  # the gathers are collective: every rank runs them until a settle says stop
             pass
-        said = [problem]
-        dist.broadcast_object_list(said, src=0)
-        if said[0]:
-            raise WeightChannelError(said[0])
+        agreement.settle()
         return sent
 
     def export_hf(self, folder: str | Path) -> None:

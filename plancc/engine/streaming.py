@@ -21,6 +21,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from ..errors import quiet_logger
 from ..runtime.styles.experts import plain
 from . import faults
+from .agreement import RefitAgreement
 
 
 def exported_names(model: nn.Module) -> list[str]:
@@ -68,13 +69,23 @@ def _plan(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None) -> tup
 
 
 def weight_buckets(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, agreement: RefitAgreement | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``."""
+    """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``. With an
+    ``agreement``, the ranks settle before each bucket's gather (a problem any rank noted is
+    raised on every rank there, before anyone enters the gather)."""
     state, plan = _plan(model, bucket_bytes, dtype)
     rank = dist.get_rank() if dist.is_initialized() else 0
     for index, bucket in enumerate(plan):
-        faults.inject("gather", rank=rank, step=index + 1)
+        if agreement is None:
+            faults.inject("gather", rank=rank, step=index + 1)
+        else:
+            agreement.bucket = index + 1
+            try:
+                faults.inject("gather", rank=rank, step=index + 1)
+            except Exception as exc:
+                agreement.note(exc)
+            agreement.settle()
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
         with quiet_logger("torch.distributed.tensor"):
             full = {name: _full(state[name], dtype) for name in bucket}

@@ -1,0 +1,52 @@
+"""One failure rule for every weight transport: a problem on any rank is raised on every rank.
+
+Handing weights out is collective: every policy rank gathers each bucket (FSDP and TP shards)
+while one rank hands it to the engine. A rank that leaves on an exception of its own -- rank
+0's socket broke, its consumer died, a bucket failed to pack, another rank's gather raised --
+leaves its peers inside the next gather until the collective timeout, minutes later, with an
+error that names nothing. So each rank notes its problem instead of leaving, and before every
+bucket's gather (and once at the end) the ranks settle: one all-reduce of a flag, and when
+any rank noted one, the first problem -- its rank, its bucket, its cause -- is raised on every
+rank as the same ``WeightChannelError``. No rank is then inside a collective another skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .channel import WeightChannelError
+
+
+class AgreedRefitError(WeightChannelError):
+    """The failure every rank of a refit raises together (``RefitAgreement.settle``)."""
+
+
+@dataclass(slots=True)
+class RefitAgreement:
+    """The problems the ranks of one refit note, settled bucket by bucket (collective)."""
+
+    device: str
+    bucket: int = 0  # the bucket being gathered or handed out (1-based; 0 before the first)
+    problem: str = ""
+
+    def note(self, exc: BaseException) -> None:
+        """This rank's problem at the current bucket (the first one counts)."""
+        if isinstance(exc, AgreedRefitError):
+            raise exc  # already every rank's: nothing left to agree on
+        if not self.problem:
+            cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            where = f"bucket {self.bucket}" if self.bucket else "before the first bucket"
+            self.problem = f"rank {dist.get_rank()}, {where}: {type(exc).__name__}" + (f": {cause}" if cause else "")
+
+    def settle(self) -> None:
+        """Collective: every rank raises the first rank's problem when any rank noted one."""
+        flag = torch.tensor([int(bool(self.problem))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        said: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(said, self.problem)
+        raise AgreedRefitError(f"refit failed on {next(p for p in said if p)}")
