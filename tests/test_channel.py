@@ -145,3 +145,12 @@ def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_na
     assert "bucket 1 of" in line and "the policy (channel rank 0)" in line, line
     assert waited < 60, waited  # the channel's timeout (10 s), not a hang
     assert not received.exists()
+
+
+@pytest.mark.skipif(not __import__("torch").distributed.is_nccl_available(), reason="NCCL: CUDA builds of torch only")
+def test_the_nccl_channel_is_built_with_the_channels_timeout():
+    from datetime import timedelta
+
+    from plancc.engine.channel import nccl_options
+
+    assert nccl_options(timedelta(seconds=7))._timeout == timedelta(seconds=7)

@@ -149,12 +149,22 @@ def weight_channel(
             f"within {timeout:g}s ({str(exc).splitlines()[0][:200]})"
         ) from None
     if backend == "nccl":
-        group: Any = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+        group: Any = dist.ProcessGroupNCCL(store, rank, world_size, nccl_options(wait))
         device = "cuda"
     else:
         group = dist.ProcessGroupGloo(store, rank, world_size, wait)
         device = "cpu"
     return WeightChannel(group, store, rank, world_size, device, wait)
+
+
+def nccl_options(timeout: timedelta) -> Any:
+    """NCCL options carrying the channel's timeout: built bare, a ``ProcessGroupNCCL`` takes
+    NCCL's default (10 minutes) and the channel's timeout never reaches its watchdog. torch's own
+    ``new_group`` sets it the same way (``backend_options._timeout``, torch 2.13)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    options.is_high_priority_stream = False
+    return options
 
 
 def _wait_for_all(store: Any, world_size: int, wait: timedelta) -> None:
