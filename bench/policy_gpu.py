@@ -68,8 +68,11 @@ def main() -> None:
     torch.cuda.empty_cache()
     # memory of the whole process: both policies; A's share is what offload frees
     before = torch.cuda.memory_allocated()
+    free_before = torch.cuda.mem_get_info()[0]  # what another process could allocate
     result["offload_s"] = timed(a.offload)
     after = torch.cuda.memory_allocated()
+    # the driver's view: offload hands the freed blocks back (empty_cache), not to torch's cache
+    result["freed_for_other_processes_bytes"] = torch.cuda.mem_get_info()[0] - free_before
     result["onload_s"] = timed(a.onload)
     # A's own footprint: what B (identical, never offloaded) holds
     result["policy_bytes_on_device"] = before / 2

@@ -423,6 +423,14 @@ def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
     except RuntimeError as exc:
         out["offloaded_train"] = str(exc)
     a.onload()
+    a.offload(params=False)  # the optimizer's state alone (a colocated engine short of memory)
+    try:
+        a.logprobs(local)
+        out["optimizer_offloaded"] = "accepted"
+    except RuntimeError as exc:
+        out["optimizer_offloaded"] = str(exc)
+    a.offload(optimizer=False)  # then the parameters too
+    a.onload()
     a.train(local, nll)
     b.train(local, nll)
     sa, sb = _full_state(a.model), _full_state(b.model)

@@ -19,19 +19,38 @@ from torch import nn
 from ..runtime.styles.experts import plain
 
 
-def device_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor of the model (parameters, their gradients, buffers) and of the optimizer's
-    state, as the local tensors that own device storage."""
+def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """The model's parameters, their gradients and its buffers, as the local tensors that own
+    device storage."""
     for param in model.parameters():
         yield plain(param)
         if param.grad is not None:
             yield plain(param.grad)
     for buffer in model.buffers():
         yield plain(buffer)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The optimizer's state (AdamW's moments: twice the parameters' bytes)."""
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 yield plain(value)
+
+
+def device_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor of the model and of the optimizer's state."""
+    yield from model_tensors(model)
+    yield from optimizer_tensors(optimizer)
+
+
+def release_cached_memory() -> None:
+    """Hand the memory freed by an offload back to the driver. Resizing a storage to nothing
+    returns its block to torch's caching allocator, which keeps it for this process: another
+    process on the GPU (a colocated vLLM / SGLang) could not allocate it. No-op without CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 @dataclass

@@ -51,7 +51,7 @@ from .batches import Batch, BatchError, Microbatch, check_batch, default_token_m
 from .build import build_parallel_model
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
-from .offload import HostCopy, device_tensors
+from .offload import HostCopy, model_tensors, optimizer_tensors, release_cached_memory
 from .reshard import send_shards
 from .streaming import full_weights, manifest_buckets, weight_buckets
 
@@ -134,8 +134,9 @@ class Policy:
         self.max_grad_norm = max_grad_norm
         self.step = 0
         self._reference = _host_copy(self._shards()) if reference else None
-        self._host: HostCopy | None = None  # while offloaded: what offload() keeps of the device memory
-        self._pinned: list[torch.Tensor] = []  # its pinned host buffers, reused by the next offload
+        # while offloaded: what offload() keeps of the device memory, per part ("params", "optimizer")
+        self._host: dict[str, HostCopy] = {}
+        self._pinned: dict[str, list[torch.Tensor]] = {}  # their pinned host buffers, reused by the next offload
 
     # ------------------------------------------------------------------ layout
     @property
@@ -391,19 +392,25 @@ class Policy:
         export_hf(self.model, self.config, folder, source=source)
 
     # ------------------------------------------------------------------ memory
-    def offload(self) -> None:
-        """Parameters, gradients and optimizer state to pinned host memory (while a rollout
-        engine runs on the device); ``onload`` brings them back (``engine.offload`` says how).
-        Nothing moves on CPU."""
-        if self._host is not None:
-            return
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
+        """Parameters (with their gradients and the buffers) and / or the optimizer's state to
+        pinned host memory while a rollout engine runs on the device, the freed memory handed
+        back to the driver (``torch.cuda.empty_cache``) so that another process can allocate it;
+        ``onload`` brings everything back (``engine.offload`` says how). Nothing moves on CPU."""
         _reshard(self.model)
-        self._host = HostCopy.offload(device_tensors(self.model, self.optimizer), reuse=self._pinned)
+        parts = {
+            "params": (params, lambda: model_tensors(self.model)),
+            "optimizer": (optimizer, lambda: optimizer_tensors(self.optimizer)),
+        }
+        for part, (wanted, tensors) in parts.items():
+            if wanted and part not in self._host:
+                self._host[part] = HostCopy.offload(tensors(), reuse=self._pinned.get(part))
+        release_cached_memory()
 
     def onload(self) -> None:
-        if self._host is not None:
-            self._pinned = self._host.onload()  # kept for the next offload: pinning is slow
-            self._host = None
+        """Everything ``offload`` moved, back where it was (every tensor object the same)."""
+        for part in list(self._host):
+            self._pinned[part] = self._host.pop(part).onload()  # kept for the next offload: pinning is slow
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path) -> Path:
@@ -438,8 +445,9 @@ class Policy:
 
     # ------------------------------------------------------------------ internals
     def _require_onloaded(self, what: str) -> None:
-        if self._host is not None:
-            raise RuntimeError(f"Policy.{what}: the policy is offloaded; call onload() first")
+        if self._host:
+            offloaded = " and ".join(sorted(self._host))
+            raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
     def _checked(
         self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
