@@ -21,12 +21,18 @@ def _batch(vocab):
     return global_batch(4, vocab, seed=21)
 
 
-def policy_side(port, manifest_path, layout):
+def policy_side(port, manifest_path, layout, dtype=None):
+    """The policy's rank: trains a step, sends its weights resharded (in ``dtype`` when given),
+    and reports what it sent, the peak bytes the send made (tests/live_bytes.py), and for the
+    bound: the largest parameter and all the strided ones (FSDP x TP) together, full size."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     import plancc
+    from plancc.engine.reshard import local_box
     from plancc.models import load_config
 
+    from .live_bytes import LiveBytes
     from .policy_worker import nll
 
     init_gloo()
@@ -36,15 +42,21 @@ def policy_side(port, manifest_path, layout):
     policy.train({k: v[mine] for k, v in batch.items()}, nll)
     if torch.distributed.get_rank() == 0:
         with open(manifest_path + ".tmp", "w") as f:
-            json.dump({**policy.weights_manifest(), "policy_ranks": torch.distributed.get_world_size()}, f)
+            manifest = policy.weights_manifest(dtype=getattr(torch, dtype) if dtype else None)
+            json.dump({**manifest, "policy_ranks": torch.distributed.get_world_size()}, f)
         os.replace(manifest_path + ".tmp", manifest_path)
     world = torch.distributed.get_world_size() + 2
     channel = plancc.weight_channel(
         "127.0.0.1", port, rank=torch.distributed.get_rank(), world_size=world, backend="gloo", timeout=60
     )
-    sent = policy.send_weights(channel, reshard=True)
+    held = [t._local_tensor if isinstance(t, DTensor) else t for t in [*policy.model.parameters()]]
+    with LiveBytes(held) as counter:
+        sent = policy.send_weights(channel, reshard=True, dtype=getattr(torch, dtype) if dtype else None)
     channel.close()
     out = {"sent": sent, "start": mine.start, "logprobs": policy.logprobs({k: v[mine] for k, v in batch.items()})}
+    full = {name: p.numel() * p.element_size() for name, p in policy.model.named_parameters()}
+    strided = [name for name, p in policy.model.named_parameters() if local_box(p)[0] is None]
+    out.update(peak=counter.peak, largest=max(full.values()), strided_total=sum(full[n] for n in strided))
     torch.distributed.destroy_process_group()
     return out
 
@@ -76,17 +88,18 @@ def receiver_rank(port, manifest_path):
     plancc.materialize(model, "cpu", full_state_dict=build_model(config, device="cpu").state_dict())
     params = dict(model.named_parameters())
     stats = {}
-    shard_bytes = 0
+    shard_bytes, dtypes = 0, set()
     with torch.no_grad():
         for name, shard in plancc.receive_weights(channel, manifest, plan=PLAN, tp=2, stats=stats):
             local = params[name].to_local() if isinstance(params[name], DTensor) else params[name]
             local.copy_(shard)
-            shard_bytes += local.numel() * local.element_size()
+            shard_bytes += shard.numel() * shard.element_size()
+            dtypes.add(str(shard.dtype))
     channel.close()
     with torch.no_grad():
         lp = token_logprobs(model.eval(), _batch(config.vocab_size)["input_ids"],
                             attention_mask=_batch(config.vocab_size)["attention_mask"], mesh=mesh)
-    out = {"received": stats.get("bytes", 0), "shard": shard_bytes, "logprobs": lp}
+    out = {"received": stats.get("bytes", 0), "shard": shard_bytes, "logprobs": lp, "dtypes": sorted(dtypes)}
     torch.distributed.destroy_process_group()
     return out
 

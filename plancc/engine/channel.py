@@ -184,18 +184,30 @@ def _wait_for_all(store: Any, world_size: int, wait: timedelta) -> None:
 
 # ----------------------------------------------------------------------------- manifest
 def make_manifest(
-    buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]], *, model: str, config: dict[str, Any] | None = None
+    buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]],
+    *,
+    model: str,
+    config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """The JSON-serialisable description of what will be sent: every tensor's name, shape and
     dtype, bucket by bucket, with each bucket's size in bytes, and the model's config (a
-    receiver that reshards builds the model's layout from it)."""
+    receiver that reshards builds the model's layout from it) and the dtype floating tensors are
+    sent in (null: each its own)."""
     out = []
     for bucket in buckets:
         tensors = [
             {"name": n, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")} for n, shape, dtype in bucket
         ]
         out.append({"bytes": sum(aligned(entry_nbytes(t)) for t in tensors), "tensors": tensors})
-    return {"format": FORMAT, "model": model, "config": config or {}, "buckets": out}
+    sent_as = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return {"format": FORMAT, "model": model, "config": config or {}, "dtype": sent_as, "buckets": out}
+
+
+def manifest_dtype(manifest: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype floating tensors are sent in, or None (each its own)."""
+    name = manifest.get("dtype")
+    return _dtype(name) if name else None
 
 
 def entry_nbytes(entry: Mapping[str, Any]) -> int:

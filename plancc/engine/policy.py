@@ -304,7 +304,7 @@ class Policy:
         """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
         tensor's name, shape and dtype, bucket by bucket). Local: nothing is gathered."""
         buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict())
+        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
 
     def send_weights(
         self,
@@ -328,7 +328,8 @@ class Policy:
             if channel is None:
                 raise ValueError("a resharded refit sends from every policy rank: each joins the weight channel")
             handshake(channel, self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype))
-            return send_shards(channel, self.model, receivers=channel.world_size - dist.get_world_size())
+            receivers = channel.world_size - dist.get_world_size()
+            return send_shards(channel, self.model, receivers=receivers, dtype=dtype)
 
         def send(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
             if channel is None:

@@ -15,7 +15,7 @@ from ..compiler.plan import Plan, load_plan
 from ..models import build_model
 from ..runtime.mesh import build_mesh
 from ..runtime.parallelize import parallelize
-from .channel import WeightChannel, WeightChannelError, check_manifest, handshake, receive_buckets
+from .channel import WeightChannel, WeightChannelError, check_manifest, handshake, manifest_dtype, receive_buckets
 from .reshard import receive_shards
 
 
@@ -48,7 +48,8 @@ def receive_weights(
     parallelize(model, plan if isinstance(plan, Plan) else load_plan(str(plan)), build_mesh(tp=tp))
     handshake(channel, manifest)
     receivers = torch.distributed.get_world_size()
-    for name, shard, got in receive_shards(channel, model, policy_world=channel.world_size - receivers):
+    policy_world, dtype = channel.world_size - receivers, manifest_dtype(manifest)
+    for name, shard, got in receive_shards(channel, model, policy_world=policy_world, dtype=dtype):
         if stats is not None:
             stats["bytes"] = stats.get("bytes", 0) + got
         yield name, shard

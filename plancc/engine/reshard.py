@@ -11,8 +11,14 @@ the two boxes -- in the same order, as point-to-point messages over the channel:
 so no cycle of waits. A receiver gets exactly its shard, whatever the two layouts are.
 
 A policy parameter whose local elements are no box (FSDP2's ``_StridedShard``: FSDP over a dim
-that TP also shards, at dp > 1) is gathered whole by the policy's ranks first and sent from
-rank 0: the only tensors any policy rank gathers are those whose layouts do not line up.
+that TP also shards, at dp > 1) is gathered whole by the policy's ranks and sent from rank 0:
+the only tensors any policy rank gathers are those whose layouts do not line up. Each is
+gathered when the walk reaches its first transfer (every policy rank walks the same list, so
+the gathers line up) and dropped after its last, so a rank holds one such tensor at a time,
+never all of them together.
+
+``dtype`` (the manifest's, from ``send_weights(dtype=)``): floating pieces are sent in it and
+the receivers' shards are made in it.
 """
 
 from __future__ import annotations
@@ -104,41 +110,49 @@ def _box(value: Any) -> Box:
     return tuple(offsets), tuple(lengths)
 
 
-def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int) -> int:
+def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int, dtype: torch.dtype | None = None) -> int:
     """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
     this rank sent."""
     params = dict(model.named_parameters())
-    boxes, gathered = {}, {}
+    boxes, strided = {}, set()
     for name, param in params.items():
         box, owner = local_box(param)
-        if box is None:  # no box here: gathered whole, rank 0 sends
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            gathered[name] = full.detach()
-            box, owner = (tuple(0 for _ in full.shape), tuple(full.shape)), dist.get_rank() == 0
+        if box is None:  # no box here: gathered whole when its turn comes, rank 0 sends
+            strided.add(name)
+            box, owner = (tuple(0 for _ in param.shape), tuple(param.shape)), dist.get_rank() == 0
         boxes[name] = {"box": [list(box[0]), list(box[1])], "owner": owner}
     _publish(channel, boxes)
     policy_world = channel.world_size - receivers
     policy = [boxes if p == channel.rank else _read(channel, p) for p in range(policy_world)]
     wanted = [_read(channel, policy_world + r) for r in range(receivers)]
-    sent = 0
-    for index, (name, p, r, part) in enumerate(_transfers(list(params), policy, wanted, policy_world)):
-        if p != channel.rank:
-            continue
-        held = gathered.get(name)
-        if held is None:
+    transfers = list(_transfers(list(params), policy, wanted, policy_world))
+    last = {name: index for index, (name, *_) in enumerate(transfers)}
+    sent, gathered, held_name = 0, None, None
+    for index, (name, p, r, part) in enumerate(transfers):
+        if name in strided and name != held_name:  # collective: every policy rank is here now
             param = params[name]
-            held = plain(param)
-        piece = held.detach()[_slices(part, _box(policy[p][name]["box"]))].contiguous().to(channel.device)
-        channel.send(piece, r, index, f"{name} to channel rank {r}")
-        sent += piece.numel() * piece.element_size()
+            gathered, held_name = (param.full_tensor() if isinstance(param, DTensor) else param).detach(), name
+        if p == channel.rank:
+            held = gathered if name == held_name else plain(params[name]).detach()
+            assert held is not None
+            piece = held[_slices(part, _box(policy[p][name]["box"]))]
+            if dtype is not None and piece.is_floating_point():
+                piece = piece.to(dtype)
+            piece = piece.contiguous().to(channel.device)
+            channel.send(piece, r, index, f"{name} to channel rank {r}")
+            sent += piece.numel() * piece.element_size()
+            del piece
+        if name == held_name and index == last[name]:
+            gathered, held_name = None, None  # its last transfer: dropped before the next gather
     return sent
 
 
 def receive_shards(
-    channel: WeightChannel, model: nn.Module, *, policy_world: int
+    channel: WeightChannel, model: nn.Module, *, policy_world: int, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor, int]]:
     """A receiver's side: (name, this rank's local shard, bytes received for it) of every
-    parameter of ``model`` (the receiver's own parallelized model, meta or real), in order."""
+    parameter of ``model`` (the receiver's own parallelized model, meta or real), in order;
+    floating shards in ``dtype`` when the sender sends in one."""
     params = dict(model.named_parameters())
     mine = {}
     for name, param in params.items():
@@ -163,7 +177,10 @@ def receive_shards(
                 yield current, shard, got
             current, got = name, 0
             box = _box(mine[name]["box"])
-            shard = torch.empty(box[1], dtype=params[name].dtype, device=channel.device)
+            kind = params[name].dtype
+            shard = torch.empty(
+                box[1], dtype=dtype if dtype is not None and kind.is_floating_point else kind, device=channel.device
+            )
         piece = torch.empty(part[1], dtype=shard.dtype, device=channel.device)
         channel.recv(piece, p, index, f"{name} from channel rank {p}")
         shard[_slices(part, _box(mine[name]["box"]))] = piece
