@@ -5,6 +5,6 @@ the process group among them and fans ``train``, ``logprobs``, ``reference_logpr
 ``offload``, ``onload``, ``save``, ``weights_manifest`` and ``send_weights`` out over them.
 """
 
-from .engine.ray_group import PolicyGroup, PolicyWorker
+from .engine.ray_group import PolicyGroup, PolicyGroupError, PolicyWorker
 
-__all__ = ["PolicyGroup", "PolicyWorker"]
+__all__ = ["PolicyGroup", "PolicyGroupError", "PolicyWorker"]

@@ -553,3 +553,14 @@ def ratio_at_temperatures(plan, model_name, layout_kwargs, temperatures):
     except ValueError as exc:
         out["inf"] = str(exc)
     return out
+
+
+def dies_on_rank_1(lp, mb, norm):
+    """A loss whose rank 1 process dies mid-train (an actor lost to a node failure, an OOM kill)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(17)
+    return nll(lp, mb, norm)

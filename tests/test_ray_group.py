@@ -41,3 +41,84 @@ def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise():
     assert torch.equal(after, expected_after)
     assert {k: v for k, v in metrics.items() if k != "seconds"} == want[0]["metrics"]
     assert not torch.equal(before, after)  # the step moved the policy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_group():
+    """The group's actors hold one placement group (a bundle each); an actor whose process dies
+    mid-train fails the driver's call at once with one PolicyGroupError naming its rank -- not
+    after the process group's timeout -- the other actor is ended and the reservation freed."""
+    import time
+
+    from ray.util.placement_group import placement_group_table
+
+    from plancc.models import load_config
+    from plancc.ray import PolicyGroup, PolicyGroupError
+
+    from .policy_worker import ROWS_PER_RANK, dies_on_rank_1, global_batch
+
+    batch = global_batch(ROWS_PER_RANK * 2, load_config("tiny-qwen3").vocab_size, seed=13)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    try:
+        group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2, strategy="PACK", timeout_s=600)
+        table = placement_group_table(group.placement)
+        assert table["state"] == "CREATED" and table["strategy"] == "PACK" and len(table["bundles"]) == 2
+        assert group.logprobs(batch).shape == batch["input_ids"].shape  # one answer per dp slice
+        workers, placement = list(group.workers), group.placement
+        started = time.monotonic()
+        with pytest.raises(PolicyGroupError, match="rank 1's actor died") as caught:
+            group.train(batch, dies_on_rank_1)
+        assert time.monotonic() - started < 120, "the dead actor was seen at once, not after a timeout"
+        assert "other actors were ended" in str(caught.value)
+        with pytest.raises(ray.exceptions.RayActorError):  # rank 0's actor, left waiting in a collective: ended
+            ray.get(workers[0].call.remote("weights_manifest"), timeout=60)
+        assert placement_group_table(placement)["state"] == "REMOVED"
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logprobs(tmp_path):
+    """Every actor joins the weight channel (as its global rank) and sends the engine at tp=2 only
+    the shards it holds; the engine's model then gives the group's log-probs."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from plancc.models import load_config
+    from plancc.ray import PolicyGroup
+
+    from .distributed import free_port
+    from .reshard_worker import MODEL, PLAN, _batch
+
+    port = free_port()
+    manifest, out = tmp_path / "manifest.json", tmp_path / "engine.pt"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    engine = None
+    try:
+        group = PolicyGroup(2, PLAN, MODEL, dp=2)
+        manifest.write_text(json.dumps({**group.weights_manifest(), "policy_ranks": 2}))
+        engine = subprocess.Popen([sys.executable, "-m", "tests.reshard_worker", str(port), str(manifest), str(out)],
+                                  cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        group.open_channel("127.0.0.1", port, world_size=4, backend="gloo", reshard=True)
+        sent = group.send_weights(reshard=True)
+        group.close_channel()
+        want = group.logprobs(_batch(load_config(MODEL).vocab_size))
+        log, _ = engine.communicate(timeout=300)
+        group.shutdown()
+    finally:
+        if engine is not None:
+            engine.kill()
+        ray.shutdown()
+    assert engine.returncode == 0, log[-3000:]
+    assert sent > 0
+    for rank, got in torch.load(out).items():
+        assert 0 < got["received"] <= 1.05 * got["shard"], (rank, got)
+        assert (got["logprobs"] - want).abs().max() <= 1e-5, rank
