@@ -32,8 +32,11 @@ from torch import nn
 
 from .dataflow import Flow, remember, trace
 from .models import build_meta_model, load_config, presets
+from .sequence_mixing import RECORDED_INTERFACE, RECORDED_MIXING, calls_attention_interface, sequence_mixing
 
-FORMAT = 3  # 2: the forward's wiring (plancc.dataflow) recorded; 3: how each module is called
+# 2: the forward's wiring (plancc.dataflow) recorded; 3: how each module is called; 4: what the
+# context-parallel check reads of each class's code (the attention interface, sequence mixing)
+FORMAT = 4
 
 # torch classes a skeleton module may derive from, most specific first: the checks ask
 # isinstance() of these (module kinds), and of nothing else
@@ -90,6 +93,8 @@ def describe(model: nn.Module, config: Any) -> dict[str, Any]:
             if buf is not None
         }
         attrs = {a: getattr(module, a) for a in _ATTRIBUTES if isinstance(getattr(module, a, None), int)}
+        attrs[RECORDED_INTERFACE] = calls_attention_interface(module)
+        attrs[RECORDED_MIXING] = sequence_mixing(module)
         modules.append(
             {
                 "name": name,
@@ -149,7 +154,7 @@ def build_skeleton(record: dict[str, Any]) -> nn.Module:
         module = _bare(_class(entry["class"], entry["base"], entry["torch"], entry["forward"]))
         name = entry["name"]
         for attr, value in entry["attributes"].items():
-            setattr(module, attr, value)
+            module.__dict__[attr] = value  # plain attributes (nn.Module registers only tensors and modules)
         for pname, spec in entry["parameters"].items():
             fqn = f"{name}.{pname}" if name else pname
             if "tied" in spec:

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..compiler.kinds import calls_attention_interface, is_cp_attention
 from ..errors import SourceLoc
+from ..sequence_mixing import calls_attention_interface, is_cp_attention, sequence_mixing
 from .context import CheckContext, Problem, text_config
 from .example import Example
 
@@ -111,13 +111,6 @@ def _sequence_mixers(model: nn.Module) -> Iterator[tuple[str, str]]:
                 "linear-attention or state-space layer)",
             )
         for name, module in layer.named_modules(prefix=layer_name):
-            cls = type(module).__name__
-            if isinstance(module, nn.Conv1d) or "Conv" in cls:
-                yield name, f"({cls}) is a convolution over the sequence"
-            elif cls.endswith("Indexer"):
-                yield (
-                    name,
-                    f"({cls}) picks each query's keys by its own scores over the whole sequence (sparse attention)",
-                )
-            elif callable(getattr(module, "prepare_dynamic_mask", None)):
-                yield name, f"({cls}) computes its attention mask from its activations (a dynamic mask)"
+            how = sequence_mixing(module)
+            if how is not None:
+                yield name, how

@@ -72,28 +72,3 @@ class Layouts:
     local_output: bool | None
     # weight placement on the tp axis per module kind; None where the style does not touch it
     weight: Mapping[ModuleKind, Placement] | None
-
-
-# How a transformers attention class reaches its kernel: through the attention interface
-# (eager / SDPA / flash, chosen by ``config._attn_implementation``), which is what plancc's
-# context-parallel attention registers itself as.
-_INTERFACE_MARKS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
-
-
-def calls_attention_interface(module: nn.Module) -> bool | None:
-    """Whether the module's class calls transformers' attention interface (its source says so);
-    None where that cannot be read (a shipped skeleton's class, a class without source)."""
-    cls = type(module)
-    if cls.__module__ == "plancc.skeleton" or cls.__module__.startswith("torch."):
-        return None if cls.__module__ == "plancc.skeleton" else False
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return None
-    return any(mark in source for mark in _INTERFACE_MARKS)
-
-
-def is_cp_attention(module: nn.Module) -> bool:
-    """An attention block the context-parallel attention replaces: a layer's attention (it
-    has ``layer_idx`` and ``o_proj``) that reaches its kernel through the attention interface."""
-    return hasattr(module, "layer_idx") and hasattr(module, "o_proj") and calls_attention_interface(module) is not False

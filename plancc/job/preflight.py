@@ -142,8 +142,9 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
     """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
     meta, as ``plancc validate`` builds it). Empty when the run can start."""
     problems = _flag_problems(cfg)
-    # a run resumes from, and saves into, its own checkpoint folder
-    problems += overlaps(run_paths(cfg), allowed=[("--save", "--resume")])
+    # a run resumes from, and saves into, its own checkpoint folder; the export against the model
+    # folder is check_export_target's to say ([export-hf], as the Python API's export says it)
+    problems += overlaps(run_paths(cfg), allowed=[("--save", "--resume"), ("--export-hf", "--model")])
     if problems:  # the checks below open the named files and folders: not those of a refused run
         return problems
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..compiler.kinds import is_cp_attention
+from ..sequence_mixing import is_cp_attention
 from .hooks import call_arguments
 
 
