@@ -126,20 +126,22 @@ def test_an_export_keeps_every_file_it_did_not_write_and_removes_only_its_own_st
     from transformers import AutoModelForCausalLM
 
     export = tmp_path / "E"
+    export.mkdir()
+    # an earlier sharded export by plancc, its files listed; a user's notes; a stray index
+    earlier = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+               "model.safetensors.index.json"]
+    for name in earlier:
+        (export / name).write_text("{}" if name.endswith(".json") else "old shard")
+    (export / ".plancc-export.json").write_text(json.dumps({"files": earlier}))
+    (export / "NOTES.md").write_text("my notes\n")
+    (export / "pytorch_model.bin.index.json").write_text("{}")
     code, _, err = run_cli("apply", QWEN3, "--steps", 1, "--export-hf", export, "--nproc-per-node", 2)
     assert code == 0, err
     manifest = json.loads((export / ".plancc-export.json").read_text())
     assert "model.safetensors" in manifest["files"] and "config.json" in manifest["files"]
-    # pretend the earlier export had written an extra shard; a user adds notes and a stray index
-    (export / "model-00002-of-00002.safetensors").write_bytes(b"old shard")
-    manifest["files"].append("model-00002-of-00002.safetensors")
-    (export / ".plancc-export.json").write_text(json.dumps(manifest))
-    (export / "NOTES.md").write_text("my notes\n")
-    (export / "pytorch_model.bin.index.json").write_text("{}")
-    code, _, err = run_cli("apply", QWEN3, "--steps", 2, "--export-hf", export, "--nproc-per-node", 2)
-    assert code == 0, err
     assert (export / "NOTES.md").read_text() == "my notes\n"
-    assert not (export / "model-00002-of-00002.safetensors").exists()  # plancc's own, stale: removed
+    for stale in earlier[1:]:  # plancc's own, not written again: removed
+        assert not (export / stale).exists(), stale
     (aside,) = export.glob(".plancc-superseded-*")
     assert (aside / "pytorch_model.bin.index.json").read_text() == "{}"  # not plancc's: moved, kept
     assert sorted(p.name for p in export.glob("*.safetensors")) == ["model.safetensors"]
@@ -164,3 +166,11 @@ def test_logprobs_of_a_row_count_dp_does_not_divide_gives_every_line_in_order(tm
     assert "verify: max |logprob diff|" in stdout and "OK" in stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [len(r["logprobs"]) for r in rows] == [len(s) for s in seqs]
+
+
+def test_a_global_batch_dp_does_not_divide_is_refused_before_launch_not_trained_in_part(cli):
+    """At dp=2, --batch-size 3 gave each rank one row: the third row of every step was never
+    trained, and the run said nothing."""
+    code, out, err = cli("apply", QWEN3, "--batch-size", 3, "--nproc-per-node", 2)
+    assert code == 2 and "--batch-size 3 does not split over dp=2" in err and "use a multiple of 2: 2 or 4" in err
+    assert "plancc apply:" not in out

@@ -11,9 +11,19 @@ ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster for the file (starting one takes seconds); each test's group ends its
+    own actors."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise():
+def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise(cluster):
     import torch
 
     from plancc.models import load_config
@@ -24,17 +34,14 @@ def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise():
 
     want = launch(torchrun_reference_for_ray, 2, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2})
     batch = global_batch(ROWS_PER_RANK * 2, load_config("tiny-qwen3").vocab_size, seed=13)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2,
+                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}})
     try:
-        group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2,
-                            optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}})
         before = group.logprobs(batch)
         metrics = group.train(batch, grpo, micro_batch_size=3)
         after = group.logprobs(batch)
-        group.shutdown()
     finally:
-        ray.shutdown()
+        group.shutdown()
     expected_before = torch.cat([want[r]["logprobs"] for r in sorted(want, key=lambda r: want[r]["start"])])
     expected_after = torch.cat([want[r]["after"] for r in sorted(want, key=lambda r: want[r]["start"])])
     assert torch.equal(before, expected_before)
@@ -45,7 +52,7 @@ def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise():
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_group():
+def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_group(cluster):
     """The group's actors hold one placement group (a bundle each); an actor whose process dies
     mid-train fails the driver's call at once with one PolicyGroupError naming its rank -- not
     after the process group's timeout -- the other actor is ended and the reservation freed."""
@@ -59,10 +66,8 @@ def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_
     from .policy_worker import ROWS_PER_RANK, dies_on_rank_1, global_batch
 
     batch = global_batch(ROWS_PER_RANK * 2, load_config("tiny-qwen3").vocab_size, seed=13)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
+    group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2, strategy="PACK", timeout_s=600)
     try:
-        group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2, strategy="PACK", timeout_s=600)
         table = placement_group_table(group.placement)
         assert table["state"] == "CREATED" and table["strategy"] == "PACK" and len(table["bundles"]) == 2
         assert group.logprobs(batch).shape == batch["input_ids"].shape  # one answer per dp slice
@@ -76,12 +81,12 @@ def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_
             ray.get(workers[0].call.remote("weights_manifest"), timeout=60)
         assert placement_group_table(placement)["state"] == "REMOVED"
     finally:
-        ray.shutdown()
+        group.shutdown()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logprobs(tmp_path):
+def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logprobs(tmp_path, cluster):
     """Every actor joins the weight channel (as its global rank) and sends the engine at tp=2 only
     the shards it holds; the engine's model then gives the group's log-probs."""
     import json
@@ -98,11 +103,9 @@ def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logpro
 
     port = free_port()
     manifest, out = tmp_path / "manifest.json", tmp_path / "engine.pt"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}})
     engine = None
+    group = PolicyGroup(2, PLAN, MODEL, dp=2)
     try:
-        group = PolicyGroup(2, PLAN, MODEL, dp=2)
         manifest.write_text(json.dumps({**group.weights_manifest(), "policy_ranks": 2}))
         engine = subprocess.Popen([sys.executable, "-m", "tests.reshard_worker", str(port), str(manifest), str(out)],
                                   cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -112,11 +115,10 @@ def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logpro
         group.close_channel()
         want = group.logprobs(_batch(load_config(MODEL).vocab_size))
         log, _ = engine.communicate(timeout=300)
-        group.shutdown()
     finally:
+        group.shutdown()
         if engine is not None:
             engine.kill()
-        ray.shutdown()
     assert engine.returncode == 0, log[-3000:]
     assert sent > 0
     for rank, got in torch.load(out).items():

@@ -72,6 +72,17 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "pass a finite, non-negative --lr such as 1e-5",
             )
         )
+    dp = cfg.layout.dp
+    if cfg.mode == "train" and dp and cfg.batch_size % dp:
+        fits = sorted({dp * max(1, cfg.batch_size // dp), dp * -(-cfg.batch_size // dp)})
+        found.append(
+            problem(
+                "--batch-size",
+                f"--batch-size {cfg.batch_size} does not split over dp={dp}: each dp rank trains an equal slice, "
+                f"and {cfg.batch_size % dp} row(s) of every step would not be trained",
+                f"use a multiple of {dp}: {' or '.join(map(str, fits))}",
+            )
+        )
     if cfg.device not in (None, "cpu", "cuda"):
         found.append(problem("--device", f"--device {cfg.device!r} is neither cpu nor cuda", "pass cpu or cuda"))
     elif cfg.device == "cuda" and not torch.cuda.is_available():
