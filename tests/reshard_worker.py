@@ -21,7 +21,7 @@ def _batch(vocab):
     return global_batch(4, vocab, seed=21)
 
 
-def policy_side(port, manifest_path, layout, dtype=None):
+def policy_side(port, manifest_path, layout, dtype=None, fault=None):
     """The policy's rank: trains a step, sends its weights resharded (in ``dtype`` when given),
     and reports what it sent, the peak bytes the send made (tests/live_bytes.py), and for the
     bound: the largest parameter and all the strided ones (FSDP x TP) together, full size."""
@@ -50,6 +50,18 @@ def policy_side(port, manifest_path, layout, dtype=None):
         "127.0.0.1", port, rank=torch.distributed.get_rank(), world_size=world, backend="gloo", timeout=60
     )
     held = [t._local_tensor if isinstance(t, DTensor) else t for t in [*policy.model.parameters()]]
+    if fault is not None:  # a policy rank that fails mid-refit: what every rank raises
+        os.environ["PLANCC_FAULT"] = fault
+        try:
+            policy.send_weights(channel, reshard=True)
+            return {"error": None}
+        except Exception as exc:
+            return {"type": type(exc).__name__, "error": str(exc)}
+        finally:
+            os.environ["PLANCC_FAULT"] = ""
+            torch.distributed.barrier()  # no rank left inside a collective
+            channel.close()
+            torch.distributed.destroy_process_group()
     with LiveBytes(held) as counter:
         sent = policy.send_weights(channel, reshard=True, dtype=getattr(torch, dtype) if dtype else None)
     channel.close()
@@ -61,7 +73,7 @@ def policy_side(port, manifest_path, layout, dtype=None):
     return out
 
 
-def receiver_rank(port, manifest_path):
+def receiver_rank(port, manifest_path, timeout=60):
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -77,7 +89,7 @@ def receiver_rank(port, manifest_path):
     rank = torch.distributed.get_rank()
     policy_world = int(manifest.pop("policy_ranks"))  # the test's note, not part of the manifest
     channel = plancc.weight_channel(
-        "127.0.0.1", port, rank=policy_world + rank, world_size=policy_world + 2, backend="gloo", timeout=60
+        "127.0.0.1", port, rank=policy_world + rank, world_size=policy_world + 2, backend="gloo", timeout=timeout
     )
     # the engine's own model at its own layout, filled with other weights until the refit
     config = load_config(MODEL)
@@ -107,5 +119,6 @@ def receiver_rank(port, manifest_path):
 if __name__ == "__main__":
     import torch
 
-    results = launch(receiver_rank, 2, int(sys.argv[1]), sys.argv[2])
+    timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60
+    results = launch(receiver_rank, 2, int(sys.argv[1]), sys.argv[2], timeout)
     torch.save(results, sys.argv[3])

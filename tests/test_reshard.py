@@ -57,3 +57,29 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
             assert got["peak"] < got["strided_total"], (rank, got)
     # the whole model crossed once: every policy rank sent its own part
     assert all(p["sent"] > 0 for p in policy.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_policy_rank_failing_mid_resharded_refit_is_one_error_on_every_policy_rank_and_ends_the_engine(tmp_path):
+    """Policy rank 1 raises at its first send: both policy ranks raise the same error naming rank 1
+    and its transfer (not rank 0's broken connection that follows from it), and the engine, left
+    waiting for rank 1's piece, fails within its channel's timeout instead of hanging."""
+    from .distributed import free_port, launch
+    from .reshard_worker import policy_side
+
+    port = free_port()
+    manifest, out = tmp_path / "manifest.json", tmp_path / "engine.pt"
+    engine = subprocess.Popen([sys.executable, "-m", "tests.reshard_worker", str(port), str(manifest), str(out), "5"],
+                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        policy = launch(policy_side, 2, port, str(manifest), {"dp": 2}, None, "send:raise@1")
+        log, _ = engine.communicate(timeout=300)
+    finally:
+        engine.kill()
+    assert len({got["error"] for got in policy.values()}) == 1, policy  # the same error on every rank
+    error = policy[0]
+    assert error["type"] == "AgreedRefitError" and "rank 1, transfer " in error["error"], error
+    assert "injected failure (send:raise@1)" in error["error"], error
+    assert engine.returncode != 0 and not out.exists(), log[-2000:]

@@ -6,8 +6,11 @@ while one rank hands it to the engine. A rank that leaves on an exception of its
 leaves its peers inside the next gather until the collective timeout, minutes later, with an
 error that names nothing. So each rank notes its problem instead of leaving, and before every
 bucket's gather (and once at the end) the ranks settle: one all-reduce of a flag, and when
-any rank noted one, the first problem -- its rank, its bucket, its cause -- is raised on every
-rank as the same ``WeightChannelError``. No rank is then inside a collective another skipped.
+any rank noted one, the earliest problem -- its rank, its bucket, its cause -- is raised on
+every rank as the same ``WeightChannelError``. No rank is then inside a collective another
+skipped. A resharded refit settles the same way before each gather and at the end; a policy
+rank whose point-to-point send failed stops sending, and the receiver waiting for it fails
+within the channel's timeout.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ class RefitAgreement:
     """The problems the ranks of one refit note, settled bucket by bucket (collective)."""
 
     device: str
-    bucket: int = 0  # the bucket being gathered or handed out (1-based; 0 before the first)
+    bucket: int = 0  # the bucket (or transfer) being gathered or handed out (1-based; 0 before the first)
+    unit: str = "bucket"  # what ``bucket`` counts: a plain refit's buckets, a resharded one's transfers
     problem: str = ""
+    at: int = 0  # the bucket the problem was noted at
 
     def note(self, exc: BaseException) -> None:
         """This rank's problem at the current bucket (the first one counts)."""
@@ -38,8 +43,9 @@ class RefitAgreement:
             raise exc  # already every rank's: nothing left to agree on
         if not self.problem:
             cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-            where = f"bucket {self.bucket}" if self.bucket else "before the first bucket"
+            where = f"{self.unit} {self.bucket}" if self.bucket else f"before the first {self.unit}"
             self.problem = f"rank {dist.get_rank()}, {where}: {type(exc).__name__}" + (f": {cause}" if cause else "")
+            self.at = self.bucket
 
     def settle(self) -> None:
         """Collective: every rank raises the first rank's problem when any rank noted one."""
@@ -47,6 +53,8 @@ class RefitAgreement:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
-        said: list[str] = [""] * dist.get_world_size()
-        dist.all_gather_object(said, self.problem)
-        raise AgreedRefitError(f"refit failed on {next(p for p in said if p)}")
+        said: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
+        dist.all_gather_object(said, (self.at, self.problem))
+        # the earliest problem is the cause; later ones (a peer's broken connection) follow from it
+        _, first = min((at, problem) for at, problem in said if problem)
+        raise AgreedRefitError(f"refit failed on {first}")

@@ -7,12 +7,13 @@
   its plancc.json), ``publish`` (after an existing copy of the same step was moved aside,
   before the new one is moved in), ``latest`` (after the new ``latest`` is written to a
   temporary file, before it replaces the old one), ``gather`` (before a bucket of weights is
-  gathered for the rollout engine), ``send`` (before a bucket goes over a weight channel) or
+  gathered for the rollout engine), ``send`` (before a bucket -- resharded: a transfer -- goes
+  over a weight channel) or
   ``pack`` (before a bucket is packed for a colocated consumer)
 - ACTION: ``raise`` (an exception: a failing rank), ``kill`` (SIGKILL: a lost process) or,
   at ``loss`` only, ``nan`` (the loss becomes NaN: a diverging run)
 - RANK: the global rank that fails; STEP (train, loss, gather, send, pack only): the 1-based
-  step (gather, send, pack: the bucket)
+  step (gather, send, pack: the bucket; a resharded send: the transfer)
 
 Unset, it costs one environment lookup per call.
 """

@@ -329,7 +329,7 @@ class Policy:
                 raise ValueError("a resharded refit sends from every policy rank: each joins the weight channel")
             handshake(channel, self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype))
             receivers = channel.world_size - dist.get_world_size()
-            return send_shards(channel, self.model, receivers=receivers, dtype=dtype)
+            return send_shards(channel, self.model, receivers=receivers, dtype=dtype, device=self.device)
 
         def send(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
             if channel is None:

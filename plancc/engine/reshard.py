@@ -34,6 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..runtime.styles.experts import plain
+from . import faults
+from .agreement import RefitAgreement
 from .channel import WeightChannel, WeightChannelError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
@@ -110,9 +112,18 @@ def _box(value: Any) -> Box:
     return tuple(offsets), tuple(lengths)
 
 
-def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int, dtype: torch.dtype | None = None) -> int:
+def send_shards(
+    channel: WeightChannel,
+    model: nn.Module,
+    *,
+    receivers: int,
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+) -> int:
     """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
-    this rank sent."""
+    this rank sent. A problem on any policy rank is raised on every one (``engine.agreement``;
+    ``device``: the policy's process group's)."""
+    agreement = RefitAgreement(device, unit="transfer")
     params = dict(model.named_parameters())
     boxes, strided = {}, set()
     for name, param in params.items():
@@ -129,21 +140,28 @@ def send_shards(channel: WeightChannel, model: nn.Module, *, receivers: int, dty
     last = {name: index for index, (name, *_) in enumerate(transfers)}
     sent, gathered, held_name = 0, None, None
     for index, (name, p, r, part) in enumerate(transfers):
+        agreement.bucket = index + 1
         if name in strided and name != held_name:  # collective: every policy rank is here now
+            agreement.settle()
             param = params[name]
             gathered, held_name = (param.full_tensor() if isinstance(param, DTensor) else param).detach(), name
-        if p == channel.rank:
-            held = gathered if name == held_name else plain(params[name]).detach()
-            assert held is not None
-            piece = held[_slices(part, _box(policy[p][name]["box"]))]
-            if dtype is not None and piece.is_floating_point():
-                piece = piece.to(dtype)
-            piece = piece.contiguous().to(channel.device)
-            channel.send(piece, r, index, f"{name} to channel rank {r}")
-            sent += piece.numel() * piece.element_size()
-            del piece
+        if p == channel.rank and not agreement.problem:  # after a failure this rank sends no more
+            try:
+                faults.inject("send", rank=channel.rank, step=index + 1)
+                held = gathered if name == held_name else plain(params[name]).detach()
+                assert held is not None
+                piece = held[_slices(part, _box(policy[p][name]["box"]))]
+                if dtype is not None and piece.is_floating_point():
+                    piece = piece.to(dtype)
+                piece = piece.contiguous().to(channel.device)
+                channel.send(piece, r, index, f"{name} to channel rank {r}")
+                sent += piece.numel() * piece.element_size()
+                del piece
+            except Exception as exc:
+                agreement.note(exc)
         if name == held_name and index == last[name]:
             gathered, held_name = None, None  # its last transfer: dropped before the next gather
+    agreement.settle()
     return sent
 
 
