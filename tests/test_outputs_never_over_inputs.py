@@ -174,3 +174,23 @@ def test_a_global_batch_dp_does_not_divide_is_refused_before_launch_not_trained_
     code, out, err = cli("apply", QWEN3, "--batch-size", 3, "--nproc-per-node", 2)
     assert code == 2 and "--batch-size 3 does not split over dp=2" in err and "use a multiple of 2: 2 or 4" in err
     assert "plancc apply:" not in out
+
+
+@pytest.mark.parametrize("args,said", [
+    (("--seed", 2**70), "--seed 1180591620717411303424 is not a 64-bit seed"),
+    (("--timeout", 10**12), "is beyond the longest wait plancc sets"),
+    (("--seq-len", 4096), "--seq-len 4096 is beyond the model's max_position_embeddings (512)"),
+])
+def test_a_flag_out_of_range_is_a_usage_error_before_launch(cli, args, said):
+    code, out, err = cli("apply", QWEN3, *args)
+    assert code == 2 and said in err and "[usage]" in err and "fix:" in err and "plancc apply:" not in out
+
+
+@pytest.mark.parametrize("temperature", ["inf", "nan"])
+def test_a_temperature_that_is_not_finite_is_a_usage_error_before_launch(cli, data, temperature):
+    """inf passed the flag's range check and gave uniform log-probs with exit 0; nan the range
+    check itself refuses (click's usage error)."""
+    code, out, err = cli("logprobs", QWEN3, "--data", data, "--temperature", temperature)
+    assert code == 2 and "temperature" in err.lower() and "plancc logprobs:" not in out
+    if temperature == "inf":
+        assert "is not a sampling temperature" in err

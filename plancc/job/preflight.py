@@ -51,6 +51,9 @@ def max_positions(config: PretrainedConfig) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+MAX_TIMEOUT_S = 365 * 24 * 3600
+
+
 def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
     def problem(flag: str, message: str, fix: str) -> Diagnostic:
         return Diagnostic(rule="usage", loc=SourceLoc(path=flag), message=message, fix=fix)
@@ -70,6 +73,25 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "--lr",
                 f"--lr {cfg.lr} is not a learning rate: it must be a finite number >= 0",
                 "pass a finite, non-negative --lr such as 1e-5",
+            )
+        )
+    if not 0 <= cfg.seed < 2**64:  # torch's generators take an unsigned 64-bit seed
+        found.append(problem("--seed", f"--seed {cfg.seed} is not a 64-bit seed", "pass a seed in 0 .. 2**64 - 1"))
+    if cfg.timeout_s > MAX_TIMEOUT_S:  # a timedelta beyond this overflows c10d's milliseconds
+        found.append(
+            problem(
+                "--timeout",
+                f"--timeout {cfg.timeout_s} is beyond the longest wait plancc sets ({MAX_TIMEOUT_S} s, a year)",
+                f"pass --timeout of at most {MAX_TIMEOUT_S} seconds",
+            )
+        )
+    if cfg.mode == "logprobs" and (not math.isfinite(cfg.temperature) or cfg.temperature <= 0):
+        found.append(
+            problem(
+                "--temperature",
+                f"--temperature {cfg.temperature} is not a sampling temperature: it must be finite and > 0 "
+                "(an infinite one makes every token equally likely)",
+                "pass the temperature the sampler used, e.g. 0.7 or 1.0",
             )
         )
     dp = cfg.layout.dp
@@ -159,6 +181,16 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
     if problems:  # the checks below open the named files and folders: not those of a refused run
         return problems
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
+    longest = max_positions(config)
+    if cfg.mode == "train" and not cfg.data and longest is not None and cfg.seq_len > longest:
+        problems.append(
+            Diagnostic(
+                rule="usage",
+                loc=SourceLoc(path="--seq-len"),
+                message=f"--seq-len {cfg.seq_len} is beyond the model's max_position_embeddings ({longest})",
+                fix=f"pass --seq-len of at most {longest}",
+            )
+        )
     if folder is not None:
         problems += check_folder(folder, model)
     if cfg.out:
