@@ -194,3 +194,34 @@ def test_a_temperature_that_is_not_finite_is_a_usage_error_before_launch(cli, da
     assert code == 2 and "temperature" in err.lower() and "plancc logprobs:" not in out
     if temperature == "inf":
         assert "is not a sampling temperature" in err
+
+
+def test_tensorboard_naming_a_file_is_refused_before_launch(cli, tmp_path):
+    afile = tmp_path / "events"
+    afile.write_text("mine\n")
+    code, out, err = cli("apply", QWEN3, "--tensorboard", afile)
+    assert code == 1 and "--tensorboard names a file" in err and "[output]" in err and afile.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("out,said,code", [
+    ("plot.txt", "cannot draw a '.txt' file", 2),
+    ("missing/plot.png", "which does not exist", 2),
+    ("/dev/full", "cannot draw a file without an extension", 2),
+])
+def test_plot_refuses_an_output_it_cannot_write(cli, tmp_path, out, said, code):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2)))
+    target = out if out.startswith("/") else tmp_path / out
+    got, _, err = cli("plot", metrics, "-o", target)
+    assert got == code and said in err and "Traceback" not in err
+
+
+def test_plot_reports_a_failed_write_as_one_line(cli, tmp_path):
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": float("nan") if s == 2 else 1.0}) + "\n" for s in (1, 2, 3)))
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    (folder / "plot.png").mkdir()  # a folder where the file should go: the write fails
+    code, _, err = cli("plot", metrics, "-o", folder / "plot.png")
+    assert code == 1 and "cannot write the plot" in err and "Traceback" not in err

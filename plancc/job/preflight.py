@@ -197,6 +197,15 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
         problems += _output_problems(Path(cfg.out))
     if cfg.metrics:
         problems += _output_problems(Path(cfg.metrics), "--metrics")
+    if cfg.tensorboard and Path(cfg.tensorboard).exists() and not Path(cfg.tensorboard).is_dir():
+        problems.append(
+            Diagnostic(
+                rule="output",
+                loc=SourceLoc(path=cfg.tensorboard),
+                message="--tensorboard names a file: TensorBoard writes its event files into a folder",
+                fix="pass --tensorboard a folder (it is created if missing)",
+            )
+        )
     if cfg.data:
         try:
             read_jsonl(

@@ -62,8 +62,31 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return rows
 
 
+# what matplotlib's Agg canvas writes, by the output's extension
+FORMATS = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".eps", ".ps", ".pgf")
+
+
+def _output_problem(out: Path) -> PlanError | None:
+    fix = "pass -o a file such as metrics.png in an existing folder"
+    if out.suffix.lower() not in FORMATS:
+        what = f"a {out.suffix!r} file" if out.suffix else "a file without an extension"
+        return _problem(
+            out,
+            0,
+            f"cannot draw {what}: the formats are {', '.join(FORMATS)}",
+            fix,
+            "usage",
+        )
+    if not out.parent.is_dir():
+        return _problem(out, 0, f"-o names a file in {out.parent}, which does not exist", fix, "usage")
+    return None
+
+
 def plot(path: Path, out: Path) -> int:
     """Draw the panels into ``out``; returns the number of steps drawn."""
+    problem = _output_problem(out)
+    if problem is not None:
+        raise problem
     if importlib.util.find_spec("matplotlib") is None:
         raise PlanError(
             [
@@ -92,6 +115,10 @@ def plot(path: Path, out: Path) -> int:
     axes[-1].set_xlabel("step")
     axes[0].set_title(path.name)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as exc:  # a full disk, /dev/full, a folder without write permission
+        raise _problem(out, 0, f"cannot write the plot: {exc.strerror or exc}", "pass -o a writable file") from None
+    finally:
+        plt.close(fig)
     return len(rows)
