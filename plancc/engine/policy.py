@@ -42,6 +42,7 @@ from ..models import architecture_of, load_config
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
+from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
 from ..runtime.styles.experts import plain
 from ..runtime.weights import export_hf
@@ -555,19 +556,9 @@ class Policy:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
-        names = [name for name, _ in self.model.named_parameters()]
-        bad = torch.zeros(len(names), dtype=torch.int32, device=self.device)
-        for i, (_, param) in enumerate(self.model.named_parameters()):
-            grad = plain(param.grad)
-            bad[i] = int(grad is not None and not bool(torch.isfinite(grad).all()))
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        parameter = first_non_finite(((n, p.grad) for n, p in self.model.named_parameters()), self.device)
         total = self._sum_over_dp([loss])[0]
-        raise NonFiniteError(
-            loss=total,
-            grad_norm=grad_norm,
-            microbatch=microbatch,
-            parameter=next((n for n, f in zip(names, bad.tolist(), strict=True) if f), None),
-        )
+        raise NonFiniteError(loss=total, grad_norm=grad_norm, microbatch=microbatch, parameter=parameter)
 
     def _sum_over_dp(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
 from ..models import build_model
 from .hf_folder import check_export_target, check_folder, has_weights, read_folder
+from .non_finite import first_non_finite
 
 
 def has_safetensors(folder: str | Path) -> bool:
@@ -247,16 +248,8 @@ def _exported_files(folder: Path) -> list[str]:
 def refuse_non_finite_weights(model: torch.nn.Module, *, what: str) -> None:
     """Collective: a ``PlanError`` on every rank when any rank's shard of any parameter holds a
     NaN or an infinity, naming the first such parameter: such weights are never saved."""
-    names, flags = [], []
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        names.append(name)
-        flags.append(int(local.numel() > 0 and not bool(torch.isfinite(local.detach()).all())))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    bad = torch.tensor(flags or [0], dtype=torch.int32, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    first = next((n for n, f in zip(names, bad.tolist(), strict=False) if f), None)
+    first = first_non_finite(model.named_parameters(), device)
     if first is None:
         return
     raise PlanError(
