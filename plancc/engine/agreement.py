@@ -23,6 +23,21 @@ import torch.distributed as dist
 from .channel import WeightChannelError
 
 
+def first_problem(problem: str, device: str, *, at: int = 0) -> tuple[int, str] | None:
+    """Collective: (rank, problem) of the earliest problem any rank has (``at``: where it arose,
+    a bucket; ties go to the lowest rank), or None when no rank has one. One all-reduce when
+    none does; the problems are gathered only when one does. Every rank gets the same answer, so
+    every rank raises the same error, and none goes on to a collective the others skip."""
+    flag = torch.tensor([int(bool(problem))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return None
+    said: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
+    dist.all_gather_object(said, (at, problem))
+    _, rank, first = min((when, rank, what) for rank, (when, what) in enumerate(said) if what)
+    return rank, first
+
+
 class AgreedRefitError(WeightChannelError):
     """The failure every rank of a refit raises together (``RefitAgreement.settle``)."""
 
@@ -49,12 +64,7 @@ class RefitAgreement:
 
     def settle(self) -> None:
         """Collective: every rank raises the first rank's problem when any rank noted one."""
-        flag = torch.tensor([int(bool(self.problem))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return
-        said: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
-        dist.all_gather_object(said, (self.at, self.problem))
         # the earliest problem is the cause; later ones (a peer's broken connection) follow from it
-        _, first = min((at, problem) for at, problem in said if problem)
-        raise AgreedRefitError(f"refit failed on {first}")
+        found = first_problem(self.problem, self.device, at=self.at)
+        if found is not None:
+            raise AgreedRefitError(f"refit failed on {found[1]}")

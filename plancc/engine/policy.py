@@ -47,7 +47,7 @@ from ..runtime.stepping import require_stepped
 from ..runtime.styles.experts import plain
 from ..runtime.weights import export_hf
 from . import checkpoint
-from .agreement import RefitAgreement
+from .agreement import RefitAgreement, first_problem
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
 from .build import build_parallel_model
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
@@ -540,12 +540,9 @@ class Policy:
             result = check()
         except BatchError as exc:
             problem = str(exc)
-        flag = torch.tensor([1 if problem else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            problems: list[str] = [""] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            rank, first = next((r, p) for r, p in enumerate(problems) if p)
+        found = first_problem(problem, self.device)
+        if found is not None:
+            rank, first = found
             raise BatchError(f"rank {rank}: {first}")
         return result
 
