@@ -29,6 +29,15 @@ def calls_attention_interface(module: nn.Module) -> bool | None:
         recorded: bool | None = module.__dict__[RECORDED_INTERFACE]
         return recorded
     cls = type(module)
+    if cls not in _READ:  # read once per class: a decoder repeats each layer's classes in every layer
+        _READ[cls] = _reads_attention_interface(cls)
+    return _READ[cls]
+
+
+_READ: dict[type, bool | None] = {}
+
+
+def _reads_attention_interface(cls: type) -> bool | None:
     if cls.__module__.startswith("torch."):
         return False
     try:

@@ -38,12 +38,6 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor
                 yield plain(value)
 
 
-def device_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor of the model and of the optimizer's state."""
-    yield from model_tensors(model)
-    yield from optimizer_tensors(optimizer)
-
-
 def release_cached_memory() -> None:
     """Hand the memory freed by an offload back to the driver. Resizing a storage to nothing
     returns its block to torch's caching allocator, which keeps it for this process: another

@@ -159,12 +159,13 @@ class PolicyGroup:
         import ray
 
         pending = {ref: rank for rank, ref in enumerate(calls)}
+        results: dict[int, Any] = {}
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 rank = pending.pop(ref)
                 try:
-                    ray.get(ref)
+                    results[rank] = ray.get(ref)
                 except Exception as exc:
                     self.shutdown()
                     died = isinstance(exc, ray.exceptions.RayActorError)
@@ -175,7 +176,7 @@ class PolicyGroup:
                         + (f" ({cause})" if cause else "")
                         + "; the group's other actors were ended"
                     ) from None
-        return list(ray.get(calls))
+        return [results[rank] for rank in range(len(calls))]
 
     def train(self, batch: Batch, loss_fn: Callable, **kwargs: Any) -> dict[str, float]:
         """``Policy.train`` on the global ``batch``: each rank trains its dp slice; rank 0's

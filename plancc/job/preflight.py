@@ -212,7 +212,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
                 cfg.data,
                 vocab_size=config.vocab_size,
                 min_tokens=2 if cfg.mode == "train" else 1,
-                max_tokens=max_positions(config) if cfg.mode == "logprobs" else None,
+                max_tokens=longest if cfg.mode == "logprobs" else None,
             )
         except PlanError as exc:
             problems += exc.diagnostics
