@@ -24,6 +24,7 @@ from .layout import Layout, LayoutError
 if TYPE_CHECKING:
     from .checks.report import ValidationReport
     from .job.config import RunConfig
+    from .job.data import TokenDataset
     from .job.launch import LaunchOptions
 
 app = typer.Typer(
@@ -55,7 +56,9 @@ def _main(
 EXIT_PLAN = 1
 EXIT_USAGE = 2
 # problems of the command line itself (exit 2), not of the plan, the config or the data
-USAGE_RULES = frozenset({"file-not-found", "file-unreadable", "usage", "path-overlap"})
+USAGE_RULES = frozenset(
+    {"file-not-found", "file-unreadable", "file-too-large", "file-no-writer", "usage", "path-overlap"}
+)
 
 
 class Format(StrEnum):
@@ -593,8 +596,7 @@ def apply(
         **worker.run_config(),
         **output.run_config(),
     )
-    warnings = _preflight(cfg, report, fmt)
-    _launch_and_report(launch.options(nproc_per_node), cfg, fmt, warnings)
+    _launch_and_report(launch.options(nproc_per_node), _preflight(cfg, report, fmt, nproc_per_node), fmt)
 
 
 def _default_nproc(given: int | None, device: str | None) -> int:
@@ -649,7 +651,7 @@ def _prelaunch(
         )
         raise typer.Exit(EXIT_USAGE) from None
     try:
-        plan = load_plan(plan_path)  # read once here; the workers read the file again themselves
+        plan = load_plan(plan_path)  # read once, here: the workers get its text (Launchable.plan_text)
         model = model or default_preset(plan.architectures, tiny=True)
         report = validate_plan(plan, model=model, layout=layout, seq_len=seq_len)
     except PlanError as exc:
@@ -660,27 +662,40 @@ def _prelaunch(
     return report.model_name, layout, report
 
 
-def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format) -> tuple[Diagnostic, ...]:
+def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format, local_ranks: int) -> Launchable:
     """The run's inputs and outputs checked before a process starts (plancc.job.preflight);
-    returns the warnings, which text output prints now and JSON output keeps for the end."""
+    the warnings, which text output prints now and JSON output keeps for the end, and what the
+    workers get: the plan and the data as read here, once."""
     from .job.preflight import notices, preflight
 
     assert report.meta_model is not None  # a report without errors has its model
-    problems = preflight(cfg, report.meta_model, report.config)  # the model and config validate built
-    if problems:
-        _emit(problems, fmt)
-        raise typer.Exit(EXIT_USAGE if any(d.rule in USAGE_RULES for d in problems) else EXIT_PLAN)
+    # the model and config validate built; the workers of this machine share its memory
+    checked = preflight(cfg, report.meta_model, report.config, local_ranks=local_ranks)
+    if checked.problems:
+        _emit(checked.problems, fmt)
+        raise typer.Exit(EXIT_USAGE if any(d.rule in USAGE_RULES for d in checked.problems) else EXIT_PLAN)
     warnings = (*report.diagnostics, *notices(cfg))
     if fmt is Format.text:  # on stderr: stdout may carry data; json: into the one final document
         for warning in warnings:
             print(warning.format(), file=sys.stderr)
-    return warnings
+    return Launchable(cfg=cfg, plan_text=report.plan.text, dataset=checked.dataset, warnings=warnings)
 
 
-def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warnings: tuple[Diagnostic, ...] = ()) -> None:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Launchable:
+    """A checked run: its settings, the plan and data read once, the warnings to report."""
+
+    cfg: RunConfig
+    plan_text: str
+    dataset: TokenDataset | None
+    warnings: tuple[Diagnostic, ...]
+
+
+def _launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> None:
     from .job.launch import launch
 
-    outcome = launch(opts, cfg)
+    cfg, warnings = run.cfg, run.warnings
+    outcome = launch(opts, cfg, plan_text=run.plan_text, dataset=run.dataset)
     if outcome.interrupted:
         _report_interruption(outcome.interrupted, outcome.result, cfg, fmt)
     stopped = (outcome.result or {}).get("interrupted")
@@ -730,7 +745,8 @@ def _launch_and_report(opts: LaunchOptions, cfg: RunConfig, fmt: Format, warning
         )
         raise typer.Exit(EXIT_PLAN)
     if fmt is Format.json and outcome.result is not None:
-        print(json.dumps({**outcome.result, "diagnostics": [d.to_json() for d in warnings]}, indent=2))
+        found = [d.to_json() for d in warnings] + outcome.result.pop("warnings", [])  # the workers' own
+        print(json.dumps({**outcome.result, "diagnostics": found}, indent=2))
 
 
 def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunConfig, fmt: Format) -> None:
@@ -798,8 +814,7 @@ def logprobs(
         json_output=fmt is Format.json,
         **worker.run_config(),
     )
-    warnings = _preflight(cfg, report, fmt)
-    _launch_and_report(launch.options(nproc_per_node), cfg, fmt, warnings)
+    _launch_and_report(launch.options(nproc_per_node), _preflight(cfg, report, fmt, nproc_per_node), fmt)
 
 
 class Interrupted(BaseException):

@@ -336,6 +336,40 @@ def _size_problems(fields: Any, path: str) -> list[Diagnostic]:
     return problems
 
 
+def _rope_thetas(config: Any) -> list[Any]:
+    """Every RoPE base a config holds: transformers 5 keeps it in ``rope_parameters``, one
+    mapping, or one per attention type (Gemma 3's sliding and full layers)."""
+    params = getattr(config, "rope_parameters", None)
+    found = [getattr(config, "rope_theta", None)] if "rope_theta" in getattr(config, "__dict__", {}) else []
+    if isinstance(params, dict):
+        inner = [v for v in params.values() if isinstance(v, dict)]
+        found += [p.get("rope_theta") for p in inner or [params]]
+    return [t for t in found if t is not None]
+
+
+def _range_problems(config: Any, path: str) -> list[Diagnostic]:
+    """Values transformers takes without a word that break the model: a window of no tokens
+    (every query masked), a RoPE base <= 0 (NaN angles), no positions at all."""
+    problems = []
+
+    def positive(name: str, values: list[Any], what: str) -> None:
+        bad = [
+            v
+            for v in values
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+        ]
+        if bad:
+            problems.append(
+                _config_problem(path, f"{name} is {bad[0]!r}; {what}", f"correct {name} in the config (a number > 0)")
+            )
+
+    positive("max_position_embeddings", field_values(config, "max_position_embeddings"), "the model takes no position")
+    if getattr(config, "use_sliding_window", True) is not False:  # Qwen2-MoE's default: 0, switched off
+        positive("sliding_window", field_values(config, "sliding_window"), "a window of no tokens masks every query")
+    positive("rope_theta", _rope_thetas(config), "rotary angles need a base > 0")
+    return problems
+
+
 def check_config(config: PretrainedConfig, path: str = "<config>") -> PretrainedConfig:
     """Refuse a config no model can be built from, naming the field: zero, negative, huge or
     non-integer sizes, and heads that do not split the hidden size. Returns the config."""
@@ -362,6 +396,7 @@ def check_config(config: PretrainedConfig, path: str = "<config>") -> Pretrained
                 "set pad_token_id to a token id below vocab_size, or null",
             )
         )
+    problems += _range_problems(text, path)
     kv = config_field(text, "num_key_value_heads")
     if not problems and isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         problems.append(

@@ -68,6 +68,8 @@ class Plan:
     description: str = ""
     path: str = "<plan>"
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
+    # the YAML read (once: the path may be a pipe): a launcher hands it on to its workers
+    text: str = field(default="", repr=False, compare=False)
 
 
 def _rules(doc: SourceDoc, section: str, problems: list[Diagnostic]) -> tuple[Rule, ...]:
@@ -145,6 +147,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         activation_checkpointing=_checkpoint_targets(doc),
         path=doc.path,
         loc=doc.loc(()),
+        text=doc.text,
     )
     raise_if_errors(problems)
     return plan

@@ -209,8 +209,16 @@ def _style_diagnostics(error: jsonschema.ValidationError, doc: SourceDoc, at: Js
         yield _unknown_style(value, doc, at)
         return
     if isinstance(value, dict):
-        if isinstance(value.get("style"), str) and value["style"] not in STYLE_NAMES:
-            yield _unknown_style(value["style"], doc, at + ("style",))
+        name = value.get("style")
+        if isinstance(name, str) and name not in STYLE_NAMES:
+            yield _unknown_style(name, doc, at + ("style",))
+        elif "style" in value and not isinstance(name, str):  # a mapping, a list, a number: no enum names it
+            yield Diagnostic(
+                rule="wrong-type",
+                loc=doc.loc(at + ("style",)),
+                message=f"'style' of {at[-1]!r} is {_describe(name)}; expected a style name",
+                fix="write a name from `plancc styles`, e.g. 'style: colwise', with its options beside it",
+            )
         # The mapping branch's (index 1 of anyOf) own errors: unknown keys, bad layouts.
         for sub in error.context or ():
             if sub.relative_schema_path[0] != 1 or sub.validator == "enum":

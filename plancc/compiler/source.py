@@ -15,6 +15,14 @@ from typing import Any
 import yaml
 
 from ..errors import Diagnostic, PlanError, SourceLoc
+from ..inputs import InputKind, read_input
+
+# The largest plan read: the shipped ones are a few KiB; a file of megabytes is another file.
+PLAN_LIMIT_BYTES = 4 << 20
+PLAN_INPUT = InputKind(
+    what="plan",
+    fix="pass a readable YAML plan file; shipped plans live in plans/ (qwen3.yaml, llama.yaml, gemma3.yaml)",
+)
 
 JsonPath = tuple[str | int, ...]
 
@@ -28,6 +36,7 @@ class SourceDoc:
     # JSON path -> location of the value; for mapping entries also the key's location.
     value_locs: dict[JsonPath, SourceLoc]
     key_locs: dict[JsonPath, SourceLoc]
+    text: str = ""  # the YAML itself: a launcher hands it to its workers rather than have them read the path again
 
     def loc(self, json_path: JsonPath, *, key: bool = False) -> SourceLoc:
         """The closest known location for a JSON path (walking up to the document root)."""
@@ -231,36 +240,13 @@ def parse_yaml(text: str, path: str) -> SourceDoc:
             loader.dispose()
     if walker.problems:
         raise PlanError(walker.problems)
-    return SourceDoc(path=path, data=data, value_locs=walker.value_locs, key_locs=walker.key_locs)
+    return SourceDoc(path=path, data=data, value_locs=walker.value_locs, key_locs=walker.key_locs, text=text)
 
 
 def read_yaml(path: str | Path) -> SourceDoc:
     """Read and parse a plan file; unreadable files become diagnostics too."""
     shown = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise PlanError(
-            [
-                Diagnostic(
-                    rule="file-not-found",
-                    loc=SourceLoc(path=shown),
-                    message="no such plan file",
-                    fix="check the path; shipped plans live in plans/ (qwen3.yaml, llama.yaml, gemma3.yaml)",
-                )
-            ]
-        ) from None
-    except (IsADirectoryError, PermissionError, OSError) as exc:
-        raise PlanError(
-            [
-                Diagnostic(
-                    rule="file-unreadable",
-                    loc=SourceLoc(path=shown),
-                    message=f"cannot read the plan file: {exc.strerror or exc}",
-                    fix="pass a readable YAML file",
-                )
-            ]
-        ) from None
+    raw = read_input(path, PLAN_INPUT, limit=PLAN_LIMIT_BYTES)  # a FIFO, a device, a folder: one line, no hang
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

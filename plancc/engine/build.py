@@ -13,9 +13,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
+from ..errors import Diagnostic, Severity, SourceLoc
 from ..models import build_model
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh
+from ..runtime.non_finite import first_non_finite
 from ..runtime.parallelize import parallelize
 from ..runtime.weights import has_safetensors, load_hf_weights
 
@@ -36,6 +38,23 @@ def load_weights(model: nn.Module, source: str | None, config: PretrainedConfig,
     del full
     materialize(model, device, full_state_dict=state)
     return f"random init (seed {seed})"
+
+
+def non_finite_weight_warning(model: nn.Module, source: str | None, device: str) -> Diagnostic | None:
+    """Collective: a warning naming the first tensor a model folder filled with NaN or inf
+    (training or evaluating it gives NaN with exit 0 otherwise); None for seeded weights."""
+    if source is None or not from_folder(source):
+        return None
+    bad = first_non_finite(model.state_dict().items(), device)
+    if bad is None:
+        return None
+    return Diagnostic(
+        rule="non-finite-weights",
+        loc=SourceLoc(path=str(source)),
+        severity=Severity.WARNING,
+        message=f"tensor {bad!r} of the model folder holds NaN or inf: log-probs and losses will be NaN",
+        fix="check the folder (a failed conversion or a diverged run saved it); export from a good checkpoint",
+    )
 
 
 def build_parallel_model(

@@ -35,6 +35,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -47,7 +48,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -122,7 +132,11 @@ class FolderLock:
     def acquire(self) -> FolderLock:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        _refuse_odd_lock(path)
+        try:  # O_NOFOLLOW: a link planted at the lock's name is never written through
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            raise _error(path, f"cannot open the folder's lock file: {exc.strerror or exc}", _LOCK_FIX) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -144,6 +158,20 @@ class FolderLock:
             self._fd = None
 
 
+_LOCK_FIX = "remove it (plancc makes a plain file there), or pass another --save folder"
+
+
+def _refuse_odd_lock(path: Path) -> None:
+    """A ``.lock`` that is a folder, a symbolic link or a pipe: named, never opened or written through."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a plain file"
+        raise _error(path, f"the checkpoint folder's lock file {LOCK} is {what}", _LOCK_FIX)
+
+
 def check_save_folder(root: str | Path) -> None:
     """Before a run starts: the folder can be created and written, and no other run holds it."""
     path = Path(root)
@@ -152,6 +180,7 @@ def check_save_folder(root: str | Path) -> None:
     probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
     if not os.access(probe, os.W_OK | os.X_OK) or str(path.resolve()).startswith(("/proc", "/sys", "/dev")):
         raise _error(path, f"cannot write checkpoints here ({probe} is not writable)", "pass a writable folder")
+    _refuse_odd_lock(path / LOCK)
     if (path / LOCK).is_file():  # a run may hold it; without a lock file none does, and none is made
         FolderLock(path).acquire().release()
 
@@ -336,11 +365,41 @@ def find(root: str | Path) -> Path:
 def read_info(step_dir: Path) -> CheckpointInfo:
     try:
         data = json.loads((step_dir / META).read_text())
-        return CheckpointInfo(**data)
+        if not isinstance(data, dict):
+            raise TypeError(f"it holds {type(data).__name__}, not a mapping")
+        info = CheckpointInfo(**data)
     except (OSError, ValueError, TypeError, RecursionError) as exc:
         raise _error(
             step_dir / META, f"unreadable checkpoint metadata: {str(exc)[:200]}", "resume from another step"
         ) from None
+    wrong = _info_problem(info)
+    if wrong:  # a step of "2", 2.5 or -2 would train "step -2/-2" with a negative learning rate
+        raise _error(step_dir / META, f"checkpoint metadata {wrong}", "resume from another step, one plancc saved")
+    return info
+
+
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _info_problem(info: CheckpointInfo) -> str | None:
+    """What in a read ``plancc.json`` is not what plancc writes, or None."""
+    if not _is_int(info.step, 0):
+        return f"says step {info.step!r}: a step is a whole number >= 0"
+    for name in ("dp", "cp", "tp", "ep"):
+        if not _is_int(getattr(info, name), 1):
+            return f"says {name} {getattr(info, name)!r}: a parallel degree is a whole number >= 1"
+    for name in ("architecture", "model_signature", "plan"):
+        if not isinstance(getattr(info, name), str):
+            return f"says {name} {getattr(info, name)!r}: expected a string"
+    shapes = info.parameters
+    if not isinstance(shapes, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(_is_int(d, 0) for d in v) for k, v in shapes.items()
+    ):
+        return "has 'parameters' that are not a mapping of names to shapes"
+    if not isinstance(info.schedule, dict):
+        return f"has a 'schedule' of {type(info.schedule).__name__}, not a mapping"
+    return None
 
 
 def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shapes: dict[str, list[int]]) -> None:
@@ -412,7 +471,9 @@ class SafeFileSystemReader(FileSystemReader):
         path = Path(self.path) / ".metadata"
         try:
             metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        except (OSError, MemoryError) as exc:
+            raise _error(path, f"cannot read checkpoint metadata: {exc}", "resume from another step") from None
+        except Exception as exc:  # noqa: BLE001 - whatever a damaged or crafted pickle raises, DCP's own setstate included
             raise _error(
                 path,
                 f"refused checkpoint metadata: {str(exc)[:200]}",
@@ -424,6 +485,13 @@ class SafeFileSystemReader(FileSystemReader):
                 f"checkpoint metadata is a {type(metadata).__name__}, not DCP metadata",
                 "resume only from checkpoints plancc saved",
             )
+        wrong = _metadata_problem(metadata)
+        if wrong:
+            raise _error(
+                path,
+                f"checkpoint metadata is not what DCP writes: {wrong}",
+                "resume only from checkpoints plancc saved; this file is damaged or was crafted",
+            )
         _check_shards(path, metadata)
         # what FileSystemReader.read_metadata does after unpickling
         storage_meta = metadata.storage_meta or StorageMeta()
@@ -432,20 +500,69 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+def _is_shape(value: Any, rank: int | None = None) -> bool:
+    return (
+        isinstance(value, torch.Size)
+        and all(isinstance(d, int) and d >= 0 for d in value)
+        and (rank is None or len(value) == rank)
+    )
+
+
+def _metadata_problem(metadata: Metadata) -> str | None:
+    """What in an unpickled ``.metadata`` has another type or shape than DCP writes (a list
+    for a mapping, an offset that is no integer, a chunk outside its tensor), or None: the
+    unpickler admits DCP's classes, this admits only what they hold when DCP made them."""
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        return f"state_dict_metadata is {type(entries).__name__}, not a mapping"
+    for name, entry in entries.items():
+        if not isinstance(name, str):
+            return f"an entry is named {name!r}, not a string"
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"{name} is {type(entry).__name__}, neither tensor nor bytes metadata"
+        props = entry.properties
+        if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            return f"{name} has no tensor properties with a dtype"
+        if not _is_shape(entry.size) or not isinstance(entry.chunks, list):
+            return f"{name} has no size or no list of chunks"
+        for chunk in entry.chunks:
+            rank = len(entry.size)
+            if not isinstance(chunk, ChunkStorageMetadata) or not (
+                _is_shape(chunk.offsets, rank) and _is_shape(chunk.sizes, rank)
+            ):
+                return f"{name} has a chunk that is not an offset and size of its {rank} dims"
+            if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size, strict=True)):
+                return f"{name} has a chunk beyond its size {tuple(entry.size)}"
+    if metadata.storage_data is not None and not isinstance(metadata.storage_data, dict):
+        return f"storage_data is {type(metadata.storage_data).__name__}, not a mapping"
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            return f"storage_data is keyed by {type(index).__name__}, not by tensor index"
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
+            return f"{index.fqn}'s storage has no file name"
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+            return f"{index.fqn}'s storage has offset {info.offset!r} and length {info.length!r}, not byte counts"
+    if metadata.planner_data is not None and not isinstance(metadata.planner_data, dict):
+        return f"planner_data is {type(metadata.planner_data).__name__}, not a mapping"
+    return None
+
+
 def _check_shards(path: Path, metadata: Metadata) -> None:
     """Every byte range the metadata names lies inside a shard file of the folder: a path
     outside the folder is refused, and a truncated shard is named before DCP reads it."""
     folder = path.parent.resolve()
     needed: dict[Path, int] = {}
     for info in (metadata.storage_data or {}).values():
-        shard = (folder / str(getattr(info, "relative_path", ""))).resolve()
+        shard = (folder / info.relative_path).resolve()
         if shard.parent != folder:
             raise _error(
                 path,
                 f"checkpoint metadata points at {shard}, outside the checkpoint folder",
                 "resume only from checkpoints plancc saved",
             )
-        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        end = info.offset + info.length
         needed[shard] = max(needed.get(shard, 0), end)
     for shard, end in needed.items():
         size = shard.stat().st_size if shard.is_file() else -1

@@ -25,6 +25,10 @@ PARAM_DTYPES = {
     "float": "float32",
 }
 
+# the launcher's copies of what it read and checked (in ``RunConfig.inputs``)
+PLAN_COPY = "plan.yaml"
+DATA_COPY = "data.tokens"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
@@ -59,6 +63,9 @@ class RunConfig:
     save_every: int | None = None  # train: a checkpoint every N steps as well as at the end
     keep: int | None = None  # train: keep the newest K checkpoints in --save (default: all)
     tensorboard: str | None = None  # train: TensorBoard event files (rank 0)
+    # the launcher's folder holding the plan and data it read and checked: the workers read
+    # those copies, never the user's paths again (a pipe reads once; a file may change)
+    inputs: str | None = None
 
     @property
     def log_to_stderr(self) -> bool:

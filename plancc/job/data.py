@@ -8,12 +8,15 @@ batch at the same step: that is what lets a resumed loss curve continue exactly.
 from __future__ import annotations
 
 import json
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import Diagnostic, PlanError, SourceLoc
+from ..inputs import InputKind, read_lines
 
 
 class DataError(PlanError):
@@ -29,6 +32,11 @@ class TokenDataset:
 
 
 _EXAMPLE = 'write {"input_ids": [1, 2, 3]}'
+_UTF8 = 'pass a UTF-8 JSONL file with one {"input_ids": [...]} per line'
+DATA_INPUT = InputKind(what="data", fix=_UTF8)
+MAX_REPORTED = 20  # bad lines reported before the read stops
+# The longest line read: 8M token ids of up to 7 digits. A longer "line" is another kind of file.
+MAX_LINE_BYTES = 64 << 20
 
 
 class _BadLine(Exception):
@@ -37,19 +45,6 @@ class _BadLine(Exception):
     def __init__(self, rule: str, message: str, fix: str = _EXAMPLE):
         super().__init__(message)
         self.rule, self.message, self.fix = rule, message, fix
-
-
-def _read_lines(path: str | Path) -> list[str]:
-    """The file's lines, split on newlines only: JSON strings may hold U+2028 and other
-    characters ``str.splitlines`` would also split on."""
-    fix = 'pass a UTF-8 JSONL file with one {"input_ids": [...]} per line'
-    try:
-        return Path(path).read_text(encoding="utf-8").split("\n")
-    except FileNotFoundError:
-        message = "no such data file"
-    except (OSError, UnicodeDecodeError) as exc:
-        message = f"cannot read the data file: {exc}"
-    raise DataError([Diagnostic(rule="data-file", loc=SourceLoc(path=str(path)), message=message, fix=fix)])
 
 
 def _parse_line(line: str, vocab_size: int, min_tokens: int, max_tokens: int | None) -> tuple[int, ...]:
@@ -91,24 +86,32 @@ def _parse_line(line: str, vocab_size: int, min_tokens: int, max_tokens: int | N
 
 
 def read_jsonl(
-    path: str | Path, *, vocab_size: int, min_tokens: int = 1, max_tokens: int | None = None
+    path: str | Path,
+    *,
+    vocab_size: int,
+    min_tokens: int = 1,
+    max_tokens: int | None = None,
+    wait_s: float | None = None,
 ) -> TokenDataset:
-    """Read ``{"input_ids": [...]}`` per line; report every bad line, then raise. Training
-    reads with ``min_tokens=2``: a sequence of one token has nothing to predict."""
+    """Read ``{"input_ids": [...]}`` per line; report every bad line (the first
+    ``MAX_REPORTED`` of them: the read stops there), then raise. Training reads with
+    ``min_tokens=2``: a sequence of one token has nothing to predict. ``path`` may be a pipe
+    (``--data <(...)``, ``/dev/stdin``): it is read once, as it arrives (``plancc.inputs``)."""
     shown = str(path)
     problems: list[Diagnostic] = []
     sequences: list[tuple[int, ...]] = []
-    for line_no, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            sequences.append(_parse_line(line, vocab_size, min_tokens, max_tokens))
-        except _BadLine as bad:
-            problems.append(
-                Diagnostic(
-                    rule=bad.rule, loc=SourceLoc(path=shown, line=line_no, column=1), message=bad.message, fix=bad.fix
-                )
-            )
+    try:
+        _parse_lines(
+            read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
+            shown,
+            problems,
+            sequences,
+            vocab_size=vocab_size,
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+        )
+    except PlanError as exc:  # the path itself: missing, a folder, a silent pipe, an endless device
+        raise DataError([*problems, *exc.diagnostics]) from None
     if not problems and not sequences:
         problems.append(
             Diagnostic(
@@ -121,6 +124,69 @@ def read_jsonl(
     if problems:
         raise DataError(problems)
     return TokenDataset(sequences=tuple(sequences), path=shown)
+
+
+def _parse_lines(
+    lines: Iterator[bytes],
+    shown: str,
+    problems: list[Diagnostic],
+    sequences: list[tuple[int, ...]],
+    *,
+    vocab_size: int,
+    min_tokens: int,
+    max_tokens: int | None,
+) -> None:
+    for line_no, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
+            sequences.append(_parse_line(line, vocab_size, min_tokens, max_tokens))
+        except UnicodeDecodeError as exc:
+            problems.append(_bad(shown, line_no, "data-json", f"byte {exc.start + 1} is not valid UTF-8", _UTF8))
+        except _BadLine as bad:
+            problems.append(_bad(shown, line_no, bad.rule, bad.message, bad.fix))
+        if len(problems) >= MAX_REPORTED:  # a binary file or a device: stop reading, not one line per byte
+            problems.append(
+                Diagnostic(
+                    rule="data-file",
+                    loc=SourceLoc(path=shown),
+                    message=f"{MAX_REPORTED} bad lines: the rest of the file was not read",
+                    fix=_UTF8,
+                )
+            )
+            break
+
+
+def _bad(shown: str, line_no: int, rule: str, message: str, fix: str) -> Diagnostic:
+    return Diagnostic(rule=rule, loc=SourceLoc(path=shown, line=line_no, column=1), message=message, fix=fix)
+
+
+def write_tokens(data: TokenDataset, path: str | Path) -> None:
+    """The checked dataset in a compact form for the workers: the launcher read (and checked)
+    ``--data`` once; its workers load this copy instead of reading the user's path again (a
+    pipe can be read once only, a file can change in between)."""
+    lengths = array("q", map(len, data.sequences))
+    tokens = array("q", (t for seq in data.sequences for t in seq))
+    with open(path, "wb") as f:
+        f.write(json.dumps({"path": data.path, "count": len(lengths)}).encode() + b"\n")
+        lengths.tofile(f)
+        tokens.tofile(f)
+
+
+def read_tokens(path: str | Path) -> TokenDataset:
+    """What ``write_tokens`` wrote."""
+    with open(path, "rb") as f:
+        head = json.loads(f.readline())
+        lengths = array("q")
+        lengths.fromfile(f, head["count"])
+        tokens = array("q")
+        tokens.frombytes(f.read())
+    sequences, at = [], 0
+    for n in lengths:
+        sequences.append(tuple(tokens[at : at + n]))
+        at += n
+    return TokenDataset(sequences=tuple(sequences), path=head["path"])
 
 
 def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.run import get_args_parser, run
 
 from ..errors import quiet_logger
-from .config import RunConfig
+from .config import DATA_COPY, PLAN_COPY, RunConfig
+from .data import TokenDataset, write_tokens
 
 SHUTDOWN_TIMEOUT_S = 10
 
@@ -84,10 +85,16 @@ def _prompt_shutdown(grace_s: int) -> Iterator[None]:
         close.__defaults__ = (None, 30)
 
 
-def launch(opts: LaunchOptions, cfg: RunConfig) -> LaunchResult:
+def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: TokenDataset | None = None) -> LaunchResult:
+    """Run the job: ``plan_text`` and ``dataset`` are the plan and data the caller read and
+    checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="plancc-") as tmp:
         result_path = str(Path(tmp) / "result.json")
+        Path(tmp, PLAN_COPY).write_text(plan_text, encoding="utf-8")
+        if dataset is not None:
+            write_tokens(dataset, Path(tmp, DATA_COPY))
+        cfg = replace(cfg, inputs=tmp)
         args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
         failures: dict[int, str] = {}
         first = None

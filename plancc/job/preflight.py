@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,8 @@ from ..models import architecture_of
 from ..paths import RunPath, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from .config import PARAM_DTYPES, RunConfig
-from .data import read_jsonl
+from .data import TokenDataset, read_jsonl
+from .memory import memory_problems
 
 if TYPE_CHECKING:  # the launcher checks flags without importing transformers' modeling stack
     from transformers import PretrainedConfig
@@ -171,15 +173,26 @@ def run_paths(cfg: RunConfig) -> list[RunPath]:
     ]
 
 
-def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Preflight:
+    """What the preflight found: the problems (empty when the run can start) and the data it
+    read and checked, which the launcher hands to the workers (they never read ``--data``)."""
+
+    problems: list[Diagnostic]
+    dataset: TokenDataset | None = None
+
+
+def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, local_ranks: int = 1) -> Preflight:
     """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
-    meta, as ``plancc validate`` builds it). Empty when the run can start."""
+    meta, as ``plancc validate`` builds it), and the data read once. ``local_ranks``: the
+    workers this machine starts, which share its memory."""
     problems = _flag_problems(cfg)
     # a run resumes from, and saves into, its own checkpoint folder; the export against the model
     # folder is check_export_target's to say ([export-hf], as the Python API's export says it)
     problems += overlaps(run_paths(cfg), allowed=[("--save", "--resume"), ("--export-hf", "--model")])
     if problems:  # the checks below open the named files and folders: not those of a refused run
-        return problems
+        return Preflight(problems=problems)
+    dataset = None
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
     longest = max_positions(config)
     if cfg.mode == "train" and not cfg.data and longest is not None and cfg.seq_len > longest:
@@ -208,7 +221,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
         )
     if cfg.data:
         try:
-            read_jsonl(
+            dataset = read_jsonl(
                 cfg.data,
                 vocab_size=config.vocab_size,
                 min_tokens=2 if cfg.mode == "train" else 1,
@@ -225,7 +238,17 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig) -> lis
             problems += exc.diagnostics
     if cfg.export_hf:
         problems += check_export_target(cfg.export_hf, folder)
-    return problems
+    if not problems:  # the run's lower bound of memory against the machine's
+        problems += memory_problems(
+            cfg,
+            model,
+            config,
+            local_ranks=local_ranks,
+            longest=max(map(len, dataset.sequences)) if dataset else None,
+            from_folder=folder is not None and has_weights(folder),
+            device=cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        )
+    return Preflight(problems=problems, dataset=dataset)
 
 
 def notices(cfg: RunConfig) -> list[Diagnostic]:

@@ -31,10 +31,10 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from ..compiler.plan import Plan, load_plan
+from ..compiler.plan import Plan, load_plan, parse_plan
 from ..engine import checkpoint, faults
 from ..engine.batches import BatchError, default_token_mask
-from ..engine.build import build_parallel_model, from_folder
+from ..engine.build import build_parallel_model, from_folder, non_finite_weight_warning
 from ..engine.policy import NonFiniteError, Norm, Policy
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
@@ -44,8 +44,8 @@ from ..runtime.logprobs import token_logprobs
 from ..runtime.loss import batch_slice
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
 from ..runtime.weights import export_hf
-from .config import PARAM_DTYPES, RunConfig
-from .data import TokenDataset, dataset_batch, read_jsonl, synthetic_batch
+from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
+from .data import TokenDataset, dataset_batch, read_jsonl, read_tokens, synthetic_batch
 from .verify import EXACT_FACTOR, TOLERANCES, verify_against_unsharded, within_tolerance
 
 
@@ -152,6 +152,17 @@ class _Job:
         return self.mesh.layout
 
 
+def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None]:
+    """The plan and data as the launcher read and checked them (its copies), shown by the
+    user's paths; without a launcher (a runner started by hand), the paths themselves."""
+    if cfg.inputs is None:
+        return load_plan(cfg.plan), None
+    folder = Path(cfg.inputs)
+    plan = parse_plan(folder.joinpath(PLAN_COPY).read_text(encoding="utf-8"), path=cfg.plan)
+    data = folder / DATA_COPY
+    return plan, read_tokens(data) if data.is_file() else None
+
+
 def _setup(cfg: RunConfig) -> _Job:
     device = _init(cfg)
     layout = cfg.layout
@@ -164,16 +175,12 @@ def _setup(cfg: RunConfig) -> _Job:
             sequence_parallel=layout.sequence_parallel,
         )
     mesh = build_mesh(layout, device_type=device)
-    plan = load_plan(cfg.plan)
+    plan, dataset = _inputs(cfg)
     model_name = cfg.model or default_preset(plan.architectures, tiny=True)
     assert model_name is not None, "the CLI resolves the model before launching"
     config = load_config(model_name)
-    # validate the whole data file before any step (and before allocating the model)
-    dataset = (
-        read_jsonl(cfg.data, vocab_size=config.vocab_size, min_tokens=2 if cfg.mode == "train" else 1)
-        if cfg.data
-        else None
-    )
+    if cfg.data and dataset is None:  # a runner started by hand: validate the whole file before any step
+        dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size, min_tokens=2 if cfg.mode == "train" else 1)
     return _Job(
         device=device,
         mesh=mesh,
@@ -442,6 +449,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
         f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}"
     )
+    warnings = _weight_warnings(policy.model, cfg, job)
     trainer = _Trainer(cfg=cfg, job=job, policy=policy)
     lock = _lock_save_folder(cfg)
     trainer.resume()
@@ -454,6 +462,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if lock is not None:
         lock.release()
     summary: dict[str, Any] = {
+        "warnings": warnings,
         "steps": len(history),
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
@@ -610,12 +619,24 @@ def _logprobs_of(
     return results, worst
 
 
+def _weight_warnings(model: nn.Module, cfg: RunConfig, job: _Job) -> list[dict[str, Any]]:
+    """What the loaded weights warn of (rank 0 says it on stderr now; the result carries it to
+    ``--format json``)."""
+    found = non_finite_weight_warning(model, cfg.model, job.device)
+    if found is None:
+        return []
+    if dist.get_rank() == 0:
+        print(found.format(), file=sys.stderr, flush=True)
+    return [found.to_json()]
+
+
 def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
     job = _setup(cfg)
     assert job.dataset is not None, "the CLI requires --data for logprobs"
     sequences, mesh, device = job.dataset.sequences, job.mesh, job.device
     model, source = _parallel_model(cfg, job)
+    warnings = _weight_warnings(model, cfg, job)
     model.eval()
     reference = _reference_model(cfg, job.config, device).eval() if cfg.verify else None
     mine = list(range(mesh["dp"].get_local_rank(), len(sequences), mesh["dp"].size()))
@@ -640,7 +661,12 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
             f"verify: max |logprob diff| vs the unsharded model {worst:.3e} (tolerance 1e-05): "
             + ("OK" if ok else "FAILED")
         )
-    result: dict[str, Any] = {"ok": ok, "max_abs_diff": worst if cfg.verify else None, "sequences": len(merged)}
+    result: dict[str, Any] = {
+        "ok": ok,
+        "max_abs_diff": worst if cfg.verify else None,
+        "sequences": len(merged),
+        "warnings": warnings,
+    }
     if not cfg.out and cfg.json_output:  # --format json: the log-probs go into the one document
         result["logprobs"] = [merged[i]["logprobs"] for i in range(len(sequences))]
         if cfg.entropy:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -24,6 +26,8 @@ from ..errors import Diagnostic, PlanError, SourceLoc
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _MAX_HEADER = 100 * 2**20  # safetensors itself refuses headers above 100 MB
+# More tensors than any model holds (DeepSeek-V3's 671B parameters are ~92k tensors in 163 files)
+_MAX_TENSORS = 200_000
 _FLOAT = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _BYTES = {
     "F64": 8,
@@ -68,8 +72,10 @@ _REWRITE = "re-export the folder with save_pretrained(..., safe_serialization=Tr
 
 
 def has_weights(folder: str | Path) -> bool:
+    """Whether the folder names weights (a weights file that is a folder or a pipe counts: it is
+    refused by ``check_folder``, never taken for "no weights, random init")."""
     folder = Path(folder)
-    return (folder / SINGLE).is_file() or (folder / INDEX).is_file()
+    return (folder / SINGLE).exists() or (folder / INDEX).exists()
 
 
 def other_weight_files(folder: str | Path) -> list[str]:
@@ -82,7 +88,11 @@ def _header(path: Path) -> dict[str, TensorEntry]:
     """The tensors a safetensors file declares, with every byte range checked against the
     file's size; raises PlanError naming the file (and the tensor) otherwise."""
     try:
-        size = path.stat().st_size
+        info = path.stat()  # a symbolic link to a file is fine (the hub's cache is made of them)
+        if not stat.S_ISREG(info.st_mode):
+            what = "a folder" if stat.S_ISDIR(info.st_mode) else "not a plain file (a pipe or a device)"
+            raise PlanError([_problem(path, f"the weights file is {what}", _REWRITE)])
+        size = info.st_size
         with open(path, "rb") as f:
             head = f.read(8)
             length = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -112,24 +122,70 @@ def _header(path: Path) -> dict[str, TensorEntry]:
                 )
             ]
         ) from None
+    entries_named = raw.count(b'"data_offsets"')  # before parsing: a million entries take seconds to parse
+    if entries_named > _MAX_TENSORS:
+        raise PlanError(
+            [_problem(path, f"the header names {entries_named} tensors; plancc reads at most {_MAX_TENSORS}", _REWRITE)]
+        )
+    repeated: list[str] = []
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=lambda pairs: _mapping(pairs, repeated))
     except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict):
         raise PlanError(
             [_problem(path, "the safetensors header is not a JSON object: not a safetensors file", _REWRITE)]
         )
+    if repeated:  # JSON keeps the last of two equal names; safetensors refuses them
+        raise PlanError([_problem(path, f"the header names {repeated[0]!r} twice", _REWRITE)])
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise PlanError([_problem(path, "the header's __metadata__ is not a mapping of strings to strings", _REWRITE)])
     data_bytes = size - 8 - length
     entries: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        entries[name] = _entry(path, name, meta, data_bytes)
+        entries[name], span = _entry(path, name, meta, data_bytes)
+        spans.append((*span, name))
+    _check_tiling(path, sorted(spans), data_bytes)
     return entries
 
 
-def _entry(path: Path, name: str, meta: object, data_bytes: int) -> TensorEntry:
+def _mapping(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]:
+    """A JSON object as a dict, its first name given twice noted in ``repeated``."""
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found and not repeated:
+            repeated.append(name)
+        found[name] = value
+    return found
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """The tensors' byte ranges cover the data exactly, in order, as safetensors writes them:
+    a gap or an overlap means two tensors share bytes or bytes belong to none, and bytes after
+    the last tensor are not weights."""
+    at = 0
+    for start, end, name in spans:
+        if start != at:
+            how = "overlaps the tensor before it" if start < at else f"leaves bytes {at}..{start} to no tensor"
+            raise PlanError([_problem(path, f"tensor {name!r} (bytes {start}..{end}) {how}", _REWRITE)])
+        at = end
+    if at != data_bytes:
+        raise PlanError(
+            [
+                _problem(
+                    path,
+                    f"the file holds {data_bytes - at} bytes after its last tensor: damaged or not one file",
+                    _REWRITE,
+                )
+            ]
+        )
+
+
+def _entry(path: Path, name: str, meta: object, data_bytes: int) -> tuple[TensorEntry, tuple[int, int]]:
     ok = isinstance(meta, dict) and isinstance(meta.get("shape"), list) and isinstance(meta.get("data_offsets"), list)
     shape = tuple(meta["shape"]) if ok and isinstance(meta, dict) else ()
     offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
@@ -156,7 +212,7 @@ def _entry(path: Path, name: str, meta: object, data_bytes: int) -> TensorEntry:
                 )
             ]
         )
-    return TensorEntry(file=path, dtype=str(dtype), shape=shape)
+    return TensorEntry(file=path, dtype=str(dtype), shape=shape), (start, end)
 
 
 def _inside(folder: Path, name: object, index: Path) -> Path:
@@ -263,6 +319,19 @@ def check_folder(folder: str | Path, model: nn.Module) -> list[Diagnostic]:
             )
             continue
         want = tuple(shapes[group[0]].shape)
+        if len(present) > 1 and all(tensors[n].shape == want for n in present) and not _same_values(tensors, present):
+            # transformers then unties them (lm_head keeps its own values); plancc's model is tied
+            problems.append(
+                _problem(
+                    tensors[present[1]].file,
+                    f"the config ties {present[1]!r} to {present[0]!r} (tie_word_embeddings), but the folder "
+                    "holds both with different values: transformers would untie them, the tied model would "
+                    "use only one",
+                    "set tie_word_embeddings: false in config.json (the folder then loads as transformers "
+                    f"loads it), or drop {present[1]!r} from the weights file",
+                )
+            )
+            continue
         for name in present:
             entry = tensors[name]
             if entry.shape != want:
@@ -282,6 +351,22 @@ def check_folder(folder: str | Path, model: nn.Module) -> list[Diagnostic]:
                     )
                 )
     return problems
+
+
+def _same_values(tensors: dict[str, TensorEntry], names: list[str]) -> bool:
+    """Whether tensors of a folder hold the same values (read: this runs only for a tied pair
+    the folder holds twice)."""
+    from safetensors import safe_open
+
+    first = None
+    for name in names:
+        with safe_open(str(tensors[name].file), framework="pt") as f:
+            value = f.get_tensor(name)
+        if first is None:
+            first = value
+        elif value.dtype != first.dtype or not bool((value == first).all()):
+            return False
+    return True
 
 
 def check_export_target(target: str | Path, source: str | Path | None = None) -> list[Diagnostic]:

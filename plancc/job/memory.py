@@ -1,0 +1,160 @@
+"""Whether a run can fit in the memory of the machine it launches on: a lower bound, checked
+before any process starts.
+
+A model or a batch too large for the machine otherwise ends in an allocation failure inside a
+worker, after the launch and the model build (or in the kernel's OOM killer, with no message at
+all). The bound here counts only what the run certainly holds, so it never refuses a run that
+would fit; a run it lets through may still need more (activations between the layers depend on
+checkpointing and the attention kernel).
+
+* training state: fp32 weights, fp32 gradients and AdamW's two fp32 moments -- 16 bytes a
+  parameter -- split over every rank (FSDP shards over dp x cp, the plan over tp and ep);
+  log-probs hold the fp32 weights only (``--param-dtype`` is the compute copy, on top);
+* the logits of one microbatch: tokens x vocabulary / tp in the compute dtype, and in training
+  their gradient as well;
+* random init (no model folder): every rank builds the whole model in fp32 on the host and
+  keeps its shards, so each rank needs 4 bytes a parameter of host memory for a moment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import Diagnostic, SourceLoc
+from .config import PARAM_DTYPES, RunConfig
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Need:
+    """Bytes one rank needs at least, and for what."""
+
+    state: int  # weights (and in training gradients and optimizer moments), this rank's share
+    logits: int  # one microbatch's logits (and their gradient in training)
+    init: int  # host bytes the seeded random init holds for a moment (0 with a model folder)
+
+    @property
+    def device(self) -> int:
+        return self.state + self.logits
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def host_available() -> int | None:
+    """Bytes the kernel says new allocations can take without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def device_capacity(device: str) -> int | None:
+    """Bytes one GPU holds (``cuda``), None on the CPU (the host's memory is the bound there)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | None, from_folder: bool) -> Need:
+    """The lower bound of one rank's bytes for ``cfg`` on ``model`` (a meta model will do)."""
+    params = sum(p.numel() for p in model.parameters())
+    layout = cfg.layout
+    world = max(1, layout.world_size)
+    dtype_bytes = (
+        torch.empty((), dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype])).element_size() if cfg.param_dtype else 4
+    )
+    per_param = 16 if cfg.mode == "train" else 4  # FSDP keeps fp32 shards; --param-dtype is the compute copy
+    vocab = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", 0) or 0
+    dp = max(1, layout.dp)
+    if cfg.mode == "train":
+        rows = cfg.micro_batch_size or max(1, cfg.batch_size // dp)
+        tokens = rows * (longest or cfg.seq_len)
+        if cfg.max_tokens:
+            tokens = min(tokens, max(cfg.max_tokens, longest or 0))
+        copies = 2  # the logits and their gradient
+    else:
+        tokens = cfg.batch_size * (longest or 1)
+        copies = 1
+    tokens = math.ceil(tokens / max(1, layout.cp))
+    logits = tokens * math.ceil(vocab / max(1, layout.tp)) * dtype_bytes * copies
+    return Need(
+        state=math.ceil(params * per_param / world),
+        logits=logits,
+        init=0 if from_folder else params * 4,
+    )
+
+
+def memory_problems(
+    cfg: RunConfig,
+    model: nn.Module,
+    config: object,
+    *,
+    local_ranks: int,
+    longest: int | None,
+    from_folder: bool,
+    device: str,
+    host: int | None = None,
+    gpu: int | None = None,
+) -> list[Diagnostic]:
+    """A problem when one rank's lower bound exceeds what it has: a GPU each on CUDA, the host's
+    available memory shared by the ``local_ranks`` workers of this node on the CPU."""
+    needed = need(cfg, model, config, longest=longest, from_folder=from_folder)
+    host = host_available() if host is None else host
+    gpu = device_capacity(device) if gpu is None else gpu
+    found = []
+    what = "weights, gradients and AdamW's moments" if cfg.mode == "train" else "weights"
+    layout = f"over {cfg.layout.world_size} rank{'s' if cfg.layout.world_size > 1 else ''}"
+    if device == "cuda" and gpu:
+        have, where = gpu, f"one GPU holds {_gib(gpu)}"
+        host_need = needed.init
+    else:
+        have = host // max(1, local_ranks) if host else 0
+        where = f"this machine has {_gib(host or 0)} available, {_gib(have)} for each of its {local_ranks} workers"
+        host_need = needed.device + needed.init
+    if have and needed.device > have:
+        shares = f"{_gib(needed.state)} of {what} {layout}"
+        if needed.state > have:  # the model itself: another machine, more ranks, or a smaller model
+            found.append(
+                Diagnostic(
+                    rule="memory",
+                    loc=SourceLoc(path=cfg.model or cfg.plan),
+                    message=f"the run needs at least {_gib(needed.device)} per rank ({shares}, "
+                    f"{_gib(needed.logits)} of logits); {where}",
+                    fix="launch more ranks (--nproc-per-node, --nnodes) or a smaller model",
+                )
+            )
+        else:  # the batch: fewer tokens per microbatch
+            flag = (
+                "--max-tokens" if cfg.max_tokens else "--micro-batch-size" if cfg.micro_batch_size else "--batch-size"
+            )
+            found.append(
+                Diagnostic(
+                    rule="usage",
+                    loc=SourceLoc(path=flag),
+                    message=f"one microbatch's logits need {_gib(needed.logits)} per rank beside {shares}: "
+                    f"{_gib(needed.device)} in all; {where}",
+                    fix="pass a smaller --micro-batch-size, --max-tokens or --seq-len, or shard the vocabulary (--tp)",
+                )
+            )
+    elif host and needed.init and host_need * max(1, local_ranks) > host:
+        found.append(
+            Diagnostic(
+                rule="memory",
+                loc=SourceLoc(path=cfg.model or cfg.plan),
+                message=f"random init builds the whole model on each of {local_ranks} workers "
+                f"({_gib(needed.init)} each) beside their shares; the machine has {_gib(host)} available",
+                fix="pass --model a folder with the weights (each rank then reads only its shard), or fewer workers",
+            )
+        )
+    return found
