@@ -333,6 +333,11 @@ def validate(
             worst = max(worst, _exit_code(exc))
             continue
         dry_line, dry_summary = "", None
+        too_many = _dry_run_world_problem(report) if dry_run and not report.has_errors else None
+        if too_many is not None:  # refused before the dry run starts: it would not finish in minutes
+            diagnostics.append(too_many)
+            worst = EXIT_USAGE
+            continue
         if dry_run and not report.has_errors:
             # before rendering: the verdict line counts the dry run's findings too
             dry_line, dry_found, dry_summary = _dry_run(report, seq_len)
@@ -358,6 +363,12 @@ def validate(
         print("\n".join(texts))
     if worst:
         raise typer.Exit(worst)
+
+
+def _dry_run_world_problem(report: ValidationReport) -> Diagnostic | None:
+    from .tools.dryrun import world_problem
+
+    return world_problem(report.layout)
 
 
 def _dry_run(report: ValidationReport, seq_len: int | None) -> tuple[str, list[Diagnostic], dict[str, Any]]:
@@ -573,6 +584,7 @@ def apply(
     from .job.config import RunConfig
 
     nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
+    opts = _launcher_checked(launch, nproc_per_node, worker.device, fmt)
     model, chosen, report = _prelaunch(
         plan_path, model, nproc_per_node, launch.nnodes, layout, fmt, seq_len=None if data else seq_len
     )
@@ -596,7 +608,7 @@ def apply(
         **worker.run_config(),
         **output.run_config(),
     )
-    _launch_and_report(launch.options(nproc_per_node), _preflight(cfg, report, fmt, nproc_per_node), fmt)
+    _launch_and_report(opts, _preflight(cfg, report, fmt, nproc_per_node), fmt)
 
 
 def _default_nproc(given: int | None, device: str | None) -> int:
@@ -611,12 +623,24 @@ def _default_nproc(given: int | None, device: str | None) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def _world_size(nnodes: str) -> int:
-    last = nnodes.split(":")[-1]
-    if not last.isdigit() or int(last) < 1:
-        print(f"error: --nnodes {nnodes!r} is not N or MIN:MAX [usage]", file=sys.stderr)
+def _launcher_checked(launch: LaunchFlags, nproc_per_node: int, device: str | None, fmt: Format) -> LaunchOptions:
+    """The launcher's options, their flags checked by the preflight before anything starts."""
+    from .job.preflight import launch_problems
+
+    opts = launch.options(nproc_per_node)
+    problems = launch_problems(opts, device=_device(device))
+    if problems:
+        _emit(problems, fmt)
         raise typer.Exit(EXIT_USAGE)
-    return int(last)
+    return opts
+
+
+def _device(given: str | None) -> str:
+    if given is not None:
+        return given
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _prelaunch(
@@ -632,9 +656,12 @@ def _prelaunch(
     starts. Returns (model name, layout, the validation report)."""
     from .checks.report import validate_plan
     from .compiler.plan import load_plan
+    from .job.preflight import node_range
     from .models import default_preset
 
-    world = nproc_per_node * _world_size(nnodes)
+    nodes = node_range(nnodes)
+    assert nodes is not None, "the launcher's flags are checked first (_launcher_checked)"
+    world = nproc_per_node * nodes[1]
     try:
         layout = Layout.infer(world_size=world, **flags.sizes())
     except LayoutError as exc:
@@ -696,6 +723,20 @@ def _launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> Non
 
     cfg, warnings = run.cfg, run.warnings
     outcome = launch(opts, cfg, plan_text=run.plan_text, dataset=run.dataset)
+    if outcome.rendezvous:
+        _emit(
+            [
+                Diagnostic(
+                    rule="rendezvous",
+                    loc=SourceLoc(path=f"--rdzv-endpoint {opts.rdzv_endpoint}"),
+                    message=outcome.rendezvous,
+                    fix="start the node of --node-rank 0 first and check that every node reaches HOST:PORT "
+                    "(firewall, address); --timeout bounds the wait",
+                )
+            ],
+            fmt,
+        )
+        raise typer.Exit(EXIT_PLAN)
     if outcome.interrupted:
         _report_interruption(outcome.interrupted, outcome.result, cfg, fmt)
     stopped = (outcome.result or {}).get("interrupted")
@@ -738,7 +779,7 @@ def _launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> Non
                     rule="rank-failed",
                     loc=run_path,
                     message=f"rank {first} failed: {outcome.failures[first]}{stopped}",
-                    fix="read the failing rank's error above; --timeout bounds how long a collective waits",
+                    fix=_trace_hint(first, outcome.logs) + "--timeout bounds how long a collective waits",
                 )
             ],
             fmt,
@@ -747,6 +788,15 @@ def _launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> Non
     if fmt is Format.json and outcome.result is not None:
         found = [d.to_json() for d in warnings] + outcome.result.pop("warnings", [])  # the workers' own
         print(json.dumps({**outcome.result, "diagnostics": found}, indent=2))
+
+
+def _trace_hint(first: int, logs: dict[int, str]) -> str:
+    """Where the failing rank's full traceback is (the terminal shows its last line only)."""
+    if first in logs:
+        return f"its full traceback: {logs[first]}; "
+    if logs:  # it died without one (a signal): the ranks it took down wrote theirs
+        return f"the other ranks' tracebacks: {Path(next(iter(logs.values()))).parent}; "
+    return ""
 
 
 def _report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunConfig, fmt: Format) -> None:
@@ -799,6 +849,7 @@ def logprobs(
     from .job.config import RunConfig
 
     nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
+    opts = _launcher_checked(launch, nproc_per_node, worker.device, fmt)
     model, chosen, report = _prelaunch(plan_path, model, nproc_per_node, launch.nnodes, layout, fmt)
     cfg = RunConfig(
         plan=str(plan_path),
@@ -814,7 +865,7 @@ def logprobs(
         json_output=fmt is Format.json,
         **worker.run_config(),
     )
-    _launch_and_report(launch.options(nproc_per_node), _preflight(cfg, report, fmt, nproc_per_node), fmt)
+    _launch_and_report(opts, _preflight(cfg, report, fmt, nproc_per_node), fmt)
 
 
 class Interrupted(BaseException):

@@ -10,6 +10,7 @@ import pickle
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -412,3 +413,92 @@ def test_the_memory_bound_counts_training_state_over_every_rank():
     (tight,) = memory_problems(cfg, model, config, local_ranks=4, longest=None, from_folder=False, device="cpu",
                                host=4 * got.device - 1)
     assert tight.rule in {"memory", "usage"}
+
+
+# --------------------------------------------------------------------------- 6: launcher flags
+@pytest.mark.parametrize(
+    ("flags", "flag", "said"),
+    [
+        (("--nnodes", "2:1"), "--nnodes", "is not N or MIN:MAX"),
+        (("--nnodes", "1:2:3"), "--nnodes", "is not N or MIN:MAX"),
+        (("--rdzv-endpoint", "garbage::::"), "--rdzv-endpoint", "is not HOST:PORT"),
+        (("--rdzv-endpoint", "node0:99999"), "--rdzv-endpoint", "is not HOST:PORT"),
+        (("--nnodes", "2"), "--nnodes", "without --rdzv-endpoint"),
+        (("--nproc-per-node", "100000", "--device", "cpu"), "--nproc-per-node", "CPU workers on"),
+    ],
+)
+def test_launcher_flags_torchrun_would_trace_back_or_wait_on_are_usage_errors(cli, flags, flag, said):
+    code, out, err = cli("apply", QWEN3, "--steps", 1, *flags)
+    line = problem(err, "usage")
+    assert code == 2 and line.startswith(f"{flag}:") and said in line and "plancc apply:" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_rendezvous_no_other_node_joins_ends_after_timeout_with_one_line_naming_the_endpoint():
+    from .distributed import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    code, _, err = run_cli("apply", QWEN3, "--steps", 1, "--nnodes", 2, "--rdzv-endpoint", endpoint, "--timeout", 10)
+    line = problem(err, "rendezvous")
+    assert code == 1 and endpoint in line and "--timeout 10 s" in line
+
+
+# --------------------------------------------------------------------------- 7: the dry run's world size
+def test_a_dry_run_beyond_the_largest_world_it_simulates_is_refused_at_once(cli):
+    from plancc.tools.dryrun import MAX_WORLD
+
+    code, _, err = cli("validate", QWEN3, "--world-size", 1_000_000, "--dry-run")
+    assert code == 2 and f"at most {MAX_WORLD} ranks" in problem(err, "usage")
+    assert cli("validate", QWEN3, "--world-size", 1_000_000)[0] == 0  # the plan itself checks at any size
+
+
+# --------------------------------------------------------------------------- 8: plot
+def test_plot_draws_metrics_holding_nan_inf_and_overflowing_values_as_gaps(cli, tmp_path):
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(
+        '{"step": 1, "loss": NaN, "grad_norm": Infinity}\n'
+        '{"step": 2, "loss": 1e308, "grad_norm": 1.0}\n'
+        '{"step": 3, "loss": -1e308, "grad_norm": NaN}\n'
+        '{"step": 4, "loss": 2.0, "grad_norm": 1.0}\n'
+    )
+    code, out, err = cli("plot", metrics, "-o", tmp_path / "m.png")
+    assert code == 0 and "Traceback" not in err and (tmp_path / "m.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- 9: one line for a failed rank
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_run_gives_the_rank_failed_line_and_no_traceback_on_the_terminal(tmp_path):
+    import signal
+    import subprocess
+
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "100000", "--metrics", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 240
+    while (not metrics.exists() or metrics.stat().st_size == 0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # the launcher runs torch's agent in its own process: the workers are its children
+    found = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "plancc.job.runner"], capture_output=True, text=True)
+    os.kill(max(int(pid) for pid in found.stdout.split()), signal.SIGKILL)
+    _, err = proc.communicate(timeout=200)
+    line = problem(err, "rank-failed")
+    assert proc.returncode == 1 and "SIGKILL" in line and "[rank0]:" not in err and "[rank1]:" not in err
+    logs = Path(err.split("tracebacks: ")[1].split(";")[0])  # the ranks it took down wrote theirs
+    assert "Connection" in (logs / "rank-0.log").read_text() or "Traceback" in (logs / "rank-0.log").read_text()
+    shutil.rmtree(logs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_under_metrics_is_one_line_with_the_trace_in_the_ranks_log():
+    code, _, err = run_cli("apply", QWEN3, "--steps", 2, "--metrics", "/dev/full")
+    line = problem(err, "rank-failed")
+    assert code == 1 and "No space left on device" in line
+    log = err.split("its full traceback: ")[1].split(";")[0]
+    assert "Traceback" in Path(log).read_text()
+    shutil.rmtree(Path(log).parent)

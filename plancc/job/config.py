@@ -66,6 +66,7 @@ class RunConfig:
     # the launcher's folder holding the plan and data it read and checked: the workers read
     # those copies, never the user's paths again (a pipe reads once; a file may change)
     inputs: str | None = None
+    log_dir: str | None = None  # where a failing rank writes its full traceback (rank-N.log)
 
     @property
     def log_to_stderr(self) -> bool:

@@ -7,16 +7,22 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.run import get_args_parser, run
 
 from ..errors import quiet_logger
@@ -44,9 +50,14 @@ class LaunchResult:
     failures: dict[int, str]  # global rank -> error message
     first_failed: int | None = None  # the rank that failed first: the root cause
     interrupted: int = 0  # SIGINT / SIGTERM that stopped the job (the workers stop at a step boundary)
+    rendezvous: str | None = None  # why the nodes never met (an endpoint no one answers at, a timeout)
+    logs: dict[int, str] = field(default_factory=dict)  # global rank -> the file holding its full traceback
 
 
 def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
+    # --timeout bounds the rendezvous too: connecting to the endpoint (torch's default: 60 s a
+    # try) and waiting for every node to join (600 s)
+    meet = f"join_timeout={cfg.timeout_s},read_timeout={cfg.timeout_s}"
     argv = [
         f"--nproc-per-node={opts.nproc_per_node}",
         f"--nnodes={opts.nnodes}",
@@ -56,11 +67,13 @@ def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list
         f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}",
     ]
     if opts.rdzv_endpoint:
+        # torch reads --node-rank for the static backend only (and warns that c10d ignores it)
+        argv += [f"--node-rank={opts.node_rank}"] if opts.rdzv_backend == "static" else []
         argv += [
-            f"--node-rank={opts.node_rank}",
             f"--rdzv-backend={opts.rdzv_backend}",
             f"--rdzv-endpoint={opts.rdzv_endpoint}",
             f"--rdzv-id={opts.rdzv_id or 'plancc'}",
+            f"--rdzv-conf={meet}",
         ]
     else:
         argv += ["--standalone"]  # single node: rendezvous on a free local port
@@ -89,16 +102,20 @@ def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: Toke
     """Run the job: ``plan_text`` and ``dataset`` are the plan and data the caller read and
     checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # a rank that fails writes its full traceback here (the terminal gets one line); kept
+    # when a rank wrote to it, removed with the run otherwise
+    logs = Path(tempfile.mkdtemp(prefix="plancc-logs-"))
     with tempfile.TemporaryDirectory(prefix="plancc-") as tmp:
         result_path = str(Path(tmp) / "result.json")
         Path(tmp, PLAN_COPY).write_text(plan_text, encoding="utf-8")
         if dataset is not None:
             write_tokens(dataset, Path(tmp, DATA_COPY))
-        cfg = replace(cfg, inputs=tmp)
+        cfg = replace(cfg, inputs=tmp, log_dir=str(logs))
         args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
         failures: dict[int, str] = {}
         first = None
         interrupted = 0
+        unmet = None
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             # the agent logs each failed worker at ERROR; the CLI names the failure itself
@@ -112,18 +129,35 @@ def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: Toke
             first = root_cause(seen)
         except SignalException as exc:  # the agent stopped the workers (with the same signal) and re-raised
             interrupted = int(exc.sigval)
+        except RendezvousError as exc:  # no worker started: the nodes never met
+            unmet = _rendezvous_message(exc, opts, cfg.timeout_s)
         finally:  # the agent's process context installed its own handlers: the caller's come back
             for sig, handler in handlers.items():
                 if handler is not None:
                     signal.signal(sig, handler)
         result = json.loads(Path(result_path).read_text()) if Path(result_path).is_file() else None
+    written = {int(log.stem.removeprefix("rank-")): str(log) for log in logs.glob("rank-*.log")}
+    if not written:
+        shutil.rmtree(logs, ignore_errors=True)
     return LaunchResult(
         ok=not failures and not interrupted,
         result=result,
         failures=failures,
         first_failed=first,
         interrupted=interrupted,
+        rendezvous=unmet,
+        logs=written,
     )
+
+
+def _rendezvous_message(exc: RendezvousError, opts: LaunchOptions, timeout_s: int) -> str:
+    cause = exc.__cause__ or exc.__context__
+    why = str(cause or exc).strip().splitlines()[0][:200] if str(cause or exc).strip() else type(exc).__name__
+    if isinstance(exc, RendezvousConnectionError):
+        return f"no rendezvous at {opts.rdzv_endpoint} within --timeout {timeout_s} s: {why}"
+    if isinstance(exc, RendezvousTimeoutError):
+        return f"waited --timeout {timeout_s} s at {opts.rdzv_endpoint} for --nnodes {opts.nnodes}: not every node came"
+    return f"the rendezvous at {opts.rdzv_endpoint} did not complete (--nnodes {opts.nnodes}): {why}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +32,8 @@ from .memory import memory_problems
 
 if TYPE_CHECKING:  # the launcher checks flags without importing transformers' modeling stack
     from transformers import PretrainedConfig
+
+    from .launch import LaunchOptions
 
 
 def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
@@ -155,6 +158,84 @@ def _output_problems(out: Path, flag: str = "--out") -> list[Diagnostic]:
     if not os.access(out.parent, os.W_OK) or str(out.resolve()).startswith(("/proc", "/sys")):
         return problem(f"{flag} cannot be written ({out.parent} is not writable)")
     return []
+
+
+_NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
+_ENDPOINT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d+))?$")
+CPU_WORKERS_PER_CORE = 4  # gloo workers beyond this per core wait on each other more than they compute
+
+
+def node_range(nnodes: str) -> tuple[int, int] | None:
+    """``--nnodes N`` or ``MIN:MAX`` as (min, max), or None when it is neither."""
+    found = _NNODES.match(nnodes.strip())
+    if not found:
+        return None
+    low = int(found.group(1))
+    high = int(found.group(2) or low)
+    return (low, high) if 1 <= low <= high else None
+
+
+def launch_problems(opts: LaunchOptions, *, device: str) -> list[Diagnostic]:
+    """The launcher's flags, each a usage problem (exit 2) where torchrun would trace back or
+    wait without end: a node count that is no range, a rendezvous endpoint that is no
+    HOST:PORT, several nodes without a rendezvous endpoint to meet at, more workers than the
+    machine can run."""
+
+    def problem(flag: str, message: str, fix: str) -> Diagnostic:
+        return Diagnostic(rule="usage", loc=SourceLoc(path=flag), message=message, fix=fix)
+
+    found = []
+    nodes = node_range(opts.nnodes)
+    if nodes is None:
+        found.append(
+            problem(
+                "--nnodes",
+                f"--nnodes {opts.nnodes!r} is not N or MIN:MAX with 1 <= MIN <= MAX",
+                "pass --nnodes 2, or 1:4 for an elastic job",
+            )
+        )
+    endpoint = _ENDPOINT.match(opts.rdzv_endpoint or "")
+    port = endpoint.group("port") if endpoint else None
+    if opts.rdzv_endpoint is not None and (endpoint is None or (port is not None and not 0 < int(port) < 65536)):
+        found.append(
+            problem(
+                "--rdzv-endpoint",
+                f"--rdzv-endpoint {opts.rdzv_endpoint!r} is not HOST:PORT with a port from 1 to 65535",
+                "pass the address every node can reach, e.g. --rdzv-endpoint node0.cluster:29400",
+            )
+        )
+    if nodes is not None and nodes[0] > 1 and opts.rdzv_endpoint is None:  # standalone: no other node can join
+        found.append(
+            problem(
+                "--nnodes",
+                f"--nnodes {opts.nnodes} without --rdzv-endpoint: each node would start alone and wait for "
+                "the others without end",
+                "pass --rdzv-endpoint HOST:PORT (the same on every node) and --node-rank, or --nnodes 1",
+            )
+        )
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        if opts.nproc_per_node > gpus:
+            found.append(
+                problem(
+                    "--nproc-per-node",
+                    f"--nproc-per-node {opts.nproc_per_node} on a machine with {gpus} GPU(s): "
+                    "each worker needs a GPU of its own",
+                    f"pass --nproc-per-node {gpus} or fewer (more ranks: --nnodes)",
+                )
+            )
+    else:
+        most = CPU_WORKERS_PER_CORE * (os.cpu_count() or 1)
+        if opts.nproc_per_node > most:
+            found.append(
+                problem(
+                    "--nproc-per-node",
+                    f"--nproc-per-node {opts.nproc_per_node} CPU workers on {os.cpu_count()} cores: "
+                    f"plancc starts at most {most} ({CPU_WORKERS_PER_CORE} a core)",
+                    f"pass --nproc-per-node {most} or fewer (more ranks: --nnodes)",
+                )
+            )
+    return found
 
 
 def run_paths(cfg: RunConfig) -> list[RunPath]:

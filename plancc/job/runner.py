@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -720,6 +721,24 @@ class _LauncherWatch:
         return self
 
 
+EXIT_FAILED = 1
+
+
+def _log_traceback(cfg: RunConfig, exc: Exception) -> None:
+    """A failing rank's full traceback into its log (the launcher names the file in the one
+    line it prints), not onto the terminal, where every victim rank's trace of a peer's death
+    would bury the line that says which rank failed. Without a log folder: stderr, as before."""
+    trace = "".join(traceback.format_exception(exc))
+    if cfg.log_dir is None:
+        print(trace, file=sys.stderr, flush=True)
+        return
+    path = Path(cfg.log_dir) / f"rank-{os.environ.get('RANK', '0')}.log"
+    try:
+        path.write_text(trace)
+    except OSError:  # a full disk: the agent still has the error's last line
+        print(trace, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plancc-worker")
     parser.add_argument("--config", required=True, help="RunConfig as JSON")
@@ -744,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = worker()
+    except Exception as exc:  # noqa: BLE001 - record() gave the agent the error; the trace goes to a file
+        _log_traceback(cfg, exc)
+        return EXIT_FAILED
     finally:
         launcher.exit_if_orphaned()
     assert result is not None  # record() returns what the worker returned

@@ -82,6 +82,21 @@ def _output_problem(out: Path) -> PlanError | None:
     return None
 
 
+# Beyond this a panel's axis range (max - min) overflows a float and matplotlib cannot lay it out
+_LARGEST = 1e300
+
+
+def _drawable(value: object) -> bool:
+    """A number a panel can draw: NaN, inf (a diverged step) and overflowing values are left
+    out of the line, as a gap, rather than failing the whole plot."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and abs(value) <= _LARGEST
+    )
+
+
 def plot(path: Path, out: Path) -> int:
     """Draw the panels into ``out``; returns the number of steps drawn."""
     problem = _output_problem(out)
@@ -108,7 +123,7 @@ def plot(path: Path, out: Path) -> int:
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.7 * len(panels)), sharex=True, squeeze=False)
     axes = axes[:, 0]
     for ax, (key, label) in zip(axes, panels, strict=True):
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+        points = [(r["step"], r[key]) for r in rows if _drawable(r.get(key))]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -119,6 +134,8 @@ def plot(path: Path, out: Path) -> int:
         fig.savefig(out, dpi=100)
     except OSError as exc:  # a full disk, /dev/full, a folder without write permission
         raise _problem(out, 0, f"cannot write the plot: {exc.strerror or exc}", "pass -o a writable file") from None
+    except (ValueError, OverflowError) as exc:  # a layout matplotlib cannot compute from these values
+        raise _problem(path, 0, f"cannot draw these metrics: {exc}", "check the file's values") from None
     finally:
         plt.close(fig)
     return len(rows)
