@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 
@@ -32,6 +33,17 @@ class GlobalSequenceInputs:
     It sits on the decoder, not the causal LM, so that calling the decoder directly (a value
     head on hidden states, a reward model) gets global positions too.
     """
+
+    @staticmethod
+    def applies_to(base: nn.Module) -> bool:
+        """A Hugging Face decoder: a config, and a forward that takes ``input_ids`` (to derive
+        positions and masks from). Any other module under SP gets its inputs as its caller
+        gives them: plain PyTorch models (torch's own TP examples) pass positions themselves."""
+        try:
+            takes_ids = "input_ids" in inspect.signature(base.forward).parameters
+        except (TypeError, ValueError):
+            takes_ids = False
+        return takes_ids and isinstance(getattr(base, "config", None), PretrainedConfig)
 
     def __init__(self, base: nn.Module):
         self.signature = inspect.signature(base.forward)

@@ -84,8 +84,8 @@ def apply_tensor_parallel(
     groups = tied_parameter_groups(model)
     parallelize_module(model, tp_mesh, styles)
     _retie(model, groups)
-    if resolved.sequence_parallel:
-        decoder = getattr(model, "model", model)
+    decoder = getattr(model, "model", model)
+    if resolved.sequence_parallel and GlobalSequenceInputs.applies_to(decoder):
         decoder.register_forward_pre_hook(GlobalSequenceInputs(decoder), with_kwargs=True)
     return spread
 
