@@ -4,6 +4,8 @@ config, no decoder)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -82,3 +84,77 @@ def plain_module_under_sequence_parallelism():
         g = mine.grad.full_tensor() if isinstance(mine.grad, DTensor) else mine.grad
         grads[name] = float((g - ref.grad).abs().max())
     return {"output": float((got - expected).abs().max()), "grads": grads}
+
+
+ROOT_PLAN = PLAN + """
+  "": {style: prepare_output, output_layouts: "shard(-1)", desired_output_layouts: replicate}
+"""
+
+
+def a_root_rule_gathers_the_output():
+    """torch's plan key ``""`` (the model itself): a prepare_output on the root hands back the
+    whole vocabulary, as the unsharded model's output."""
+    import plancc
+
+    init_gloo()
+    torch.manual_seed(0)
+    whole, sharded = Plain(), Plain()
+    sharded.load_state_dict(whole.state_dict())
+    mesh = plancc.build_mesh(plancc.Layout(tp=2, sequence_parallel=True), device_type="cpu")
+    plan = plancc.parse_plan(ROOT_PLAN)
+    plancc.parallelize(sharded, plan, mesh)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    got = sharded(tokens)
+    return {"shape": list(got.shape), "diff": float((got - whole(tokens)).abs().max()), "type": type(got).__name__}
+
+
+def fsdp_shards_on_the_dims_the_plan_names(tp: int):
+    """Qwen3 with ``fsdp.shard_placement`` (FSDP2's shard_placement_fn) at dp=2 (x tp): the
+    named parameters sharded by FSDP on dim 1, the loss and every gradient equal to the
+    unsharded model's."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import plancc
+    from plancc.models import build_model, load_config
+
+    init_gloo()
+    config = load_config("tiny-qwen3")
+    torch.manual_seed(0)
+    whole = build_model(copy.deepcopy(config), device="cpu")
+    text = Path("plans/qwen3.yaml").read_text().replace(
+        "fsdp:\n", "fsdp:\n  shard_placement:\n    model.layers.*.mlp.down_proj.weight: shard(1)\n"
+        "    model.embed_tokens.weight: shard(-1)\n", 1
+    )
+    plan = plancc.parse_plan(text)
+    mesh = plancc.build_mesh(plancc.Layout(dp=dist.get_world_size() // tp, tp=tp), device_type="cpu")
+    model = build_model(copy.deepcopy(config), device="meta")
+    plancc.parallelize(model, plan, mesh)
+    plancc.materialize(model, "cpu", full_state_dict={k: v.clone() for k, v in whole.state_dict().items()})
+    ids = torch.randint(0, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    mine = ids[mesh["dp"].get_local_rank() * 2 :][:2]
+    loss = plancc.causal_lm_loss(model, mine, mesh=mesh)
+    loss.backward()
+    reference = whole(input_ids=ids, labels=ids).loss
+    reference.backward()
+    dp_placements = {}
+    worst = 0.0
+    params = dict(model.named_parameters())
+    for name, ref in whole.named_parameters():
+        got = params[name]
+        # the dp axis: Shard(dim), or _StridedShard(dim) where tp shards the same dim first
+        dp_placements[name] = got.placements[0].dim if isinstance(got, DTensor) else None
+        grad = got.grad.full_tensor() if isinstance(got.grad, DTensor) else got.grad
+        worst = max(worst, float((grad - ref.grad).abs().max()))
+    losses = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, loss.detach().reshape(1))
+    mean = float(torch.stack(losses).mean())
+    return {
+        "down": dp_placements["model.layers.0.mlp.down_proj.weight"],
+        "embed": dp_placements["model.embed_tokens.weight"],
+        "up": dp_placements["model.layers.0.mlp.up_proj.weight"],
+        "loss_diff": abs(mean - float(reference)),
+        "grad_diff": worst,
+    }

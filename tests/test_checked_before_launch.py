@@ -502,3 +502,20 @@ def test_a_full_disk_under_metrics_is_one_line_with_the_trace_in_the_ranks_log()
     log = err.split("its full traceback: ")[1].split(";")[0]
     assert "Traceback" in Path(log).read_text()
     shutil.rmtree(Path(log).parent)
+
+
+# --------------------------------------------------------------------------- 11: torch's plan constructs
+def test_a_shard_placement_on_a_dim_the_parameter_lacks_or_naming_no_parameter_is_a_diagnostic(cli, write_plan):
+    placements = "    model.layers.*.mlp.down_proj.weight: shard(2)\n    model.nothing.weight: shard(1)\n"
+    text = QWEN3.read_text().replace("fsdp:\n", f"fsdp:\n  shard_placement:\n{placements}", 1)
+    code, _, err = cli("validate", write_plan(text))
+    line = problem(err, "fsdp-shard-placement")
+    assert code == 1 and "more it matches) has 2 dim(s)" in line and "shard(2)" in line  # one line per glob
+    assert "matches no parameter" in problem(err, "glob-no-match")
+
+
+def test_a_rule_for_the_root_is_resolved_and_shown_as_the_model(cli, write_plan):
+    text = QWEN3.read_text().replace("  lm_head: colwise_logits\n", '  lm_head: colwise_logits\n  "": replicate\n', 1)
+    code, out, err = cli("validate", write_plan(text), "--tp", 2)
+    assert code == 0, err
+    assert any(line.split()[:3] == ['""', "(the", "model)"] for line in out.splitlines()), out

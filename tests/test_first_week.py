@@ -95,7 +95,7 @@ def test_torchrun_master_port_names_the_rendezvous(cli, monkeypatch):
     from plancc.job import launch
 
     seen = {}
-    monkeypatch.setattr(launch, "launch", lambda opts, cfg: seen.setdefault("opts", opts) and 1 / 0)
+    monkeypatch.setattr(launch, "launch", lambda opts, cfg, **inputs: seen.setdefault("opts", opts) and 1 / 0)
     with pytest.raises(ZeroDivisionError):  # stopped right where the job would start
         cli("apply", QWEN3, "--master_port", 29577, "--master-addr", "127.0.0.2", "--nnodes", 1)
     assert seen["opts"].rdzv_endpoint == "127.0.0.2:29577"

@@ -19,6 +19,8 @@ from ..models import ModelSpecError, architecture_of, build_meta_model, default_
 from ..skeleton import load_skeleton
 from .engine import check_at
 
+ROOT_SHOWN = '"" (the model)'
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValidationReport:
@@ -98,7 +100,7 @@ class ValidationReport:
         ]
         rows = s["rules"]
         if rows:
-            w_pat = max(len(r["pattern"]) for r in rows)
+            w_pat = max(len(r["pattern"] or ROOT_SHOWN) for r in rows)
             w_sty = max(len(r["style"]) for r in rows)
             section = None
             for r in rows:
@@ -106,7 +108,8 @@ class ValidationReport:
                     section = r["section"]
                     lines.append(f"  {section}:")
                 plural = "" if r["matched"] == 1 else "s"
-                lines.append(f"    {r['pattern']:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} module{plural}")
+                pattern = r["pattern"] or ROOT_SHOWN  # torch's key for the model itself
+                lines.append(f"    {pattern:<{w_pat}}  {r['style']:<{w_sty}}  {r['matched']:>4} module{plural}")
         kept = "" if s["fsdp_reshard_after_forward"] else " (kept gathered from forward to backward)"
         selective = f" ({s['selective_checkpointing']} selective)" if s["selective_checkpointing"] else ""
         if s["fsdp_units"] is None:

@@ -39,8 +39,13 @@ def _segment_ok(segment: str) -> bool:
 MAX_SEGMENTS = 64  # module paths of real models are under a dozen segments deep
 
 
+ROOT = ""  # the plan key of the root module (torch's parallelize_module takes "" for it)
+
+
 def glob_problem(pattern: str) -> str | None:
     """Why a glob is malformed, or None. (The schema catches characters; this, structure.)"""
+    if pattern == ROOT:
+        return None
     segments = pattern.split(".")
     if len(segments) > MAX_SEGMENTS:
         return f"has {len(segments)} segments; module paths are at most {MAX_SEGMENTS} deep"
@@ -124,6 +129,8 @@ class ModuleTree:
     def match(self, pattern: str) -> tuple[str, ...]:
         """The module names ``pattern`` matches, in module order (a malformed glob matches
         nothing: check ``glob_problem`` first)."""
+        if pattern == ROOT:  # the model itself, as torch's parallelize_module spells it
+            return (ROOT,)
         segments = tuple(pattern.split("."))
         if "**" in segments:
             found: dict[int, str] = {}

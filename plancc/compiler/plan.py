@@ -56,6 +56,15 @@ class TargetList:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ShardPlacement:
+    """``fsdp.shard_placement``: the parameters a glob names, sharded by FSDP on ``dim``."""
+
+    pattern: str
+    dim: int
+    loc: SourceLoc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     name: str
     version: int
@@ -64,6 +73,8 @@ class Plan:
     sequence_parallel: tuple[Rule, ...] = ()
     fsdp_units: TargetList = TargetList()
     fsdp_reshard_after_forward: bool = True
+    # parameter glob -> the dim FSDP shards it on (FSDP2's shard_placement_fn; dim 0 otherwise)
+    fsdp_shard_placement: tuple[ShardPlacement, ...] = ()
     activation_checkpointing: TargetList = TargetList()
     description: str = ""
     path: str = "<plan>"
@@ -114,6 +125,18 @@ def _targets(doc: SourceDoc, at: tuple) -> TargetList:
     return TargetList(patterns=patterns, locs=tuple(doc.loc(at + (i,)) for i in range(len(patterns))))
 
 
+def _shard_placements(doc: SourceDoc) -> tuple[ShardPlacement, ...]:
+    table = (doc.data.get("fsdp") or {}).get("shard_placement") or {}
+    return tuple(
+        ShardPlacement(
+            pattern=pattern,
+            dim=int(text[len("shard(") : -1]),
+            loc=doc.loc(("fsdp", "shard_placement", pattern), key=True),
+        )
+        for pattern, text in table.items()
+    )
+
+
 def _checkpoint_targets(doc: SourceDoc) -> TargetList:
     """``activation_checkpointing`` items: a glob (full recompute) or
     ``{module: GLOB, save: [GROUP, ...]}`` (selective)."""
@@ -144,6 +167,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         sequence_parallel=_rules(doc, "sequence_parallel", problems),
         fsdp_units=_targets(doc, ("fsdp", "units")),
         fsdp_reshard_after_forward=(data.get("fsdp") or {}).get("reshard_after_forward", True),
+        fsdp_shard_placement=_shard_placements(doc),
         activation_checkpointing=_checkpoint_targets(doc),
         path=doc.path,
         loc=doc.loc(()),

@@ -10,7 +10,7 @@ Glob syntax and matching: ``plancc.compiler.globs``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -61,6 +61,8 @@ class ResolvedPlan:
     activation_checkpointing: tuple[str, ...] = ()
     # selective targets only: module name -> operator groups whose outputs are kept
     checkpoint_saves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # parameter name -> the dim FSDP shards it on, where the plan says another than 0
+    fsdp_shard_dims: Mapping[str, int] = field(default_factory=dict)
 
 
 def _target_hits(targets: TargetList, tree: ModuleTree, what: str, problems: list[Diagnostic]) -> list[tuple[str, ...]]:
@@ -231,6 +233,47 @@ def _conflict(name: str, rule: Rule, first: Rule) -> Diagnostic:
     )
 
 
+def _resolve_shard_placement(plan: Plan, model: nn.Module, problems: list[Diagnostic]) -> dict[str, int]:
+    """``fsdp.shard_placement``'s globs bound to parameter names, each dim checked against the
+    parameter's rank (and made non-negative)."""
+    if not plan.fsdp_shard_placement:
+        return {}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    tree = ModuleTree(shapes)
+    found: dict[str, int] = {}
+    for rule in plan.fsdp_shard_placement:
+        if (why := glob_problem(rule.pattern)) is not None:
+            problems.append(_invalid_glob(rule.pattern, why, rule.loc))
+            continue
+        hits = tree.match(rule.pattern)
+        if not hits:
+            near = tree.suggest(rule.pattern)
+            problems.append(
+                Diagnostic(
+                    rule="glob-no-match",
+                    loc=rule.loc,
+                    message=f"fsdp shard_placement {rule.pattern!r} matches no parameter of the model"
+                    + (f"; closest: {', '.join(near)}" if near else ""),
+                    fix=f"did you mean {near[0]!r}?" if near else "name parameters in full: MODULE_GLOB.weight",
+                )
+            )
+        wrong = [name for name in hits if not -len(shapes[name]) <= rule.dim < len(shapes[name])]
+        if wrong:  # one problem per rule: a glob over 36 layers is one mistake
+            shape = list(shapes[wrong[0]])
+            more = f" (and {len(wrong) - 1} more it matches)" if len(wrong) > 1 else ""
+            problems.append(
+                Diagnostic(
+                    rule="fsdp-shard-placement",
+                    loc=rule.loc,
+                    message=f"{wrong[0]}{more} has {len(shape)} dim(s) {shape}; shard({rule.dim}) is not one of them",
+                    fix=f"use shard(0) .. shard({len(shape) - 1})" if shape else "leave this parameter out",
+                )
+            )
+            continue
+        found.update((name, rule.dim % len(shapes[name])) for name in hits)
+    return found
+
+
 def resolve_plan(plan: Plan, model: nn.Module | ModuleTree, *, sequence_parallel: bool = False) -> ResolvedPlan:
     """Bind every glob of ``plan`` to module names of ``model``; raise ``PlanError`` on misses
     and on two rules of one section that give one module different styles."""
@@ -245,15 +288,17 @@ def resolve_plan(plan: Plan, model: nn.Module | ModuleTree, *, sequence_parallel
         assignments.update(claimed)  # a later section (the SP overlay) wins
     fsdp_units = inner_first(_resolve_targets(plan.fsdp_units, tree, "fsdp unit", problems))
     ac, saves = _resolve_checkpointing(plan.activation_checkpointing, tree, problems)
+    shard_dims = _resolve_shard_placement(plan, model, problems) if isinstance(model, nn.Module) else {}
     raise_if_errors(problems)
     return ResolvedPlan(
         plan=plan,
         sequence_parallel=sequence_parallel,
         rules=tuple(resolved),
-        assignments={n: assignments[n] for n in tree.names if n in assignments},
+        assignments={n: assignments[n] for n in ("", *tree.names) if n in assignments},  # "": the root
         fsdp_units=fsdp_units,
         activation_checkpointing=ac,
         checkpoint_saves=saves,
+        fsdp_shard_dims=shard_dims,
     )
 
 
@@ -268,4 +313,5 @@ def resolve_sections(plan: Plan, model: nn.Module) -> tuple[list[ResolvedPlan], 
             resolved.append(resolve_plan(plan, tree, sequence_parallel=sp))
         except PlanError as exc:
             problems += [d for d in exc.diagnostics if d not in problems]
-    return resolved, problems
+    shard_dims = _resolve_shard_placement(plan, model, problems)  # parameters: once, not per section
+    return [replace(r, fsdp_shard_dims=shard_dims) for r in resolved], problems

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -111,7 +111,8 @@ def read_jsonl(
             max_tokens=max_tokens,
         )
     except PlanError as exc:  # the path itself: missing, a folder, a silent pipe, an endless device
-        raise DataError([*problems, *exc.diagnostics]) from None
+        # a data problem (exit 1), as every other problem of the data file
+        raise DataError([*problems, *(replace(d, rule="data-file") for d in exc.diagnostics)]) from None
     if not problems and not sequences:
         problems.append(
             Diagnostic(

@@ -7,9 +7,9 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -102,9 +102,9 @@ def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: Toke
     """Run the job: ``plan_text`` and ``dataset`` are the plan and data the caller read and
     checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # a rank that fails writes its full traceback here (the terminal gets one line); kept
-    # when a rank wrote to it, removed with the run otherwise
-    logs = Path(tempfile.mkdtemp(prefix="plancc-logs-"))
+    # a rank that fails makes this folder and writes its full traceback there (the terminal
+    # gets one line); nothing is made for a run no rank of which fails
+    logs = Path(tempfile.gettempdir()) / f"plancc-logs-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="plancc-") as tmp:
         result_path = str(Path(tmp) / "result.json")
         Path(tmp, PLAN_COPY).write_text(plan_text, encoding="utf-8")
@@ -137,8 +137,6 @@ def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: Toke
                     signal.signal(sig, handler)
         result = json.loads(Path(result_path).read_text()) if Path(result_path).is_file() else None
     written = {int(log.stem.removeprefix("rank-")): str(log) for log in logs.glob("rank-*.log")}
-    if not written:
-        shutil.rmtree(logs, ignore_errors=True)
     return LaunchResult(
         ok=not failures and not interrupted,
         result=result,

@@ -214,8 +214,8 @@ def launch_problems(opts: LaunchOptions, *, device: str) -> list[Diagnostic]:
             )
         )
     if device == "cuda":
-        gpus = torch.cuda.device_count()
-        if opts.nproc_per_node > gpus:
+        gpus = torch.cuda.device_count()  # none at all: the flag check says --device cuda has no GPU
+        if 0 < gpus < opts.nproc_per_node:
             found.append(
                 problem(
                     "--nproc-per-node",

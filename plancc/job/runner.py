@@ -734,6 +734,7 @@ def _log_traceback(cfg: RunConfig, exc: Exception) -> None:
         return
     path = Path(cfg.log_dir) / f"rank-{os.environ.get('RANK', '0')}.log"
     try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
         path.write_text(trace)
     except OSError:  # a full disk: the agent still has the error's last line
         print(trace, file=sys.stderr, flush=True)
@@ -764,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = worker()
     except Exception as exc:  # noqa: BLE001 - record() gave the agent the error; the trace goes to a file
+        launcher.exit_if_orphaned()  # a dead launcher's peers fail too: nobody is left to read a log
         _log_traceback(cfg, exc)
         return EXIT_FAILED
     finally:

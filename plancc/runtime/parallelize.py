@@ -11,14 +11,14 @@ ranks FSDP reduces over would count them ep times.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils._pytree import tree_map
 
@@ -114,8 +114,18 @@ def apply_fsdp(
     experts: Iterable[str] = (),
     expert_mesh: DeviceMesh | None = None,
     gradient_divide_factor: float | None = None,
+    shard_dims: Mapping[str, int] | None = None,
 ) -> nn.Module:
     modules = dict(model.named_modules())
+    # FSDP2's shard_placement_fn: the parameters the plan shards on another dim than 0, by
+    # identity (FSDP calls it with each parameter object it is about to shard)
+    dims = shard_dims or {}
+    placements = {id(p): Shard(dims[n]) for n, p in model.named_parameters() if n in dims}
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return placements.get(id(param))
+
+    chosen = placement if placements else None
     for name in experts:  # innermost first: their enclosing units then leave their weights alone
         assert expert_mesh is not None, "experts spread over ep come with their mesh"
         unit = fully_shard(
@@ -141,8 +151,9 @@ def apply_fsdp(
             mp_policy=mp_policy,
             offload_policy=offload_policy,
             reshard_after_forward=reshard_after_forward and i < len(unit_list) - 1,
+            shard_placement_fn=chosen,
         )
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, shard_placement_fn=chosen)
     return model
 
 
@@ -213,4 +224,5 @@ def parallelize(
         experts=experts,
         expert_mesh=expert_mesh,
         gradient_divide_factor=float(pm.layout.fsdp_size),
+        shard_dims=resolved.fsdp_shard_dims,
     )
