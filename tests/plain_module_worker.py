@@ -158,3 +158,78 @@ def fsdp_shards_on_the_dims_the_plan_names(tp: int):
         "loss_diff": abs(mean - float(reference)),
         "grad_diff": worst,
     }
+
+
+class Mix(nn.Module):
+    """A block called as torch's examples call attention: a tensor, an argument left alone
+    (a scalar scale), and a keyword tensor (a per-position gain)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.down(torch.relu(self.up(x)) * scale)
+        return out * gain if gain is not None else out
+
+
+class PlainWithArguments(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16):
+        super().__init__()
+        self.emb, self.norm1, self.mix = nn.Embedding(vocab, dim), nn.LayerNorm(dim), Mix(dim)
+        self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        gain = 1 + torch.arange(tokens.shape[1], dtype=h.dtype)[None, :, None] / 10  # [1, seq, 1], whole
+        h = h + self.mix(self.norm1(h), torch.tensor(0.5), gain=gain)
+        return self.out(self.norm(h))
+
+
+ARGUMENTS_PLAN = """
+plancc: 1
+name: plain-arguments
+architectures: [PlainWithArguments]
+tensor_parallel:
+  emb: embedding_rowwise
+  mix.up: colwise
+  mix.down: rowwise
+  out: colwise
+sequence_parallel:
+  emb: embedding_seq
+  norm1: sequence_parallel
+  mix:
+    style: prepare_input
+    input_layouts: [shard(1), null]          # the sequence shard gathered; the scale left alone
+    desired_input_layouts: [replicate, null]
+    input_kwarg_layouts: {gain: replicate}   # the whole gain cut to this rank's positions
+    desired_input_kwarg_layouts: {gain: shard(1)}
+  mix.down: rowwise_seq
+  norm: sequence_parallel
+  out: colwise_seq
+  "": {style: prepare_output, output_layouts: "shard(-1)", desired_output_layouts: replicate}
+"""
+
+
+def positional_and_keyword_inputs_laid_out_one_by_one():
+    """torch's PrepareModuleInput forms in a plan (a list with null, keyword layouts) on a
+    plain model under SP: outputs and gradients equal to the whole model's."""
+    from torch.distributed.tensor import DTensor
+
+    import plancc
+
+    init_gloo()
+    torch.manual_seed(0)
+    whole, sharded = PlainWithArguments(), PlainWithArguments()
+    sharded.load_state_dict(whole.state_dict())
+    mesh = plancc.build_mesh(plancc.Layout(tp=2, sequence_parallel=True), device_type="cpu")
+    plancc.parallelize(sharded, plancc.parse_plan(ARGUMENTS_PLAN), mesh)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected, got = whole(tokens), sharded(tokens)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    worst = 0.0
+    for (_, mine), (_, ref) in zip(sharded.named_parameters(), whole.named_parameters(), strict=True):
+        grad = mine.grad.full_tensor() if isinstance(mine.grad, DTensor) else mine.grad
+        worst = max(worst, float((grad - ref.grad).abs().max()))
+    return {"output": float((got - expected).abs().max()), "grads": worst}

@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -67,9 +68,23 @@ def layouts_of(style: ParallelStyle) -> Layouts:
         return _plain(
             input=shard, output=shard, local_output=style.use_local_output, weight={kind: Replicate() for kind in ModuleKind}
         )
+    if isinstance(style, PrepareModuleInputOutput):  # the input's first layout, the output's
+        inputs = style.prepare_module_input.input_layouts
+        out = style.prepare_module_output
+        return _plain(
+            input=inputs[0] if inputs else None,
+            output=out.desired_output_layouts[0],
+            local_output=out.use_local_output,
+            weight=None,
+        )
     if isinstance(style, (PrepareModuleInput, BlockInput)):
-        inputs, wanted = style.input_layouts, style.desired_input_layouts
-        return _plain(input=inputs[0], output=wanted[0], local_output=style.use_local_output, weight=None)
+        inputs, wanted = style.input_layouts, style.desired_input_layouts  # None: positional inputs left alone
+        return _plain(
+            input=inputs[0] if inputs else None,
+            output=wanted[0] if wanted else None,
+            local_output=style.use_local_output,
+            weight=None,
+        )
     if isinstance(style, RotaryUnderSequenceParallel):
         return _plain(input=Shard(1), output=Replicate(), local_output=True, weight=None)
     if isinstance(style, PrepareModuleOutput):

@@ -53,8 +53,8 @@ def test_an_endless_device_as_plan_or_data_is_refused_after_a_bounded_read(cli, 
     code, _, err = cli("validate", device)
     assert code == 2 and "plancc reads at most 4 MiB" in problem(err, "file-too-large")
     code, out, err = cli("apply", QWEN3, "--data", device, "--steps", 1)
-    assert code != 0 and "plancc apply:" not in out  # nothing launched
-    assert "Traceback" not in err and ("[file-too-large]" in err or "[data-json]" in err)
+    assert code == 1 and "plancc apply:" not in out  # nothing launched
+    assert "Traceback" not in err and ("[data-file]" in err or "[data-json]" in err)  # a data problem: exit 1
 
 
 def test_a_folder_as_plan_is_named_as_a_folder(cli, tmp_path):

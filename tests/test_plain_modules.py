@@ -38,3 +38,13 @@ def test_fsdp_shards_the_parameters_the_plan_names_on_their_dim_and_trains_the_s
     for rank, got in launch(fsdp_shards_on_the_dims_the_plan_names, 2 * tp, tp).items():
         assert (got["down"], got["embed"], got["up"]) == (1, 1, 0), (rank, got)
         assert got["loss_diff"] < TOL and got["grad_diff"] < TOL, (rank, got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_positional_layouts_with_null_and_keyword_layouts_run_as_torch_lays_them_out():
+    from .distributed import launch
+    from .plain_module_worker import positional_and_keyword_inputs_laid_out_one_by_one
+
+    for rank, got in launch(positional_and_keyword_inputs_laid_out_one_by_one, 2).items():
+        assert got["output"] < TOL and got["grads"] < TOL, (rank, got)

@@ -8,6 +8,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -51,6 +52,7 @@ DOCUMENTED = {
     "shared_input": (SharedInput, R, R, False),
     "prepare_input": (PrepareModuleInput, R, R, True),
     "prepare_output": (PrepareModuleOutput, R, R, True),
+    "prepare_input_output": (PrepareModuleInputOutput, R, R, True),
     "rotary_sp": (RotaryUnderSequenceParallel, S1, R, True),  # hidden (for its dtype) a shard; cos/sin whole
     "replicate": (LeaveWhole, None, None, None),
     "moe_experts": (ExpertsOverTensorParallel, R, R, True),
@@ -84,10 +86,16 @@ def test_every_style_name_lowers_to_its_documented_layouts(name):
 layouts = st.one_of(st.just("replicate"), st.integers(-3, 3).map(lambda d: f"shard({d})"))
 
 
-@given(name=st.sampled_from(sorted(n for n in STYLES if STYLES[n].overridable)), data=st.data())
+# keyword layouts come in pairs and prepare_input_output nests two torch styles: both have their
+# own test below (test_torchs_prepare_module_input_forms_are_expressible)
+KEYWORD_KEYS = {"input_kwarg_layouts", "desired_input_kwarg_layouts"}
+ONE_LAYOUT_STYLES = sorted(n for n in STYLES if STYLES[n].overridable and n != "prepare_input_output")
+
+
+@given(name=st.sampled_from(ONE_LAYOUT_STYLES), data=st.data())
 def test_mapping_form_overrides_reach_the_torch_style(name, data):
     spec = STYLES[name]
-    keys = data.draw(st.sets(st.sampled_from(sorted(spec.overridable)), min_size=1))
+    keys = data.draw(st.sets(st.sampled_from(sorted(spec.overridable - KEYWORD_KEYS)), min_size=1))
     kinds = {"use_local_output": st.booleans(), "rope_dim": st.integers(1, 512), "blocks": st.integers(2, 8)}
     values = {k: data.draw(kinds.get(k, layouts)) for k in keys}
     body = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items())
@@ -145,3 +153,60 @@ def test_every_transformers_tp_plan_style_is_taken_or_refused_with_a_reason():
     assert hf_names, "transformers registered no TP styles"
     assert hf_names - set(STYLE_NAMES) - set(HF_UNSUPPORTED) == set()
     assert not set(HF_UNSUPPORTED) & set(STYLE_NAMES)
+
+
+def _torch_attrs(style):
+    """A built torch prepare style's layouts as plain values, by attribute (nested ones for
+    PrepareModuleInputOutput), for comparison with torch's own class built directly."""
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput as Both
+
+    parts = [style.prepare_module_input, style.prepare_module_output] if isinstance(style, Both) else [style]
+    names = ("input_layouts", "desired_input_layouts", "input_kwarg_layouts", "desired_input_kwarg_layouts",
+             "output_layouts", "desired_output_layouts", "use_local_output", "use_local_input", "with_kwargs")
+    return [{n: repr(getattr(part, n)) for n in names if hasattr(part, n)} for part in parts]
+
+
+@pytest.mark.parametrize(("written", "torch_built"), [
+    ("{style: prepare_input, input_layouts: [shard(0), null], desired_input_layouts: [replicate, null]}",
+     lambda T: PrepareModuleInput(input_layouts=(T.Shard(0), None), desired_input_layouts=(T.Replicate(), None),
+                                  use_local_output=True)),
+    ("{style: prepare_input, input_kwarg_layouts: {freqs: shard(0)}, desired_input_kwarg_layouts: {freqs: replicate}}",
+     lambda T: PrepareModuleInput(input_kwarg_layouts={"freqs": T.Shard(0)},
+                                  desired_input_kwarg_layouts={"freqs": T.Replicate()}, use_local_output=True)),
+    ("{style: prepare_input, input_layouts: [shard(1)], desired_input_layouts: [replicate], "
+     "input_kwarg_layouts: {mask: replicate}, desired_input_kwarg_layouts: {mask: replicate}}",
+     lambda T: PrepareModuleInput(input_layouts=(T.Shard(1),), desired_input_layouts=(T.Replicate(),),
+                                  input_kwarg_layouts={"mask": T.Replicate()},
+                                  desired_input_kwarg_layouts={"mask": T.Replicate()}, use_local_output=True)),
+    ("{style: prepare_input_output, input_layouts: shard(0), desired_input_layouts: replicate, "
+     "output_layouts: replicate, desired_output_layouts: shard(0)}",
+     lambda T: PrepareModuleInputOutput(input_layouts=T.Shard(0), desired_input_layouts=T.Replicate(),
+                                        use_local_input=True, output_layouts=T.Replicate(),
+                                        desired_output_layouts=T.Shard(0), use_local_output=True)),
+])
+def test_torchs_prepare_module_input_forms_are_expressible(written, torch_built):
+    """What torch's own tests write (test_parallelize_api, test_tp_style): one layout per
+    positional input with None for one left alone, keyword inputs, PrepareModuleInputOutput.
+    The style plancc builds from the plan equals torch's class built directly, and what the
+    checks read (the first positional input, the output) is what torch's style does."""
+    import torch.distributed.tensor as T
+
+    plan = parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {written}\n")
+    (rule,) = plan.tensor_parallel
+    built = torch_style(STYLES[rule.style.name].declare(rule.style.overrides))
+    expected = torch_built(T)
+    assert type(built) is type(expected)
+    assert _torch_attrs(built) == _torch_attrs(expected)
+    assert style_layouts(rule.style) == layouts_of(built)
+
+
+@pytest.mark.parametrize("written", [
+    "{style: prepare_input, input_layouts: [shard(0), null], desired_input_layouts: replicate}",
+    "{style: prepare_input, input_kwarg_layouts: {a: shard(0)}, desired_input_kwarg_layouts: {b: replicate}}",
+])
+def test_prepare_input_layouts_torch_would_refuse_are_a_style_override_diagnostic(written):
+    from plancc.errors import PlanError
+
+    with pytest.raises(PlanError) as info:
+        parse_plan(f"plancc: 1\nname: p\narchitectures: [A]\ntensor_parallel:\n  x: {written}\n")
+    assert [d.rule for d in info.value.diagnostics] == ["style-override"]

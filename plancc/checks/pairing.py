@@ -16,10 +16,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ..compiler.declarations import positional_count
 from ..compiler.globs import generalize
 from ..compiler.placements import Replicate, Shard
 from ..compiler.plan import Rule
-from ..compiler.styles import ModuleKind, style_layouts
+from ..compiler.styles import ModuleKind, declared, style_layouts
 from .context import CheckContext, Problem, flow_of, kind_of
 from .example import Example
 
@@ -228,30 +229,36 @@ def _prepare_arity(ctx: CheckContext) -> Iterator[Problem]:
     for name, _module, rule, _lay in ctx.assigned():
         style = rule.style.name
         call = flow.signature(name)
-        if style not in ("prepare_input", "prepare_output") or call is None or rule.pattern in reported:
+        if style not in _PREPARES or call is None or rule.pattern in reported:
             continue
-        if style == "prepare_input" and call.positional != 1:
+        takes = positional_count(getattr(declared(rule.style), "input_layouts", None))
+        if style != "prepare_output" and takes and call.positional != takes:
             reported.add(rule.pattern)
             given = (
                 f"only keyword arguments ({', '.join(f'{k}=' for k in call.keywords)})"
                 if not call.positional
-                else f"{call.positional} positional arguments"
+                else f"{call.positional} positional argument{'s' if call.positional > 1 else ''}"
             )
             yield Problem(
                 loc=rule.loc,
-                message=f"{rule.pattern} is called with {given}; prepare_input lays out exactly one positional "
-                "input, so torch fails at the first call (module inputs and input_layouts should have same length)",
-                fix="use 'shared_input' (replicated) or 'gather_seq_input' (sequence shard): they take the block's "
-                "first positional input or its hidden_states= keyword",
+                message=f"{rule.pattern} is called with {given}; {style} lays out {takes} positional "
+                f"input{'s' if takes > 1 else ''}, so torch fails at the first call (module inputs and "
+                "input_layouts should have same length)",
+                fix="give one layout per positional input (null leaves one alone) and keyword inputs by "
+                "input_kwarg_layouts; or 'shared_input'/'gather_seq_input', which take the block's first "
+                "positional input or its hidden_states= keyword",
             )
-        elif style == "prepare_output" and call.outputs != 1:
+        elif style != "prepare_input" and call.outputs != 1:
             reported.add(rule.pattern)
             yield Problem(
                 loc=rule.loc,
-                message=f"{rule.pattern} returns {call.outputs} values; prepare_output lays out exactly one output, "
+                message=f"{rule.pattern} returns {call.outputs} values; {style} lays out exactly one output, "
                 "so torch fails at the first call",
-                fix="put prepare_output on the submodule that makes the tensor (its projection), not on the block",
+                fix="put the output layout on the submodule that makes the tensor (its projection), not on the block",
             )
+
+
+_PREPARES = ("prepare_input", "prepare_output", "prepare_input_output")
 
 
 def check(ctx: CheckContext) -> Iterator[Problem]:

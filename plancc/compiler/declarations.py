@@ -109,18 +109,63 @@ class SequenceSharded(Declaration):
         )
 
 
+# torch's PrepareModuleInput takes one layout (a module of one positional input) or one per
+# positional input, None leaving that input alone; keyword inputs by name.
+Positional = Placement | tuple[Placement | None, ...] | None
+Keywords = tuple[tuple[str, Placement], ...]  # name -> layout, sorted: a declaration is hashable
+
+
+def first_layout(layouts: Positional) -> Placement | None:
+    """The layout of the module's main input (its first positional one): what the checks follow."""
+    return layouts[0] if isinstance(layouts, tuple) else layouts
+
+
+def positional_count(layouts: Positional) -> int:
+    """How many positional inputs a module laid out with ``layouts`` must be called with."""
+    return len(layouts) if isinstance(layouts, tuple) else 0 if layouts is None else 1
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrepareInput(Declaration):
-    """Inputs redistributed from ``input_layouts`` to ``desired_input_layouts``."""
+    """Inputs redistributed from ``input_layouts`` to ``desired_input_layouts`` (one layout,
+    or one per positional input), keyword inputs from ``input_kwarg_layouts`` to
+    ``desired_input_kwarg_layouts`` (torch's ``PrepareModuleInput``)."""
 
-    input_layouts: Placement = Replicate()
-    desired_input_layouts: Placement = Replicate()
+    input_layouts: Positional = Replicate()
+    desired_input_layouts: Positional = Replicate()
+    input_kwarg_layouts: Keywords = ()
+    desired_input_kwarg_layouts: Keywords = ()
     use_local_output: bool = True
 
     def layouts(self) -> Layouts:
         return Layouts(
-            input=self.input_layouts,
-            output=self.desired_input_layouts,
+            input=first_layout(self.input_layouts),
+            output=first_layout(self.desired_input_layouts),
+            local_output=self.use_local_output,
+            weight=None,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrepareInputOutput(Declaration):
+    """One module whose inputs and outputs are both redistributed (torch's
+    ``PrepareModuleInputOutput``): its input as ``PrepareInput`` lays it out, its output as
+    ``PrepareOutput``."""
+
+    input_layouts: Positional = Replicate()
+    desired_input_layouts: Positional = Replicate()
+    input_kwarg_layouts: Keywords = ()
+    desired_input_kwarg_layouts: Keywords = ()
+    use_local_input: bool = True
+    output_layouts: Placement = Replicate()
+    desired_output_layouts: Placement = Replicate()
+    use_local_output: bool = True
+
+    def layouts(self) -> Layouts:
+        # what reaches the module's consumers is its output: that is what the checks pair
+        return Layouts(
+            input=first_layout(self.input_layouts),
+            output=self.desired_output_layouts,
             local_output=self.use_local_output,
             weight=None,
         )

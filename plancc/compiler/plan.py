@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Diagnostic, SourceLoc, raise_if_errors
+from .declarations import positional_count
 from .schema import validate_doc
 from .source import SourceDoc, parse_yaml, read_yaml
 from .styles import ALIASES, canonical_style, format_layout, parse_layout
@@ -104,7 +105,18 @@ def _rules(doc: SourceDoc, section: str, problems: list[Diagnostic]) -> tuple[Ru
                     )
                 )
                 continue
-            overrides[key] = raw if isinstance(raw, (bool, int)) else parse_layout(raw)
+            overrides[key] = _override(raw)
+        mismatch = _mismatched_inputs(overrides)
+        if mismatch is not None:
+            problems.append(
+                Diagnostic(
+                    rule="style-override",
+                    loc=doc.loc(at, key=True),
+                    message=f"{spec.name} of {pattern!r}: {mismatch}",
+                    fix="give one input layout and one desired layout per positional input (null for one left "
+                    "alone), and the same names in both keyword tables",
+                )
+            )
         rules.append(
             Rule(
                 pattern=pattern,
@@ -115,6 +127,37 @@ def _rules(doc: SourceDoc, section: str, problems: list[Diagnostic]) -> tuple[Ru
             )
         )
     return tuple(rules)
+
+
+def _override(raw: Any) -> Any:
+    """A schema-valid override as the declaration holds it: a layout; a tuple of them, one per
+    positional input (None: left alone); keyword layouts as sorted (name, layout) pairs."""
+    if isinstance(raw, (bool, int)):
+        return raw
+    if isinstance(raw, list):
+        return tuple(None if item is None else parse_layout(item) for item in raw)
+    if isinstance(raw, dict):
+        return tuple(sorted((name, parse_layout(text)) for name, text in raw.items()))
+    return parse_layout(raw)
+
+
+def _mismatched_inputs(overrides: dict[str, Any]) -> str | None:
+    """Input layouts torch's PrepareModuleInput refuses at build time: a list of positional
+    layouts whose length differs from the desired ones, keyword layouts of other names."""
+    given, wanted = overrides.get("input_layouts"), overrides.get("desired_input_layouts")
+    if isinstance(given, tuple) or isinstance(wanted, tuple):
+        if given is None or wanted is None:
+            return "a list of positional layouts needs both input_layouts and desired_input_layouts"
+        if positional_count(given) != positional_count(wanted):
+            return (
+                f"input_layouts has {positional_count(given)} layout(s), "
+                f"desired_input_layouts {positional_count(wanted)}"
+            )
+    names = {k for k, _ in overrides.get("input_kwarg_layouts", ())}
+    desired = {k for k, _ in overrides.get("desired_input_kwarg_layouts", ())}
+    if names != desired:
+        return f"input_kwarg_layouts names {sorted(names)}, desired_input_kwarg_layouts {sorted(desired)}"
+    return None
 
 
 def _targets(doc: SourceDoc, at: tuple) -> TargetList:

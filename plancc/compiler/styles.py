@@ -50,7 +50,13 @@ class StyleSpec:
 
     def declare(self, overrides: Mapping[str, Any] | None = None) -> d.Declaration:
         """The declaration of this style with a plan's overrides (no torch import)."""
-        return self.declaration(**{**self.defaults, **(overrides or {})})
+        given = dict(overrides or {})
+        fields = {**self.defaults, **given}
+        if given.keys() & _KEYWORDS and not given.keys() & _POSITIONAL:
+            # keyword inputs only: the module's positional inputs are left alone (torch's own
+            # default), so a module called with keywords alone is not asked for one
+            fields.update(input_layouts=None, desired_input_layouts=None)
+        return self.declaration(**fields)
 
     @property
     def fits_any_module(self) -> bool:
@@ -58,6 +64,9 @@ class StyleSpec:
 
 
 _LINEAR_OVERRIDES = frozenset({"input_layouts", "output_layouts", "use_local_output"})
+_POSITIONAL = frozenset({"input_layouts", "desired_input_layouts"})
+_KEYWORDS = frozenset({"input_kwarg_layouts", "desired_input_kwarg_layouts"})
+_PREPARE_INPUT_OVERRIDES = _POSITIONAL | _KEYWORDS
 _LINEAR_LIKE = frozenset({ModuleKind.LINEAR, ModuleKind.EMBEDDING})
 
 _SPECS: tuple[StyleSpec, ...] = (
@@ -240,10 +249,11 @@ _SPECS: tuple[StyleSpec, ...] = (
     ),
     StyleSpec(
         name="prepare_input",
-        summary="adapter: redistribute inputs from input_layouts to desired_input_layouts",
+        summary="adapter: redistribute inputs from input_layouts to desired_input_layouts (one layout, or a list "
+        "with one per positional input, null leaving it alone), keyword inputs by input_kwarg_layouts",
         declaration=d.PrepareInput,
         defaults={"input_layouts": Replicate(), "desired_input_layouts": Replicate(), "use_local_output": True},
-        overridable=frozenset({"input_layouts", "desired_input_layouts", "use_local_output"}),
+        overridable=_PREPARE_INPUT_OVERRIDES | {"use_local_output"},
     ),
     StyleSpec(
         name="prepare_output",
@@ -251,6 +261,21 @@ _SPECS: tuple[StyleSpec, ...] = (
         declaration=d.PrepareOutput,
         defaults={"output_layouts": Replicate(), "desired_output_layouts": Replicate(), "use_local_output": True},
         overridable=frozenset({"output_layouts", "desired_output_layouts", "use_local_output"}),
+    ),
+    StyleSpec(
+        name="prepare_input_output",
+        summary="adapter: prepare_input and prepare_output on one module (torch's PrepareModuleInputOutput)",
+        declaration=d.PrepareInputOutput,
+        defaults={
+            "input_layouts": Replicate(),
+            "desired_input_layouts": Replicate(),
+            "use_local_input": True,
+            "output_layouts": Replicate(),
+            "desired_output_layouts": Replicate(),
+            "use_local_output": True,
+        },
+        overridable=_PREPARE_INPUT_OVERRIDES
+        | {"use_local_input", "output_layouts", "desired_output_layouts", "use_local_output"},
     ),
 )
 
@@ -310,7 +335,12 @@ def parse_layout(text: str) -> Placement:
     return Replicate() if match.group(1) is None else Shard(int(match.group(1)))
 
 
-def format_layout(placement: Placement | None) -> str:
+def format_layout(placement: Any) -> str:
+    """A layout as a plan writes it: ``shard(1)``, ``[shard(1), null]``, ``{x: replicate}``."""
+    if isinstance(placement, tuple) and all(isinstance(p, tuple) for p in placement):  # keyword layouts
+        return "{" + ", ".join(f"{k}: {format_layout(v)}" for k, v in placement) + "}"
+    if isinstance(placement, tuple):
+        return "[" + ", ".join("null" if p is None else format_layout(p) for p in placement) + "]"
     if placement is None:
         return "-"
     if isinstance(placement, Shard):

@@ -8,11 +8,13 @@ placements, so the torch object cannot do something other than what the checks r
 from __future__ import annotations
 
 from functools import cache, singledispatch
+from typing import Any
 
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -77,11 +79,37 @@ def _(decl: d.SequenceSharded) -> ParallelStyle:
     return SequenceParallel(sequence_dim=decl.sequence_dim, use_local_output=decl.use_local_output)
 
 
+def _positional(layouts: d.Positional) -> Any:
+    if isinstance(layouts, tuple):
+        return tuple(optional_torch(p) for p in layouts)
+    return optional_torch(layouts)
+
+
+def _keywords(layouts: d.Keywords) -> dict[str, Any] | None:
+    return {name: to_torch(p) for name, p in layouts} or None
+
+
 @_build.register
 def _(decl: d.PrepareInput) -> ParallelStyle:
     return PrepareModuleInput(
-        input_layouts=to_torch(decl.input_layouts),
-        desired_input_layouts=to_torch(decl.desired_input_layouts),
+        input_layouts=_positional(decl.input_layouts),
+        desired_input_layouts=_positional(decl.desired_input_layouts),
+        input_kwarg_layouts=_keywords(decl.input_kwarg_layouts),
+        desired_input_kwarg_layouts=_keywords(decl.desired_input_kwarg_layouts),
+        use_local_output=decl.use_local_output,
+    )
+
+
+@_build.register
+def _(decl: d.PrepareInputOutput) -> ParallelStyle:
+    return PrepareModuleInputOutput(
+        input_layouts=_positional(decl.input_layouts),
+        desired_input_layouts=_positional(decl.desired_input_layouts),
+        input_kwarg_layouts=_keywords(decl.input_kwarg_layouts),
+        desired_input_kwarg_layouts=_keywords(decl.desired_input_kwarg_layouts),
+        use_local_input=decl.use_local_input,
+        output_layouts=to_torch(decl.output_layouts),
+        desired_output_layouts=to_torch(decl.desired_output_layouts),
         use_local_output=decl.use_local_output,
     )
 
