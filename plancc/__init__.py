@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .engine.batches import BatchError
     from .engine.channel import WeightChannelError, weight_channel
     from .engine.colocated import receive_shared_weights
-    from .engine.policy import Norm, Policy
+    from .engine.policy import NonFiniteError, Norm, Policy
     from .engine.refit import receive_weights
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
     from .layout import Layout, LayoutError
@@ -48,7 +48,7 @@ _HOMES = {
     "clip_grad_norm_": "plancc.runtime.gradnorm",
     **dict.fromkeys(["MeshError", "MeshSpec", "ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
-    **dict.fromkeys(["Norm", "Policy"], "plancc.engine.policy"),
+    **dict.fromkeys(["NonFiniteError", "Norm", "Policy"], "plancc.engine.policy"),
     "BatchError": "plancc.engine.batches",
     **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
     "receive_weights": "plancc.engine.refit",
@@ -63,6 +63,7 @@ __all__ = [
     "LayoutError",
     "MeshError",
     "MeshSpec",
+    "NonFiniteError",
     "Norm",
     "ParallelMesh",
     "Plan",

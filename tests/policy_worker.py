@@ -253,6 +253,7 @@ def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):
 
     import plancc
     from plancc.engine.batches import BatchError
+    from plancc.engine.policy import NonFiniteError
     from plancc.models import build_model, load_config
     from plancc.runtime.logprobs import token_logprobs
 
@@ -310,7 +311,7 @@ def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):
     try:
         policy.train(local, lambda lp, mb, norm: (lp.sum() * float("nan"), {}))
         result["non_finite"] = "accepted"
-    except BatchError as exc:
+    except NonFiniteError as exc:  # divergence is not bad input: its own error
         result["non_finite"] = str(exc)
     try:
         policy.train(local, nll, max_tokens=3)

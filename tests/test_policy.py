@@ -222,3 +222,10 @@ def test_train_at_the_samplers_temperature_gives_a_ratio_of_exactly_one_at_step_
             if t != 1.0:  # the untempered log-probs are not the sampler's: the bias the option removes
                 assert got[t]["t1_off"] > 1e-3, (rank, t, got)
         assert "must be finite and > 0" in got["inf"], (rank, got)
+
+
+def test_divergence_is_not_bad_input():
+    """A caller catching ``BatchError`` (a batch it can fix) does not swallow a diverged step."""
+    from plancc.engine.policy import NonFiniteError
+
+    assert not issubclass(NonFiniteError, BatchError) and issubclass(NonFiniteError, ArithmeticError)

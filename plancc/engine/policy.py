@@ -203,11 +203,8 @@ class Policy:
         non_finite: int | None = None  # the first microbatch whose loss is not finite
         try:
             for index, rows in enumerate(plan):
-                mb = Microbatch.of(batch, rows or [0], multiple=self.layout.sequence_multiple, pack=pack)
+                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack)
                 lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
-                if not rows:  # a dummy pass: this rank has fewer microbatches than another
-                    (lp.sum() * 0.0).backward()
-                    continue
                 fields = dict(mb.fields)
                 if ent is not None:
                     fields["entropy"] = ent
@@ -269,12 +266,11 @@ class Policy:
         try:
             with torch.no_grad():
                 for rows in plan:
-                    mb = Microbatch.of(batch, rows or [0], multiple=self.layout.sequence_multiple, pack=False)
+                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=False)
                     lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
-                    if rows:
-                        out[rows] = lp
-                        if ent_out is not None and ent is not None:
-                            ent_out[rows] = ent
+                    out[rows] = lp
+                    if ent_out is not None and ent is not None:
+                        ent_out[rows] = ent
         finally:
             self.model.train(was_training)
         return (out, ent_out) if ent_out is not None else out
@@ -513,7 +509,12 @@ class Policy:
         plan = plan_microbatches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         count = torch.tensor([len(plan)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
-        return spread_to(plan, int(count.item()))
+        spread = spread_to(plan, int(count.item()))
+        # every dp rank holds as many rows (_checked) and no rank plans more microbatches than it
+        # has rows, so splitting always reaches the count: no rank runs an empty pass (whose
+        # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
+        assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
+        return spread
 
     def _forward(
         self, mb: Microbatch, *, entropy: bool, temperature: float
@@ -665,8 +666,12 @@ def check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature {temperature!r} is not a sampling temperature: it must be finite and > 0")
 
 
-class NonFiniteError(BatchError):
-    """A training step whose loss or gradient norm is not finite: the optimizer did not step."""
+class NonFiniteError(ArithmeticError):
+    """A training step whose loss or gradient norm is not finite: the optimizer did not step.
+
+    Divergence, not bad input: not a ``BatchError`` (plancc < 0.6 made it one), so a caller
+    catching bad batches does not swallow it. ``except (BatchError, NonFiniteError)`` catches
+    both."""
 
     def __init__(self, *, loss: float, grad_norm: float, microbatch: int | None, parameter: str | None) -> None:
         self.loss, self.grad_norm, self.microbatch, self.parameter = loss, grad_norm, microbatch, parameter

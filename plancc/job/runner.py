@@ -311,7 +311,7 @@ class _Trainer:
                 max_tokens=cfg.max_tokens,
                 pack=cfg.pack,
             )
-        except NonFiniteError as exc:  # the same verdict on every rank
+        except NonFiniteError as exc:  # divergence, the same verdict on every rank (not a BatchError)
             raise _non_finite(step + 1, exc, cfg) from None
         except BatchError as exc:
             raise PlanError(
