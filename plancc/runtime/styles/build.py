@@ -89,24 +89,25 @@ def _keywords(layouts: d.Keywords) -> dict[str, Any] | None:
     return {name: to_torch(p) for name, p in layouts} or None
 
 
+def _inputs(decl: d.PrepareInput | d.PrepareInputOutput) -> dict[str, Any]:
+    """The input half of torch's PrepareModuleInput(Output): positional and keyword layouts."""
+    return {
+        "input_layouts": _positional(decl.input_layouts),
+        "desired_input_layouts": _positional(decl.desired_input_layouts),
+        "input_kwarg_layouts": _keywords(decl.input_kwarg_layouts),
+        "desired_input_kwarg_layouts": _keywords(decl.desired_input_kwarg_layouts),
+    }
+
+
 @_build.register
 def _(decl: d.PrepareInput) -> ParallelStyle:
-    return PrepareModuleInput(
-        input_layouts=_positional(decl.input_layouts),
-        desired_input_layouts=_positional(decl.desired_input_layouts),
-        input_kwarg_layouts=_keywords(decl.input_kwarg_layouts),
-        desired_input_kwarg_layouts=_keywords(decl.desired_input_kwarg_layouts),
-        use_local_output=decl.use_local_output,
-    )
+    return PrepareModuleInput(**_inputs(decl), use_local_output=decl.use_local_output)
 
 
 @_build.register
 def _(decl: d.PrepareInputOutput) -> ParallelStyle:
     return PrepareModuleInputOutput(
-        input_layouts=_positional(decl.input_layouts),
-        desired_input_layouts=_positional(decl.desired_input_layouts),
-        input_kwarg_layouts=_keywords(decl.input_kwarg_layouts),
-        desired_input_kwarg_layouts=_keywords(decl.desired_input_kwarg_layouts),
+        **_inputs(decl),
         use_local_input=decl.use_local_input,
         output_layouts=to_torch(decl.output_layouts),
         desired_output_layouts=to_torch(decl.desired_output_layouts),
