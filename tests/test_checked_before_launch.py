@@ -273,7 +273,7 @@ def _metadata(header, data):
 
 def _million(header, data):
     end = len(data)
-    junk = {f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [end, end]} for i in range(1_000_000)}
+    junk = {f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [end, end]} for i in range(250_000)}
     return json.dumps({**header, **junk}), data
 
 
