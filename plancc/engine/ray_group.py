@@ -27,6 +27,10 @@ from .batches import Batch
 from .channel import weight_channel
 from .policy import Policy
 
+# How long the driver waits, after an actor raised, for a peer's death to surface: the death is
+# the cause, the raise (a collective that lost its peer) its effect
+DEATH_GRACE_S = 10.0
+
 
 class PolicyGroupError(RuntimeError):
     """A call of the group failed on an actor (it raised, or its process died); the group is ended."""
@@ -167,6 +171,10 @@ class PolicyGroup:
                 try:
                     results[rank] = ray.get(ref)
                 except Exception as exc:
+                    if not isinstance(exc, ray.exceptions.RayActorError):
+                        # an actor that raised may only have lost a peer in a collective: a peer
+                        # whose process died is the cause, as the launcher's root_cause says
+                        rank, exc = self._dead_peer(pending) or (rank, exc)
                     self.shutdown()
                     died = isinstance(exc, ray.exceptions.RayActorError)
                     what = "died" if died else f"raised {type(exc).__name__}"
@@ -177,6 +185,22 @@ class PolicyGroup:
                         + "; the group's other actors were ended"
                     ) from None
         return [results[rank] for rank in range(len(calls))]
+
+    @staticmethod
+    def _dead_peer(pending: dict[Any, int]) -> tuple[int, Exception] | None:
+        """A still-pending call whose actor died, seen within ``DEATH_GRACE_S``: the rank that
+        failed first when another rank's collective then failed under it."""
+        import ray
+
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEATH_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return pending[ref], exc
+            except Exception:  # noqa: BLE001, S112 - another victim: keep looking for the death
+                continue
+        return None
 
     def train(self, batch: Batch, loss_fn: Callable, **kwargs: Any) -> dict[str, float]:
         """``Policy.train`` on the global ``batch``: each rank trains its dp slice; rank 0's
