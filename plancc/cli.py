@@ -628,19 +628,11 @@ def _launcher_checked(launch: LaunchFlags, nproc_per_node: int, device: str | No
     from .job.preflight import launch_problems
 
     opts = launch.options(nproc_per_node)
-    problems = launch_problems(opts, device=_device(device))
+    problems = launch_problems(opts, device=device)
     if problems:
         _emit(problems, fmt)
         raise typer.Exit(EXIT_USAGE)
     return opts
-
-
-def _device(given: str | None) -> str:
-    if given is not None:
-        return given
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _prelaunch(

@@ -542,7 +542,7 @@ def _metadata_problem(metadata: Metadata) -> str | None:
             return f"storage_data is keyed by {type(index).__name__}, not by tensor index"
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             return f"{index.fqn}'s storage has no file name"
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (info.offset, info.length)):
+        if not (_is_int(info.offset, 0) and _is_int(info.length, 0)):
             return f"{index.fqn}'s storage has offset {info.offset!r} and length {info.length!r}, not byte counts"
     if metadata.planner_data is not None and not isinstance(metadata.planner_data, dict):
         return f"planner_data is {type(metadata.planner_data).__name__}, not a mapping"

@@ -71,9 +71,8 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
     params = sum(p.numel() for p in model.parameters())
     layout = cfg.layout
     world = max(1, layout.world_size)
-    dtype_bytes = (
-        torch.empty((), dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype])).element_size() if cfg.param_dtype else 4
-    )
+    # logits come out in the compute dtype: --param-dtype's, else fp32
+    dtype_bytes = getattr(torch, PARAM_DTYPES[cfg.param_dtype]).itemsize if cfg.param_dtype else 4
     per_param = 16 if cfg.mode == "train" else 4  # FSDP keeps fp32 shards; --param-dtype is the compute copy
     vocab = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", 0) or 0
     dp = max(1, layout.dp)

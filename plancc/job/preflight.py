@@ -26,6 +26,7 @@ from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of
 from ..paths import RunPath, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
+from ..runtime.mesh import default_device_type
 from .config import PARAM_DTYPES, RunConfig
 from .data import TokenDataset, read_jsonl
 from .memory import memory_problems
@@ -175,11 +176,12 @@ def node_range(nnodes: str) -> tuple[int, int] | None:
     return (low, high) if 1 <= low <= high else None
 
 
-def launch_problems(opts: LaunchOptions, *, device: str) -> list[Diagnostic]:
+def launch_problems(opts: LaunchOptions, *, device: str | None) -> list[Diagnostic]:
     """The launcher's flags, each a usage problem (exit 2) where torchrun would trace back or
     wait without end: a node count that is no range, a rendezvous endpoint that is no
     HOST:PORT, several nodes without a rendezvous endpoint to meet at, more workers than the
-    machine can run."""
+    machine can run. ``device``: --device (None: the machine's default)."""
+    device = device or default_device_type()
 
     def problem(flag: str, message: str, fix: str) -> Diagnostic:
         return Diagnostic(rule="usage", loc=SourceLoc(path=flag), message=message, fix=fix)
@@ -327,7 +329,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
             local_ranks=local_ranks,
             longest=max(map(len, dataset.sequences)) if dataset else None,
             from_folder=folder is not None and has_weights(folder),
-            device=cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            device=cfg.device or default_device_type(),
         )
     return Preflight(problems=problems, dataset=dataset)
 
