@@ -84,6 +84,19 @@ def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(six_steps_at_tp2):
     assert losses(resumed) == pytest.approx(losses(straight)[3:], rel=1e-5)
 
 
+def test_a_resumed_run_takes_its_learning_rate_from_lr_at_the_schedules_restored_position(six_steps_at_tp2):
+    """The checkpoint keeps the schedule's position (Policy.save); the base rate is this run's
+    --lr: step 4 of a resume at twice the rate has twice the rate the straight run had there."""
+    from plancc.job.runner import lr_lambda
+
+    _, ck, _ = six_steps_at_tp2
+    code, resumed, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--lr", "2e-3",
+                                    "--resume", ck / "step-000003")
+    assert code == 0, err
+    rates = [float(line.split(" lr ")[1].split()[0]) for line in resumed.splitlines() if line.startswith("step ")]
+    assert rates == pytest.approx([2e-3 * lr_lambda(s, warmup=1, total=6) for s in (3, 4, 5)], rel=1e-2)
+
+
 def test_resuming_another_architecture_is_a_clear_error(tiny_checkpoint):
     code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--model", "tiny-qwen2", "--steps", 1,
                               "--resume", tiny_checkpoint[0])

@@ -20,12 +20,10 @@ full length: the engine shards the sequence for cp itself).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from importlib import import_module
 from pathlib import Path
@@ -35,13 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
-from ..layout import Layout
+from ..layout import Layout, LayoutError
 from ..models import architecture_of, load_config
+from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
-from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
+from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
 from ..runtime.styles.experts import plain
@@ -94,18 +94,21 @@ class Policy:
     def __init__(
         self,
         plan: str | Path | Plan,
-        model: str | Path,
+        model: str | Path | PretrainedConfig,
         *,
+        # the layout, one way: a Layout or a built mesh; or the sizes as shorthand
+        layout: Layout | ParallelMesh | None = None,
         tp: int = 1,
         cp: int = 1,
         ep: int = 1,
         dp: int | None = None,
         sp: bool = False,
-        layout: Layout | None = None,
-        mesh: ParallelMesh | None = None,
+        mesh: ParallelMesh | None = None,  # the same as layout=<a built mesh> (plancc < 0.7's name)
+        # the optimization
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
+        # the model's numbers and where they live
         param_dtype: torch.dtype | str | None = None,
         reference: bool = False,
         seed: int = 0,
@@ -113,19 +116,18 @@ class Policy:
         timeout_s: float = 600.0,
     ) -> None:
         self.device = device or default_device_type()
-        _init_process_group(self.device, timeout_s)
-        if mesh is None:
-            if layout is None:
-                layout = Layout.infer(
-                    world_size=dist.get_world_size(), dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp
-                )
-            mesh = build_mesh(layout, device_type=self.device)
-        self.mesh: ParallelMesh = mesh
+        init_process_group(self.device, timeout_s)
+        self.mesh: ParallelMesh = _the_mesh(
+            layout, mesh, {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "sp": sp}, device=self.device
+        )
         # the ranks that hold the same rows (one dp rank's cp x tp group); made now: collective
-        self._replicas = mesh["cp", "tp"]._flatten("cp_tp") if mesh.layout.cp * mesh.layout.tp > 1 else None
+        self._replicas = (
+            self.mesh["cp", "tp"]._flatten("cp_tp") if self.mesh.layout.cp * self.mesh.layout.tp > 1 else None
+        )
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
-        self.source = str(model)
-        self.config = load_config(self.source)
+        # a config: seeded random weights (``seed``); a name or folder: what ``--model`` loads
+        self.source = None if isinstance(model, PretrainedConfig) else str(model)
+        self.config = load_config(model)
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
         self.model, self.weight_source = build_parallel_model(
             self.plan, self.source, self.config, self.mesh, device=self.device, seed=seed, param_dtype=dtype
@@ -209,9 +211,8 @@ class Policy:
                 if ent is not None:
                     fields["entropy"] = ent
                 loss, metrics = self._agree(partial(_call_loss, loss_fn, lp, fields, norm, index))
-                # FSDP averages gradients over dp (and cp); the global loss is the sum of every
-                # rank's share, so its gradient is dp times that average
-                (loss * self.dp_size).backward()  # even when not finite: every rank runs the same passes
+                # the global loss's gradient (runtime.gradient_scale states the invariant)
+                (loss * loss_scale(self.layout)).backward()  # even when not finite: every rank runs the same passes
                 if non_finite is None and not bool(torch.isfinite(loss.detach())):
                     non_finite = index
                 loss_sum += loss.detach().to(torch.float64)
@@ -251,9 +252,11 @@ class Policy:
         temperature: float = 1.0,
         micro_batch_size: int | None = None,
         max_tokens: int | None = None,
+        pack: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows under the policy (0 at position 0 and
-        padding), at the sampler's ``temperature``; with ``entropy=True`` a pair."""
+        padding), at the sampler's ``temperature``; with ``entropy=True`` a pair. Microbatches
+        as in ``train`` (rows, a token budget, packed)."""
         self._require_onloaded("logprobs")
         check_temperature(temperature)
         batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
@@ -266,7 +269,7 @@ class Policy:
         try:
             with torch.no_grad():
                 for rows in plan:
-                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=False)
+                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack)
                     lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
                     out[rows] = lp
                     if ent_out is not None and ent is not None:
@@ -275,13 +278,29 @@ class Policy:
             self.model.train(was_training)
         return (out, ent_out) if ent_out is not None else out
 
-    def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def reference_logprobs(
+        self,
+        batch: Batch,
+        *,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pack: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``logprobs`` under the frozen initial weights (``reference=True``); the policy's
         weights and optimizer state are left bitwise as they were."""
         if self._reference is None:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with self._weights_swapped(self._reference):
-            return self.logprobs(batch, **options)
+            return self.logprobs(
+                batch,
+                entropy=entropy,
+                temperature=temperature,
+                micro_batch_size=micro_batch_size,
+                max_tokens=max_tokens,
+                pack=pack,
+            )
 
     # ------------------------------------------------------------------ weights out
     def weights(
@@ -386,7 +405,7 @@ class Policy:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""
         self._require_onloaded("export_hf")
         _reshard(self.model)
-        source = self.source if Path(self.source).is_dir() else None
+        source = self.source if self.source is not None and Path(self.source).is_dir() else None
         export_hf(self.model, self.config, folder, source=source)
 
     # ------------------------------------------------------------------ memory
@@ -430,16 +449,21 @@ class Policy:
         )
         return checkpoint.save(folder, self.model, self.optimizer, info)
 
-    def load(self, folder: str | Path) -> None:
-        """Continue from ``save``'s newest checkpoint in ``folder`` (any layout)."""
+    def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
+        """Continue from ``save``'s newest checkpoint in ``folder`` (any layout): the weights,
+        the optimizer's state and the schedule's position come from the checkpoint; the learning
+        rate is this policy's configuration (the optimizer's ``lr`` as constructed: a resumed
+        run may change it), applied at the restored position of the schedule. Returns what the
+        checkpoint says of itself (its step, the layout it was saved at)."""
         self._require_onloaded("load")
         _reshard(self.model)
+        configured = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
         info = checkpoint.load(
             folder, self.model, self.optimizer, architecture=architecture_of(self.config), plan=self.plan.name
         )
         self.step = info.step
-        if self.scheduler is not None and info.schedule:
-            self.scheduler.load_state_dict(info.schedule)
+        _restore_schedule(self.optimizer, self.scheduler, info.schedule, configured)
+        return info
 
     # ------------------------------------------------------------------ internals
     def _require_onloaded(self, what: str) -> None:
@@ -586,13 +610,60 @@ class Policy:
                     param.copy_(value)
 
 
-def _init_process_group(device: str, timeout_s: float) -> None:
-    if dist.is_initialized():
+def _the_mesh(
+    layout: Layout | ParallelMesh | None, mesh: ParallelMesh | None, sizes: dict[str, Any], *, device: str
+) -> ParallelMesh:
+    """The one layout of ``Policy(layout= | mesh= | tp=, cp=, ...)``; two ways that disagree are
+    an error (a ``LayoutError`` naming both), never a silent choice."""
+    shorthand = {k: v for k, v in sizes.items() if v != {"dp": None, "sp": False}.get(k, 1)}
+    given = [g for g in (layout, mesh) if g is not None]
+    if len(given) == 2 and _layout_of(given[0]) != _layout_of(given[1]):
+        raise LayoutError.from_message(
+            f"Policy got layout={_layout_of(given[0]).describe()} and mesh={_layout_of(given[1]).describe()}",
+            "give the layout one way: layout=plancc.Layout(...) or a mesh from plancc.build_mesh",
+        )
+    if not given:
+        infer = {k: v for k, v in sizes.items() if k != "sp"}
+        built = Layout.infer(world_size=dist.get_world_size(), sequence_parallel=sizes["sp"], **infer)
+        return build_mesh(built, device_type=device)
+    chosen = _layout_of(given[0])
+    named = {"tp": chosen.tp, "cp": chosen.cp, "ep": chosen.ep, "dp": chosen.dp, "sp": chosen.sequence_parallel}
+    conflicts = [f"{k}={v!r} (the layout has {named[k]!r})" for k, v in shorthand.items() if named[k] != v]
+    if conflicts:
+        raise LayoutError.from_message(
+            f"Policy got a layout ({chosen.describe()}) and shorthand sizes that disagree with it: "
+            + ", ".join(conflicts),
+            "give the layout one way: layout= (or mesh=), or the tp=/cp=/ep=/dp=/sp= shorthand",
+        )
+    first = given[0]
+    return first if isinstance(first, ParallelMesh) else build_mesh(first, device_type=device)
+
+
+def _layout_of(layout_or_mesh: Layout | ParallelMesh) -> Layout:
+    return layout_or_mesh.layout if isinstance(layout_or_mesh, ParallelMesh) else layout_or_mesh
+
+
+def _restore_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: Any, saved: Mapping[str, Any], configured: list[float]
+) -> None:
+    """After a checkpoint's optimizer state is loaded: the schedule at its saved position, with
+    this run's configured base learning rates (the checkpoint's are what an earlier run was
+    told). A ``LambdaLR`` (a function of the step, as ``plancc apply``'s) then gives the next
+    step's rate from the new base; a schedule without state keeps the configured rate."""
+    for group, base in zip(optimizer.param_groups, configured, strict=True):
+        group["initial_lr"] = base
+    if scheduler is None:
+        for group, base in zip(optimizer.param_groups, configured, strict=True):
+            group["lr"] = base
         return
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # the caller's choice stands
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if saved:
+        scheduler.load_state_dict({**saved, "base_lrs": list(configured)})
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        lambdas = zip(configured, scheduler.lr_lambdas, strict=True)
+        rates: list[float | torch.Tensor] = [base * fn(scheduler.last_epoch) for base, fn in lambdas]
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        scheduler._last_lr = rates  # what get_last_lr() says until the next step
 
 
 def _reshard(model: nn.Module) -> None:

@@ -212,3 +212,16 @@ def dataset_batch(
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
     return ids, mask
+
+
+def padded_rows(sequences: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of token sequences, right-padded to the longest (at least
+    2 positions: a batch row holds a token and what follows it); the engine pads further to the
+    layout's sequence multiple or packs them (``engine.batches.Microbatch``)."""
+    width = max(2, *(len(s) for s in sequences))
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids, mask

@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.run import get_args_parser, run
 
 from ..errors import quiet_logger
+from ..runtime.mesh import THREADS_UNSET_BY_USER
 from .config import DATA_COPY, PLAN_COPY, RunConfig
 from .data import TokenDataset, write_tokens
 
@@ -101,7 +102,9 @@ def _prompt_shutdown(grace_s: int) -> Iterator[None]:
 def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: TokenDataset | None = None) -> LaunchResult:
     """Run the job: ``plan_text`` and ``dataset`` are the plan and data the caller read and
     checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "OMP_NUM_THREADS" not in os.environ:  # quiets torchrun; the workers still share the cores out
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ[THREADS_UNSET_BY_USER] = "1"
     # a rank that fails makes this folder and writes its full traceback there (the terminal
     # gets one line); nothing is made for a run no rank of which fails
     logs = Path(tempfile.gettempdir()) / f"plancc-logs-{os.getpid()}-{uuid.uuid4().hex[:8]}"

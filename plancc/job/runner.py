@@ -8,7 +8,6 @@ build mesh -> meta model -> parallelize with the plan -> weights (HF folder or s
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -19,9 +18,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,24 +29,23 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan, parse_plan
 from ..engine import checkpoint, faults
-from ..engine.batches import BatchError, default_token_mask
-from ..engine.build import build_parallel_model, from_folder, non_finite_weight_warning
+from ..engine.batches import BatchError
+from ..engine.build import from_folder, non_finite_weight_warning
+from ..engine.losses import next_token_loss
 from ..engine.policy import NonFiniteError, Norm, Policy
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
-from ..models import architecture_of, build_model, default_preset, load_config
+from ..models import default_preset, load_config
 from ..runtime.failures import diagnosed
 from ..runtime.logprobs import token_logprobs
-from ..runtime.loss import batch_slice
-from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type
-from ..runtime.weights import export_hf
+from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
-from .data import TokenDataset, dataset_batch, read_jsonl, read_tokens, synthetic_batch
-from .verify import EXACT_FACTOR, TOLERANCES, verify_against_unsharded, within_tolerance
+from .data import TokenDataset, dataset_batch, padded_rows, read_jsonl, read_tokens, synthetic_batch
+from .verify import EXACT_FACTOR, TOLERANCES, unsharded_reference, verify_against_unsharded, within_tolerance
 
 
 def lr_lambda(step: int, *, warmup: int, total: int) -> float:
@@ -115,15 +113,6 @@ class _Progress:
             self.bar.stop()
 
 
-def _init(cfg: RunConfig) -> str:
-    device = cfg.device or default_device_type()
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
-    if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    return device
-
-
 def _batches(
     cfg: RunConfig, dataset: TokenDataset | None, vocab_size: int, start: int, count: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -165,7 +154,8 @@ def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None]:
 
 
 def _setup(cfg: RunConfig) -> _Job:
-    device = _init(cfg)
+    device = cfg.device or default_device_type()
+    init_process_group(device, cfg.timeout_s)  # the one init (Policy finds it made)
     layout = cfg.layout
     if layout.world_size != dist.get_world_size():  # an elastic job (--nnodes MIN:MAX) got another size
         layout = Layout.infer(
@@ -189,14 +179,6 @@ def _setup(cfg: RunConfig) -> _Job:
         model_name=model_name,
         config=config,
         dataset=dataset,
-    )
-
-
-def _parallel_model(cfg: RunConfig, job: _Job) -> tuple[nn.Module, str]:
-    """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
-    dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
-    return build_parallel_model(
-        job.plan, cfg.model, job.config, job.mesh, device=job.device, seed=cfg.seed, param_dtype=dtype
     )
 
 
@@ -242,12 +224,6 @@ class _MetricsFile:
             self.board.close()
 
 
-def next_token_loss(lp: torch.Tensor, mb: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
-    """The SFT / pre-training loss: the mean next-token NLL over the global batch's tokens."""
-    mask = default_token_mask(mb["attention_mask"]).to(lp.dtype)
-    return -(lp * mask).sum() / norm.tokens, {}
-
-
 @dataclass(kw_only=True, slots=True)
 class _Trainer:
     """The LR schedule and step loop of one training run, over a ``plancc.Policy`` (which owns
@@ -270,24 +246,13 @@ class _Trainer:
         return self.policy.optimizer
 
     def resume(self) -> None:
+        """Continue from --resume: weights, optimizer state and the schedule's position
+        (``Policy.load``); the base learning rate is this run's --lr."""
         if self.cfg.resume:
-            info = checkpoint.load(
-                self.cfg.resume,
-                self.model,
-                self.optimizer,
-                architecture=architecture_of(self.job.config),
-                plan=self.job.plan.name,
-            )
+            info = self.policy.load(self.cfg.resume)
             self.start = self.done = info.step
             experts = f" ep={info.ep}" if info.ep > 1 else ""
             log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp}{experts})")
-        for group in self.optimizer.param_groups:  # the base LR is configuration, not checkpointed state
-            group["initial_lr"] = self.cfg.lr
-        start, horizon, warmup = self.start, self.cfg.schedule_steps or self.total, self.cfg.warmup_steps
-        # The schedule is a function of the global step, so a resumed run needs no stored state.
-        self.policy.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_lambda(s + start, warmup=warmup, total=horizon)
-        )
 
     @property
     def total(self) -> int:
@@ -314,16 +279,7 @@ class _Trainer:
         except NonFiniteError as exc:  # divergence, the same verdict on every rank (not a BatchError)
             raise _non_finite(step + 1, exc, cfg) from None
         except BatchError as exc:
-            raise PlanError(
-                [
-                    Diagnostic(
-                        rule="data",
-                        loc=SourceLoc(path=cfg.data or cfg.plan),
-                        message=str(exc),
-                        fix="check --data, --micro-batch-size and --max-tokens",
-                    )
-                ]
-            ) from None
+            raise _data_problem(cfg, str(exc)) from None
         return {
             "step": step + 1,
             "loss": row["loss"],
@@ -333,7 +289,7 @@ class _Trainer:
         }
 
     def run(self) -> list[dict[str, float]]:
-        mine = batch_slice(self.job.mesh, self.cfg.batch_size)
+        mine = self.policy.slice_of(self.cfg.batch_size)
         device, history = self.job.device, []
         progress = _Progress(self.cfg.steps)
         metrics = _MetricsFile(
@@ -362,23 +318,11 @@ class _Trainer:
         return history
 
     def save_checkpoint(self) -> None:
-        """A checkpoint of the steps done so far into --save (atomic), then the oldest beyond
-        --keep removed. Collective."""
+        """A checkpoint of the steps done so far into --save (``Policy.save``: atomic, the
+        schedule included), then the oldest beyond --keep removed. Collective."""
         if not self.cfg.save or self.last_checkpoint == self.done:
             return
-        layout = self.job.layout
-        info = checkpoint.CheckpointInfo(
-            step=self.done,
-            architecture=architecture_of(self.job.config),
-            model_signature=checkpoint.model_signature(self.model),
-            plan=self.job.plan.name,
-            dp=layout.dp,
-            cp=layout.cp,
-            tp=layout.tp,
-            ep=layout.ep,
-            parameters=checkpoint.parameter_shapes(self.model),
-        )
-        path = checkpoint.save(self.cfg.save, self.model, self.optimizer, info)
+        path = self.policy.save(self.cfg.save)
         self.last_checkpoint = self.done
         if self.cfg.keep and dist.get_rank() == 0:
             checkpoint.prune(self.cfg.save, keep=self.cfg.keep)
@@ -387,13 +331,22 @@ class _Trainer:
     def save(self) -> None:
         self.save_checkpoint()
         if self.cfg.export_hf:
-            export_hf(
-                self.model,
-                self.job.config,
-                self.cfg.export_hf,
-                source=self.cfg.model if self.cfg.model and Path(self.cfg.model).is_dir() else None,
-            )
+            self.policy.export_hf(self.cfg.export_hf)
             log(f"exported Hugging Face weights to {self.cfg.export_hf}")
+
+
+def _data_problem(cfg: RunConfig, message: str) -> PlanError:
+    """A batch the engine refused (``BatchError``), as the diagnostic of the --data it came from."""
+    return PlanError(
+        [
+            Diagnostic(
+                rule="data",
+                loc=SourceLoc(path=cfg.data or cfg.plan),
+                message=message,
+                fix="check --data, --micro-batch-size and --max-tokens",
+            )
+        ]
+    )
 
 
 EXIT_DIAGNOSED = 4  # a worker stopped on a problem it reported as a diagnostic (result file)
@@ -433,19 +386,32 @@ def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
     return lock
 
 
-def train(cfg: RunConfig) -> dict[str, Any]:
-    job = _setup(cfg)
-    dtype = getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None
-    policy = Policy(
+def _schedule(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
+    """Warmup, then cosine to 10% over --schedule-steps (default: the steps this run ends at),
+    as a function of the global step: ``Policy.load`` restores the position on --resume."""
+    start = checkpoint.read_info(checkpoint.find(cfg.resume)).step if cfg.resume else 0
+    schedule = partial(lr_lambda, warmup=cfg.warmup_steps, total=cfg.schedule_steps or start + cfg.steps)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def _policy(cfg: RunConfig, job: _Job) -> Policy:
+    """The engine every mode of a run drives."""
+    return Policy(
         job.plan,
         cfg.model or job.model_name,
-        mesh=job.mesh,
+        layout=job.mesh,
         optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
+        lr_scheduler=_schedule(cfg) if cfg.mode == "train" else None,
         max_grad_norm=cfg.max_grad_norm,
-        param_dtype=dtype,
+        param_dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None,
         seed=cfg.seed,
         device=job.device,
     )
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    job = _setup(cfg)
+    policy = _policy(cfg, job)
     log(
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
         f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}"
@@ -501,6 +467,9 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
             max_grad_norm=cfg.max_grad_norm,
             batches=batches,
             device=job.device,
+            micro_batch_size=cfg.micro_batch_size,
+            max_tokens=cfg.max_tokens,
+            pack=cfg.pack,
         )
     flags = torch.tensor([int(within_tolerance(report))], device=job.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -530,43 +499,6 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
     return {"ok": ok, **report.as_dict()}
 
 
-def _reference_model(cfg: RunConfig, config: PretrainedConfig, device: str) -> nn.Module:
-    """The unsharded model with the same weights as the parallelized one."""
-    if from_folder(cfg.model):
-        reference: nn.Module = AutoModelForCausalLM.from_pretrained(str(cfg.model))
-        return reference.to(device)
-    torch.manual_seed(cfg.seed)
-    # CPU init: the same weights on any device. A config of its own: cp switches the
-    # attention implementation on the parallelized model's config.
-    return build_model(copy.deepcopy(config), device="cpu").to(device)
-
-
-Rows = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # ids, attention mask, cu_seqlens
-
-
-def _padded_batch(seqs: list[tuple[int, ...]], multiple: int) -> Rows:
-    """Right-padded rows, as long as the longest sequence rounded up to ``multiple``."""
-    width = -(-max(len(x) for x in seqs) // multiple) * multiple
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, seq in enumerate(seqs):
-        ids[r, : len(seq)] = torch.tensor(seq)
-        mask[r, : len(seq)] = 1
-    return ids, mask, None
-
-
-def _packed_batch(seqs: list[tuple[int, ...]], multiple: int) -> Rows:
-    """One row of documents, each padded to ``multiple`` (cp shards every document), with
-    its cumulative lengths. Padding follows each document, so causal attention keeps it out
-    of the document's own log-probs."""
-    lengths = [-(-len(x) // multiple) * multiple for x in seqs]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    ids = torch.zeros((1, int(cu[-1])), dtype=torch.long)
-    for r, seq in enumerate(seqs):
-        ids[0, int(cu[r]) : int(cu[r]) + len(seq)] = torch.tensor(seq)
-    return ids, None, cu
-
-
 Row = dict[str, list[float]]  # {"logprobs": [...]} and, with --entropy, {"entropy": [...]}
 
 
@@ -583,41 +515,43 @@ def _gather_rows(results: dict[int, Row], worst: float, device: str) -> tuple[di
 
 
 def _logprobs_of(
-    cfg: RunConfig, job: _Job, model: nn.Module, reference: nn.Module | None, mine: list[int]
+    cfg: RunConfig, job: _Job, policy: Policy, reference: nn.Module | None
 ) -> tuple[dict[int, Row], float]:
-    """This rank's rows of log-probs (and entropy), and the worst difference from the unsharded
-    ``reference`` when there is one."""
-    sequences, device = job.dataset.sequences if job.dataset else (), job.device
-    multiple = job.layout.sequence_multiple
-    results: dict[int, Row] = {}
-    worst = 0.0
-    options: dict[str, Any] = {"mesh": job.mesh, "temperature": cfg.temperature}
-    # Every dp rank runs as many forward passes as the one with the most rows (FSDP gathers the
-    # weights in each: a rank that stopped early would leave its peers in a collective); a rank
-    # out of rows computes its first row again, or the data's, and keeps nothing of it.
-    most_rows = -(-len(sequences) // job.mesh["dp"].size())
-    for lo in range(0, most_rows, cfg.batch_size):
-        rows = mine[lo : lo + cfg.batch_size]
-        seqs = [sequences[i] for i in rows] or [sequences[mine[0] if mine else 0]]
-        ids, mask, cu = (
-            t.to(device) if t is not None else None
-            for t in (_packed_batch if cfg.pack else _padded_batch)(seqs, multiple)
-        )
-        assert ids is not None
-        with torch.no_grad():
-            if cfg.entropy:
-                lp, ent = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, entropy=True, **options)
-            else:
-                lp, ent = token_logprobs(model, ids, attention_mask=mask, cu_seqlens=cu, **options), None
-            if reference is not None and rows:
-                want = token_logprobs(reference, ids, attention_mask=mask, cu_seqlens=cu, temperature=cfg.temperature)
-                worst = max(worst, (lp - want).abs().max().item())
-        for r, i in enumerate(rows):
-            row, start = (r, 0) if cu is None else (0, int(cu[r]))
-            results[i] = {"logprobs": lp[row, start : start + len(seqs[r])].tolist()}
+    """This rank's rows of log-probs (and entropy) by ``Policy.logprobs``, and the worst
+    difference from the unsharded ``reference`` when there is one. The data goes in global
+    batches of --batch-size rows per dp rank, each rank its ``slice_of``; the last one is filled
+    up to a multiple of dp with copies of its first row, whose results are dropped."""
+    sequences = job.dataset.sequences if job.dataset else ()
+    dp, results, worst = policy.dp_size, {}, 0.0
+    for lo in range(0, len(sequences), cfg.batch_size * dp):
+        rows = list(range(lo, min(lo + cfg.batch_size * dp, len(sequences))))
+        mine = (rows + rows[:1] * (-len(rows) % dp))[policy.slice_of(len(rows) + (-len(rows) % dp))]
+        seqs = [sequences[i] for i in mine]
+        ids, mask = (t.to(job.device) for t in padded_rows(seqs))
+        lp, ent = _evaluated(policy, cfg, {"input_ids": ids, "attention_mask": mask})
+        if reference is not None:
+            with torch.no_grad():
+                want = token_logprobs(reference, ids, attention_mask=mask, temperature=cfg.temperature)
+            worst = max(worst, (lp - want)[mask.bool()].abs().max().item())
+        for r, i in enumerate(mine):
+            results[i] = {"logprobs": lp[r, : len(seqs[r])].tolist()}
             if ent is not None:
-                results[i]["entropy"] = ent[row, start : start + len(seqs[r])].tolist()
+                results[i]["entropy"] = ent[r, : len(seqs[r])].tolist()
     return results, worst
+
+
+def _evaluated(
+    policy: Policy, cfg: RunConfig, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``Policy.logprobs`` of one batch as --batch-size, --pack, --temperature, --entropy say."""
+    options: dict[str, Any] = {"micro_batch_size": cfg.batch_size, "pack": cfg.pack, "temperature": cfg.temperature}
+    try:
+        if cfg.entropy:
+            lp, ent = policy.logprobs(batch, entropy=True, **options)
+            return lp, ent
+        return policy.logprobs(batch, **options), None  # type: ignore[return-value]
+    except BatchError as exc:
+        raise _data_problem(cfg, str(exc)) from None
 
 
 def _weight_warnings(model: nn.Module, cfg: RunConfig, job: _Job) -> list[dict[str, Any]]:
@@ -635,14 +569,16 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
     job = _setup(cfg)
     assert job.dataset is not None, "the CLI requires --data for logprobs"
-    sequences, mesh, device = job.dataset.sequences, job.mesh, job.device
-    model, source = _parallel_model(cfg, job)
-    warnings = _weight_warnings(model, cfg, job)
-    model.eval()
-    reference = _reference_model(cfg, job.config, device).eval() if cfg.verify else None
-    mine = list(range(mesh["dp"].get_local_rank(), len(sequences), mesh["dp"].size()))
+    sequences, device = job.dataset.sequences, job.device
+    policy = _policy(cfg, job)
+    source = policy.weight_source
+    warnings = _weight_warnings(policy.model, cfg, job)
+    reference = None
+    if cfg.verify:
+        folder = str(cfg.model) if from_folder(cfg.model) else None
+        reference = unsharded_reference(job.config, seed=cfg.seed, device=device, folder=folder).eval()
     with diagnosed("log-probs", fallback=SourceLoc(path=cfg.plan)):
-        results, worst = _logprobs_of(cfg, job, model, reference, mine)
+        results, worst = _logprobs_of(cfg, job, policy, reference)
     merged, worst = _gather_rows(results, worst, device)
     if dist.get_rank() == 0 and cfg.out:
         with open(cfg.out, "w") as f:

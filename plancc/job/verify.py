@@ -1,8 +1,11 @@
 """Numerical verification: a parallelized model against the same model unsharded.
 
-Run on every rank of a job. Each rank also builds the unsharded reference (same seed, same
-weights) and runs it on the whole global batch, then compares its own slice: logits, loss,
-every parameter's gradient (gathered to full tensors), and the loss after each optimizer
+Run on every rank of a job. The parallelized side is a ``plancc.Policy`` trained with
+``Policy.train`` -- the engine ``plancc apply`` runs, with its loss, microbatching, clipping and
+optimizer -- so ``--verify`` checks the code a run executes. Each rank also builds the
+unsharded reference (same seed, same weights) and trains it on the whole global batch in one
+pass, then compares: its own slice's logits, the global loss, every parameter's gradient
+(gathered to full tensors, as the optimizer is about to step), and the loss after each optimizer
 step. Replicated parameters must also stay bitwise identical across tp ranks.
 
 Two things make the comparison about the plan and nothing else: dropout is off in both
@@ -25,11 +28,12 @@ from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
 from ..dataflow import batched_experts
+from ..engine.batches import default_token_mask
+from ..engine.losses import next_token_loss
+from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import build_model, load_config
 from ..runtime.cp import load_balanced_indices
-from ..runtime.gradnorm import clip_grad_norm_
-from ..runtime.loss import batch_slice, masked_next_token_loss, reported_loss, sharded_loss
 from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, parallel_mesh
 from ..runtime.parallelize import parallelize
@@ -142,18 +146,29 @@ def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[st
 
 
 def _fp64_run(
-    reference64: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, dp: int
+    reference64: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_grad_norm: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """(logits, gradients) of the reference in fp64 on the same batch: what fp32 rounds away."""
+    """(logits, clipped gradients) of the reference in fp64 on the same batch: what fp32 rounds
+    away."""
     try:
         with batched_experts(reference64):
             logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            _reference_loss(logits64, ids, mask, dp).backward()
+            token_mean_loss(logits64, ids, mask).backward()
     except RuntimeError:
         # a modeling file that computes in fp32 on purpose (a router casting its input) cannot
         # run in fp64: no floor measured, the fixed fp32 bars apply
         return None
+    torch.nn.utils.clip_grad_norm_(reference64.parameters(), max_grad_norm)
     return logits64.detach(), {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
+
+
+def token_mean_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean next-token NLL of the whole batch over the positions ``Policy`` counts
+    (``default_token_mask``): what ``next_token_loss`` sums to over every microbatch and rank."""
+    lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    counted = default_token_mask(mask)[:, 1:].to(lp.dtype)
+    return -(lp * counted).sum() / counted.sum()
 
 
 def build_pair(
@@ -189,29 +204,18 @@ def _random_batches(config: PretrainedConfig, *, count: int, global_batch: int, 
     return out
 
 
-def _reference_loss(ref_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, dp: int) -> torch.Tensor:
-    """FSDP averages gradients over dp ranks: the reference loss is the mean of the per-rank
-    means (equal to the global token mean when ranks hold equal tokens)."""
-    per = ids.shape[0] // dp
-    rows = [slice(r * per, (r + 1) * per) for r in range(dp)]
-    return sum((masked_next_token_loss(ref_logits[s], ids[s], mask[s]) for s in rows), torch.zeros(())) / dp
-
-
 def _compare_gradients(
-    model: torch.nn.Module,
+    grads: dict[str, torch.Tensor],
     reference: torch.nn.Module,
     grads64: dict[str, torch.Tensor] | None,
     report: VerifyReport,
 ) -> None:
-    """The worst gradient of the sharded model against the fp32 reference; with ``grads64``,
-    also how far each model's worst gradient is from the fp64 one (the floors)."""
+    """The worst of the sharded model's (full) gradients against the fp32 reference's; with
+    ``grads64``, also how far each model's worst gradient is from the fp64 one (the floors)."""
     ref_params = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
+    for name, sharded in grads.items():
         ref_grad = ref_params[name].grad
         assert ref_grad is not None, name  # the reference runs the same loss on the same parameters
-        sharded = full(p.grad)
         rel = _rel(sharded, ref_grad)
         report.params_compared += 1
         if rel >= report.grad_max_rel:
@@ -219,6 +223,49 @@ def _compare_gradients(
         if grads64 is not None and name in grads64:
             report.grad_floor = max(report.grad_floor, _rel(ref_grad.double(), grads64[name]))
             report.grad_exact_rel = max(report.grad_exact_rel, _rel(sharded.double(), grads64[name]))
+
+
+class _FirstGradients:
+    """The policy's full gradients, as its optimizer is about to take its first step (after
+    clipping): an optimizer step pre-hook, so ``Policy.train`` runs exactly as in ``apply``."""
+
+    def __init__(self, policy: Policy):
+        self.grads: dict[str, torch.Tensor] | None = None
+        self.policy = policy
+        self.handle = policy.optimizer.register_step_pre_hook(self._capture)
+
+    def _capture(self, *_: Any) -> None:
+        if self.grads is None:  # collective (full gathers): every rank's optimizer steps alike
+            model = self.policy.model
+            self.grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+            self.handle.remove()
+
+
+def _global_loss(policy: Policy, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """The global batch's mean token NLL under the policy's current weights, without a step."""
+    mine = policy.slice_of(ids.shape[0])
+    batch = {"input_ids": ids[mine], "attention_mask": mask[mine]}
+    lp = policy.logprobs(batch)
+    assert isinstance(lp, torch.Tensor), "log-probs without entropy are one tensor"
+    counted = default_token_mask(batch["attention_mask"]).to(lp.dtype)
+    sums = torch.stack([-(lp * counted).sum().double(), counted.sum().double()])
+    dist.all_reduce(sums, group=policy.mesh["dp"].get_group())
+    return float(sums[0] / sums[1])
+
+
+def unsharded_reference(
+    config: PretrainedConfig, *, seed: int, device: str, folder: str | None = None
+) -> torch.nn.Module:
+    """The unsharded model with the weights a ``Policy`` of the same model and seed starts from:
+    a folder's, or the seeded init (built on the CPU, so a seed means the same weights on every
+    device; a config of its own, since cp switches the attention implementation)."""
+    if folder is not None:
+        from transformers import AutoModelForCausalLM
+
+        reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder)
+        return reference.to(device)
+    torch.manual_seed(seed)
+    return build_model(copy.deepcopy(config), device="cpu").to(device)
 
 
 def verify_against_unsharded(
@@ -236,53 +283,68 @@ def verify_against_unsharded(
     max_grad_norm: float = 1.0,
     device: str = "cpu",
     batches: list[Batch] | None = None,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+    pack: bool = False,
 ) -> VerifyReport:
-    """Train the parallelized model and its unsharded twin side by side for ``steps`` steps
-    and compare: logits, loss and every gradient at the first step, the loss after each."""
+    """Train a ``plancc.Policy`` of the plan (what ``plancc apply`` runs: the same loss,
+    microbatching, clipping and AdamW) and the unsharded model on the whole batch side by side
+    for ``steps`` steps, and compare: logits, loss and every (clipped) gradient at the first
+    step, the loss after each."""
     config, dropped = without_dropout(load_config(model_spec))
     mesh = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
-    model, reference, config = build_pair(plan, config, mesh, seed=seed, device=device)
+    policy = Policy(
+        plan,
+        config,
+        layout=mesh,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+        max_grad_norm=max_grad_norm,
+        seed=seed,
+        device=device,
+    )
+    reference = unsharded_reference(config, seed=seed, device=device)
     reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
     if batches is None:
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)
-    mine = batch_slice(mesh, batches[0][0].shape[0])
+    mine = policy.slice_of(batches[0][0].shape[0])
     cp = mesh["cp"].size()
     local_index = (
         load_balanced_indices(batches[0][0].shape[1], cp, mesh["cp"].get_local_rank()).to(device) if cp > 1 else None
     )
     report = VerifyReport(dropout_off=dropped)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    first = _FirstGradients(policy)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     for step, (ids, mask) in enumerate(batches[: steps + 1]):
         ids, mask = ids.to(device), mask.to(device)
-        loss = sharded_loss(model, ids[mine], mask[mine], mesh)
         ref_full = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        ref_loss = _reference_loss(ref_full, ids, mask, mesh["dp"].size())
-        dp_loss = reported_loss(loss, mesh)
+        ref_loss = token_mean_loss(ref_full, ids, mask)
         if step == 0:
             # this rank's rows and (under cp) positions
             ref_logits = (ref_full if local_index is None else ref_full.index_select(1, local_index))[mine].detach()
-            with torch.no_grad():  # the logits the loss never built, for comparison
-                logits = full(model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False).logits)
+            with torch.no_grad():  # the logits the loss never builds, for comparison
+                out = policy.model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False)
+                logits = full(out.logits)
             report.logits_max_abs = (logits - ref_logits).abs().max().item()
             report.logits_max_rel = _rel(logits, ref_logits)
-            report.loss_abs = abs(dp_loss - ref_loss.item())
-        else:
-            report.step_loss_abs.append(abs(dp_loss - ref_loss.item()))
-        if step == steps:
+        if step == steps:  # the loss after the last step, without another
+            report.step_loss_abs.append(abs(_global_loss(policy, ids, mask) - ref_loss.item()))
             break
-        loss.backward()
-        ref_loss.backward()
+        batch = {"input_ids": ids[mine], "attention_mask": mask[mine]}
+        row = policy.train(batch, next_token_loss, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack)
         if step == 0:
-            exact = _fp64_run(reference64, ids, mask, mesh["dp"].size())
+            report.loss_abs = abs(row["loss"] - ref_loss.item())
+        else:
+            report.step_loss_abs.append(abs(row["loss"] - ref_loss.item()))
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
+        if step == 0:
+            exact = _fp64_run(reference64, ids, mask, max_grad_norm)
             del reference64
             if exact is not None:
                 report.logits_floor = _rel(ref_full.detach().double(), exact[0])
-            _compare_gradients(model, reference, None if exact is None else exact[1], report)
-        clip_grad_norm_(model.parameters(), max_grad_norm)
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
-        for optimizer in (opt, ref_opt):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    report.replicas_identical = _replicas_identical(model, mesh)
+            assert first.grads is not None, "Policy.train stepped its optimizer"
+            _compare_gradients(first.grads, reference, None if exact is None else exact[1], report)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    report.replicas_identical = _replicas_identical(policy.model, mesh)
     return report

@@ -37,6 +37,25 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# Set by plancc's launcher when it chose OMP_NUM_THREADS=1 itself (torchrun would print a warning
+# otherwise): the workers then share the cores out (init_process_group) as if it were unset.
+THREADS_UNSET_BY_USER = "PLANCC_THREADS_UNSET_BY_USER"
+
+
+def init_process_group(device: str, timeout_s: float) -> None:
+    """The default process group of a torchrun job, once (nccl on CUDA, gloo on the CPU): the one
+    init ``plancc.Policy`` and ``plancc apply`` share. On the CPU each local rank gets an equal
+    share of the cores, unless the user chose ``OMP_NUM_THREADS``."""
+    if dist.is_initialized():
+        return
+    from datetime import timedelta
+
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    user_chose = "OMP_NUM_THREADS" in os.environ and THREADS_UNSET_BY_USER not in os.environ
+    if device == "cpu" and not user_chose:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelMesh:
     """The parallel layout of a job and its device meshes, as one value.

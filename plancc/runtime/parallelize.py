@@ -29,6 +29,7 @@ from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
 from .expert_parallel import ExpertParallel
+from .gradient_scale import fsdp_divisor
 from .hooks import GlobalSequenceInputs
 from .mesh import ParallelMesh, parallel_mesh
 from .styles.experts import ExpertsOverTensorParallel
@@ -223,6 +224,6 @@ def parallelize(
         reshard_after_forward=plan.fsdp_reshard_after_forward,
         experts=experts,
         expert_mesh=expert_mesh,
-        gradient_divide_factor=float(pm.layout.fsdp_size),
+        gradient_divide_factor=fsdp_divisor(pm.layout),
         shard_dims=resolved.fsdp_shard_dims,
     )
