@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of a session (docs/gpu.md): the fake-world Policy cases, the one-GPU Policy
-# bench (offload as another process sees it), the kernels' tests, and apply / logprobs --verify
-# through the CLI on CUDA. Wheels of the pinned transformers travel in .whl (see docs/gpu.md).
+# bench (offload as another process sees it), the kernels' tests, and apply / logprobs through
+# the CLI on CUDA (--verify, microbatched and packed, save / resume / export). Wheels of the
+# pinned transformers (and jsonschema) travel in .whl: see docs/gpu.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/plancc-gpu}
 mkdir -p "$OUT"
@@ -16,14 +17,18 @@ python3 -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.sp
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/gpu.txt"
 python3 bench/policy_fake_world_gpu.py --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
-tail -2 "$OUT/fake_world_gpu.txt"
+tail -1 "$OUT/fake_world_gpu.txt"
 torchrun --nproc-per-node 1 bench/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py 2>&1 | tail -2
-python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1 --steps 3 --verify 2>&1 | grep -v "^\[W" | tee "$OUT/apply_cuda.txt" | tail -12
-python3 - <<'PY' > /tmp/lp.jsonl
+A="python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"
+$A --steps 3 --verify 2>&1 | grep -v "^\[W" | tee "$OUT/apply_cuda.txt" | tail -9
+$A --steps 2 --verify --micro-batch-size 2 --pack 2>&1 | grep -v "^\[W" | tee -a "$OUT/apply_cuda.txt" | tail -9
+$A --steps 4 --save /tmp/ck --export-hf /tmp/hf 2>&1 | grep -v "^\[W" | tail -3
+$A --steps 2 --resume /tmp/ck --lr 2e-3 2>&1 | grep -v "^\[W" | tee -a "$OUT/apply_cuda.txt" | tail -4
+python3 -c "
 import json, random
 random.seed(0)
-for _ in range(16):
-    print(json.dumps({"input_ids": [random.randrange(256) for _ in range(random.randrange(4, 64))]}))
-PY
-python3 -m plancc.cli logprobs plans/qwen3.yaml --data /tmp/lp.jsonl --device cuda --nproc-per-node 1 --entropy --verify --out /tmp/lp_out.jsonl 2>&1 | grep -v "^\[W" | tee "$OUT/logprobs_cuda.txt" | tail -4
+for _ in range(17): print(json.dumps({'input_ids': [random.randrange(256) for _ in range(random.randrange(1, 64))]}))" > /tmp/lp.jsonl
+L="python3 -m plancc.cli logprobs plans/qwen3.yaml --data /tmp/lp.jsonl --device cuda --nproc-per-node 1 --verify --out /tmp/lp_out.jsonl"
+$L --entropy 2>&1 | grep -v "^\[W" | tee "$OUT/logprobs_cuda.txt" | tail -2
+$L --pack --batch-size 5 --temperature 0.7 2>&1 | grep -v "^\[W" | tee -a "$OUT/logprobs_cuda.txt" | tail -2

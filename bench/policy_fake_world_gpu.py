@@ -64,8 +64,9 @@ def torch_min(a, b):
 
 def _older_torch_shims() -> list[str]:
     """What the GPU machine's torch (2.11; the CUDA wheel of the pinned 2.13 is too large to carry
-    there) lacks, filled in so the fake world runs the pinned code: ``all_gather_single`` (2.13's
-    name of ``all_gather_into_tensor``), and an all-to-all on the fake backend that copies this
+    there) lacks, filled in so the fake world runs the pinned code: ``all_gather_single`` and
+    ``reduce_scatter_single`` (2.13's names of ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor``), and an all-to-all on the fake backend that copies this
     rank's part into the output as 2.13's does (2.11's leaves the output unwritten, so the expert
     exchange reads garbage split sizes)."""
     import torch.distributed as dist
@@ -74,6 +75,9 @@ def _older_torch_shims() -> list[str]:
     if not hasattr(dist, "all_gather_single"):
         dist.all_gather_single = dist.all_gather_into_tensor
         shims.append("all_gather_single = all_gather_into_tensor")
+    if not hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single = dist.reduce_scatter_tensor
+        shims.append("reduce_scatter_single = reduce_scatter_tensor")
     version = tuple(int(x) for x in __import__("torch").__version__.split(".")[:2])
     if version < (2, 13):
         original = dist.all_to_all_single
@@ -170,6 +174,7 @@ def run_case(name: str, device: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=sorted(CASES))
+    parser.add_argument("--cases", nargs="*", choices=sorted(CASES), help="only these (default: all)")
     parser.add_argument("--out")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = parser.parse_args()
@@ -183,7 +188,7 @@ def main() -> None:
         "torch": torch.__version__,
         "cases": [],
     }
-    for name in CASES:
+    for name in args.cases or CASES:
         proc = subprocess.run(
             [sys.executable, __file__, "--case", name, "--device", args.device],
             capture_output=True,
