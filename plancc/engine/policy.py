@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
@@ -668,9 +669,18 @@ def _restore_schedule(
 
 def _reshard(model: nn.Module) -> None:
     """Every FSDP unit back to its sharded parameters: the root keeps its gathered ones after a
-    forward without backward, and a weight written or read then would be the stale copy."""
+    forward without backward, and a weight written or read then would be the stale copy.
+
+    Also after a forward that raised (an out-of-memory, a caller's hook): a unit whose forward
+    never finished is left in FSDP's forward state, and ``reshard()`` skips such a unit when it
+    does not reshard after forward (the plan's last layer, the root) -- its gathered parameters
+    would stay in place of the shards, and the next ``reference_logprobs``, ``save`` or step
+    would read them. Such a unit is marked idle first (FSDP2 keeps no other state of the pass)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and group._training_state == TrainingState.FORWARD:
+                group._training_state = TrainingState.IDLE
             module.reshard()
 
 
