@@ -91,3 +91,35 @@ class HostCopy:
             torch.cuda.synchronize()
         buffers, self.storages, self.copies = self.copies, [], []
         return buffers
+
+
+class Offloader:
+    """The memory role of ``plancc.Policy``: which parts of a model and its optimizer are in host
+    memory now, and the pinned buffers a later ``offload`` reuses (pinning is the slow part)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._host: dict[str, HostCopy] = {}  # while offloaded, per part ("params", "optimizer")
+        self._pinned: dict[str, list[torch.Tensor]] = {}
+
+    @property
+    def offloaded(self) -> list[str]:
+        """The parts in host memory now, by name (empty when everything is on the device)."""
+        return sorted(self._host)
+
+    def offload(self, *, params: bool, optimizer: bool) -> None:
+        """The chosen parts to pinned host memory, the freed device memory back to the driver.
+        The caller reshards the model first (an FSDP unit's gathered copy is no parameter)."""
+        parts = {
+            "params": (params, lambda: model_tensors(self.model)),
+            "optimizer": (optimizer, lambda: optimizer_tensors(self.optimizer)),
+        }
+        for part, (wanted, tensors) in parts.items():
+            if wanted and part not in self._host:
+                self._host[part] = HostCopy.offload(tensors(), reuse=self._pinned.get(part))
+        release_cached_memory()
+
+    def onload(self) -> None:
+        """Every part back where it was (every tensor object the same)."""
+        for part in list(self._host):
+            self._pinned[part] = self._host.pop(part).onload()  # kept for the next offload

@@ -25,41 +25,34 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
-from ..layout import Layout, LayoutError
-from ..models import architecture_of, load_config
+from ..layout import Layout
+from ..models import load_config
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import token_logprobs
-from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
+from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group
 from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
-from ..runtime.styles.experts import plain
 from ..runtime.weights import export_hf
-from . import checkpoint
-from .agreement import RefitAgreement, first_problem
+from . import checkpoint, shards
+from .agreement import first_problem
 from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
 from .build import build_parallel_model
-from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
-from .colocated import share_buckets
-from .offload import HostCopy, model_tensors, optimizer_tensors, release_cached_memory
-from .reshard import send_shards
-from .streaming import full_weights, manifest_buckets, weight_buckets
+from .channel import WeightChannel
+from .offload import Offloader
+from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_mesh
+from .resume import load_state, save_state
+from .transport import WeightTransport
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
-OptimizerSpec = Callable[[Any], torch.optim.Optimizer] | Mapping[str, Any] | None
-SchedulerSpec = Callable[[torch.optim.Optimizer], Any] | Mapping[str, Any] | None
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -84,11 +77,13 @@ class Policy:
     torchrun job (the default process group is initialized when it is not yet).
 
     ``plan``: a plan file or ``Plan``; ``model``: a preset, a Hugging Face folder or a
-    ``config.json`` (as ``--model``). The layout: ``tp``, ``cp``, ``ep``, ``dp`` (inferred),
-    ``sp``, or one ``layout=plancc.Layout(...)``, or a ``mesh=`` already built by
-    ``plancc.build_mesh``. ``optimizer``: ``params -> Optimizer`` or
-    ``{"name": "torch.optim.AdamW", "kwargs": {...}}`` (default AdamW); ``lr_scheduler``:
-    ``optimizer -> scheduler`` or name + kwargs (default constant). ``reference=True`` keeps the
+    ``config.json`` (as ``--model``), or a transformers config (seeded random weights). The
+    layout, one way: ``layout=`` a ``plancc.Layout`` or a mesh built by ``plancc.build_mesh``
+    (``mesh=`` is the older name), or the ``tp``, ``cp``, ``ep``, ``dp`` (inferred), ``sp``
+    shorthand; shorthand that disagrees with a given layout is a ``LayoutError``.
+    ``optimizer``: ``params -> Optimizer`` or ``{"name": "torch.optim.AdamW", "kwargs": {...}}``
+    (default AdamW); ``lr_scheduler``: ``optimizer -> scheduler`` or name + kwargs (default
+    constant). ``reference=True`` keeps the
     initial weights for ``reference_logprobs``.
     """
 
@@ -118,7 +113,7 @@ class Policy:
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
-        self.mesh: ParallelMesh = _the_mesh(
+        self.mesh: ParallelMesh = the_mesh(
             layout, mesh, {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "sp": sp}, device=self.device
         )
         # the ranks that hold the same rows (one dp rank's cp x tp group); made now: collective
@@ -133,14 +128,14 @@ class Policy:
         self.model, self.weight_source = build_parallel_model(
             self.plan, self.source, self.config, self.mesh, device=self.device, seed=seed, param_dtype=dtype
         )
-        self.optimizer = _optimizer(optimizer, self.model.parameters())
-        self.scheduler = _scheduler(lr_scheduler, self.optimizer)
+        self.optimizer = make_optimizer(optimizer, self.model.parameters())
+        self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0
-        self._reference = _host_copy(self._shards()) if reference else None
-        # while offloaded: what offload() keeps of the device memory, per part ("params", "optimizer")
-        self._host: dict[str, HostCopy] = {}
-        self._pinned: dict[str, list[torch.Tensor]] = {}  # their pinned host buffers, reused by the next offload
+        self._reference = shards.host_copy(self._shards()) if reference else None
+        # the roles beside training (each its own module): weights out, memory
+        self._transport = WeightTransport(self.model, self.config, self.device)
+        self._memory = Offloader(self.model, self.optimizer)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -224,7 +219,7 @@ class Policy:
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
-            _reshard(self.model)
+            shards.reshard(self.model)
             raise
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
@@ -312,16 +307,15 @@ class Policy:
         ``bucket_bytes`` (or one larger tensor) at a time: the iterable inference engines'
         ``load_weights`` take. Collective: every rank iterates it to the end."""
         self._require_onloaded("weights")
-        _reshard(self.model)
-        yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        shards.reshard(self.model)
+        yield from self._transport.stream(bucket_bytes=bucket_bytes, dtype=dtype)
 
     def weights_manifest(
         self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
     ) -> dict[str, Any]:
         """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
         tensor's name, shape and dtype, bucket by bucket). Local: nothing is gathered."""
-        buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
+        return self._transport.manifest(bucket_bytes=bucket_bytes, dtype=dtype)
 
     def send_weights(
         self,
@@ -338,24 +332,11 @@ class Policy:
         ``reshard=True``: the receivers hold the model at a layout of their own
         (``plancc.receive_weights(..., plan=, tp=)``) and each gets only its shard, straight
         from the policy ranks that hold it; every policy rank passes the channel (it joined as
-        its own global rank)."""
+        its own global rank). Any rank's failure is raised on every rank as one
+        ``WeightChannelError`` (``engine.transport``)."""
         self._require_onloaded("send_weights")
-        _reshard(self.model)
-        if reshard:
-            if channel is None:
-                raise ValueError("a resharded refit sends from every policy rank: each joins the weight channel")
-            handshake(channel, self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype))
-            receivers = channel.world_size - dist.get_world_size()
-            return send_shards(channel, self.model, receivers=receivers, dtype=dtype, device=self.device)
-
-        def send(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
-            if channel is None:
-                raise WeightChannelError(
-                    "the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)"
-                )
-            return send_buckets(channel, manifest, buckets)
-
-        return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype)
+        shards.reshard(self.model)
+        return self._transport.send(channel, bucket_bytes=bucket_bytes, dtype=dtype, reshard=reshard)
 
     def share_weights(
         self,
@@ -371,41 +352,13 @@ class Policy:
         Collective over the policy's ranks; rank 0, the only one that passes a connection,
         shares; the consumer has ``timeout`` seconds to take each bucket. Returns bytes shared."""
         self._require_onloaded("share_weights")
-        _reshard(self.model)
-
-        def share(manifest: dict[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> int:
-            return share_buckets(connection, manifest, buckets, self.device, timeout=timeout)
-
-        return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype)
-
-    def _from_rank0(
-        self,
-        hand_out: Callable[[dict[str, Any], Iterator[list[tuple[str, torch.Tensor]]]], int],
-        *,
-        bucket_bytes: int,
-        dtype: torch.dtype | None,
-    ) -> int:
-        """Every rank gathers the weights bucket by bucket (collective); rank 0 hands each one
-        out as it comes (``hand_out(manifest, buckets)``). Any exception on any rank -- rank 0's
-        hand-out, another rank's gather -- is raised on every rank as one ``WeightChannelError``
-        naming the rank, the bucket and the cause (``engine.agreement``)."""
-        agreement = RefitAgreement(self.device)
-        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement)
-        sent = 0
-        if dist.get_rank() == 0:
-            try:
-                sent = hand_out(self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype), buckets)
-            except Exception as exc:  # noted; raised on every rank at the next settle
-                agreement.note(exc)
-        for _ in buckets:  # the gathers are collective: every rank runs them until a settle says stop
-            pass
-        agreement.settle()
-        return sent
+        shards.reshard(self.model)
+        return self._transport.share(connection, bucket_bytes=bucket_bytes, dtype=dtype, timeout=timeout)
 
     def export_hf(self, folder: str | Path) -> None:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""
         self._require_onloaded("export_hf")
-        _reshard(self.model)
+        shards.reshard(self.model)
         source = self.source if self.source is not None and Path(self.source).is_dir() else None
         export_hf(self.model, self.config, folder, source=source)
 
@@ -415,40 +368,29 @@ class Policy:
         pinned host memory while a rollout engine runs on the device, the freed memory handed
         back to the driver (``torch.cuda.empty_cache``) so that another process can allocate it;
         ``onload`` brings everything back (``engine.offload`` says how). Nothing moves on CPU."""
-        _reshard(self.model)
-        parts = {
-            "params": (params, lambda: model_tensors(self.model)),
-            "optimizer": (optimizer, lambda: optimizer_tensors(self.optimizer)),
-        }
-        for part, (wanted, tensors) in parts.items():
-            if wanted and part not in self._host:
-                self._host[part] = HostCopy.offload(tensors(), reuse=self._pinned.get(part))
-        release_cached_memory()
+        shards.reshard(self.model)
+        self._memory.offload(params=params, optimizer=optimizer)
 
     def onload(self) -> None:
         """Everything ``offload`` moved, back where it was (every tensor object the same)."""
-        for part in list(self._host):
-            self._pinned[part] = self._host.pop(part).onload()  # kept for the next offload: pinning is slow
+        self._memory.onload()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path) -> Path:
         """A DCP checkpoint of the model, optimizer and schedule (atomic; loadable at another
         layout). Returns the step folder."""
         self._require_onloaded("save")
-        _reshard(self.model)
-        info = checkpoint.CheckpointInfo(
+        shards.reshard(self.model)
+        return save_state(
+            folder,
+            self.model,
+            self.optimizer,
+            self.scheduler,
             step=self.step,
-            architecture=architecture_of(self.config),
-            model_signature=checkpoint.model_signature(self.model),
+            config=self.config,
             plan=self.plan.name,
-            dp=self.layout.dp,
-            cp=self.layout.cp,
-            tp=self.layout.tp,
-            ep=self.layout.ep,
-            parameters=checkpoint.parameter_shapes(self.model),
-            schedule=_schedule_state(self.scheduler),
+            layout=self.layout,
         )
-        return checkpoint.save(folder, self.model, self.optimizer, info)
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
         """Continue from ``save``'s newest checkpoint in ``folder`` (any layout): the weights,
@@ -457,19 +399,15 @@ class Policy:
         run may change it), applied at the restored position of the schedule. Returns what the
         checkpoint says of itself (its step, the layout it was saved at)."""
         self._require_onloaded("load")
-        _reshard(self.model)
-        configured = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
-        info = checkpoint.load(
-            folder, self.model, self.optimizer, architecture=architecture_of(self.config), plan=self.plan.name
-        )
+        shards.reshard(self.model)
+        info = load_state(folder, self.model, self.optimizer, self.scheduler, config=self.config, plan=self.plan.name)
         self.step = info.step
-        _restore_schedule(self.optimizer, self.scheduler, info.schedule, configured)
         return info
 
     # ------------------------------------------------------------------ internals
     def _require_onloaded(self, what: str) -> None:
-        if self._host:
-            offloaded = " and ".join(sorted(self._host))
+        if self._memory.offloaded:
+            offloaded = " and ".join(self._memory.offloaded)
             raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
     def _checked(
@@ -590,17 +528,16 @@ class Policy:
 
     def _shards(self) -> list[torch.Tensor]:
         """This rank's storage of every parameter, in order (written in place by swaps)."""
-        _reshard(self.model)
-        return [plain(p) for p in self.model.parameters()]
+        return shards.local_shards(self.model)
 
     @contextmanager
-    def _weights_swapped(self, shards: list[torch.Tensor]) -> Iterator[None]:
-        """The model computes with ``shards`` (host copies of every parameter's shard) inside;
+    def _weights_swapped(self, weights: list[torch.Tensor]) -> Iterator[None]:
+        """The model computes with ``weights`` (host copies of every parameter's shard) inside;
         its own weights are put back bitwise afterwards."""
         own = self._shards()
-        kept = _host_copy(own)
+        kept = shards.host_copy(own)
         with torch.no_grad():
-            for param, value in zip(own, shards, strict=True):
+            for param, value in zip(own, weights, strict=True):
                 param.copy_(value)
         try:
             yield
@@ -609,116 +546,6 @@ class Policy:
             with torch.no_grad():
                 for param, value in zip(own, kept, strict=True):
                     param.copy_(value)
-
-
-def _the_mesh(
-    layout: Layout | ParallelMesh | None, mesh: ParallelMesh | None, sizes: dict[str, Any], *, device: str
-) -> ParallelMesh:
-    """The one layout of ``Policy(layout= | mesh= | tp=, cp=, ...)``; two ways that disagree are
-    an error (a ``LayoutError`` naming both), never a silent choice."""
-    shorthand = {k: v for k, v in sizes.items() if v != {"dp": None, "sp": False}.get(k, 1)}
-    given = [g for g in (layout, mesh) if g is not None]
-    if len(given) == 2 and _layout_of(given[0]) != _layout_of(given[1]):
-        raise LayoutError.from_message(
-            f"Policy got layout={_layout_of(given[0]).describe()} and mesh={_layout_of(given[1]).describe()}",
-            "give the layout one way: layout=plancc.Layout(...) or a mesh from plancc.build_mesh",
-        )
-    if not given:
-        infer = {k: v for k, v in sizes.items() if k != "sp"}
-        built = Layout.infer(world_size=dist.get_world_size(), sequence_parallel=sizes["sp"], **infer)
-        return build_mesh(built, device_type=device)
-    chosen = _layout_of(given[0])
-    named = {"tp": chosen.tp, "cp": chosen.cp, "ep": chosen.ep, "dp": chosen.dp, "sp": chosen.sequence_parallel}
-    conflicts = [f"{k}={v!r} (the layout has {named[k]!r})" for k, v in shorthand.items() if named[k] != v]
-    if conflicts:
-        raise LayoutError.from_message(
-            f"Policy got a layout ({chosen.describe()}) and shorthand sizes that disagree with it: "
-            + ", ".join(conflicts),
-            "give the layout one way: layout= (or mesh=), or the tp=/cp=/ep=/dp=/sp= shorthand",
-        )
-    first = given[0]
-    return first if isinstance(first, ParallelMesh) else build_mesh(first, device_type=device)
-
-
-def _layout_of(layout_or_mesh: Layout | ParallelMesh) -> Layout:
-    return layout_or_mesh.layout if isinstance(layout_or_mesh, ParallelMesh) else layout_or_mesh
-
-
-def _restore_schedule(
-    optimizer: torch.optim.Optimizer, scheduler: Any, saved: Mapping[str, Any], configured: list[float]
-) -> None:
-    """After a checkpoint's optimizer state is loaded: the schedule at its saved position, with
-    this run's configured base learning rates (the checkpoint's are what an earlier run was
-    told). A ``LambdaLR`` (a function of the step, as ``plancc apply``'s) then gives the next
-    step's rate from the new base; a schedule without state keeps the configured rate."""
-    for group, base in zip(optimizer.param_groups, configured, strict=True):
-        group["initial_lr"] = base
-    if scheduler is None:
-        for group, base in zip(optimizer.param_groups, configured, strict=True):
-            group["lr"] = base
-        return
-    if saved:
-        scheduler.load_state_dict({**saved, "base_lrs": list(configured)})
-    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        lambdas = zip(configured, scheduler.lr_lambdas, strict=True)
-        rates: list[float | torch.Tensor] = [base * fn(scheduler.last_epoch) for base, fn in lambdas]
-        for group, rate in zip(optimizer.param_groups, rates, strict=True):
-            group["lr"] = rate
-        scheduler._last_lr = rates  # what get_last_lr() says until the next step
-
-
-def _reshard(model: nn.Module) -> None:
-    """Every FSDP unit back to its sharded parameters: the root keeps its gathered ones after a
-    forward without backward, and a weight written or read then would be the stale copy.
-
-    Also after a forward that raised (an out-of-memory, a caller's hook): a unit whose forward
-    never finished is left in FSDP's forward state, and ``reshard()`` skips such a unit when it
-    does not reshard after forward (the plan's last layer, the root) -- its gathered parameters
-    would stay in place of the shards, and the next ``reference_logprobs``, ``save`` or step
-    would read them. Such a unit is marked idle first (FSDP2 keeps no other state of the pass)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None and group._training_state == TrainingState.FORWARD:
-                group._training_state = TrainingState.IDLE
-            module.reshard()
-
-
-def _host_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies in host memory (pinned on CUDA, so they come back fast)."""
-    copies = [t.detach().to("cpu", copy=True) for t in tensors]
-    return [c.pin_memory() for c in copies] if torch.cuda.is_available() and tensors and tensors[0].is_cuda else copies
-
-
-def _resolve(name: str) -> Any:
-    module, _, attr = name.rpartition(".")
-    try:
-        return getattr(import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"no such class: {name!r} (give a dotted path such as 'torch.optim.AdamW')") from None
-
-
-def _optimizer(spec: OptimizerSpec, params: Any) -> torch.optim.Optimizer:
-    if spec is None:
-        return torch.optim.AdamW(params)
-    if isinstance(spec, Mapping):
-        return _resolve(str(spec["name"]))(params, **dict(spec.get("kwargs", {})))
-    return spec(params)
-
-
-def _scheduler(spec: SchedulerSpec, optimizer: torch.optim.Optimizer) -> Any:
-    if spec is None:
-        return None  # a constant learning rate
-    if isinstance(spec, Mapping):
-        return _resolve(str(spec["name"]))(optimizer, **dict(spec.get("kwargs", {})))
-    return spec(optimizer)
-
-
-def _schedule_state(scheduler: Any) -> dict[str, Any]:
-    """What of a scheduler's state a checkpoint keeps (JSON: its counters, not its lambdas)."""
-    if scheduler is None:
-        return {}
-    return {k: v for k, v in scheduler.state_dict().items() if isinstance(v, (int, float, list, bool, str))}
 
 
 def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:

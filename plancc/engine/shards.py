@@ -1,0 +1,40 @@
+"""A parallelized model's own storage: every FSDP unit back to its shards, this rank's shard of
+every parameter, and host copies of them (``Policy``'s frozen reference and its weight swaps)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from ..runtime.styles.experts import plain
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP unit back to its sharded parameters: the root keeps its gathered ones after a
+    forward without backward, and a weight written or read then would be the stale copy.
+
+    Also after a forward that raised (an out-of-memory, a caller's hook): a unit whose forward
+    never finished is left in FSDP's forward state, and ``reshard()`` skips such a unit when it
+    does not reshard after forward (the plan's last layer, the root) -- its gathered parameters
+    would stay in place of the shards, and the next ``reference_logprobs``, ``save`` or step
+    would read them. Such a unit is marked idle first (FSDP2 keeps no other state of the pass)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and group._training_state == TrainingState.FORWARD:
+                group._training_state = TrainingState.IDLE
+            module.reshard()
+
+
+def local_shards(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's storage of every parameter, in order (written in place by weight swaps)."""
+    reshard(model)
+    return [plain(p) for p in model.parameters()]
+
+
+def host_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies in host memory (pinned on CUDA, so they come back fast)."""
+    copies = [t.detach().to("cpu", copy=True) for t in tensors]
+    return [c.pin_memory() for c in copies] if torch.cuda.is_available() and tensors and tensors[0].is_cuda else copies

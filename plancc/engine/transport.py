@@ -1,0 +1,102 @@
+"""The weights out of a parallelized model, three ways, one failure rule: ``WeightTransport``.
+
+- **plain**: every policy rank gathers the weights bucket by bucket, rank 0 broadcasts each one
+  over a ``WeightChannel`` to the receivers (``engine.channel``);
+- **resharded**: each receiver gets only its own shard, point to point from the policy ranks
+  that hold it (``engine.reshard``);
+- **colocated**: rank 0 shares each gathered bucket by handle with a consumer on the same
+  device (CUDA IPC, or shared memory on the CPU; ``engine.colocated``).
+
+One failure rule for all three (``engine.agreement``): a problem on any policy rank -- rank 0's
+hand-out, another rank's gather or send -- is noted, and at the next settle the earliest one is
+raised on every rank as the same ``WeightChannelError``, naming the rank, the bucket (or
+transfer) and the cause. A missing channel is such a problem too (a resharded refit's, agreed
+before anything is sent). The caller (``Policy``) reshards the model first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..models import architecture_of
+from .agreement import RefitAgreement, first_problem
+from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
+from .colocated import share_buckets
+from .reshard import send_shards
+from .streaming import full_weights, manifest_buckets, weight_buckets
+
+Buckets = Iterator[list[tuple[str, torch.Tensor]]]
+
+
+class WeightTransport:
+    """The weights of ``model`` out to an inference engine (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module, config: PretrainedConfig, device: str) -> None:
+        self.model, self.config, self.device = model, config, device
+
+    def stream(self, *, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)``, gathered one bucket at a time (collective)."""
+        yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def manifest(self, *, bucket_bytes: int, dtype: torch.dtype | None) -> dict[str, Any]:
+        """What ``send`` sends, as JSON-serialisable data (local: nothing is gathered)."""
+        buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
+
+    def send(
+        self, channel: WeightChannel | None, *, bucket_bytes: int, dtype: torch.dtype | None, reshard: bool
+    ) -> int:
+        """Plain (rank 0 passes the channel) or resharded (every rank passes it). Bytes sent."""
+        if reshard:
+            self._require(channel is not None, "a resharded refit sends from every policy rank: each joins the channel")
+            assert channel is not None  # _require raised on every rank otherwise
+            handshake(channel, self.manifest(bucket_bytes=bucket_bytes, dtype=dtype))
+            receivers = channel.world_size - dist.get_world_size()
+            return send_shards(channel, self.model, receivers=receivers, dtype=dtype, device=self.device)
+
+        def send(manifest: dict[str, Any], buckets: Buckets) -> int:
+            if channel is None:  # noted like any hand-out failure: raised on every rank, agreed
+                raise WeightChannelError(
+                    "the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)"
+                )
+            return send_buckets(channel, manifest, buckets)
+
+        return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def share(self, connection: Any, *, bucket_bytes: int, dtype: torch.dtype | None, timeout: float) -> int:
+        """Colocated: rank 0 shares each bucket by handle over ``connection``. Bytes shared."""
+
+        def share(manifest: dict[str, Any], buckets: Buckets) -> int:
+            return share_buckets(connection, manifest, buckets, self.device, timeout=timeout)
+
+        return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype)
+
+    def _from_rank0(
+        self, hand_out: Callable[[dict[str, Any], Buckets], int], *, bucket_bytes: int, dtype: torch.dtype | None
+    ) -> int:
+        """Every rank gathers the weights bucket by bucket (collective); rank 0 hands each one
+        out as it comes. Any exception on any rank is raised on every rank, agreed."""
+        agreement = RefitAgreement(self.device)
+        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement)
+        sent = 0
+        if dist.get_rank() == 0:
+            try:
+                sent = hand_out(self.manifest(bucket_bytes=bucket_bytes, dtype=dtype), buckets)
+            except Exception as exc:  # noted; raised on every rank at the next settle
+                agreement.note(exc)
+        for _ in buckets:  # the gathers are collective: every rank runs them until a settle says stop
+            pass
+        agreement.settle()
+        return sent
+
+    def _require(self, holds: bool, problem: str) -> None:
+        """Collective: a ``WeightChannelError`` on every rank when ``holds`` is false on any."""
+        found = first_problem("" if holds else f"rank {dist.get_rank()}: {problem}", self.device)
+        if found is not None:
+            raise WeightChannelError(found[1])
