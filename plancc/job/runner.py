@@ -41,11 +41,17 @@ from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime.failures import diagnosed
-from ..runtime.logprobs import token_logprobs
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
 from .data import TokenDataset, dataset_batch, padded_rows, read_jsonl, read_tokens, synthetic_batch
-from .verify import EXACT_FACTOR, TOLERANCES, unsharded_reference, verify_against_unsharded, within_tolerance
+from .verify import (
+    EXACT_FACTOR,
+    TOLERANCES,
+    logprobs_difference,
+    unsharded_reference,
+    verify_against_unsharded,
+    within_tolerance,
+)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int) -> float:
@@ -530,9 +536,7 @@ def _logprobs_of(
         ids, mask = (t.to(job.device) for t in padded_rows(seqs))
         lp, ent = _evaluated(policy, cfg, {"input_ids": ids, "attention_mask": mask})
         if reference is not None:
-            with torch.no_grad():
-                want = token_logprobs(reference, ids, attention_mask=mask, temperature=cfg.temperature)
-            worst = max(worst, (lp - want)[mask.bool()].abs().max().item())
+            worst = max(worst, logprobs_difference(reference, ids, mask, lp, temperature=cfg.temperature))
         for r, i in enumerate(mine):
             results[i] = {"logprobs": lp[r, : len(seqs[r])].tolist()}
             if ent is not None:

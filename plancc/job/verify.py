@@ -34,6 +34,7 @@ from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import build_model, load_config
 from ..runtime.cp import load_balanced_indices
+from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, parallel_mesh
 from ..runtime.parallelize import parallelize
@@ -251,6 +252,16 @@ def _global_loss(policy: Policy, ids: torch.Tensor, mask: torch.Tensor) -> float
     sums = torch.stack([-(lp * counted).sum().double(), counted.sum().double()])
     dist.all_reduce(sums, group=policy.mesh["dp"].get_group())
     return float(sums[0] / sums[1])
+
+
+def logprobs_difference(
+    reference: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, got: torch.Tensor, *, temperature: float
+) -> float:
+    """The largest difference between ``got`` (a policy's log-probs of these rows) and the
+    unsharded ``reference``'s, over the attended positions."""
+    with torch.no_grad():
+        want = token_logprobs(reference, ids, attention_mask=mask, temperature=temperature)
+    return (got - want)[mask.bool()].abs().max().item()
 
 
 def unsharded_reference(
