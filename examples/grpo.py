@@ -148,7 +148,7 @@ def policy_rank(args) -> list[dict]:
             "token_mask": token_mask,
             "advantages": advantages,
         }
-        mine = policy.slice_of(rows)
+        mine = policy.balanced_slices(batch["attention_mask"].sum(1))  # rows, tokens even over dp
         batch = {k: v[mine] for k, v in batch.items()}
         # every log-prob at the sampler's temperature: the ratio is exactly 1 before the step
         batch["old_logprobs"] = policy.logprobs(batch, temperature=args.temperature)

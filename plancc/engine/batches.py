@@ -87,6 +87,31 @@ def plan_microbatches(lengths: list[int], *, micro_batch_size: int | None, max_t
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
+def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
+    """The rows of a global batch in ``parts`` groups of equal row counts whose token sums are
+    as even as longest-first greedy makes them: each row, longest first, to the group with the
+    fewest tokens that still has room (ties to the lowest group: every rank computes the same
+    partition from the same lengths). Where that is no more even than contiguous slices
+    (uniform lengths), the contiguous slices (``Policy.slice_of``'s). Every group is sorted.
+
+    Why: a step waits for its slowest dp rank, and with long-tailed RL response lengths equal
+    row counts can hold several times as many tokens on one rank as on another (verl balances
+    the same way before its update). The loss is normalized over the global batch (``Norm``),
+    so which rank holds which rows does not change the step."""
+    rows, per = len(lengths), len(lengths) // parts
+    assert per * parts == rows, "a global batch splits into equal row counts (checked by the caller)"
+    contiguous = [list(range(p * per, (p + 1) * per)) for p in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for r in sorted(range(rows), key=lambda r: -lengths[r]):
+        room = [g for g in range(parts) if len(groups[g]) < per]
+        g = min(room, key=lambda g: (loads[g], g))
+        groups[g].append(r)
+        loads[g] += lengths[r]
+    most = max(sum(lengths[r] for r in group) for group in contiguous)
+    return contiguous if max(loads) >= most else [sorted(group) for group in groups]
+
+
 def spread_to(microbatches: list[list[int]], count: int) -> list[list[int]]:
     """``microbatches`` made ``count`` long (collectives line up only when every dp rank runs
     as many forwards and backwards): the largest ones split in two while that is possible; what
@@ -126,19 +151,28 @@ class Microbatch:
     seq: int  # the batch's own sequence length
 
     @classmethod
-    def of(cls, batch: Batch, rows: list[int], *, multiple: int, pack: bool) -> Microbatch:
-        """``rows`` of ``batch``, padded on the right to a multiple of ``multiple`` positions
-        (SP: tp; CP: 2 * cp), or packed: each row's attended tokens one after the other, each
-        document padded to the multiple (CP shards every document)."""
+    def of(
+        cls, batch: Batch, rows: list[int], *, multiple: int, pack: bool, ends: list[int] | None = None
+    ) -> Microbatch:
+        """``rows`` of ``batch``, cut to their own last attended position (what follows it is
+        padding in every row: causal attention never lets it reach an earlier position, so
+        computing it only costs) and padded on the right to a multiple of ``multiple`` positions
+        (SP: tp; CP: 2 * cp); or packed: each row's attended tokens one after the other, each
+        document padded to the multiple (CP shards every document). ``ends``: every row of the
+        batch's last attended position plus one, when the caller read them already (a device
+        read per microbatch otherwise)."""
         index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
         fields = {name: value.index_select(0, index) for name, value in batch.items()}
         ids, mask = fields["input_ids"], fields["attention_mask"]
         seq = ids.shape[1]
         if not pack:
-            width = -(-seq // multiple) * multiple
-            if width != seq:
-                ids = torch.nn.functional.pad(ids, (0, width - seq))
-                mask = torch.nn.functional.pad(mask, (0, width - seq))
+            if ends is None:
+                end = int((mask.bool() * torch.arange(1, seq + 1, device=mask.device)).amax())
+            else:
+                end = max(ends[r] for r in rows)
+            end = max(2, end)
+            width = -(-end // multiple) * multiple
+            ids, mask = _to_width(ids, width), _to_width(mask, width)
             return cls(
                 rows=rows, fields=fields, input_ids=ids, attention_mask=mask, cu_seqlens=None, positions=None, seq=seq
             )
@@ -156,11 +190,18 @@ class Microbatch:
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
         """The model's ``[rows', s']`` result (padded or packed) as ``[rows, s]`` of the batch:
         0 where the batch has padding."""
-        if self.positions is None:
-            return per_position[:, : self.seq]
+        if self.positions is None:  # cut to the rows' own length: padded back to the batch's
+            return _to_width(per_position, self.seq)
         assert self.cu_seqlens is not None, "a packed microbatch has its boundaries"
         out = per_position.new_zeros((len(self.rows), self.seq))
         for r, where in enumerate(self.positions):
             start = int(self.cu_seqlens[r])
             out[r, where] = per_position[0, start : start + len(where)]
         return out
+
+
+def _to_width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t [rows, s, ...]`` cut or zero-padded on the right to ``width`` positions."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))

@@ -44,7 +44,16 @@ from ..runtime.stepping import require_stepped
 from ..runtime.weights import export_hf
 from . import checkpoint, shards
 from .agreement import first_problem
-from .batches import Batch, BatchError, Microbatch, check_batch, default_token_mask, plan_microbatches, spread_to
+from .batches import (
+    Batch,
+    BatchError,
+    Microbatch,
+    balanced_partition,
+    check_batch,
+    default_token_mask,
+    plan_microbatches,
+    spread_to,
+)
 from .build import build_parallel_model
 from .channel import WeightChannel
 from .offload import Offloader
@@ -158,6 +167,16 @@ class Policy:
         per = global_rows // self.dp_size
         return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
+    def balanced_slices(self, lengths: list[int] | torch.Tensor) -> list[int]:
+        """This rank's rows of a global batch whose rows hold ``lengths`` tokens (``attention_mask
+        .sum(1)``, the same on every rank): as many rows on every dp rank as ``slice_of`` gives,
+        with the token counts as even as possible (``engine.batches.balanced_partition``).
+        The step is the same as with ``slice_of`` (the loss is normalized globally); the
+        slowest rank is less slow."""
+        counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+        self.slice_of(len(counts))  # the same refusal when dp does not divide the rows
+        return balanced_partition([int(c) for c in counts], self.dp_size)[self.dp_rank]
+
     # ------------------------------------------------------------------ training
     def train(
         self,
@@ -198,24 +217,34 @@ class Policy:
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, float] = {}
-        non_finite: int | None = None  # the first microbatch whose loss is not finite
+        # Nothing reads the device inside the loop (a GPU's queue never stalls on the host): a
+        # microbatch whose loss the caller's function refused is noted and agreed on after the
+        # last backward, whether each loss is finite is read once at the end.
+        refused = ""  # this rank's first refused microbatch
+        finite: list[torch.Tensor] = []
+        ends = _last_attended(batch["attention_mask"])  # every row's, read once for the cuts
         try:
             for index, rows in enumerate(plan):
-                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack)
+                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, ends=ends)
                 lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
                 fields = dict(mb.fields)
                 if ent is not None:
                     fields["entropy"] = ent
-                loss, metrics = self._agree(partial(_call_loss, loss_fn, lp, fields, norm, index))
+                try:
+                    loss, metrics = _call_loss(loss_fn, lp, fields, norm, index)
+                except BatchError as exc:  # the step is refused after the loop, on every rank
+                    refused = refused or str(exc)
+                    loss, metrics = (lp * 0).sum(), {}  # the passes every rank runs; its gradient is dropped
                 # the global loss's gradient (runtime.gradient_scale states the invariant)
                 (loss * loss_scale(self.layout)).backward()  # even when not finite: every rank runs the same passes
-                if non_finite is None and not bool(torch.isfinite(loss.detach())):
-                    non_finite = index
+                finite.append(torch.isfinite(loss.detach()))
                 loss_sum += loss.detach().to(torch.float64)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
+            self._agree(partial(_raise_if, refused))
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
-            self._refuse_non_finite(non_finite, float(loss_sum), grad_norm)
+            bad = (~torch.stack(finite)).nonzero().flatten().tolist()
+            self._refuse_non_finite(bad[0] if bad else None, float(loss_sum), grad_norm)
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
@@ -264,8 +293,9 @@ class Policy:
         self.model.eval()
         try:
             with torch.no_grad():
+                ends = _last_attended(batch["attention_mask"])
                 for rows in plan:
-                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack)
+                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, ends=ends)
                     lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
                     out[rows] = lp
                     if ent_out is not None and ent is not None:
@@ -564,6 +594,17 @@ def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
     return loss.reshape(()), {k: float(v) for k, v in dict(metrics).items()}
+
+
+def _raise_if(problem: str) -> None:
+    if problem:
+        raise BatchError(problem)
+
+
+def _last_attended(mask: torch.Tensor) -> list[int]:
+    """Every row's last attended position plus one (one host read for a whole batch)."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * positions).amax(1).tolist()
 
 
 def check_temperature(temperature: float) -> None:

@@ -295,7 +295,6 @@ class _Trainer:
         }
 
     def run(self) -> list[dict[str, float]]:
-        mine = self.policy.slice_of(self.cfg.batch_size)
         device, history = self.job.device, []
         progress = _Progress(self.cfg.steps)
         metrics = _MetricsFile(
@@ -307,6 +306,7 @@ class _Trainer:
                 self.interrupted = _StopRequest.agreed(device)
                 if self.interrupted:
                     break
+                mine = self.policy.balanced_slices(mask.sum(1))  # even tokens per dp rank
                 row = self.step(step, ids[mine].to(device), mask[mine].to(device))
                 self.done = step + 1
                 history.append(row)
