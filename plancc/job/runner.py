@@ -531,13 +531,17 @@ def _logprobs_of(
     dp, results, worst = policy.dp_size, {}, 0.0
     for lo in range(0, len(sequences), cfg.batch_size * dp):
         rows = list(range(lo, min(lo + cfg.batch_size * dp, len(sequences))))
-        mine = (rows + rows[:1] * (-len(rows) % dp))[policy.slice_of(len(rows) + (-len(rows) % dp))]
+        filled = rows + rows[:1] * (-len(rows) % dp)
+        part = policy.slice_of(len(filled))
+        mine, real = filled[part], [i < len(rows) for i in range(len(filled))][part]
         seqs = [sequences[i] for i in mine]
         ids, mask = (t.to(job.device) for t in padded_rows(seqs))
         lp, ent = _evaluated(policy, cfg, {"input_ids": ids, "attention_mask": mask})
         if reference is not None:
             worst = max(worst, logprobs_difference(reference, ids, mask, lp, temperature=cfg.temperature))
-        for r, i in enumerate(mine):
+        for r, (i, kept) in enumerate(zip(mine, real, strict=True)):
+            if not kept:  # a filler row: computed so every dp rank runs the same passes, not kept
+                continue
             results[i] = {"logprobs": lp[r, : len(seqs[r])].tolist()}
             if ent is not None:
                 results[i]["entropy"] = ent[r, : len(seqs[r])].tolist()
