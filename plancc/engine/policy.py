@@ -92,8 +92,7 @@ class Policy:
     shorthand; shorthand that disagrees with a given layout is a ``LayoutError``.
     ``optimizer``: ``params -> Optimizer`` or ``{"name": "torch.optim.AdamW", "kwargs": {...}}``
     (default AdamW); ``lr_scheduler``: ``optimizer -> scheduler`` or name + kwargs (default
-    constant). ``reference=True`` keeps the
-    initial weights for ``reference_logprobs``.
+    constant). ``reference=True`` keeps the initial weights for ``reference_logprobs``.
     """
 
     def __init__(
@@ -108,7 +107,7 @@ class Policy:
         ep: int = 1,
         dp: int | None = None,
         sp: bool = False,
-        mesh: ParallelMesh | None = None,  # the same as layout=<a built mesh> (plancc < 0.7's name)
+        mesh: ParallelMesh | None = None,  # the same as layout=<a built mesh> (its earlier name)
         # the optimization
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
@@ -618,7 +617,7 @@ def check_temperature(temperature: float) -> None:
 class NonFiniteError(ArithmeticError):
     """A training step whose loss or gradient norm is not finite: the optimizer did not step.
 
-    Divergence, not bad input: not a ``BatchError`` (plancc < 0.6 made it one), so a caller
+    Divergence, not bad input: not a ``BatchError`` (it used to be one), so a caller
     catching bad batches does not swallow it. ``except (BatchError, NonFiniteError)`` catches
     both."""
 

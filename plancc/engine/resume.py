@@ -76,8 +76,8 @@ def restore_schedule(
     this run's configured base learning rates (the checkpoint's are what an earlier run was
     told). A ``LambdaLR`` (a function of the step, as ``plancc apply``'s) then gives the next
     step's rate from the new base; a schedule without state keeps the configured rate. A
-    checkpoint that kept no schedule (plancc < 0.4, or ``plancc apply`` before 0.7) puts a
-    ``LambdaLR`` at the checkpoint's ``step``."""
+    checkpoint that kept no schedule (an older Policy's, or ``plancc apply``'s before it saved
+    through ``Policy.save``) puts a ``LambdaLR`` at the checkpoint's ``step``."""
     for group, base in zip(optimizer.param_groups, configured, strict=True):
         group["initial_lr"] = base
     if scheduler is None:
