@@ -26,7 +26,9 @@ class BatchError(ValueError):
     """A batch, or a way of cutting it, that cannot be trained or evaluated as given."""
 
 
-def check_batch(batch: Batch, *, max_tokens: int | None = None, micro_batch_size: int | None = None) -> None:
+def check_batch(
+    batch: Batch, *, max_tokens: int | None = None, micro_batch_size: int | None = None, vocab_size: int | None = None
+) -> None:
     """Raise ``BatchError`` naming the field or row when ``batch`` cannot be used."""
     if not isinstance(batch, Mapping):
         raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
@@ -42,6 +44,14 @@ def check_batch(batch: Batch, *, max_tokens: int | None = None, micro_batch_size
     if ids.dtype not in (torch.int32, torch.int64):
         raise BatchError(f"'input_ids' must hold integer token ids, got {ids.dtype}")
     rows, seq = ids.shape
+    if vocab_size is not None:  # the embedding reads every position, padding too
+        outside = (ids < 0) | (ids >= vocab_size)
+        if bool(outside.any()):
+            row, position = (int(i) for i in outside.nonzero()[0])
+            raise BatchError(
+                f"row {row} position {position} holds token id {int(ids[row, position])}, outside the "
+                f"vocabulary [0, {vocab_size}) (padding positions are embedded too: pad with a real id such as 0)"
+            )
     for name, value in batch.items():
         if value.ndim == 0 or value.shape[0] != rows:
             got = tuple(value.shape)

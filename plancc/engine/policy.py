@@ -444,7 +444,10 @@ class Policy:
     ) -> dict[str, torch.Tensor]:
         """The batch on this device once every rank has found its own slice usable (the same
         error, naming the rank, is raised on every rank otherwise)."""
-        self._agree(lambda: check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens))
+        vocab = getattr(self.config.get_text_config(), "vocab_size", None)
+        self._agree(
+            lambda: check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
+        )
         on_device = {name: value.to(self.device) for name, value in batch.items()}
         self._agree(lambda: self._check_slices(on_device))
         return on_device
