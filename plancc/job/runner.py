@@ -11,13 +11,9 @@ import argparse
 import json
 import math
 import os
-import resource
-import shutil
 import signal
 import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import PretrainedConfig
@@ -42,8 +37,11 @@ from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime.failures import diagnosed
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
+from . import reporting
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
 from .data import TokenDataset, dataset_batch, padded_rows, read_jsonl, read_tokens, synthetic_batch
+from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
+from .reporting import MetricsFile, RunProgress, log
 from .verify import (
     EXACT_FACTOR,
     TOLERANCES,
@@ -59,64 +57,6 @@ def lr_lambda(step: int, *, warmup: int, total: int) -> float:
         return (step + 1) / (warmup + 1)
     progress = (step - warmup) / max(1, total - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def log(msg: str) -> None:
-    if dist.get_rank() == 0:
-        print(msg, flush=True, file=_LOG_STREAM[0])
-
-
-# Where rank 0's log lines go: stdout for people, stderr when stdout carries data (JSON output,
-# or log-probs written to stdout). Set once by main().
-_LOG_STREAM = [sys.stdout]
-
-
-class _StopRequest:
-    """SIGINT / SIGTERM ask the run to stop at the next step boundary instead of killing it
-    mid-step (no traceback, no half-written checkpoint). Ctrl-C reaches every worker at
-    once, and the launcher forwards the signal again; every signal only sets the flag, and
-    the launcher's shutdown grace (SIGKILL after it) bounds how long a stuck worker lingers.
-    Ranks agree on stopping through a one-integer all-reduce per step, so all stop together."""
-
-    signum = 0
-
-    @classmethod
-    def install(cls) -> None:
-        def request(signum: int, _frame: Any) -> None:
-            cls.signum = cls.signum or signum
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, request)
-
-    @classmethod
-    def agreed(cls, device: str) -> int:
-        """The signal any rank received (0: none), the same on every rank (a collective)."""
-        flag = torch.tensor([cls.signum], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-
-class _Progress:
-    """A rich progress bar on a terminal (rank 0); one plain line per step otherwise, so
-    logs and tests read the same numbers."""
-
-    def __init__(self, total: int):
-        self.bar = None
-        if dist.get_rank() == 0 and sys.stdout.isatty():
-            self.bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total)
-            self.bar.start()
-
-    def step(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.console.print(line)
-            self.bar.advance(self.task)
-        else:
-            log(line)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 def _batches(
@@ -188,48 +128,6 @@ def _setup(cfg: RunConfig) -> _Job:
     )
 
 
-class _MetricsFile:
-    """``--metrics FILE.jsonl``: rank 0 writes one JSON line per step (the numbers the
-    progress line shows, plus this rank's peak memory and the time since the run started),
-    flushed at once so a killed run keeps every finished step. A resumed run appends.
-    ``--tensorboard DIR``: the same numbers as TensorBoard scalars (``train/loss``, ...)."""
-
-    def __init__(self, path: str | None, *, resumed: bool, device: str, tensorboard: str | None = None):
-        rank0 = dist.get_rank() == 0
-        self.file = open(path, "a" if resumed else "w") if path and rank0 else None  # noqa: SIM115
-        self.board: Any = None
-        if tensorboard and rank0:
-            from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked before launch
-
-            self.board = SummaryWriter(log_dir=tensorboard)
-        self.device = device
-        self.started = time.perf_counter()
-
-    def peak_memory(self) -> int:
-        if self.device == "cuda":
-            return int(torch.cuda.max_memory_allocated())
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-    def write(self, row: dict[str, float]) -> None:
-        if self.file is None and self.board is None:
-            return
-        line = {**row, "peak_memory_bytes": self.peak_memory(), "elapsed_s": time.perf_counter() - self.started}
-        if self.file is not None:
-            self.file.write(json.dumps(line) + "\n")
-            self.file.flush()
-        if self.board is not None:
-            for key, value in line.items():
-                if key != "step":
-                    self.board.add_scalar(f"train/{key}", value, global_step=int(row["step"]))
-            self.board.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.board is not None:
-            self.board.close()
-
-
 @dataclass(kw_only=True, slots=True)
 class _Trainer:
     """The LR schedule and step loop of one training run, over a ``plancc.Policy`` (which owns
@@ -296,14 +194,12 @@ class _Trainer:
 
     def run(self) -> list[dict[str, float]]:
         device, history = self.job.device, []
-        progress = _Progress(self.cfg.steps)
-        metrics = _MetricsFile(
-            self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard
-        )
+        progress = RunProgress(self.cfg.steps)
+        metrics = MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard)
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.cfg.steps)
         try:
             for step, (ids, mask) in enumerate(batches, start=self.start):
-                self.interrupted = _StopRequest.agreed(device)
+                self.interrupted = StopRequest.agreed(device)
                 if self.interrupted:
                     break
                 mine = self.policy.balanced_slices(mask.sum(1))  # even tokens per dp rank
@@ -619,80 +515,15 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     return result
 
 
-EXIT_ORPHANED = 5
-PARENT_POLL_S = 0.5
-
-
-class _LauncherWatch:
-    """End this worker within a second of its launcher's death.
-
-    The elastic agent runs inside the ``plancc`` process; if that process is SIGKILLed
-    nothing tells the workers, and they would train to the end (and write checkpoints no
-    one asked for any more). A daemon thread watches the parent pid; once the worker is
-    re-parented it exits at once, and local rank 0 first removes the temporary folders the
-    launcher can no longer clean up (plancc's result folder, the agent's log folder).
-    Polling rather than ``PR_SET_PDEATHSIG``: the agent starts workers from a thread, and the
-    signal would fire when that thread ends. Whichever way the worker ends while orphaned
-    (the watch, or a collective failing first), ``main`` cleans up the same way.
-    """
-
-    def __init__(self, result_path: str | None):
-        self.parent = os.getppid()
-        self.leftovers = [Path(result_path).parent] if result_path else []
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:
-            self.leftovers += [p for p in Path(error_file).parents if p.name.startswith("torchelastic_")]
-
-    def orphaned(self) -> bool:
-        return os.getppid() != self.parent
-
-    def exit_if_orphaned(self) -> None:
-        if not self.orphaned():
-            return
-        if os.environ.get("LOCAL_RANK") == "0":
-            for folder in self.leftovers:
-                if folder.name.startswith(("plancc-", "torchelastic_")):
-                    shutil.rmtree(folder, ignore_errors=True)
-        os._exit(EXIT_ORPHANED)
-
-    def start(self) -> _LauncherWatch:
-        def watch() -> None:
-            while True:
-                time.sleep(PARENT_POLL_S)
-                self.exit_if_orphaned()
-
-        threading.Thread(target=watch, name="plancc-launcher-watch", daemon=True).start()
-        return self
-
-
-EXIT_FAILED = 1
-
-
-def _log_traceback(cfg: RunConfig, exc: Exception) -> None:
-    """A failing rank's full traceback into its log (the launcher names the file in the one
-    line it prints), not onto the terminal, where every victim rank's trace of a peer's death
-    would bury the line that says which rank failed. Without a log folder: stderr, as before."""
-    trace = "".join(traceback.format_exception(exc))
-    if cfg.log_dir is None:
-        print(trace, file=sys.stderr, flush=True)
-        return
-    path = Path(cfg.log_dir) / f"rank-{os.environ.get('RANK', '0')}.log"
-    try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        path.write_text(trace)
-    except OSError:  # a full disk: the agent still has the error's last line
-        print(trace, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plancc-worker")
     parser.add_argument("--config", required=True, help="RunConfig as JSON")
     parser.add_argument("--result", help="rank 0 writes its result here as JSON")
     args = parser.parse_args(argv)
     cfg = RunConfig.from_json(args.config)
-    _LOG_STREAM[0] = sys.stderr if cfg.log_to_stderr else sys.stdout
-    _StopRequest.install()
-    launcher = _LauncherWatch(args.result).start()
+    reporting.LOG_STREAM[0] = sys.stderr if cfg.log_to_stderr else sys.stdout
+    StopRequest.install()
+    launcher = LauncherWatch(args.result).start()
 
     @record
     def worker() -> dict[str, Any]:
@@ -710,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         result = worker()
     except Exception as exc:  # noqa: BLE001 - record() gave the agent the error; the trace goes to a file
         launcher.exit_if_orphaned()  # a dead launcher's peers fail too: nobody is left to read a log
-        _log_traceback(cfg, exc)
+        log_traceback(cfg, exc)
         return EXIT_FAILED
     finally:
         launcher.exit_if_orphaned()

@@ -1,0 +1,89 @@
+"""What a worker of ``plancc apply`` / ``plancc logprobs`` shows and records: rank 0's log lines,
+the progress of a run, and its per-step metrics (``--metrics``, ``--tensorboard``)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True, file=LOG_STREAM[0])
+
+
+# Where rank 0's log lines go: stdout for people, stderr when stdout carries data (JSON output,
+# or log-probs written to stdout). Set once by main().
+LOG_STREAM = [sys.stdout]
+
+
+class RunProgress:
+    """A rich progress bar on a terminal (rank 0); one plain line per step otherwise, so
+    logs and tests read the same numbers."""
+
+    def __init__(self, total: int):
+        self.bar = None
+        if dist.get_rank() == 0 and sys.stdout.isatty():
+            self.bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total)
+            self.bar.start()
+
+    def step(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.console.print(line)
+            self.bar.advance(self.task)
+        else:
+            log(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class MetricsFile:
+    """``--metrics FILE.jsonl``: rank 0 writes one JSON line per step (the numbers the
+    progress line shows, plus this rank's peak memory and the time since the run started),
+    flushed at once so a killed run keeps every finished step. A resumed run appends.
+    ``--tensorboard DIR``: the same numbers as TensorBoard scalars (``train/loss``, ...)."""
+
+    def __init__(self, path: str | None, *, resumed: bool, device: str, tensorboard: str | None = None):
+        rank0 = dist.get_rank() == 0
+        self.file = open(path, "a" if resumed else "w") if path and rank0 else None  # noqa: SIM115
+        self.board: Any = None
+        if tensorboard and rank0:
+            from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked before launch
+
+            self.board = SummaryWriter(log_dir=tensorboard)
+        self.device = device
+        self.started = time.perf_counter()
+
+    def peak_memory(self) -> int:
+        if self.device == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def write(self, row: dict[str, float]) -> None:
+        if self.file is None and self.board is None:
+            return
+        line = {**row, "peak_memory_bytes": self.peak_memory(), "elapsed_s": time.perf_counter() - self.started}
+        if self.file is not None:
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+        if self.board is not None:
+            for key, value in line.items():
+                if key != "step":
+                    self.board.add_scalar(f"train/{key}", value, global_step=int(row["step"]))
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.board is not None:
+            self.board.close()
