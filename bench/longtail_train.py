@@ -47,7 +47,7 @@ def main() -> None:
     def nll(lp, mb, norm):
         return -(lp * default_token_mask(mb["attention_mask"]).float()).sum() / norm.tokens, {}
 
-    cut = engine_policy._last_attended
+    cut = engine_policy.last_attended
 
     def padded(m: torch.Tensor) -> list[int]:  # every row "ends" at the batch's width: the old path
         return [m.shape[1]] * m.shape[0]
@@ -55,7 +55,7 @@ def main() -> None:
     ways = {"padded": (padded, False), "cut": (cut, False), "packed": (cut, True)}
     result = {}
     for name, (ends, pack) in ways.items():
-        engine_policy._last_attended = ends
+        engine_policy.last_attended = ends
         times, loss = [], 0.0
         for step in range(args.steps + 1):
             row = policy.train(batch, nll, max_tokens=args.max_tokens, pack=pack)
@@ -63,7 +63,7 @@ def main() -> None:
                 times.append(row["seconds"])
             loss = row["loss"]
         result[name] = (row["tokens"] / statistics.median(times), loss, row["microbatches"])
-    engine_policy._last_attended = cut
+    engine_policy.last_attended = cut
     if torch.distributed.get_rank() == 0:
         print(
             f"rows {args.rows} (lengths 16..{seq}, median {int(lengths.median())}), max_tokens {args.max_tokens}, "

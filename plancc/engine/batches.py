@@ -136,6 +136,12 @@ def spread_to(microbatches: list[list[int]], count: int) -> list[list[int]]:
     return out + [[] for _ in range(count - len(out))]
 
 
+def last_attended(mask: torch.Tensor) -> list[int]:
+    """Every row's last attended position plus one (one host read for all the rows)."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * positions).amax(1).tolist()
+
+
 def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """The positions that have a log-prob: attended, after the first, and after an attended one
     (the log-prob of the first real token after left padding comes from padding alone)."""
@@ -176,11 +182,7 @@ class Microbatch:
         ids, mask = fields["input_ids"], fields["attention_mask"]
         seq = ids.shape[1]
         if not pack:
-            if ends is None:
-                end = int((mask.bool() * torch.arange(1, seq + 1, device=mask.device)).amax())
-            else:
-                end = max(ends[r] for r in rows)
-            end = max(2, end)
+            end = max(2, max(ends[r] for r in rows) if ends is not None else max(last_attended(mask)))
             width = -(-end // multiple) * multiple
             ids, mask = _to_width(ids, width), _to_width(mask, width)
             return cls(

@@ -51,6 +51,7 @@ from .batches import (
     balanced_partition,
     check_batch,
     default_token_mask,
+    last_attended,
     plan_microbatches,
     spread_to,
 )
@@ -221,7 +222,7 @@ class Policy:
         # last backward, whether each loss is finite is read once at the end.
         refused = ""  # this rank's first refused microbatch
         finite: list[torch.Tensor] = []
-        ends = _last_attended(batch["attention_mask"])  # every row's, read once for the cuts
+        ends = last_attended(batch["attention_mask"])  # every row's, read once for the cuts
         try:
             for index, rows in enumerate(plan):
                 mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, ends=ends)
@@ -292,7 +293,7 @@ class Policy:
         self.model.eval()
         try:
             with torch.no_grad():
-                ends = _last_attended(batch["attention_mask"])
+                ends = last_attended(batch["attention_mask"])
                 for rows in plan:
                     mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, ends=ends)
                     lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
@@ -601,12 +602,6 @@ def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor
 def _raise_if(problem: str) -> None:
     if problem:
         raise BatchError(problem)
-
-
-def _last_attended(mask: torch.Tensor) -> list[int]:
-    """Every row's last attended position plus one (one host read for a whole batch)."""
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return (mask.bool() * positions).amax(1).tolist()
 
 
 def check_temperature(temperature: float) -> None:
