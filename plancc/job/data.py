@@ -204,22 +204,20 @@ def dataset_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``step*batch_size ...`` (cycling), each cut or right-padded to ``seq_len``.
     Returns (input_ids, attention_mask)."""
-    ids = torch.full((batch_size, seq_len), pad_id, dtype=torch.long)
-    mask = torch.zeros((batch_size, seq_len), dtype=torch.long)
     n = len(data.sequences)
-    for row in range(batch_size):
-        seq = data.sequences[(step * batch_size + row) % n][:seq_len]
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
-    return ids, mask
+    rows = [data.sequences[(step * batch_size + row) % n][:seq_len] for row in range(batch_size)]
+    return padded_rows(rows, width=seq_len, pad_id=pad_id)
 
 
-def padded_rows(sequences: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` of token sequences, right-padded to the longest (at least
-    2 positions: a batch row holds a token and what follows it); the engine pads further to the
-    layout's sequence multiple or packs them (``engine.batches.Microbatch``)."""
-    width = max(2, *(len(s) for s in sequences))
-    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+def padded_rows(
+    sequences: list[tuple[int, ...]], *, width: int | None = None, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of token sequences (none longer than ``width``),
+    right-padded with ``pad_id`` to ``width``, or to the longest (at least 2 positions: a batch
+    row holds a token and what follows it); the engine pads further to the layout's sequence
+    multiple or packs them (``engine.batches.Microbatch``)."""
+    width = width if width is not None else max(2, *(len(s) for s in sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
