@@ -26,14 +26,21 @@ def from_folder(model: str | None) -> bool:
     return bool(model) and Path(str(model)).is_dir() and has_safetensors(str(model))
 
 
+def seeded_model(config: PretrainedConfig, seed: int) -> nn.Module:
+    """The full model with ``seed``'s initial weights, built on the CPU so that a seed means the
+    same weights on every device: what a ``Policy`` without a model folder starts from, and the
+    unsharded reference it is verified against."""
+    torch.manual_seed(seed)
+    return build_model(config, device="cpu")
+
+
 def load_weights(model: nn.Module, source: str | None, config: PretrainedConfig, device: str, seed: int) -> str:
     """Fill a parallelized meta model; returns where its weights came from."""
     if source is not None and from_folder(source):
         materialize(model, device)
         load_hf_weights(model, str(source))
         return f"safetensors from {source}"
-    torch.manual_seed(seed)
-    full = build_model(config, device="cpu")
+    full = seeded_model(config, seed)
     state = {k: v.to(device) for k, v in full.state_dict().items()}
     del full
     materialize(model, device, full_state_dict=state)

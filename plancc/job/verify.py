@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan
 from ..dataflow import batched_experts
 from ..engine.batches import default_token_mask
+from ..engine.build import seeded_model
 from ..engine.losses import next_token_loss
 from ..engine.policy import Policy
 from ..errors import quiet_logger
@@ -185,9 +186,7 @@ def build_pair(
     """(parallelized model, unsharded reference, config) with the same seeded weights.
     ``sequence_parallel``/``ep`` override ``mesh``'s layout (as ``parallelize``'s do)."""
     config = load_config(model_spec)
-    torch.manual_seed(seed)
-    # Initialized on the CPU (as the runner does), so a seed means the same weights everywhere.
-    reference = build_model(config, device="cpu").to(device)
+    reference = seeded_model(config, seed).to(device)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     # A config of its own: cp switches the attention implementation on the model's config.
     model = build_model(copy.deepcopy(config), device="meta")
@@ -275,8 +274,7 @@ def unsharded_reference(
 
         reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder)
         return reference.to(device)
-    torch.manual_seed(seed)
-    return build_model(copy.deepcopy(config), device="cpu").to(device)
+    return seeded_model(copy.deepcopy(config), seed).to(device)
 
 
 def verify_against_unsharded(
