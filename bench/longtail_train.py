@@ -17,6 +17,7 @@ import argparse
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -33,7 +34,6 @@ def main() -> None:
 
     import plancc
     from plancc.engine import policy as engine_policy
-    from plancc.engine.batches import default_token_mask
 
     policy = plancc.Policy("plans/qwen3.yaml", args.model, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.0}})
     gen = torch.Generator().manual_seed(0)
@@ -44,26 +44,26 @@ def main() -> None:
     mine = policy.balanced_slices(mask.sum(1))
     batch = {"input_ids": ids[mine] * mask[mine], "attention_mask": mask[mine]}
 
-    def nll(lp, mb, norm):
-        return -(lp * default_token_mask(mb["attention_mask"]).float()).sum() / norm.tokens, {}
+    def nll(lp, tokens, norm):  # per token: a token without a log-prob has every field 0
+        return -(lp * tokens["attention_mask"].float()).sum() / norm.tokens
 
-    cut = engine_policy.last_attended
+    cut = engine_policy.row_spans
 
-    def padded(m: torch.Tensor) -> list[int]:  # every row "ends" at the batch's width: the old path
-        return [m.shape[1]] * m.shape[0]
+    def padded(m: torch.Tensor) -> list:  # every row "ends" at the batch's width: the old path
+        return [replace(span, end=m.shape[1]) for span in cut(m)]
 
     ways = {"padded": (padded, False), "cut": (cut, False), "packed": (cut, True)}
     result = {}
-    for name, (ends, pack) in ways.items():
-        engine_policy.last_attended = ends
+    for name, (spans, pack) in ways.items():
+        engine_policy.row_spans = spans
         times, loss = [], 0.0
         for step in range(args.steps + 1):
-            row = policy.train(batch, nll, max_tokens=args.max_tokens, pack=pack)
+            row = policy.train(batch, token_loss=nll, max_tokens=args.max_tokens, pack=pack)
             if step:
                 times.append(row["seconds"])
             loss = row["loss"]
         result[name] = (row["tokens"] / statistics.median(times), loss, row["microbatches"])
-    engine_policy.last_attended = cut
+    engine_policy.row_spans = cut
     if torch.distributed.get_rank() == 0:
         print(
             f"rows {args.rows} (lengths 16..{seq}, median {int(lengths.median())}), max_tokens {args.max_tokens}, "

@@ -44,19 +44,21 @@ def reward(responses, vocab):
     return (responses < vocab // 2).float().mean(1)
 
 
-def grpo_loss(lp, mb, norm, eps=0.2, beta=0.02):
+def grpo_loss(lp, tokens, norm, eps=0.2, beta=0.02):
     """The clipped surrogate with group-normalized advantages and a k3 KL to the reference,
-    a token mean over the global batch (``norm.tokens``)."""
+    a token mean over the global batch (``norm.tokens``). A sum of per-token terms, so the
+    policy trains it as ``token_loss``: ``lp`` and every field come per token (``advantages``,
+    a per-row field, at each token's row), and the lm_head costs 3 matmuls, not 4."""
     import torch
 
-    mask = mb["token_mask"].float()
-    ratio = torch.exp(lp - mb["old_logprobs"])
-    adv = mb["advantages"][:, None]
+    mask = tokens["token_mask"].float()
+    ratio = torch.exp(lp - tokens["old_logprobs"])
+    adv = tokens["advantages"]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
-    delta = mb["ref_logprobs"] - lp
+    delta = tokens["ref_logprobs"] - lp
     kl = torch.exp(delta) - delta - 1
     loss = ((beta * kl - surrogate) * mask).sum() / norm.tokens
-    return loss, {"kl_sum": float((kl.detach() * mask).sum())}
+    return loss, {"kl_sum": (kl.detach() * mask).sum()}  # summed where it is, read once per step
 
 
 # ----------------------------------------------------------------------------- rollout engine
@@ -153,7 +155,9 @@ def policy_rank(args) -> list[dict]:
         # every log-prob at the sampler's temperature: the ratio is exactly 1 before the step
         batch["old_logprobs"] = policy.logprobs(batch, temperature=args.temperature)
         batch["ref_logprobs"] = policy.reference_logprobs(batch, temperature=args.temperature)
-        metrics = policy.train(batch, grpo_loss, micro_batch_size=args.micro_batch_size, temperature=args.temperature)
+        metrics = policy.train(
+            batch, token_loss=grpo_loss, micro_batch_size=args.micro_batch_size, temperature=args.temperature
+        )
         row = {
             "step": step,
             "reward": float(rewards.mean()),

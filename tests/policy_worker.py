@@ -8,6 +8,7 @@ import copy
 from .distributed import init_gloo
 
 ROWS_PER_RANK = 4
+GRAD_NORM = "(gradient norm before clipping)"  # beside the gradients: clipping hides a scaled gradient
 SEQ = 16
 LR = 0.5
 
@@ -56,6 +57,30 @@ def nll_per_rank(lp, mb, norm):
 LOSSES = {"nll": nll, "grpo": grpo, "seq_mean_token_mean": seq_mean_token_mean, "nll_per_rank": nll_per_rank}
 
 
+def nll_tokens(lp, tok, norm):
+    """``nll`` as a sum of per-token terms (``Policy.train(token_loss=)``): a token without a
+    log-prob has log-prob 0 and every field 0, its attention_mask included."""
+    mask = tok["attention_mask"].float()
+    return -(lp * mask).sum() / norm.tokens, {"nll_sum": -(lp.detach() * mask).sum()}
+
+
+def grpo_tokens(lp, tok, norm, eps=0.2, beta=0.05):
+    """``grpo`` per token: ``advantages`` (a per-row field) comes at each token's row."""
+    import torch
+
+    mask = tok["attention_mask"].float()
+    ratio = torch.exp(lp - tok["old_logprobs"])
+    adv = tok["advantages"]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    delta = tok["ref_logprobs"] - lp
+    kl = torch.exp(delta) - delta - 1
+    return ((-surrogate + beta * kl) * mask).sum() / norm.tokens, {"kl_sum": (kl.detach() * mask).sum()}
+
+
+# a ``token_loss`` case is named after the loss_fn it must equal
+TOKEN_LOSSES = {"nll_tokens": nll_tokens, "grpo_tokens": grpo_tokens}
+
+
 # ----------------------------------------------------------------------------- data
 def global_batch(rows, vocab, seed=1):
     """Rows of different lengths (right padding), with the fields a GRPO loss reads."""
@@ -78,7 +103,9 @@ def global_batch(rows, vocab, seed=1):
 def _full_state(model):
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=None):
@@ -107,8 +134,9 @@ def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=N
         loss, _ = loss_fn(lp, fields, norm)
         loss.backward()
         total += float(loss.detach())
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    norm_before_clipping = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    grads[GRAD_NORM] = norm_before_clipping
     with torch.no_grad():
         for p in model.parameters():
             p -= LR * p.grad
@@ -131,7 +159,8 @@ def _update_error(before, after, want):
 def _own_errors(before, after, want):
     """Each parameter's update difference relative to its own update."""
     return {
-        name: float(((after[name] - before[name]) - (w - before[name])).norm()) / max(float((w - before[name]).norm()), 1e-12)
+        name: float(((after[name] - before[name]) - (w - before[name])).norm())
+        / max(float((w - before[name]).norm()), 1e-12)
         for name, w in want.items()
         if name in after
     }
@@ -210,10 +239,13 @@ def train_cases(plan, model_name, layout_kwargs, cases):
         with torch.no_grad():
             for param, value in zip(policy._shards(), initial, strict=True):
                 param.copy_(value)
-        loss_fn = LOSSES[loss_name]
-        metrics = policy.train({k: v[mine] for k, v in batch.items()}, loss_fn, **cutting)
+        mine_batch = {k: v[mine] for k, v in batch.items()}
+        if loss_name in TOKEN_LOSSES:
+            metrics = policy.train(mine_batch, token_loss=TOKEN_LOSSES[loss_name], **cutting)
+        else:
+            metrics = policy.train(mine_batch, LOSSES[loss_name], **cutting)
         after = _full_state(policy.model)
-        reference_loss = LOSSES[loss_name.replace("_per_rank", "")]
+        reference_loss = LOSSES[loss_name.replace("_per_rank", "").replace("_tokens", "")]
         try:
             want_loss, exact, exact_grads = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float64)
         except RuntimeError:  # transformers' grouped MoE matmul has no fp64: the fp32 model is the bar
@@ -221,12 +253,15 @@ def train_cases(plan, model_name, layout_kwargs, cases):
         groups = _groups(batch, policy, cutting)
         _, fp32, fp32_grads = _reference_step(config, 0, batch, reference_loss, 1.0, torch.float32, groups)
         exact = {k: v.float() for k, v in exact.items()}
+        want_norm = exact_grads.pop(GRAD_NORM)
+        fp32_grads.pop(GRAD_NORM)
         error, where, own = _update_error(before, after, exact)
         out.append(
             {
                 "loss": loss_name,
                 "cutting": cutting,
                 "loss_diff": abs(metrics["loss"] - want_loss) / max(1.0, abs(want_loss)),
+                "grad_norm_diff": abs(metrics["grad_norm"] - want_norm) / want_norm,
                 "gradient": _gradient_verdict(policy.optimizer.gradients, exact_grads, fp32_grads),
                 "update_diff": error,
                 "worst_parameter": where,
@@ -274,15 +309,18 @@ def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):
     after_step = _full_state(policy.model)
     optim_before = {k: {n: v.clone() for n, v in s.items()} for k, s in policy.optimizer.state_dict()["state"].items()}
     ref_lp = policy.reference_logprobs(local, max_tokens=2 * SEQ)
-    result["reference"] = float((ref_lp - token_logprobs(unsharded, local["input_ids"],
-                                                          attention_mask=local["attention_mask"])).abs().max())
+    result["reference"] = float(
+        (ref_lp - token_logprobs(unsharded, local["input_ids"], attention_mask=local["attention_mask"])).abs().max()
+    )
     moved = policy.logprobs(local)
     result["policy_moved"] = float((moved - ref_lp).abs().max())
     after_calls = _full_state(policy.model)
     optim_after = policy.optimizer.state_dict()["state"]
     result["weights_bitwise"] = all(torch.equal(after_step[k], after_calls[k]) for k in after_step)
     result["optimizer_bitwise"] = all(
-        torch.equal(_plain(optim_before[k][n]), _plain(optim_after[k][n])) for k in optim_before for n in optim_before[k]
+        torch.equal(_plain(optim_before[k][n]), _plain(optim_after[k][n]))
+        for k in optim_before
+        for n in optim_before[k]
     )
     # weights out, bucket by bucket, against what export_hf writes
     streamed = {}
@@ -360,7 +398,9 @@ def save_then_load_elsewhere(plan, model_name, folder, save_layout, load_layout)
     for start, lp in full_want:
         for i in range(lp.shape[0]):
             rows[start + i] = lp[i]
-    out["logprobs"] = max(float((lp[i] - rows[start + i]).abs().max()) for start, lp in full_got for i in range(lp.shape[0]))
+    out["logprobs"] = max(
+        float((lp[i] - rows[start + i]).abs().max()) for start, lp in full_got for i in range(lp.shape[0])
+    )
     out["step"] = second.step
     torch.distributed.destroy_process_group()
     return out
@@ -476,7 +516,9 @@ def torchrun_reference_for_ray(plan, model_name, layout_kwargs):
     from plancc.models import load_config
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}, **layout_kwargs)
+    policy = plancc.Policy(
+        plan, model_name, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}, **layout_kwargs
+    )
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, load_config(model_name).vocab_size, seed=13)
     mine = policy.slice_of(batch["input_ids"].shape[0])
     local = {k: v[mine] for k, v in batch.items()}
@@ -501,8 +543,9 @@ def weights_peak_memory(plan, config_path, layout_kwargs, bucket):
 
     init_gloo()
     policy = plancc.Policy(plan, config_path, **layout_kwargs)
-    held = [t._local_tensor if isinstance(t, DTensor) else t
-            for t in [*policy.model.parameters(), *policy.model.buffers()]]
+    held = [
+        t._local_tensor if isinstance(t, DTensor) else t for t in [*policy.model.parameters(), *policy.model.buffers()]
+    ]
     largest = [0]
 
     def stream():

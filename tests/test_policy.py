@@ -26,14 +26,39 @@ def _cases(cuts, losses=LOSSES):
     return [(loss, cut) for loss in losses for cut in cuts]
 
 
+# the same sums as per-token terms through train(token_loss=): the 3-matmul lm_head path
+TOKEN_LOSSES = ["nll_tokens", "grpo_tokens"]
+
 LAYOUTS = [
     # (ranks, plan, model, layout, cases)
-    pytest.param(2, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2}, _cases(ALL_CUTS), id="dp2"),
-    pytest.param(2, "plans/qwen3.yaml", "tiny-qwen3", {"tp": 2, "sp": True}, _cases([ONE, PACKED, BUDGET]), id="tp2-sp"),
-    pytest.param(2, "plans/qwen3.yaml", "tiny-qwen3", {"cp": 2}, _cases([UNEVEN, PACKED]), id="cp2"),
-    pytest.param(4, "plans/qwen3.yaml", "tiny-qwen3", {"cp": 2, "tp": 2}, _cases([BUDGET], ["grpo"]), id="cp2xtp2"),
-    pytest.param(4, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2, "tp": 2}, _cases([UNEVEN], ["grpo"]), id="dp2xtp2"),
-    pytest.param(2, "plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, _cases([ONE, BUDGET], ["grpo"]), id="ep2"),
+    pytest.param(
+        2,
+        "plans/qwen3.yaml",
+        "tiny-qwen3",
+        {"dp": 2},
+        _cases(ALL_CUTS) + _cases([UNEVEN, PACKED], ["grpo_tokens"]),
+        id="dp2",
+    ),
+    pytest.param(
+        2,
+        "plans/qwen3.yaml",
+        "tiny-qwen3",
+        {"tp": 2, "sp": True},
+        _cases([ONE, PACKED, BUDGET]) + _cases([PACKED, BUDGET], ["grpo_tokens"]),
+        id="tp2-sp",
+    ),
+    pytest.param(
+        2, "plans/qwen3.yaml", "tiny-qwen3", {"cp": 2}, _cases([UNEVEN, PACKED], LOSSES + TOKEN_LOSSES), id="cp2"
+    ),
+    pytest.param(
+        4, "plans/qwen3.yaml", "tiny-qwen3", {"cp": 2, "tp": 2}, _cases([BUDGET], ["grpo", "grpo_tokens"]), id="cp2xtp2"
+    ),
+    pytest.param(
+        4, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2, "tp": 2}, _cases([UNEVEN], ["grpo", "nll_tokens"]), id="dp2xtp2"
+    ),
+    pytest.param(
+        2, "plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, _cases([ONE, BUDGET], ["grpo", "grpo_tokens"]), id="ep2"
+    ),
 ]
 
 
@@ -48,6 +73,7 @@ def test_one_train_call_equals_the_unsharded_model_on_the_whole_batch(ranks, pla
     for rank, rows in results.items():
         for row in rows:
             assert row["loss_diff"] <= TOLERANCE, (rank, row)
+            assert row["grad_norm_diff"] <= TOLERANCE, (rank, row)  # clipping would hide a scaled gradient
             ratio, name, error, bar, compared = row["gradient"]
             assert ratio <= 1.0 and compared > 0, (rank, row["loss"], row["cutting"], name, error, bar)
             bar = max(TOLERANCE, EXACT_FACTOR * row["fp32_update_diff"])
@@ -72,7 +98,9 @@ def test_logprobs_reference_weights_and_bad_input(tmp_path):
     from .distributed import launch
     from .policy_worker import logprobs_reference_weights
 
-    results = launch(logprobs_reference_weights, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", {"tp": 2}, str(tmp_path / "hf"))
+    results = launch(
+        logprobs_reference_weights, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", {"tp": 2}, str(tmp_path / "hf")
+    )
     for rank, got in results.items():
         assert got["logprobs"] <= TOLERANCE and got["entropy"] <= TOLERANCE, (rank, got)
         assert got["reference"] <= TOLERANCE, (rank, got)
@@ -200,8 +228,7 @@ def test_weights_out_take_a_bucket_of_memory_not_the_model(tmp_path, layout):
     config.vocab_size, config.hidden_size, config.intermediate_size, config.head_dim = 8192, 256, 1024, 64
     config.save_pretrained(tmp_path / "wide")
     bucket = 2 * 2**20
-    results = launch(weights_peak_memory, 2, "plans/qwen3.yaml", str(tmp_path / "wide" / "config.json"), layout,
-                     bucket)
+    results = launch(weights_peak_memory, 2, "plans/qwen3.yaml", str(tmp_path / "wide" / "config.json"), layout, bucket)
     for rank, got in results.items():
         assert 0 < got["stream"] <= bucket + got["largest"], (rank, got)
         assert got["seed"] >= 0.9 * got["total"], (rank, got)  # the whole model at once

@@ -136,10 +136,34 @@ def spread_to(microbatches: list[list[int]], count: int) -> list[list[int]]:
     return out + [[] for _ in range(count - len(out))]
 
 
+@dataclass(frozen=True, slots=True)
+class RowSpan:
+    """Where a row's attended tokens are: from ``start`` to ``end`` (exclusive), ``count`` of them
+    (``end - start`` unless the mask has holes)."""
+
+    start: int
+    end: int
+    count: int
+
+    @property
+    def contiguous(self) -> bool:
+        return self.end - self.start == self.count
+
+
+def row_spans(mask: torch.Tensor) -> list[RowSpan]:
+    """Every row's ``RowSpan``, in one host read for all the rows (a step reads them once and
+    cuts and packs every microbatch from them: no device read per microbatch or row)."""
+    real = mask.bool()
+    seq = mask.shape[1]
+    positions = torch.arange(1, seq + 1, device=mask.device)
+    end = (real * positions).amax(1)
+    start = torch.where(real, positions, torch.full_like(positions, seq + 1)).amin(1) - 1
+    return [RowSpan(*row) for row in torch.stack([start, end, real.sum(1)], 1).tolist()]
+
+
 def last_attended(mask: torch.Tensor) -> list[int]:
     """Every row's last attended position plus one (one host read for all the rows)."""
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return (mask.bool() * positions).amax(1).tolist()
+    return [span.end for span in row_spans(mask)]
 
 
 def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -155,8 +179,8 @@ def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Microbatch:
     """Some rows of a batch laid out for one forward: ``input_ids``, ``attention_mask`` (None when
-    packed) and ``cu_seqlens`` (packed only) as the model takes them, and how to put the model's
-    per-position results back into ``[rows, s]``."""
+    packed or when no row has padding) and ``cu_seqlens`` (packed only) as the model takes them,
+    and how to put the model's per-position results back into ``[rows, s]``."""
 
     rows: list[int]
     fields: dict[str, torch.Tensor]  # every field of the batch, these rows (what the loss reads)
@@ -165,38 +189,59 @@ class Microbatch:
     cu_seqlens: torch.Tensor | None
     positions: list[torch.Tensor] | None  # packed: each row's attended positions
     seq: int  # the batch's own sequence length
+    starts: list[int] | None = None  # packed: where each row's document starts (cu_seqlens on the host)
 
     @classmethod
     def of(
-        cls, batch: Batch, rows: list[int], *, multiple: int, pack: bool, ends: list[int] | None = None
+        cls, batch: Batch, rows: list[int], *, multiple: int, pack: bool, spans: list[RowSpan] | None = None
     ) -> Microbatch:
         """``rows`` of ``batch``, cut to their own last attended position (what follows it is
         padding in every row: causal attention never lets it reach an earlier position, so
         computing it only costs) and padded on the right to a multiple of ``multiple`` positions
         (SP: tp; CP: 2 * cp); or packed: each row's attended tokens one after the other, each
-        document padded to the multiple (CP shards every document). ``ends``: every row of the
-        batch's last attended position plus one, when the caller read them already (a device
-        read per microbatch otherwise)."""
+        document padded to the multiple (CP shards every document). ``spans``: every row of the
+        batch's ``RowSpan``, when the caller read them already (a device read per microbatch
+        otherwise)."""
         index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
         fields = {name: value.index_select(0, index) for name, value in batch.items()}
         ids, mask = fields["input_ids"], fields["attention_mask"]
         seq = ids.shape[1]
+        mine = [spans[r] for r in rows] if spans is not None else row_spans(mask)
         if not pack:
-            end = max(2, max(ends[r] for r in rows) if ends is not None else max(last_attended(mask)))
+            end = max(2, max(span.end for span in mine))
             width = -(-end // multiple) * multiple
-            ids, mask = _to_width(ids, width), _to_width(mask, width)
+            ids = _to_width(ids, width)
+            # rows without padding need no mask: the model's mask builder then does not ask the
+            # device whether there is any (transformers reads ``padding_mask.all()`` on the host)
+            full = all(span.start == 0 and span.end == width and span.contiguous for span in mine)
             return cls(
-                rows=rows, fields=fields, input_ids=ids, attention_mask=mask, cu_seqlens=None, positions=None, seq=seq
+                rows=rows,
+                fields=fields,
+                input_ids=ids,
+                attention_mask=None if full else _to_width(mask, width),
+                cu_seqlens=None,
+                positions=None,
+                seq=seq,
             )
-        positions = [m.nonzero().flatten() for m in mask.bool()]
-        lengths = [-(-len(p) // multiple) * multiple for p in positions]
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=ids.device)
-        packed = torch.zeros((1, int(cu[-1])), dtype=ids.dtype, device=ids.device)
+        # a contiguous row's positions are known on the host; a row with holes asks the device
+        positions = [
+            torch.arange(span.start, span.end, device=ids.device) if span.contiguous else m.nonzero().flatten()
+            for span, m in zip(mine, mask.bool(), strict=True)
+        ]
+        lengths = [-(-span.count // multiple) * multiple for span in mine]
+        starts = [0, *itertools.accumulate(lengths)]
+        packed = torch.zeros((1, starts[-1]), dtype=ids.dtype, device=ids.device)
         for r, where in enumerate(positions):
-            start = int(cu[r])
-            packed[0, start : start + len(where)] = ids[r, where]
+            packed[0, starts[r] : starts[r] + len(where)] = ids[r, where]
         return cls(
-            rows=rows, fields=fields, input_ids=packed, attention_mask=None, cu_seqlens=cu, positions=positions, seq=seq
+            rows=rows,
+            fields=fields,
+            input_ids=packed,
+            attention_mask=None,
+            cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=ids.device),
+            positions=positions,
+            seq=seq,
+            starts=starts,
         )
 
     def unpack(self, per_position: torch.Tensor) -> torch.Tensor:
@@ -204,11 +249,40 @@ class Microbatch:
         0 where the batch has padding."""
         if self.positions is None:  # cut to the rows' own length: padded back to the batch's
             return _to_width(per_position, self.seq)
-        assert self.cu_seqlens is not None, "a packed microbatch has its boundaries"
+        assert self.starts is not None, "a packed microbatch has its boundaries"
         out = per_position.new_zeros((len(self.rows), self.seq))
-        for r, where in enumerate(self.positions):
-            start = int(self.cu_seqlens[r])
+        for start, (r, where) in zip(self.starts, enumerate(self.positions), strict=False):
             out[r, where] = per_position[0, start : start + len(where)]
+        return out
+
+    def batch_positions(self) -> torch.Tensor:
+        """``[rows', s']`` as the model takes the rows: each model position's flat index into
+        the microbatch's own ``[rows, s]`` fields (``row * s + position``), -1 where the layout
+        added it (the padding to the sequence multiple)."""
+        device = self.input_ids.device
+        if self.positions is None:
+            rows, width = self.input_ids.shape
+            t = torch.arange(width, device=device)
+            index = torch.arange(rows, device=device)[:, None] * self.seq + t[None, :]
+            return torch.where(t[None, :] < self.seq, index, torch.full_like(index, -1))
+        assert self.starts is not None, "a packed microbatch has its boundaries"
+        out = torch.full(self.input_ids.shape, -1, dtype=torch.long, device=device)
+        for r, (start, where) in enumerate(zip(self.starts, self.positions, strict=False)):
+            out[0, start : start + len(where)] = r * self.seq + where
+        return out
+
+    def per_token(self, evaluated: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every field at the tokens ``evaluated`` names (flat indices as ``batch_positions``
+        gives them, -1 for none), in that order: a per-token field ``[rows, s, ...]`` at its
+        position, a per-row field ``[rows, ...]`` at its row; 0 where ``evaluated`` is -1."""
+        known = evaluated >= 0
+        flat = evaluated.clamp(min=0)
+        out = {}
+        for name, value in self.fields.items():
+            per_row = value.ndim == 1  # check_batch: a 2-D field has the batch's positions
+            picked = value[flat // self.seq] if per_row else value.reshape(-1, *value.shape[2:])[flat]
+            keep = known.view(-1, *[1] * (picked.dim() - 1))
+            out[name] = torch.where(keep, picked, torch.zeros_like(picked))
         return out
 
 

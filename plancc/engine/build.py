@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan
 from ..errors import Diagnostic, Severity, SourceLoc
 from ..models import build_model
+from ..runtime.document_attention import enable_document_attention
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
@@ -77,4 +78,6 @@ def build_parallel_model(
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
     parallelize(model, plan, mesh, param_dtype=param_dtype)
+    # packed documents attend one at a time, no [T, T] mask (cp's attention does the same itself)
+    enable_document_attention(model)
     return model, load_weights(model, source, config, device, seed)

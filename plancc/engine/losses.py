@@ -13,3 +13,10 @@ def next_token_loss(lp: torch.Tensor, mb: dict[str, torch.Tensor], norm: Norm) -
     microbatch's share of it: divided by the global count, ``norm.tokens``)."""
     mask = default_token_mask(mb["attention_mask"]).to(lp.dtype)
     return -(lp * mask).sum() / norm.tokens, {}
+
+
+def token_nll(lp: torch.Tensor, tokens: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
+    """``next_token_loss`` as a sum of per-token terms, for ``train(token_loss=)``: the same
+    loss and gradient through the 3-matmul lm_head. A token without a log-prob comes with every
+    field 0, so its ``attention_mask`` there is ``default_token_mask``'s 0."""
+    return -(lp * tokens["attention_mask"].to(lp.dtype)).sum() / norm.tokens, {}

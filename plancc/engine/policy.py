@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -35,12 +35,14 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
 from ..models import load_config
-from ..runtime.gradient_scale import loss_scale
+from ..runtime.fused_logprobs import targets_checked
+from ..runtime.gradient_scale import loss_scale, token_loss_scale
 from ..runtime.gradnorm import clip_grad_norm_
-from ..runtime.logprobs import token_logprobs
+from ..runtime.logprobs import fusable, token_logprobs
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group
 from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
+from ..runtime.token_loss import evaluated_positions, model_token_loss
 from ..runtime.weights import export_hf
 from . import checkpoint, shards
 from .agreement import first_problem
@@ -51,8 +53,8 @@ from .batches import (
     balanced_partition,
     check_batch,
     default_token_mask,
-    last_attended,
     plan_microbatches,
+    row_spans,
     spread_to,
 )
 from .build import build_parallel_model
@@ -63,6 +65,8 @@ from .resume import load_state, save_state
 from .transport import WeightTransport
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
+# (log-probs [n], every field at those n tokens, norm) -> loss, or (loss, metrics)
+TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], Any]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -181,8 +185,9 @@ class Policy:
     def train(
         self,
         batch: Batch,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         *,
+        token_loss: TokenLoss | None = None,
         micro_batch_size: int | None = None,
         max_tokens: int | None = None,
         pack: bool = False,
@@ -191,13 +196,29 @@ class Policy:
     ) -> dict[str, float]:
         """One optimizer step on this rank's slice of a global batch; metrics reduced over ranks.
 
-        For each microbatch: ``loss_fn(logprobs, microbatch, norm) -> (loss, metrics)``, where
-        ``logprobs [rows, s]`` fp32 are log p(input_ids[t] | input_ids[<t]) (0 at position 0 and
-        padding), ``microbatch`` holds every field of the batch for its rows (and ``entropy``
-        with ``entropy=True``) and ``norm`` the global batch's ``Norm``. The loss is this
-        microbatch's share of the global batch's loss (divide by ``norm.tokens`` or
-        ``norm.sequences``, never by what the microbatch holds). Then the gradients are clipped by
-        their global norm, the optimizer and schedule step.
+        The loss, one of two ways:
+
+        - ``loss_fn(logprobs, microbatch, norm) -> (loss, metrics)`` for each microbatch, where
+          ``logprobs [rows, s]`` fp32 are log p(input_ids[t] | input_ids[<t]) (0 at position 0
+          and padding), ``microbatch`` holds every field of the batch for its rows (and
+          ``entropy`` with ``entropy=True``) and ``norm`` the global batch's ``Norm``. Any
+          function of the log-probs (a sequence-level ratio, a mean over a row).
+        - ``token_loss=fn``, for a loss that is a *sum of per-token terms*, each a function of
+          its own token's log-prob and constants (NLL, a clipped PPO / GRPO surrogate, a per-token
+          KL): ``fn(logprobs, tokens, norm) -> loss`` or ``(loss, metrics)``, called on flat
+          ``[n]`` groups of tokens, ``tokens`` holding every field at those tokens (a per-row
+          field such as ``advantages [rows]`` at each token's row). Positions the sequence gives
+          no log-prob (position 0, padding) are either left out or come with log-prob 0 and every
+          field 0, so weigh each term by a mask (``token_mask``) as a ``loss_fn`` would. The
+          gradient is formed while the lm_head's logits are computed: 3 matmuls for the vocabulary
+          projection instead of 4, and it equals ``loss_fn``'s for the same sum (a model whose
+          logits are more than ``lm_head(hidden)`` takes the log-probs path: same numbers). A
+          ``fn`` that mixes tokens (a mean over what it is given) is wrong here: it sees a chunk.
+          Metrics are summed over the groups.
+
+        Either way the loss is this microbatch's share of the global batch's loss (divide by
+        ``norm.tokens`` or ``norm.sequences``, never by what it holds). Then the gradients are
+        clipped by their global norm, the optimizer and schedule step.
 
         ``temperature``: the sampler's; the log-probs are those of the logits divided by it, as
         ``logprobs(temperature=)`` gives them, so a PPO / GRPO ratio against the rollout's
@@ -210,37 +231,37 @@ class Policy:
         """
         self._require_onloaded("train")
         check_temperature(temperature)
+        if (loss_fn is None) == (token_loss is None):
+            raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
+        if token_loss is not None and entropy:
+            raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
         batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         norm = self._norm(batch)
         plan = self._microbatches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor | float] = {}
         # Nothing reads the device inside the loop (a GPU's queue never stalls on the host): a
         # microbatch whose loss the caller's function refused is noted and agreed on after the
-        # last backward, whether each loss is finite is read once at the end.
+        # last backward, whether each loss is finite is read once at the end, metrics are summed
+        # where they are.
         refused = ""  # this rank's first refused microbatch
         finite: list[torch.Tensor] = []
-        ends = last_attended(batch["attention_mask"])  # every row's, read once for the cuts
+        spans = row_spans(batch["attention_mask"])  # every row's, read once for the cuts and packing
         try:
             for index, rows in enumerate(plan):
-                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, ends=ends)
-                lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
-                fields = dict(mb.fields)
-                if ent is not None:
-                    fields["entropy"] = ent
-                try:
-                    loss, metrics = _call_loss(loss_fn, lp, fields, norm, index)
-                except BatchError as exc:  # the step is refused after the loop, on every rank
-                    refused = refused or str(exc)
-                    loss, metrics = (lp * 0).sum(), {}  # the passes every rank runs; its gradient is dropped
-                # the global loss's gradient (runtime.gradient_scale states the invariant)
-                (loss * loss_scale(self.layout)).backward()  # even when not finite: every rank runs the same passes
-                finite.append(torch.isfinite(loss.detach()))
-                loss_sum += loss.detach().to(torch.float64)
+                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, spans=spans)
+                if token_loss is not None:
+                    loss, metrics, problem = self._token_pass(mb, token_loss, norm, index, temperature)
+                else:
+                    assert loss_fn is not None, "one loss is given (checked above)"
+                    loss, metrics, problem = self._loss_pass(mb, loss_fn, norm, index, entropy, temperature)
+                refused = refused or problem
+                finite.append(torch.isfinite(loss))
+                loss_sum += loss.to(torch.float64)
                 for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    sums[key] = sums.get(key, 0.0) + value
             self._agree(partial(_raise_if, refused))
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
             bad = (~torch.stack(finite)).nonzero().flatten().tolist()
@@ -256,7 +277,9 @@ class Policy:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        reduced = self._sum_over_dp([float(loss_sum), *sums.values()])
+        # a token loss's shares are split over the cp ranks too (each computed its positions)
+        group = (self.mesh.dp_cp if token_loss is not None else self.mesh["dp"]).get_group()
+        reduced = self._sum_over([loss_sum, *sums.values()], group)
         return {
             "loss": reduced[0],
             "grad_norm": grad_norm,
@@ -267,6 +290,55 @@ class Policy:
             "seconds": time.perf_counter() - started,
             **dict(zip(sums, reduced[1:], strict=True)),
         }
+
+    def _loss_pass(
+        self, mb: Microbatch, loss_fn: LossFn, norm: Norm, index: int, entropy: bool, temperature: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float], str]:
+        """One microbatch's forward and backward with a ``loss_fn``: (its loss, its metrics, the
+        refusal of its loss or "")."""
+        lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
+        fields = dict(mb.fields)
+        if ent is not None:
+            fields["entropy"] = ent
+        problem = ""
+        try:
+            loss, metrics = _call_loss(loss_fn, lp, fields, norm, index)
+        except BatchError as exc:  # the step is refused after the loop, on every rank
+            problem = str(exc)
+            loss, metrics = (lp * 0).sum(), {}  # the passes every rank runs; its gradient is dropped
+        # the global loss's gradient (runtime.gradient_scale states the invariant)
+        (loss * loss_scale(self.layout)).backward()  # even when not finite: every rank runs the same passes
+        return loss.detach(), metrics, problem
+
+    def _token_pass(
+        self, mb: Microbatch, token_loss: TokenLoss, norm: Norm, index: int, temperature: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float], str]:
+        """One microbatch's forward and backward with a ``token_loss``: the 3-matmul path
+        (``runtime.token_loss``), or the log-probs path for a model that transforms its logits."""
+        evaluated = evaluated_positions(
+            self.model, mb.batch_positions(), attention_mask=mb.attention_mask, cu_seqlens=mb.cu_seqlens
+        )
+        terms = _TokenTerms(token_loss, mb.per_token(evaluated), norm, index)
+        if fusable(self.model):
+            with targets_checked():  # check_batch read them, once per step
+                loss = model_token_loss(
+                    self.model,
+                    mb.input_ids,
+                    evaluated,
+                    terms,
+                    attention_mask=mb.attention_mask,
+                    cu_seqlens=mb.cu_seqlens,
+                    temperature=temperature,
+                    document_bounds=mb.starts,
+                )
+        else:
+            lp, _ = self._forward(mb, entropy=False, temperature=temperature)
+            known = evaluated >= 0
+            mine = torch.where(known, lp.reshape(-1)[evaluated.clamp(min=0)], torch.zeros_like(known, dtype=lp.dtype))
+            loss = terms(mine, slice(0, mine.numel()))
+        # each cp rank's loss is its positions' share: runtime.gradient_scale.token_loss_scale
+        (loss * token_loss_scale(self.layout)).backward()
+        return loss.detach(), terms.metrics, terms.problem
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(
@@ -293,9 +365,9 @@ class Policy:
         self.model.eval()
         try:
             with torch.no_grad():
-                ends = last_attended(batch["attention_mask"])
+                spans = row_spans(batch["attention_mask"])
                 for rows in plan:
-                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, ends=ends)
+                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, spans=spans)
                     lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
                     out[rows] = lp
                     if ent_out is not None and ent is not None:
@@ -515,15 +587,17 @@ class Policy:
     def _forward(
         self, mb: Microbatch, *, entropy: bool, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        result: Any = token_logprobs(  # type: ignore[call-overload]  # entropy is a bool here, not a Literal
-            self.model,
-            mb.input_ids,
-            attention_mask=mb.attention_mask,
-            cu_seqlens=mb.cu_seqlens,
-            mesh=self.mesh,
-            temperature=temperature,
-            entropy=entropy,
-        )
+        with targets_checked():  # check_batch read the token ids, once per step
+            result: Any = token_logprobs(  # type: ignore[call-overload]  # entropy is a bool here, not a Literal
+                self.model,
+                mb.input_ids,
+                attention_mask=mb.attention_mask,
+                cu_seqlens=mb.cu_seqlens,
+                mesh=self.mesh,
+                temperature=temperature,
+                entropy=entropy,
+                document_bounds=mb.starts,
+            )
         if isinstance(result, tuple):
             return mb.unpack(result[0]), mb.unpack(result[1])
         return mb.unpack(result), None
@@ -555,8 +629,12 @@ class Policy:
         raise NonFiniteError(loss=total, grad_norm=grad_norm, microbatch=microbatch, parameter=parameter)
 
     def _sum_over_dp(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.mesh["dp"].get_group())
+        return self._sum_over(values, self.mesh["dp"].get_group())
+
+    def _sum_over(self, values: Sequence[torch.Tensor | float], group: dist.ProcessGroup) -> list[float]:
+        """Sums over ``group``: one collective and one device read for all of them."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in values])
+        dist.all_reduce(t, group=group)
         return t.tolist()
 
     def _shards(self) -> list[torch.Tensor]:
@@ -596,7 +674,35 @@ def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
-    return loss.reshape(()), {k: float(v) for k, v in dict(metrics).items()}
+    # a tensor metric stays where it is (summed there, read once per step)
+    kept = {k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v) for k, v in dict(metrics).items()}
+    return loss.reshape(()), kept
+
+
+class _TokenTerms:
+    """A ``token_loss`` as the fused evaluator calls it, once per chunk of tokens: each chunk's
+    fields sliced out, its metrics summed, and a refusal (the caller's function failed) noted
+    rather than raised -- the evaluator runs collectives between chunks, and every rank must
+    reach them all; the step is refused on every rank after the last backward."""
+
+    def __init__(self, fn: TokenLoss, tokens: dict[str, torch.Tensor], norm: Norm, microbatch: int) -> None:
+        self.fn, self.tokens, self.norm, self.microbatch = fn, tokens, norm, microbatch
+        self.metrics: dict[str, torch.Tensor | float] = {}
+        self.problem = ""
+
+    def __call__(self, lp: torch.Tensor, index: slice) -> torch.Tensor:
+        if not self.problem:
+            fields = {name: value[index] for name, value in self.tokens.items()}
+            try:
+                loss, metrics = _call_loss(self.fn, lp, fields, self.norm, self.microbatch)
+            except BatchError as exc:
+                self.problem = str(exc)
+            else:
+                for key, value in metrics.items():
+                    self.metrics[key] = self.metrics.get(key, 0.0) + value
+                return loss
+        # nothing, with a finite gradient of 0 (a log-prob may be -inf)
+        return torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)).sum() * 0
 
 
 def _raise_if(problem: str) -> None:

@@ -69,7 +69,7 @@ class PolicyWorker:
         rows = self.policy.slice_of(batch["input_ids"].shape[0])
         return rows, {k: v[rows] for k, v in batch.items()}
 
-    def train(self, batch: Batch, loss_fn: Callable, kwargs: dict) -> dict[str, float]:
+    def train(self, batch: Batch, loss_fn: Callable | None, kwargs: dict) -> dict[str, float]:
         assert self.policy is not None, "setup() first"
         return self.policy.train(self._mine(batch)[1], loss_fn, **kwargs)
 
@@ -202,9 +202,9 @@ class PolicyGroup:
                 continue
         return None
 
-    def train(self, batch: Batch, loss_fn: Callable, **kwargs: Any) -> dict[str, float]:
+    def train(self, batch: Batch, loss_fn: Callable | None = None, **kwargs: Any) -> dict[str, float]:
         """``Policy.train`` on the global ``batch``: each rank trains its dp slice; rank 0's
-        metrics (already reduced over the ranks)."""
+        metrics (already reduced over the ranks). ``token_loss=`` instead of ``loss_fn`` as there."""
         import ray
 
         shared = ray.put(batch)  # once, not once per actor

@@ -30,7 +30,7 @@ from ..compiler.plan import Plan, load_plan, parse_plan
 from ..engine import checkpoint, faults
 from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
-from ..engine.losses import next_token_loss
+from ..engine.losses import token_nll
 from ..engine.policy import NonFiniteError, Norm, Policy
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
@@ -167,15 +167,15 @@ class _Trainer:
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
         poisoned = faults.poisoned("loss", rank=dist.get_rank(), step=step + 1)
 
-        def loss_fn(lp: torch.Tensor, mb: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
-            loss, metrics = next_token_loss(lp, mb, norm)
+        def loss_fn(lp: torch.Tensor, tokens: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
+            loss, metrics = token_nll(lp, tokens, norm)
             return (loss * float("nan") if poisoned else loss), metrics
 
         cfg = self.cfg
         try:
             row = self.policy.train(
                 {"input_ids": ids, "attention_mask": mask},
-                loss_fn,
+                token_loss=loss_fn,  # the NLL is a sum of per-token terms: the 3-matmul lm_head
                 micro_batch_size=cfg.micro_batch_size,
                 max_tokens=cfg.max_tokens,
                 pack=cfg.pack,

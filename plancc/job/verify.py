@@ -30,7 +30,7 @@ from ..compiler.plan import Plan
 from ..dataflow import batched_experts
 from ..engine.batches import default_token_mask
 from ..engine.build import seeded_model
-from ..engine.losses import next_token_loss
+from ..engine.losses import token_nll
 from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import build_model, load_config
@@ -166,7 +166,7 @@ def _fp64_run(
 
 def token_mean_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The mean next-token NLL of the whole batch over the positions ``Policy`` counts
-    (``default_token_mask``): what ``next_token_loss`` sums to over every microbatch and rank."""
+    (``default_token_mask``): what ``token_nll`` sums to over every microbatch and rank."""
     lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     counted = default_token_mask(mask)[:, 1:].to(lp.dtype)
@@ -339,7 +339,10 @@ def verify_against_unsharded(
             report.step_loss_abs.append(abs(_global_loss(policy, ids, mask) - ref_loss.item()))
             break
         batch = {"input_ids": ids[mine], "attention_mask": mask[mine]}
-        row = policy.train(batch, next_token_loss, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack)
+        # as plancc apply trains: the NLL's per-token terms through the 3-matmul lm_head
+        row = policy.train(
+            batch, token_loss=token_nll, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack
+        )
         if step == 0:
             report.loss_abs = abs(row["loss"] - ref_loss.item())
         else:

@@ -28,6 +28,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..sequence_mixing import is_cp_attention
+from .document_attention import (
+    attend_per_document,
+    attention_with_sinks,
+    causal_window,
+    enabled_by_default,
+    sliding_window,
+)
 from .hooks import call_arguments
 
 
@@ -85,14 +92,14 @@ def unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(heads + tails, dim=dim)
 
 
-def _doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
-    cu = [int(c) for c in cu_seqlens]
+def _doc_lengths(cu_seqlens: torch.Tensor | list[int]) -> list[int]:
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)  # one read
     if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
     return [b - a for a, b in zip(cu, cu[1:])]
 
 
-def load_balanced_indices_packed(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def load_balanced_indices_packed(cu_seqlens: torch.Tensor | list[int], cp_size: int, cp_rank: int) -> torch.Tensor:
     """Packed documents: the head-tail layout applied to each document (each a multiple of 2*cp)."""
     out, start = [], 0
     for length in _doc_lengths(cu_seqlens):
@@ -101,11 +108,13 @@ def load_balanced_indices_packed(cu_seqlens: torch.Tensor, cp_size: int, cp_rank
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device="cpu")
 
 
-def shard_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+def shard_packed(
+    x: torch.Tensor, cu_seqlens: torch.Tensor | list[int], cp_size: int, cp_rank: int, dim: int = 1
+) -> torch.Tensor:
     return x.index_select(dim, load_balanced_indices_packed(cu_seqlens, cp_size, cp_rank).to(x.device))
 
 
-def unshard_packed(shards: list[torch.Tensor], cu_seqlens: torch.Tensor, dim: int = 1) -> torch.Tensor:
+def unshard_packed(shards: list[torch.Tensor], cu_seqlens: torch.Tensor | list[int], dim: int = 1) -> torch.Tensor:
     cp_size = len(shards)
     total = int(cu_seqlens[-1])
     shape = list(shards[0].shape)
@@ -132,7 +141,7 @@ class _AllGatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int, cu_seqlens: torch.Tensor | None
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int, cu_seqlens: torch.Tensor | list[int] | None
     ) -> torch.Tensor:
         world = dist.get_world_size(group)
         ctx.group, ctx.dim, ctx.world, ctx.cu = group, dim, world, cu_seqlens
@@ -172,7 +181,7 @@ class _AllGatherSequence(torch.autograd.Function):
 
 
 def all_gather(
-    x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1, cu_seqlens: torch.Tensor | None = None
+    x: torch.Tensor, group: dist.ProcessGroup, dim: int = 1, cu_seqlens: torch.Tensor | list[int] | None = None
 ) -> torch.Tensor:
     """The full sequence from every cp rank's shard (original order), autograd-aware.
     With ``cu_seqlens`` the shards are in the packed (per-document) layout. Works on any
@@ -193,6 +202,7 @@ class CPBatch:
     doc_ids: torch.Tensor  # [B, S] document of every position (packing)
     local_doc_ids: torch.Tensor  # [B, S_local]
     cu_seqlens: torch.Tensor | None = None  # packed layout, or None
+    bounds: list[int] | None = None  # cu_seqlens on the host: the attention goes document by document
 
 
 @dataclass(kw_only=True, slots=True)
@@ -256,61 +266,53 @@ def cp_attention_forward(
     so the CP attention must read them here or silently attend to keys the model would not."""
     ctx = context_of(module)
     assert ctx is not None, "the cp attention runs only on modules enable_context_parallel prepared"
-    key = all_gather(key, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
-    value = all_gather(value, ctx.group, dim=2, cu_seqlens=ctx.cu_seqlens)
+    # the host copy of the boundaries where there is one: no device read per layer
+    documents = ctx.batch.bounds if ctx.batch is not None and ctx.batch.bounds is not None else ctx.cu_seqlens
+    key = all_gather(key, ctx.group, dim=2, cu_seqlens=documents)
+    value = all_gather(value, ctx.group, dim=2, cu_seqlens=documents)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    mask = ctx.mask(_sliding_window(module, kwargs))
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
+    window = sliding_window(module, kwargs)
+    if ctx.batch is not None and ctx.batch.bounds is not None and enabled_by_default():
+        out = _per_document(ctx.batch, ctx.size, query, key, value, window, sinks, dropout_p, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    mask = ctx.mask(window)
     if sinks is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling)
     else:
-        out = _attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
+        out = attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sliding_window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
-    """The layer's window: as the attention interface is told it, else as the module keeps it,
-    else as the model's own mask takes it from the config (Phi-MoE passes none and masks with
-    ``config.sliding_window``; a model with ``layer_types`` windows its sliding layers only)."""
-    if "sliding_window" in kwargs:
-        return kwargs["sliding_window"]
-    if hasattr(module, "sliding_window"):
-        own = module.sliding_window
-        return own if isinstance(own, int) else None
-    config = getattr(module, "config", None)
-    window = getattr(config, "sliding_window", None)
-    kinds, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if window and kinds is not None and layer is not None and layer < len(kinds):
-        return window if kinds[layer] == "sliding_attention" else None
-    return window if getattr(config, "use_sliding_window", True) is not False else None
-
-
-def _attention_with_sinks(
+def _per_document(
+    batch: CPBatch,
+    cp: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    mask: torch.Tensor,
-    sinks: torch.Tensor,
-    *,
+    window: int | None,
+    sinks: torch.Tensor | None,
     dropout_p: float,
     scale: float | None,
 ) -> torch.Tensor:
-    """Attention whose softmax also sums one learned logit per head (gpt-oss's sinks): the sink
-    takes probability mass and gives no value, as the models' own eager attention does it."""
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    # subtracting the row maximum, as the models do, keeps large sinks from overflowing
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = logits.softmax(dim=-1)[..., :-1].to(value.dtype)
-    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(probs, value)
+    """Packed documents one at a time: document ``[s, e)`` of the row is ``[s/cp, e/cp)`` of
+    this rank's queries (each document is sharded on its own) against keys ``[s, e)`` of the
+    gathered row, under its own ``[L/cp, L]`` mask -- never the ``[S/cp, S]`` one of the row
+    (``runtime.document_attention``)."""
+    assert batch.bounds is not None, "packed rows have their boundaries"
+    spans = [(s // cp, e // cp, s, e) for s, e in zip(batch.bounds, batch.bounds[1:], strict=False) if e > s]
+
+    def mask_of(i: int) -> torch.Tensor:
+        q0, q1, k0, k1 = spans[i]
+        allowed = causal_window(batch.q_positions[:, q0:q1], batch.key_positions[:, k0:k1], window)
+        allowed &= batch.key_valid[:, None, k0:k1]
+        return allowed.unsqueeze(1)
+
+    return attend_per_document(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -360,8 +362,9 @@ class ShardSequenceInputs:
         starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
         doc_ids = starts.long().cumsum(1)
         mask = values.get("attention_mask")
-        if cu is not None:
-            index = load_balanced_indices_packed(cu, ctx.size, ctx.rank).to(ids.device)
+        bounds = cu.tolist() if isinstance(cu, torch.Tensor) else None  # one read, for the layout and the attention
+        if bounds is not None:
+            index = load_balanced_indices_packed(bounds, ctx.size, ctx.rank).to(ids.device)
         else:
             index = load_balanced_indices(seq, ctx.size, ctx.rank).to(ids.device)
         ctx.batch = CPBatch(
@@ -371,6 +374,7 @@ class ShardSequenceInputs:
             doc_ids=doc_ids,
             local_doc_ids=doc_ids.index_select(1, index),
             cu_seqlens=cu,
+            bounds=bounds,
         )
         ctx.masks = {}
         values["input_ids"] = ids.index_select(1, index)

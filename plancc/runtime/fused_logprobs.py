@@ -30,6 +30,8 @@ kernels (``fused_kernels``); elsewhere, and for the filtered mode, the PyTorch c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -619,15 +621,39 @@ class _FusedTokenLoss(torch.autograd.Function):
             _all_reduce_sum(grad_h, vocab.group)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.spent = False
         ctx.mark_non_differentiable(lp)
         return total, lp
 
     @staticmethod
     def backward(ctx: Any, g_loss: torch.Tensor, _g_lp: torch.Tensor | None) -> tuple[Any, ...]:
+        if ctx.spent:
+            raise RuntimeError(
+                "a second backward through fused_token_loss (retain_graph): its gradients were formed in "
+                "forward and the first backward took them"
+            )
+        ctx.spent = True
         grad_h, grad_w = ctx.saved_tensors
-        if not bool(g_loss == 1):  # loss.backward() passes 1: hand over what forward formed, no copy
-            grad_h, grad_w = grad_h * g_loss, grad_w * g_loss
+        # scaled in place, whatever g_loss is: asking whether it is 1 would be a device read
+        # (a GPU's queue stalled once per microbatch); one pass over them costs less
+        grad_h.mul_(g_loss)
+        grad_w.mul_(g_loss)
         return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+
+
+_TARGETS_CHECKED: ContextVar[bool] = ContextVar("plancc_targets_checked", default=False)
+
+
+@contextmanager
+def targets_checked() -> Iterator[None]:
+    """Inside, the evaluator does not check that every target is in the vocabulary: the caller
+    checked the token ids already (``Policy`` does, once per step, on every rank), and the check
+    is a device read per call, which stalls a GPU's queue once per microbatch."""
+    token = _TARGETS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _TARGETS_CHECKED.reset(token)
 
 
 def _vocab_of(
@@ -695,7 +721,7 @@ def _prepare(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     flat_t = targets.reshape(-1)
     bad = (flat_t != ignore_index) & ((flat_t < 0) | (flat_t >= size))
-    if bool(bad.any()):
+    if not _TARGETS_CHECKED.get() and bool(bad.any()):  # a device read: skipped where checked before
         raise ValueError(
             f"target {int(flat_t[bad][0])} is outside the vocabulary [0, {size}) and is not ignore_index={ignore_index}"
         )
@@ -814,6 +840,7 @@ def fused_token_loss(
     vocab_start: int | None = None,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, logprobs)`` for a loss that is a sum of per-token terms, each a function of its
     own token's log-prob -- a PPO / GRPO clipped objective, a KL penalty against reference
@@ -829,7 +856,8 @@ def fused_token_loss(
     use ``fused_logprobs`` for those. Gradients flow to ``hidden`` and ``weight`` only: what
     ``loss_fn`` closes over must be constant, and a closed-over tensor that requires grad is
     refused with a ValueError (its gradient would be lost). Layouts as in ``fused_logprobs``; the log-probs come
-    back detached, identical on every tp rank."""
+    back detached, identical on every tp rank. ``temperature``: the log-probs are the sampler's
+    (the logits divided by it), as ``fused_logprobs`` gives them."""
     h, w, t, vocab, chunks = _prepare(
         hidden,
         weight,
@@ -837,7 +865,7 @@ def fused_token_loss(
         group=group,
         mesh=mesh,
         vocab_start=vocab_start,
-        temperature=1.0,
+        temperature=temperature,
         top_k=None,
         top_p=None,
         ignore_index=ignore_index,

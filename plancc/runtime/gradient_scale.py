@@ -42,3 +42,11 @@ def loss_scale(layout: Layout) -> float:
     """The factor a rank's share of the global loss is multiplied by before ``backward()`` so
     that FSDP's gradients are the global loss's (the module's docstring says why)."""
     return fsdp_divisor(layout) / cp_loss_copies(layout)
+
+
+def token_loss_scale(layout: Layout) -> float:
+    """``loss_scale`` for a loss each cp rank computes only its own positions' share of
+    (``Policy.train(token_loss=)``: the fused evaluator never gathers the log-probs). Nothing
+    is copied, the cp ranks' gradients add up to ``dL_d/dθ`` (point 1 does not apply), so the
+    scale is FSDP's whole divisor."""
+    return fsdp_divisor(layout)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .cp import all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
+from .cp import CPContext, all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
+from .document_attention import set_documents
 from .fused_logprobs import fused_logprobs
 from .mesh import MeshLike
 from .vocab_stats import ChunkStats, combine_over_ranks, default_chunk
@@ -293,11 +294,43 @@ def _cp_size(cp: MeshLike) -> int:
 IGNORE_INDEX = -100
 
 
-def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+def next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
     """The token each position predicts; the last position predicts nothing (ignored)."""
     targets = torch.roll(input_ids, shifts=-1, dims=1)
     targets[:, -1] = IGNORE_INDEX
     return targets
+
+
+def model_inputs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    document_bounds: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of one forward: packed rows (``cu_seqlens``) get position ids
+    that restart at every document. A model that attends per document
+    (``runtime.document_attention``) is told the documents (``document_bounds``: the host copy
+    of ``cu_seqlens``, when the caller has one) and gets an all-ones mask, so transformers
+    builds no ``[T, T]`` one from the position ids."""
+    if cu_seqlens is not None:
+        if input_ids.shape[0] != 1:
+            raise ValueError("packed sequences are one row: input_ids [1, T] with cu_seqlens")
+        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
+    documents = None if cu_seqlens is None else (document_bounds if document_bounds is not None else cu_seqlens)
+    if set_documents(model, documents):
+        attention_mask = torch.ones_like(input_ids)
+    # use_cache=False: transformers only detects packed documents when there is no KV cache
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "use_cache": False}
+
+
+def local_positions(ctx: CPContext, seq: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The positions of a full-length sequence this cp rank computes, in the order it holds them
+    (the load-balanced head-tail layout, per document when packed)."""
+    if cu_seqlens is not None:
+        return load_balanced_indices_packed(cu_seqlens, ctx.size, ctx.rank).to(device)
+    return load_balanced_indices(seq, ctx.size, ctx.rank).to(device)
 
 
 def _positions_logprobs(
@@ -363,6 +396,7 @@ def token_logprobs(
     entropy: Literal[False] = False,
     top_k: int | None = None,
     top_p: float | None = None,
+    document_bounds: Sequence[int] | None = None,
 ) -> torch.Tensor: ...
 
 
@@ -381,6 +415,7 @@ def token_logprobs(
     entropy: Literal[True],
     top_k: int | None = None,
     top_p: float | None = None,
+    document_bounds: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -398,6 +433,7 @@ def token_logprobs(
     entropy: bool = False,
     top_k: int | None = None,
     top_p: float | None = None,
+    document_bounds: Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(token_i | tokens_<i) for every position: ``[B, S]`` fp32; with ``entropy=True``
     also the entropy of the distribution each position's token was drawn from: a pair.
@@ -411,7 +447,8 @@ def token_logprobs(
     boundaries ``[0, l0, l0+l1, ..., T]``; attention never crosses a boundary.
     ``temperature``, ``top_k``, ``top_p``: the distribution as the sampler saw it
     (``plancc.logprobs.fused_logprobs``). The logits are never built unless the model
-    transforms them after its lm_head (soft-capping, logit scales).
+    transforms them after its lm_head (soft-capping, logit scales). ``document_bounds``:
+    ``cu_seqlens`` as a host list, when the caller has it (saves reading it from the device).
     """
     cp_enabled = context_of(model) is not None
     if not cp_enabled and cp is not None and _cp_size(cp) > 1:
@@ -427,18 +464,8 @@ def token_logprobs(
         "top_k": top_k,
         "top_p": top_p,
     }
-    if cu_seqlens is not None:
-        if input_ids.shape[0] != 1:
-            raise ValueError("packed sequences are one row: input_ids [1, T] with cu_seqlens")
-        position_ids = packed_position_ids(cu_seqlens, input_ids.shape[1])
-    # use_cache=False: transformers only detects packed documents when there is no KV cache
-    inputs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "use_cache": False,
-    }
-    targets = _next_tokens(input_ids)
+    inputs = model_inputs(model, input_ids, attention_mask, cu_seqlens, position_ids, document_bounds)
+    targets = next_tokens(input_ids)
     if cp_enabled:
         # a model parallelized with cp > 1 computes its sequence shard only: the cp path is
         # the only right one, whether or not the caller passed ``cp``
@@ -466,10 +493,7 @@ def _cp_positions_logprobs(
     assert ctx is not None, "token_logprobs takes this path only for a model with a cp context"
     if cu_seqlens is not None:
         inputs = {**inputs, "cu_seqlens": cu_seqlens}
-        index = load_balanced_indices_packed(cu_seqlens, ctx.size, ctx.rank)
-    else:
-        index = load_balanced_indices(targets.shape[1], ctx.size, ctx.rank)
-    local_targets = targets.index_select(1, index.to(targets.device))
+    local_targets = targets.index_select(1, local_positions(ctx, targets.shape[1], cu_seqlens, targets.device))
     lp, ent = _positions_logprobs(model, inputs, local_targets, **options)
     lp = all_gather(lp, ctx.group, dim=1, cu_seqlens=cu_seqlens)
     return lp, (all_gather(ent, ctx.group, dim=1, cu_seqlens=cu_seqlens) if ent is not None else None)

@@ -1,0 +1,122 @@
+"""Packed documents attend one document at a time (issue 40, point 5): no ``[T, T]`` mask over
+the packed row, and the numbers of transformers' dense block-diagonal mask
+(``PLANCC_DOCUMENT_MASK=dense``, the reference) -- log-probs, loss, gradient and the step, with
+full and sliding-window layers. Under context parallelism the cp attention goes document by
+document too: ``tests/test_policy.py``'s packed cp cases train it against the unsharded model.
+Fake worlds of one rank here: their collectives are exact."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LENGTHS = [37, 5, 64, 12, 29, 3, 50]  # one packed microbatch of 7 documents: T = 200
+
+
+@pytest.fixture
+def fake_world():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _config(window: int | None):
+    from plancc.models import load_config
+
+    config = load_config("tiny-qwen3")
+    if window:  # one sliding layer, one full one
+        config.use_sliding_window, config.sliding_window, config.max_window_layers = True, window, 0
+        config.layer_types = ["sliding_attention", "full_attention"]
+    return config
+
+
+def _policy(window):
+    import plancc
+
+    return plancc.Policy(
+        "plans/qwen3.yaml",
+        _config(window),
+        device="cpu",
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
+        max_grad_norm=None,
+    )
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    seq = max(LENGTHS)
+    mask = (torch.arange(seq)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    return {"input_ids": torch.randint(0, 200, (len(LENGTHS), seq), generator=gen) * mask, "attention_mask": mask}
+
+
+def _nll(lp, tokens, norm):
+    return -(lp * tokens["attention_mask"].float()).sum() / norm.tokens
+
+
+def _run(monkeypatch, way, window):
+    monkeypatch.setenv("PLANCC_DOCUMENT_MASK", way)
+    policy = _policy(window)
+    assert (policy.model.config._attn_implementation == "plancc_docs") == (way == "documents")
+    batch = _batch()
+    logprobs = policy.logprobs(batch, pack=True)
+    metrics = policy.train(batch, token_loss=_nll, pack=True)
+    return logprobs, metrics, [t.detach().clone() for t in policy._shards()]
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding-window-8"])
+def test_packed_documents_attend_as_under_the_dense_mask(fake_world, monkeypatch, window):
+    lp_dense, dense, weights_dense = _run(monkeypatch, "dense", window)
+    lp_docs, docs, weights_docs = _run(monkeypatch, "documents", window)
+    assert torch.allclose(lp_docs, lp_dense, atol=1e-5, rtol=0)
+    assert docs["microbatches"] == 1
+    for key in ("loss", "grad_norm"):
+        assert docs[key] == pytest.approx(dense[key], rel=1e-5), key
+    for a, b in zip(weights_docs, weights_dense, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _RowByRow(TorchDispatchMode):
+    """Whether any op returned a tensor with two dims of at least ``length`` (a mask or scores
+    over the whole packed row against itself)."""
+
+    def __init__(self, length):
+        super().__init__()
+        self.length, self.seen = length, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and sum(d >= self.length for d in t.shape) >= 2:
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("way", ["documents", "dense"])
+def test_no_tensor_spans_the_packed_row_against_itself(fake_world, monkeypatch, way):
+    """The dense path builds a [T, T] mask for the packed row of T tokens; per document no tensor
+    has two dims of T (the largest attention is the longest document's)."""
+    monkeypatch.setenv("PLANCC_DOCUMENT_MASK", way)
+    policy = _policy(None)
+    with _RowByRow(sum(LENGTHS)) as mode:
+        policy.logprobs(_batch(), pack=True)
+        policy.train(_batch(), token_loss=_nll, pack=True)
+    assert bool(mode.seen) == (way == "dense"), mode.seen[:3]
+
+
+def test_a_direct_forward_after_a_packed_one_attends_by_its_own_mask(fake_world, monkeypatch):
+    """The documents are the forward's they were set for: the model called directly afterwards
+    (as a user's eval or plancc's --verify does) attends by its rows' mask, never by the
+    boundaries of the last packed row, even when its length happens to match them."""
+    monkeypatch.setenv("PLANCC_DOCUMENT_MASK", "documents")
+    policy = _policy(None)
+    ids = _batch()["input_ids"][:1, :40]
+    with torch.no_grad():
+        before = policy.model(input_ids=ids, use_cache=False).logits
+        policy.logprobs({"input_ids": ids[:, :40], "attention_mask": torch.ones_like(ids)}, pack=True)
+        policy.logprobs(
+            {"input_ids": ids.reshape(2, 20), "attention_mask": torch.ones(2, 20, dtype=torch.long)}, pack=True
+        )  # two documents of 20: 40 positions, the direct call's length
+        after = policy.model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(before, after)
