@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call of a session (docs/gpu.md): the fake-world Policy cases, the one-GPU Policy
-# bench (offload as another process sees it), the kernels' tests, and apply / logprobs through
-# the CLI on CUDA (--verify, microbatched and packed, save / resume / export). Wheels of the
+# One device call of a session (docs/gpu.md): Policy.train's throughput against a hand-written
+# loop, the fake-world Policy cases, the kernels' tests, and apply / logprobs through the CLI on
+# CUDA (--verify, microbatched and packed); POLICY_GPU=1 adds the one-GPU offload bench,
+# RESUME=1 save / resume / export. Wheels of the
 # pinned transformers (and jsonschema) travel in .whl: see docs/gpu.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/plancc-gpu}
@@ -16,15 +17,18 @@ python3 -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.sp
   || sed -i '/--shutdown-timeout=/d' plancc/job/launch.py
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/gpu.txt"
-python3 bench/policy_fake_world_gpu.py --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
+# Policy.train against a hand-written transformers + Liger loop (issue 40; liger travels in .whl)
+timeout 240 torchrun --nproc-per-node 1 bench/train_gpu.py --steps ${TRAIN_STEPS:-3} --profile --out "$OUT/train_gpu.json" \
+  2>&1 | grep -v "^\[W" | tee "$OUT/train_gpu.txt" | tail -30
+timeout 150 python3 bench/policy_fake_world_gpu.py --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
 tail -1 "$OUT/fake_world_gpu.txt"
-torchrun --nproc-per-node 1 bench/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
-python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py 2>&1 | tail -2
-A="python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"
+[ -n "${POLICY_GPU:-}" ] && torchrun --nproc-per-node 1 bench/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py 2>&1 | tail -2
+A="timeout 100 python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"
 $A --steps 3 --verify 2>&1 | grep -v "^\[W" | tee "$OUT/apply_cuda.txt" | tail -9
 $A --steps 2 --verify --micro-batch-size 2 --pack 2>&1 | grep -v "^\[W" | tee -a "$OUT/apply_cuda.txt" | tail -9
-$A --steps 4 --save /tmp/ck --export-hf /tmp/hf 2>&1 | grep -v "^\[W" | tail -3
-$A --steps 2 --resume /tmp/ck --lr 2e-3 2>&1 | grep -v "^\[W" | tee -a "$OUT/apply_cuda.txt" | tail -4
+[ -n "${RESUME:-}" ] && $A --steps 4 --save /tmp/ck --export-hf /tmp/hf 2>&1 | grep -v "^\[W" | tail -3
+[ -n "${RESUME:-}" ] && $A --steps 2 --resume /tmp/ck --lr 2e-3 2>&1 | grep -v "^\[W" | tee -a "$OUT/apply_cuda.txt" | tail -4
 python3 -c "
 import json, random
 random.seed(0)

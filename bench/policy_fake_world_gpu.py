@@ -56,6 +56,14 @@ def grpo(lp, mb, norm):
     return -(torch_min(ratio * adv, clipped * adv) * mask).sum() / norm.tokens, {}
 
 
+def grpo_tokens(lp, tokens, norm):
+    """``grpo`` as per-token terms (``train(token_loss=)``: the 3-matmul lm_head)."""
+    ratio = (lp - tokens["old_logprobs"]).exp()
+    adv = tokens["advantages"]
+    mask = tokens["token_mask"].to(lp.dtype)
+    return -(torch_min(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * mask).sum() / norm.tokens
+
+
 def torch_min(a, b):
     import torch
 
@@ -159,6 +167,11 @@ def run_case(name: str, device: str) -> dict:
             "token_mask": plancc.engine.batches.default_token_mask(mask),
         }
         call("train grpo at temperature", lambda: policy.train(grpo_batch, grpo, micro_batch_size=2, temperature=0.7))
+        call(
+            "train token_loss grpo, packed, at temperature",
+            lambda: policy.train(grpo_batch, token_loss=grpo_tokens, max_tokens=48, pack=True, temperature=0.7),
+        )
+        call("train token_loss padded", lambda: policy.train(grpo_batch, token_loss=grpo_tokens, micro_batch_size=2))
     call("weights()", lambda: sum(t.numel() for _, t in policy.weights(bucket_bytes=2**16)))
     call("offload + onload", lambda: (policy.offload(), policy.onload()))
     call("train after onload", lambda: policy.train(batch, nll, micro_batch_size=2))
