@@ -129,10 +129,6 @@ class Policy:
         self.mesh: ParallelMesh = the_mesh(
             layout, mesh, {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "sp": sp}, device=self.device
         )
-        # the ranks that hold the same rows (one dp rank's cp x tp group); made now: collective
-        self._replicas = (
-            self.mesh["cp", "tp"]._flatten("cp_tp") if self.mesh.layout.cp * self.mesh.layout.tp > 1 else None
-        )
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         # a config: seeded random weights (``seed``); a name or folder: what ``--model`` loads
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
@@ -237,8 +233,7 @@ class Policy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
         batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        norm = self._norm(batch)
-        plan = self._microbatches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        norm, plan = self._norm_and_plan(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
@@ -262,10 +257,12 @@ class Policy:
                 loss_sum += loss.to(torch.float64)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
-            self._agree(partial(_raise_if, refused))
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
-            bad = (~torch.stack(finite)).nonzero().flatten().tolist()
-            self._refuse_non_finite(bad[0] if bad else None, float(loss_sum), grad_norm)
+            # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
+            shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
+            not_finite, reduced = self._settle(refused, finite, [loss_sum, *sums.values()], shares)
+            if not_finite or not math.isfinite(grad_norm):
+                self._raise_non_finite(finite, reduced[0], grad_norm)
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
@@ -277,9 +274,6 @@ class Policy:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        # a token loss's shares are split over the cp ranks too (each computed its positions)
-        group = (self.mesh.dp_cp if token_loss is not None else self.mesh["dp"]).get_group()
-        reduced = self._sum_over([loss_sum, *sums.values()], group)
         return {
             "loss": reduced[0],
             "grad_norm": grad_norm,
@@ -357,7 +351,7 @@ class Policy:
         self._require_onloaded("logprobs")
         check_temperature(temperature)
         batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        plan = self._microbatches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        plan = self._norm_and_plan(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)[1]
         rows_total, seq = batch["input_ids"].shape
         out = torch.zeros((rows_total, seq), dtype=torch.float32, device=self.device)
         ent_out = torch.zeros_like(out) if entropy else None
@@ -515,74 +509,80 @@ class Policy:
     def _checked(
         self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
     ) -> dict[str, torch.Tensor]:
-        """The batch on this device once every rank has found its own slice usable (the same
-        error, naming the rank, is raised on every rank otherwise)."""
+        """The batch on this device once every rank has found its own slice usable, the dp ranks
+        hold as many rows (a global batch split evenly: ``slice_of``) and the ranks of one tp /
+        cp group the same ones (a fingerprint of the rows compared). Otherwise the same
+        ``BatchError`` on every rank, naming the rank or the ranks. One all-gather over every rank
+        for all of it (each rank sees every rank's verdict, so each raises alike)."""
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
-        self._agree(
-            lambda: check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
-        )
-        on_device = {name: value.to(self.device) for name, value in batch.items()}
-        self._agree(lambda: self._check_slices(on_device))
-        return on_device
-
-    def _check_slices(self, batch: dict[str, torch.Tensor]) -> None:
-        """Every dp rank holds as many rows (a global batch split evenly: ``slice_of``), and the
-        ranks of one tp / cp group hold the same ones (a fingerprint of the rows compared)."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        rows = torch.tensor([ids.shape[0]], device=self.device)
-        counts = [torch.zeros_like(rows) for _ in range(self.dp_size)]
-        dist.all_gather(counts, rows, group=self.mesh["dp"].get_group())
-        sizes = [int(c.item()) for c in counts]
+        problem = ""
+        try:
+            check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
+        except BatchError as exc:
+            problem = str(exc)
+        on_device = {name: value.to(self.device) for name, value in batch.items()} if not problem else {}
+        mine = torch.zeros(5, dtype=torch.float64, device=self.device)
+        if problem:
+            mine[0] = 1
+        else:
+            ids, mask = on_device["input_ids"], on_device["attention_mask"]
+            weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
+            # the same rows give the same numbers (int64 sums, then float64 for one gather)
+            mine[1:] = torch.stack(
+                [
+                    torch.tensor(ids.shape[0], device=self.device),
+                    (ids.long() * weights).sum(),
+                    (mask.long() * weights).sum(),
+                    torch.tensor(ids.shape[1], device=self.device),
+                ]
+            ).to(torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        verdicts = torch.stack(every).tolist()
+        if any(v[0] for v in verdicts):  # a rank's own slice is unusable: its words, gathered now
+            self._agree(partial(_raise_if, problem))
+        assert (self.mesh.device_mesh.mesh_dim_names or ("",))[0] == "dp", "the (dp, cp, tp) mesh: dp first"
+        ranks = self.mesh.device_mesh.mesh.reshape(self.dp_size, -1).tolist()  # each dp rank's replicas
+        sizes = [int(verdicts[group[0]][1]) for group in ranks]
         if len(set(sizes)) > 1:
             raise BatchError(
                 f"the dp ranks hold {sizes} rows: a global batch splits into equal slices over dp={self.dp_size} "
                 "(pass rows policy.slice_of(global_rows) on each rank)"
             )
-        if self._replicas is None:
-            return
-        weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
-        print_ = torch.stack(
-            [
-                (ids.long() * weights).sum(),
-                (mask.long() * weights).sum(),
-                torch.tensor(ids.shape[1], device=self.device),
-            ]
-        )
-        low, high = print_.clone(), print_.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._replicas.get_group())
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._replicas.get_group())
-        if not torch.equal(low, high):
-            raise BatchError(
-                "the ranks of one tp / cp group were given different rows: they must pass the same rows, "
-                "full length (the engine shards the sequence for cp itself)"
-            )
+        for group in ranks:
+            if any(verdicts[r][1:] != verdicts[group[0]][1:] for r in group):
+                raise BatchError(
+                    f"the ranks {group} of one tp / cp group were given different rows: they must pass the same "
+                    "rows, full length (the engine shards the sequence for cp itself)"
+                )
+        return on_device
 
-    def _norm(self, batch: dict[str, torch.Tensor]) -> Norm:
-        mask = batch.get("token_mask")
-        tokens = (mask if mask is not None else default_token_mask(batch["attention_mask"])).float().sum()
-        sample = batch.get("sample_mask")
-        sequences = (
-            sample.float().sum()
-            if sample is not None
-            else torch.tensor(float(batch["input_ids"].shape[0]), device=self.device)
-        )
-        total = self._sum_over_dp([float(tokens), float(sequences)])
-        return Norm(tokens=total[0], sequences=total[1])
-
-    def _microbatches(
+    def _norm_and_plan(
         self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None, max_tokens: int | None
-    ) -> list[list[int]]:
-        """This rank's microbatches, as many as the dp rank with the most (collectives line up)."""
+    ) -> tuple[Norm, list[list[int]]]:
+        """The global batch's ``Norm`` and this rank's microbatches, as many as the dp rank with
+        the most (collectives line up): one all-gather over dp for both."""
+        mask = batch.get("token_mask")
+        tokens = (mask if mask is not None else default_token_mask(batch["attention_mask"])).sum()
+        sample = batch.get("sample_mask")
+        sequences = sample.sum() if sample is not None else batch["input_ids"].shape[0]
         lengths = batch["attention_mask"].sum(1).tolist()
         plan = plan_microbatches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        count = torch.tensor([len(plan)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.mesh["dp"].get_group())
-        spread = spread_to(plan, int(count.item()))
+        mine = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in (tokens, sequences, len(plan))]
+        )
+        every = [torch.zeros_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(every, mine, group=self.mesh["dp"].get_group())
+        stacked = torch.stack(every)
+        total_tokens, total_sequences, count = torch.cat(
+            [stacked[:, :2].sum(0), stacked[:, 2].amax(0, keepdim=True)]
+        ).tolist()
+        spread = spread_to(plan, int(count))
         # every dp rank holds as many rows (_checked) and no rank plans more microbatches than it
         # has rows, so splitting always reaches the count: no rank runs an empty pass (whose
         # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
         assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
-        return spread
+        return Norm(tokens=total_tokens, sequences=total_sequences), spread
 
     def _forward(
         self, mb: Microbatch, *, entropy: bool, temperature: float
@@ -617,25 +617,31 @@ class Policy:
             raise BatchError(f"rank {rank}: {first}")
         return result
 
-    def _refuse_non_finite(self, microbatch: int | None, loss: float, grad_norm: float) -> None:
-        """A ``NonFiniteError`` on every rank when any rank's loss or the gradient norm is not
-        finite, naming the first parameter (in model order, over all ranks) whose gradient is."""
-        flag = torch.tensor([int(microbatch is not None or not math.isfinite(grad_norm))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return
+    def _settle(
+        self, refused: str, finite: list[torch.Tensor], values: Sequence[torch.Tensor | float], shares: int
+    ) -> tuple[bool, list[float]]:
+        """After the last backward, one all-reduce over every rank for all of it: whether any
+        rank refused a microbatch's loss (then every rank raises the first rank's refusal, its
+        words gathered only now), whether any rank's loss was not finite, and ``values`` summed
+        over the ``shares`` of the global batch (every other rank holds a copy of one)."""
+        flags = [float(bool(refused)), (~torch.stack(finite)).any()]
+        t = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in [*flags, *values]]
+        )
+        dist.all_reduce(t)
+        out = t.tolist()
+        if out[0]:
+            self._agree(partial(_raise_if, refused))
+        copies = dist.get_world_size() // shares
+        return out[1] > 0, [v / copies for v in out[2:]]
+
+    def _raise_non_finite(self, finite: list[torch.Tensor], loss: float, grad_norm: float) -> None:
+        """A ``NonFiniteError`` on every rank (each calls it: the verdict was reduced), naming
+        this rank's first microbatch whose loss is not finite and the first parameter (in model
+        order, over all ranks) whose gradient is not."""
+        bad = (~torch.stack(finite)).nonzero().flatten().tolist()
         parameter = first_non_finite(((n, p.grad) for n, p in self.model.named_parameters()), self.device)
-        total = self._sum_over_dp([loss])[0]
-        raise NonFiniteError(loss=total, grad_norm=grad_norm, microbatch=microbatch, parameter=parameter)
-
-    def _sum_over_dp(self, values: list[float]) -> list[float]:
-        return self._sum_over(values, self.mesh["dp"].get_group())
-
-    def _sum_over(self, values: Sequence[torch.Tensor | float], group: dist.ProcessGroup) -> list[float]:
-        """Sums over ``group``: one collective and one device read for all of them."""
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in values])
-        dist.all_reduce(t, group=group)
-        return t.tolist()
+        raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=bad[0] if bad else None, parameter=parameter)
 
     def _shards(self) -> list[torch.Tensor]:
         """This rank's storage of every parameter, in order (written in place by swaps)."""
@@ -661,7 +667,7 @@ class Policy:
 
 def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:
     """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails or is not a
-    scalar (a non-finite one is backpropagated first, then refused: ``_refuse_non_finite``)."""
+    scalar (a non-finite one is backpropagated first, then refused: ``_raise_non_finite``)."""
     try:
         result = loss_fn(lp, fields, norm)
     except KeyError as exc:
