@@ -232,8 +232,7 @@ class Policy:
         if token_loss is not None and entropy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
-        batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        norm, plan = self._norm_and_plan(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        batch, norm, plan = self._prepared(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
@@ -350,8 +349,7 @@ class Policy:
         as in ``train`` (rows, a token budget, packed)."""
         self._require_onloaded("logprobs")
         check_temperature(temperature)
-        batch = self._checked(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        plan = self._norm_and_plan(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)[1]
+        batch, _, plan = self._prepared(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         rows_total, seq = batch["input_ids"].shape
         out = torch.zeros((rows_total, seq), dtype=torch.float32, device=self.device)
         ent_out = torch.zeros_like(out) if entropy else None
@@ -506,26 +504,32 @@ class Policy:
             offloaded = " and ".join(self._memory.offloaded)
             raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
-    def _checked(
+    def _prepared(
         self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
-    ) -> dict[str, torch.Tensor]:
-        """The batch on this device once every rank has found its own slice usable, the dp ranks
-        hold as many rows (a global batch split evenly: ``slice_of``) and the ranks of one tp /
-        cp group the same ones (a fingerprint of the rows compared). Otherwise the same
-        ``BatchError`` on every rank, naming the rank or the ranks. One all-gather over every rank
-        for all of it (each rank sees every rank's verdict, so each raises alike)."""
+    ) -> tuple[dict[str, torch.Tensor], Norm, list[list[int]]]:
+        """(the batch on this device, the global batch's ``Norm``, this rank's microbatches) once
+        every rank has found its own slice usable, the dp ranks hold as many rows (a global batch
+        split evenly: ``slice_of``) and the ranks of one tp / cp group the same ones (a
+        fingerprint of the rows compared); the same ``BatchError`` on every rank otherwise,
+        naming the rank or the ranks. Every rank plans as many microbatches as the dp rank with
+        the most (collectives line up). One all-gather over every rank for all of it: each rank
+        sees every rank's verdict and counts, so each raises, or goes on, alike."""
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
         problem = ""
         try:
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
         except BatchError as exc:
             problem = str(exc)
-        on_device = {name: value.to(self.device) for name, value in batch.items()} if not problem else {}
-        mine = torch.zeros(5, dtype=torch.float64, device=self.device)
+        on_device: dict[str, torch.Tensor] = {}
+        plan: list[list[int]] = []
+        mine = torch.zeros(8, dtype=torch.float64, device=self.device)
         if problem:
             mine[0] = 1
         else:
+            on_device = {name: value.to(self.device) for name, value in batch.items()}
             ids, mask = on_device["input_ids"], on_device["attention_mask"]
+            plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+            token_mask, sample_mask = on_device.get("token_mask"), on_device.get("sample_mask")
             weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
             # the same rows give the same numbers (int64 sums, then float64 for one gather)
             mine[1:] = torch.stack(
@@ -534,6 +538,9 @@ class Policy:
                     (ids.long() * weights).sum(),
                     (mask.long() * weights).sum(),
                     torch.tensor(ids.shape[1], device=self.device),
+                    (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
+                    sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=self.device),
+                    torch.tensor(len(plan), device=self.device),
                 ]
             ).to(torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -550,39 +557,19 @@ class Policy:
                 "(pass rows policy.slice_of(global_rows) on each rank)"
             )
         for group in ranks:
-            if any(verdicts[r][1:] != verdicts[group[0]][1:] for r in group):
+            if any(verdicts[r][1:5] != verdicts[group[0]][1:5] for r in group):
                 raise BatchError(
                     f"the ranks {group} of one tp / cp group were given different rows: they must pass the same "
                     "rows, full length (the engine shards the sequence for cp itself)"
                 )
-        return on_device
-
-    def _norm_and_plan(
-        self, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None, max_tokens: int | None
-    ) -> tuple[Norm, list[list[int]]]:
-        """The global batch's ``Norm`` and this rank's microbatches, as many as the dp rank with
-        the most (collectives line up): one all-gather over dp for both."""
-        mask = batch.get("token_mask")
-        tokens = (mask if mask is not None else default_token_mask(batch["attention_mask"])).sum()
-        sample = batch.get("sample_mask")
-        sequences = sample.sum() if sample is not None else batch["input_ids"].shape[0]
-        lengths = batch["attention_mask"].sum(1).tolist()
-        plan = plan_microbatches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        mine = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in (tokens, sequences, len(plan))]
-        )
-        every = [torch.zeros_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(every, mine, group=self.mesh["dp"].get_group())
-        stacked = torch.stack(every)
-        total_tokens, total_sequences, count = torch.cat(
-            [stacked[:, :2].sum(0), stacked[:, 2].amax(0, keepdim=True)]
-        ).tolist()
-        spread = spread_to(plan, int(count))
-        # every dp rank holds as many rows (_checked) and no rank plans more microbatches than it
-        # has rows, so splitting always reaches the count: no rank runs an empty pass (whose
+        shares = [verdicts[group[0]] for group in ranks]  # one per dp rank
+        norm = Norm(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
+        spread = spread_to(plan, int(max(v[7] for v in shares)))
+        # every dp rank holds as many rows (checked above) and no rank plans more microbatches than
+        # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose
         # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
         assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
-        return Norm(tokens=total_tokens, sequences=total_sequences), spread
+        return on_device, norm, spread
 
     def _forward(
         self, mb: Microbatch, *, entropy: bool, temperature: float
