@@ -34,6 +34,7 @@ def main() -> None:
 
     import plancc
     from plancc.engine import policy as engine_policy
+    from plancc.engine.losses import token_nll
 
     policy = plancc.Policy("plans/qwen3.yaml", args.model, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.0}})
     gen = torch.Generator().manual_seed(0)
@@ -43,9 +44,6 @@ def main() -> None:
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
     mine = policy.balanced_slices(mask.sum(1))
     batch = {"input_ids": ids[mine] * mask[mine], "attention_mask": mask[mine]}
-
-    def nll(lp, tokens, norm):  # per token: a token without a log-prob has every field 0
-        return -(lp * tokens["attention_mask"].float()).sum() / norm.tokens
 
     cut = engine_policy.row_spans
 
@@ -58,7 +56,7 @@ def main() -> None:
         engine_policy.row_spans = spans
         times, loss = [], 0.0
         for step in range(args.steps + 1):
-            row = policy.train(batch, token_loss=nll, max_tokens=args.max_tokens, pack=pack)
+            row = policy.train(batch, token_loss=token_nll, max_tokens=args.max_tokens, pack=pack)
             if step:
                 times.append(row["seconds"])
             loss = row["loss"]

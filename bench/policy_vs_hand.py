@@ -32,6 +32,7 @@ def worker(steps: int, layout: str):
 
     import plancc
     from plancc.engine.build import seeded_model
+    from plancc.engine.losses import token_nll
     from plancc.models import build_model, load_config
     from plancc.runtime.gradnorm import clip_grad_norm_
     from plancc.runtime.loss import reported_loss, sharded_loss
@@ -58,8 +59,7 @@ def worker(steps: int, layout: str):
         return loss.detach()  # this dp slice's mean: reduced to the global mean after the timing
 
     def engine(ids, mask):
-        nll = lambda lp, tokens, norm: -(lp * tokens["attention_mask"]).sum() / norm.tokens  # noqa: E731
-        return policy.train({"input_ids": ids, "attention_mask": mask}, token_loss=nll)["loss"]
+        return policy.train({"input_ids": ids, "attention_mask": mask}, token_loss=token_nll)["loss"]
 
     ways = {"policy": engine, "hand": hand}
     times: dict = {name: [] for name in ways}

@@ -7,7 +7,7 @@ The ways, each training the same model (random weights, bf16 parameters, AdamW) 
 batches -- documents whose lengths are drawn log-normally between 64 and 4096 tokens, packed
 into microbatches of ``--tokens`` tokens, two microbatches per step:
 
-- ``policy token_loss``: ``Policy.train(batch, token_loss=nll, max_tokens=, pack=True)``, the
+- ``policy token_loss``: ``Policy.train(batch, token_loss=token_nll, max_tokens=, pack=True)``, the
   NLL through the 3-matmul fused lm_head;
 - ``policy loss_fn``: the same with ``loss_fn`` (log-probs handed to the loss: 4 matmuls);
 - ``hand + liger``: transformers' model called on the packed row (position ids restarting per
@@ -34,10 +34,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
-def nll_tokens(lp, tokens, norm):
-    return -(lp * tokens["attention_mask"].to(lp.dtype)).sum() / norm.tokens
 
 
 def nll(lp, mb, norm):
@@ -135,6 +131,7 @@ def main() -> None:
     import torch
 
     import plancc
+    from plancc.engine.losses import token_nll
     from plancc.runtime.document_attention import set_documents
 
     lr = 1e-6
@@ -171,7 +168,7 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
             if name == "policy token_loss":
-                loss = policy.train(batch, token_loss=nll_tokens, max_tokens=args.tokens, pack=True)["loss"]
+                loss = policy.train(batch, token_loss=token_nll, max_tokens=args.tokens, pack=True)["loss"]
             elif name == "policy loss_fn":
                 loss = policy.train(batch, nll, max_tokens=args.tokens, pack=True)["loss"]
             else:
@@ -199,7 +196,7 @@ def main() -> None:
 
         microbatches = [documents(args.tokens, vocab, gen) for _ in range(2)]
         batch = as_batch([d for mb in microbatches for d in mb])
-        for name, kwargs in (("token_loss", {"token_loss": nll_tokens}), ("loss_fn", {"loss_fn": nll})):
+        for name, kwargs in (("token_loss", {"token_loss": token_nll}), ("loss_fn", {"loss_fn": nll})):
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 started = time.perf_counter()
@@ -226,7 +223,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() / 2**30
         started = time.perf_counter()
-        loss = policy.train(long_batch, token_loss=nll_tokens, max_tokens=args.long, pack=True)["loss"]
+        loss = policy.train(long_batch, token_loss=token_nll, max_tokens=args.long, pack=True)["loss"]
         torch.cuda.synchronize()
         probe = {
             "tokens": total,

@@ -161,11 +161,6 @@ def row_spans(mask: torch.Tensor) -> list[RowSpan]:
     return [RowSpan(*row) for row in torch.stack([start, end, real.sum(1)], 1).tolist()]
 
 
-def last_attended(mask: torch.Tensor) -> list[int]:
-    """Every row's last attended position plus one (one host read for all the rows)."""
-    return [span.end for span in row_spans(mask)]
-
-
 def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """The positions that have a log-prob: attended, after the first, and after an attended one
     (the log-prob of the first real token after left padding comes from padding alone)."""

@@ -214,6 +214,8 @@ class CPContext:
     rank: int
     batch: CPBatch | None = None
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window (0: none)
+    # packed rows attend document by document (PLANCC_DOCUMENT_MASK, read once, not per layer)
+    per_document: bool = field(default_factory=enabled_by_default)
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:
@@ -277,7 +279,7 @@ def cp_attention_forward(
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
     window = sliding_window(module, kwargs)
-    if ctx.batch is not None and ctx.batch.bounds is not None and enabled_by_default():
+    if ctx.per_document and ctx.batch is not None and ctx.batch.bounds is not None:
         out = _per_document(ctx.batch, ctx.size, query, key, value, window, sinks, dropout_p, scaling)
         return out.transpose(1, 2).contiguous(), None
     mask = ctx.mask(window)
