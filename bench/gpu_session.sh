@@ -23,7 +23,7 @@ timeout 240 torchrun --nproc-per-node 1 bench/train_gpu.py --steps ${TRAIN_STEPS
 timeout 150 python3 bench/policy_fake_world_gpu.py --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
 tail -1 "$OUT/fake_world_gpu.txt"
 [ -n "${POLICY_GPU:-}" ] && torchrun --nproc-per-node 1 bench/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py 2>&1 | tail -2
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py tests/test_document_attention.py 2>&1 | tail -2
 A="timeout 100 python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"
 $A --steps 3 --verify 2>&1 | grep -v "^\[W" | tee "$OUT/apply_cuda.txt" | tail -9
 $A --steps 2 --verify --micro-batch-size 2 --pack 2>&1 | grep -v "^\[W" | tee -a "$OUT/apply_cuda.txt" | tail -9

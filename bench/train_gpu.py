@@ -223,7 +223,13 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() / 2**30
         started = time.perf_counter()
-        loss = policy.train(long_batch, token_loss=token_nll, max_tokens=args.long, pack=True)["loss"]
+        try:
+            loss = policy.train(long_batch, token_loss=token_nll, max_tokens=args.long, pack=True)["loss"]
+        except torch.cuda.OutOfMemoryError:  # the dense mask's [T, T] scores need more than the card has
+            capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
+            print(f"  one packed microbatch of {total} tokens, {way}: out of memory on a {capacity:.0f} GiB card")
+            result[f"long_microbatch_{way}"] = {"tokens": total, "out_of_memory_gib": capacity}
+            break
         torch.cuda.synchronize()
         probe = {
             "tokens": total,

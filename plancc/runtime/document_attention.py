@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -38,6 +39,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..sequence_mixing import is_cp_attention
 
 IMPLEMENTATION = "plancc_docs"
+
+# Per-document calls see a new query length with nearly every document. On CUDA, torch >= 2.9
+# prefers cuDNN attention, which builds (and caches) an execution plan per new shape: ~60 ms
+# each on an H200, which made the per-document path 0.54x the dense one at first sight of a
+# batch's lengths (docs/gpu.md). Flash and memory-efficient attention take any length without a
+# plan; the math kernel stays as the last resort for shapes neither takes.
+_ANY_LENGTH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(slots=True)
@@ -121,6 +129,23 @@ def attend_per_document(
     queries attends only to its span of keys: ``mask_of(i)`` the span's ``[B?, 1, q, k]`` bool
     mask, or None for plain causal attention (queries and keys the same positions). ``key`` and
     ``value`` may have fewer heads (GQA)."""
+    if query.is_cuda:
+        with sdpa_kernel(_ANY_LENGTH):
+            return _attend_spans(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
+    return _attend_spans(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
+
+
+def _attend_spans(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: list[tuple[int, int, int, int]],
+    mask_of: Callable[[int], torch.Tensor | None],
+    *,
+    dropout_p: float,
+    scale: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     parts = []
     for i, (q0, q1, k0, k1) in enumerate(spans):
