@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 # No test may depend on wall-clock speed: hypothesis' default 200 ms deadline per example and
@@ -14,6 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def one_rank():
+    """A real world of one rank (gloo; nccl too where a GPU is): a fake process group's
+    all-gather leaves its output unwritten, which torch 2.11 showed as NaN weights."""
+    import torch.distributed as dist
+
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture

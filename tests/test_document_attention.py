@@ -3,23 +3,13 @@ the packed row, and the numbers of transformers' dense block-diagonal mask
 (``PLANCC_DOCUMENT_MASK=dense``, the reference) -- log-probs, loss, gradient and the step, with
 full and sliding-window layers. Under context parallelism the cp attention goes document by
 document too: ``tests/test_policy.py``'s packed cp cases train it against the unsharded model.
-Fake worlds of one rank here: their collectives are exact."""
+A real world of one rank here."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LENGTHS = [37, 5, 64, 12, 29, 3, 50]  # one packed microbatch of 7 documents: T = 200
-
-
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _config(window: int | None):
@@ -78,7 +68,7 @@ DEVICES = [
 
 @pytest.mark.parametrize("device, tolerance", DEVICES)
 @pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding-window-8"])
-def test_packed_documents_attend_as_under_the_dense_mask(fake_world, monkeypatch, window, device, tolerance):
+def test_packed_documents_attend_as_under_the_dense_mask(one_rank, monkeypatch, window, device, tolerance):
     lp_dense, dense, weights_dense = _run(monkeypatch, "dense", window, device)
     lp_docs, docs, weights_docs = _run(monkeypatch, "documents", window, device)
     assert torch.allclose(lp_docs, lp_dense, atol=tolerance, rtol=0)
@@ -106,7 +96,7 @@ class _RowByRow(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("way", ["documents", "dense"])
-def test_no_tensor_spans_the_packed_row_against_itself(fake_world, monkeypatch, way):
+def test_no_tensor_spans_the_packed_row_against_itself(one_rank, monkeypatch, way):
     """The dense path builds a [T, T] mask for the packed row of T tokens; per document no tensor
     has two dims of T (the largest attention is the longest document's)."""
     monkeypatch.setenv("PLANCC_DOCUMENT_MASK", way)
@@ -117,7 +107,7 @@ def test_no_tensor_spans_the_packed_row_against_itself(fake_world, monkeypatch, 
     assert bool(mode.seen) == (way == "dense"), mode.seen[:3]
 
 
-def test_a_direct_forward_after_a_packed_one_attends_by_its_own_mask(fake_world, monkeypatch):
+def test_a_direct_forward_after_a_packed_one_attends_by_its_own_mask(one_rank, monkeypatch):
     """The documents are the forward's they were set for: the model called directly afterwards
     (as a user's eval or plancc's --verify does) attends by its rows' mask, never by the
     boundaries of the last packed row, even when its length happens to match them."""

@@ -2,24 +2,14 @@
 fused lm_head (issue 40, point 2) -- the gradient formed while each chunk's logits are computed,
 3 matmuls for the vocabulary projection where log-probs handed to a ``loss_fn`` cost 4 -- with
 the numbers of the ``loss_fn`` path for the same sum. (Against the unsharded model at every
-layout: ``tests/test_policy.py``'s ``*_tokens`` cases.) Fake worlds of one rank here: their
-collectives are exact; a refusal on one of two real ranks at the end."""
+layout: ``tests/test_policy.py``'s ``*_tokens`` cases.) A real world of one rank here; a
+refusal on one of two real ranks at the end."""
 
 import pytest
 import torch
 
 B, S = 6, 24
 LENGTHS = [24, 5, 9, 17, 3, 12]
-
-
-@pytest.fixture
-def fake_world():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _policy():
@@ -68,7 +58,7 @@ def _step(policy, batch, **kwargs):
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-lm-head", "logits-path"])
-def test_a_token_loss_trains_as_the_loss_fn_of_the_same_sum(fake_world, monkeypatch, pack, fused):
+def test_a_token_loss_trains_as_the_loss_fn_of_the_same_sum(one_rank, monkeypatch, pack, fused):
     if not fused:  # a model whose logits are more than lm_head(hidden) takes the log-probs path
         monkeypatch.setenv("PLANCC_FUSED_LM_HEAD", "0")
     cut = {"max_tokens": 30, "pack": pack, "temperature": 0.7}
@@ -81,7 +71,7 @@ def test_a_token_loss_trains_as_the_loss_fn_of_the_same_sum(fake_world, monkeypa
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_token_loss_path_runs_one_vocabulary_matmul_fewer(fake_world):
+def test_the_token_loss_path_runs_one_vocabulary_matmul_fewer(one_rank):
     """4 matmuls of ``[tokens, hidden] x [hidden, vocab]`` become 3: the backward's recompute of
     the logits is gone, and nothing else changes (a FLOP count of the whole step)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -100,7 +90,7 @@ def test_the_token_loss_path_runs_one_vocabulary_matmul_fewer(fake_world):
     assert flops["loss_fn"] - flops["token_loss"] == one_matmul, flops
 
 
-def test_train_takes_one_loss_and_no_entropy_for_a_token_loss(fake_world):
+def test_train_takes_one_loss_and_no_entropy_for_a_token_loss(one_rank):
     policy, batch = _policy(), _batch()
     with pytest.raises(TypeError, match="one loss"):
         policy.train(batch)
@@ -110,7 +100,7 @@ def test_train_takes_one_loss_and_no_entropy_for_a_token_loss(fake_world):
         policy.train(batch, token_loss=grpo_per_token, entropy=True)
 
 
-def test_a_token_loss_that_reads_a_missing_field_is_refused_naming_it(fake_world):
+def test_a_token_loss_that_reads_a_missing_field_is_refused_naming_it(one_rank):
     from plancc.engine.batches import BatchError
 
     policy, batch = _policy(), _batch()
