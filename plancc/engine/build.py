@@ -10,12 +10,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
 from ..errors import Diagnostic, Severity, SourceLoc
 from ..models import build_model
 from ..runtime.document_attention import enable_document_attention
+from ..runtime.lora import LoraSpec, adapters_of, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
@@ -36,13 +38,23 @@ def seeded_model(config: PretrainedConfig, seed: int) -> nn.Module:
 
 
 def load_weights(model: nn.Module, source: str | None, config: PretrainedConfig, device: str, seed: int) -> str:
-    """Fill a parallelized meta model; returns where its weights came from."""
+    """Fill a parallelized meta model; returns where its weights came from. LoRA adapters
+    start from their seeded initialization either way (``runtime.lora.initial_adapter_state``)."""
+    adapters = adapters_of(model)
+    initial = {} if adapters is None else initial_adapter_state(adapters, base_shapes(model, adapters), seed)
     if source is not None and from_folder(source):
         materialize(model, device)
         load_hf_weights(model, str(source))
+        if initial:
+            set_model_state_dict(
+                model,
+                {k: v.to(device) for k, v in initial.items()},
+                options=StateDictOptions(full_state_dict=True, strict=False),
+            )
         return f"safetensors from {source}"
     full = seeded_model(config, seed)
     state = {k: v.to(device) for k, v in full.state_dict().items()}
+    state.update({k: v.to(device) for k, v in initial.items()})
     del full
     materialize(model, device, full_state_dict=state)
     return f"random init (seed {seed})"
@@ -74,10 +86,11 @@ def build_parallel_model(
     device: str,
     seed: int,
     param_dtype: torch.dtype | None = None,
+    lora: LoraSpec | None = None,
 ) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
-    parallelize(model, plan, mesh, param_dtype=param_dtype)
+    parallelize(model, plan, mesh, param_dtype=param_dtype, lora=lora)
     # packed documents attend one at a time, no [T, T] mask (cp's attention does the same itself)
     enable_document_attention(model)
     return model, load_weights(model, source, config, device, seed)

@@ -39,6 +39,7 @@ from ..runtime.fused_logprobs import targets_checked
 from ..runtime.gradient_scale import loss_scale, token_loss_scale
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import fusable, token_logprobs
+from ..runtime.lora import LoraSpec, adapters_disabled
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group
 from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
@@ -98,6 +99,10 @@ class Policy:
     ``optimizer``: ``params -> Optimizer`` or ``{"name": "torch.optim.AdamW", "kwargs": {...}}``
     (default AdamW); ``lr_scheduler``: ``optimizer -> scheduler`` or name + kwargs (default
     constant). ``reference=True`` keeps the initial weights for ``reference_logprobs``.
+    ``lora={"r": 16, "alpha": 32, "targets": [globs], "dropout": 0.0}``: low-rank adapters on
+    the targets (``runtime.lora``), laid out with each base layer's style; only they train
+    (and hold optimizer state), the base is frozen and is the reference (adapters disabled:
+    no second copy); weights go out merged, or as the adapters alone (``adapters_only=True``).
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class Policy:
         # the model's numbers and where they live
         param_dtype: torch.dtype | str | None = None,
         reference: bool = False,
+        lora: LoraSpec | Mapping[str, Any] | None = None,
         seed: int = 0,
         device: str | None = None,
         timeout_s: float = 600.0,
@@ -134,14 +140,24 @@ class Policy:
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
         self.config = load_config(model)
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
+        self.lora = LoraSpec.of(lora)
         self.model, self.weight_source = build_parallel_model(
-            self.plan, self.source, self.config, self.mesh, device=self.device, seed=seed, param_dtype=dtype
+            self.plan,
+            self.source,
+            self.config,
+            self.mesh,
+            device=self.device,
+            seed=seed,
+            param_dtype=dtype,
+            lora=self.lora,
         )
-        self.optimizer = make_optimizer(optimizer, self.model.parameters())
+        # with LoRA only the adapters train: the frozen base gets no gradient and no state
+        self.optimizer = make_optimizer(optimizer, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0
-        self._reference = shards.host_copy(self._shards()) if reference else None
+        # with LoRA the frozen base is the reference: nothing to copy
+        self._reference = shards.host_copy(self._shards()) if reference and self.lora is None else None
         # the roles beside training (each its own module): weights out, memory
         self._transport = WeightTransport(self.model, self.config, self.device)
         self._memory = Offloader(self.model, self.optimizer)
@@ -378,8 +394,19 @@ class Policy:
         max_tokens: int | None = None,
         pack: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``logprobs`` under the frozen initial weights (``reference=True``); the policy's
-        weights and optimizer state are left bitwise as they were."""
+        """``logprobs`` under the frozen initial weights (``reference=True``; with LoRA, the
+        base with its adapters disabled); the policy's weights and optimizer state are left
+        bitwise as they were."""
+        if self.lora is not None:
+            with adapters_disabled(self.model):
+                return self.logprobs(
+                    batch,
+                    entropy=entropy,
+                    temperature=temperature,
+                    micro_batch_size=micro_batch_size,
+                    max_tokens=max_tokens,
+                    pack=pack,
+                )
         if self._reference is None:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with self._weights_swapped(self._reference):
@@ -394,22 +421,25 @@ class Policy:
 
     # ------------------------------------------------------------------ weights out
     def weights(
-        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None, adapters_only: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of every weight as ``export_hf`` writes it (tied weights
         once, transformers' checkpoint names and layouts), gathered one bucket of at most
         ``bucket_bytes`` (or one larger tensor) at a time: the iterable inference engines'
-        ``load_weights`` take. Collective: every rank iterates it to the end."""
+        ``load_weights`` take. Collective: every rank iterates it to the end. With LoRA the
+        adapted weights come merged, or with ``adapters_only`` the adapters alone under PEFT's
+        names (``base_model.model.<module>.lora_A.weight``)."""
         self._require_onloaded("weights")
         shards.reshard(self.model)
-        yield from self._transport.stream(bucket_bytes=bucket_bytes, dtype=dtype)
+        yield from self._transport.stream(bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
 
     def weights_manifest(
-        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None, adapters_only: bool = False
     ) -> dict[str, Any]:
         """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
-        tensor's name, shape and dtype, bucket by bucket). Local: nothing is gathered."""
-        return self._transport.manifest(bucket_bytes=bucket_bytes, dtype=dtype)
+        tensor's name, shape and dtype, bucket by bucket; with ``adapters_only`` the adapters'
+        PEFT config too). Local: nothing is gathered."""
+        return self._transport.manifest(bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
 
     def send_weights(
         self,
@@ -418,6 +448,7 @@ class Policy:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: torch.dtype | None = None,
         reshard: bool = False,
+        adapters_only: bool = False,
     ) -> int:
         """The weights to the receivers of ``channel``, bucket by bucket (``weights_manifest``
         says what they are). Collective over the policy's ranks: every rank gathers, rank 0 --
@@ -430,7 +461,9 @@ class Policy:
         ``WeightChannelError`` (``engine.transport``)."""
         self._require_onloaded("send_weights")
         shards.reshard(self.model)
-        return self._transport.send(channel, bucket_bytes=bucket_bytes, dtype=dtype, reshard=reshard)
+        return self._transport.send(
+            channel, bucket_bytes=bucket_bytes, dtype=dtype, reshard=reshard, adapters_only=adapters_only
+        )
 
     def share_weights(
         self,
@@ -439,6 +472,7 @@ class Policy:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: torch.dtype | None = None,
         timeout: float = 60.0,
+        adapters_only: bool = False,
     ) -> int:
         """The weights to a consumer process on the same device (a colocated rollout engine),
         bucket by bucket by handle: CUDA IPC on a GPU, shared memory on the CPU, through a
@@ -447,14 +481,17 @@ class Policy:
         shares; the consumer has ``timeout`` seconds to take each bucket. Returns bytes shared."""
         self._require_onloaded("share_weights")
         shards.reshard(self.model)
-        return self._transport.share(connection, bucket_bytes=bucket_bytes, dtype=dtype, timeout=timeout)
+        return self._transport.share(
+            connection, bucket_bytes=bucket_bytes, dtype=dtype, timeout=timeout, adapters_only=adapters_only
+        )
 
-    def export_hf(self, folder: str | Path) -> None:
-        """The weights as a ``save_pretrained`` folder (written whole, then moved into place)."""
+    def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
+        """The weights as a ``save_pretrained`` folder (written whole, then moved into place);
+        with LoRA merged, or with ``adapters_only`` PEFT's adapter folder."""
         self._require_onloaded("export_hf")
         shards.reshard(self.model)
         source = self.source if self.source is not None and Path(self.source).is_dir() else None
-        export_hf(self.model, self.config, folder, source=source)
+        export_hf(self.model, self.config, folder, source=source, adapters_only=adapters_only)
 
     # ------------------------------------------------------------------ memory
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:

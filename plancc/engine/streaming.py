@@ -19,6 +19,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
+from ..runtime.lora import Adapters, adapters_of, merged, peft_name
 from ..runtime.styles.experts import plain
 from . import faults
 from .agreement import RefitAgreement
@@ -47,34 +48,54 @@ def buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
 
 
 def full_weights(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, adapters_only: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` of every exported weight, a bucket at a time. Collective: the
     full tensor of a sharded parameter is gathered over its mesh on every rank."""
-    for bucket in weight_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype):
+    for bucket in weight_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only):
         bucket.reverse()
         while bucket:  # handed on one by one, so that none is still held when the next bucket is gathered
             yield bucket.pop()
 
 
-def _plan(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None) -> tuple[dict, list[list[str]]]:
+def _names(model: nn.Module, adapters_only: bool) -> tuple[list[str], Adapters | None]:
+    """The state-dict names streamed, and the adapters to merge into them (None: none)."""
+    adapters = adapters_of(model)
+    if adapters_only:
+        if adapters is None:
+            raise ValueError("adapters_only=True, but this model has no LoRA adapters (construct it with lora=)")
+        return adapters.parameter_names(), None
+    own = set(adapters.parameter_names()) if adapters is not None else set()
+    return [name for name in exported_names(model) if name not in own], adapters
+
+
+def _plan(
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False
+) -> tuple[dict, list[list[str]], Adapters | None]:
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     state = model.state_dict()
+    names, adapters = _names(model, adapters_only)
 
     def nbytes(value: torch.Tensor) -> int:
         return value.numel() * (dtype or value.dtype).itemsize
 
-    return state, buckets([(name, nbytes(state[name])) for name in exported_names(model)], bucket_bytes)
+    return state, buckets([(name, nbytes(state[name])) for name in names], bucket_bytes), adapters
 
 
 def weight_buckets(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, agreement: RefitAgreement | None = None
+    model: nn.Module,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    agreement: RefitAgreement | None = None,
+    adapters_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``. With an
     ``agreement``, the ranks settle before each bucket's gather (a problem any rank noted is
     raised on every rank there, before anyone enters the gather)."""
-    state, plan = _plan(model, bucket_bytes, dtype)
+    state, plan, adapters = _plan(model, bucket_bytes, dtype, adapters_only)
+    merge = adapters.by_base_weight() if adapters is not None else {}
     rank = dist.get_rank() if dist.is_initialized() else 0
     for index, bucket in enumerate(plan):
         if agreement is None:
@@ -88,18 +109,21 @@ def weight_buckets(
             agreement.settle()
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
         with quiet_logger("torch.distributed.tensor"):
-            full = {name: _full(state[name], dtype) for name in bucket}
-        converted = list(revert_weight_conversion(model, full).items())  # type: ignore[arg-type]
+            full = {name: _full_merged(state, name, merge.get(name), adapters, dtype) for name in bucket}
+        if adapters_only:
+            converted = [(peft_name(name), value) for name, value in full.items()]
+        else:
+            converted = list(revert_weight_conversion(model, full).items())  # type: ignore[arg-type]
         del full  # the caller alone holds the bucket: it may free each tensor as it goes
         yield converted
 
 
 def manifest_buckets(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, adapters_only: bool = False
 ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
     """What ``weight_buckets`` yields -- names, shapes, dtypes -- without gathering anything
     (transformers' reverse conversion runs on meta tensors of the full shapes)."""
-    state, plan = _plan(model, bucket_bytes, dtype)
+    state, plan, _ = _plan(model, bucket_bytes, dtype, adapters_only)
     out = []
     for bucket in plan:
         meta = {}
@@ -107,9 +131,24 @@ def manifest_buckets(
             value = state[name]
             wanted = dtype if dtype is not None and value.is_floating_point() else value.dtype
             meta[name] = torch.empty(tuple(value.shape), dtype=wanted, device="meta")
+        if adapters_only:
+            out.append([(peft_name(name), tuple(t.shape), t.dtype) for name, t in meta.items()])
+            continue
         converted = revert_weight_conversion(model, meta)  # type: ignore[arg-type]
         out.append([(name, tuple(t.shape), t.dtype) for name, t in converted.items()])
     return out
+
+
+def _full_merged(
+    state: dict, name: str, pair: tuple[str, str] | None, adapters: Adapters | None, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """The full tensor of ``name``; a base weight with adapters merged with them first."""
+    if pair is None or adapters is None:
+        return _full(state[name], dtype)
+    weight = merged(
+        _full(state[name], None), _full(state[pair[0]], None), _full(state[pair[1]], None), adapters.spec.scale
+    )
+    return weight.to(dtype) if dtype is not None else weight
 
 
 def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

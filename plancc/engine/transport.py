@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..models import architecture_of
+from ..runtime.lora import adapters_of
 from .agreement import RefitAgreement, first_problem
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
@@ -40,20 +41,37 @@ class WeightTransport:
     def __init__(self, model: nn.Module, config: PretrainedConfig, device: str) -> None:
         self.model, self.config, self.device = model, config, device
 
-    def stream(self, *, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(
+        self, *, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)``, gathered one bucket at a time (collective)."""
-        yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
 
-    def manifest(self, *, bucket_bytes: int, dtype: torch.dtype | None) -> dict[str, Any]:
+    def manifest(self, *, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False) -> dict[str, Any]:
         """What ``send`` sends, as JSON-serialisable data (local: nothing is gathered)."""
-        buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
-        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
+        buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+        manifest = make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
+        adapters = adapters_of(self.model)
+        if adapters_only and adapters is not None:  # what the engine's LoRA loader needs beside the tensors
+            manifest["adapter_config"] = adapters.spec.peft_config(adapters.modules)
+        return manifest
 
     def send(
-        self, channel: WeightChannel | None, *, bucket_bytes: int, dtype: torch.dtype | None, reshard: bool
+        self,
+        channel: WeightChannel | None,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        reshard: bool,
+        adapters_only: bool = False,
     ) -> int:
         """Plain (rank 0 passes the channel) or resharded (every rank passes it). Bytes sent."""
         if reshard:
+            self._require(
+                adapters_of(self.model) is None,
+                "a resharded refit of a model with LoRA adapters is not supported yet: "
+                "send it plain (merged weights) or with adapters_only=True",
+            )
             self._require(channel is not None, "a resharded refit sends from every policy rank: each joins the channel")
             assert channel is not None  # _require raised on every rank otherwise
             handshake(channel, self.manifest(bucket_bytes=bucket_bytes, dtype=dtype))
@@ -67,27 +85,43 @@ class WeightTransport:
                 )
             return send_buckets(channel, manifest, buckets)
 
-        return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype)
+        return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
 
-    def share(self, connection: Any, *, bucket_bytes: int, dtype: torch.dtype | None, timeout: float) -> int:
+    def share(
+        self,
+        connection: Any,
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        timeout: float,
+        adapters_only: bool = False,
+    ) -> int:
         """Colocated: rank 0 shares each bucket by handle over ``connection``. Bytes shared."""
 
         def share(manifest: dict[str, Any], buckets: Buckets) -> int:
             return share_buckets(connection, manifest, buckets, self.device, timeout=timeout)
 
-        return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype)
+        return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
 
     def _from_rank0(
-        self, hand_out: Callable[[dict[str, Any], Buckets], int], *, bucket_bytes: int, dtype: torch.dtype | None
+        self,
+        hand_out: Callable[[dict[str, Any], Buckets], int],
+        *,
+        bucket_bytes: int,
+        dtype: torch.dtype | None,
+        adapters_only: bool = False,
     ) -> int:
         """Every rank gathers the weights bucket by bucket (collective); rank 0 hands each one
         out as it comes. Any exception on any rank is raised on every rank, agreed."""
         agreement = RefitAgreement(self.device)
-        buckets = weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement)
+        buckets = weight_buckets(
+            self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement, adapters_only=adapters_only
+        )
         sent = 0
         if dist.get_rank() == 0:
             try:
-                sent = hand_out(self.manifest(bucket_bytes=bucket_bytes, dtype=dtype), buckets)
+                manifest = self.manifest(bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+                sent = hand_out(manifest, buckets)
             except Exception as exc:  # noted; raised on every rank at the next settle
                 agreement.note(exc)
         for _ in buckets:  # the gathers are collective: every rank runs them until a settle says stop

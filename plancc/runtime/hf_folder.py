@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import Diagnostic, PlanError, SourceLoc
+from .lora import adapters_of
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -279,10 +280,14 @@ def read_folder(folder: str | Path) -> dict[str, TensorEntry]:
 
 def expected_tensors(model: nn.Module) -> list[tuple[str, ...]]:
     """What a folder must hold for ``model``: groups of state-dict names that are one tensor
-    (tied weights; a folder holds one name of each group), persistent buffers included."""
+    (tied weights; a folder holds one name of each group), persistent buffers included; LoRA
+    adapters are not the folder's (they start from their own initialization)."""
+    adapters = adapters_of(model)
+    own = set(adapters.parameter_names()) if adapters is not None else set()
     groups: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
+        if name not in own:
+            groups.setdefault(id(tensor), []).append(name)
     return [tuple(names) for names in groups.values()]
 
 

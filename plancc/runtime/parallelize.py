@@ -31,6 +31,7 @@ from .cp import enable_context_parallel
 from .expert_parallel import ExpertParallel
 from .gradient_scale import fsdp_divisor
 from .hooks import GlobalSequenceInputs
+from .lora import LoraSpec, add_adapters
 from .mesh import ParallelMesh, parallel_mesh
 from .styles.experts import ExpertsOverTensorParallel
 from .styles.lower import lower
@@ -169,6 +170,7 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
     activation_checkpointing: bool | None = None,
+    lora: LoraSpec | None = None,
 ) -> nn.Module:
     """TP/SP from the compiled plan, then activation checkpointing on the plan's targets,
     then FSDP2 ``fully_shard`` on the plan's units and the root. Works on a meta-device model
@@ -180,7 +182,8 @@ def parallelize(
     Expert parallelism borrows ranks from dp (``plancc.layout`` explains): the plan's
     ``moe_experts`` spread over ep*tp ranks with all-to-all token exchange.
     ``activation_checkpointing``: None follows the plan, False disables, True requires the
-    plan to name targets.
+    plan to name targets. ``lora``: low-rank adapters on its targets, laid out with each base
+    layer's style (``runtime.lora``); the base frozen.
     """
     pm = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
     resolved = resolve_plan(plan, model, sequence_parallel=pm.sequence_parallel)
@@ -198,6 +201,8 @@ def parallelize(
                 )
             ]
         )
+    if lora is not None:  # after the tp styles (they shard the base), before FSDP (it shards both)
+        add_adapters(model, lora, resolved, pm["tp"])
     if pm["cp"].size() > 1:
         enable_context_parallel(model, pm["cp"])
     if activation_checkpointing is not False:

@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
 from ..models import build_model
 from .hf_folder import check_export_target, check_folder, has_weights, read_folder
+from .lora import Adapters, adapter_tensors, adapters_of, merge_into
 from .non_finite import first_non_finite
 
 
@@ -151,10 +152,18 @@ EXPORT_MANIFEST = ".plancc-export.json"
 
 
 def export_hf(
-    model: torch.nn.Module, config: PretrainedConfig, folder: str | Path, *, source: str | Path | None = None
+    model: torch.nn.Module,
+    config: PretrainedConfig,
+    folder: str | Path,
+    *,
+    source: str | Path | None = None,
+    adapters_only: bool = False,
 ) -> None:
     """Collective: write the model's full weights as a ``save_pretrained`` folder (rank 0),
     with the tokenizer and generation files of ``source`` (the folder the model came from).
+    A model with LoRA adapters is written merged; with ``adapters_only`` the folder is PEFT's
+    (``adapter_model.safetensors`` and ``adapter_config.json``, what
+    ``peft.PeftModel.from_pretrained`` and vLLM's LoRA loader read).
 
     The export is written beside the folder's files, then each of its files moved into place
     atomically (``os.replace``), the list of them last. Nothing else in the folder is touched:
@@ -165,6 +174,9 @@ def export_hf(
     problems = check_export_target(folder, source)
     if problems:
         raise PlanError(problems)
+    adapters = adapters_of(model)
+    if adapters_only and adapters is None:
+        raise ValueError("adapters_only=True, but this model has no LoRA adapters (construct it with lora=)")
     refuse_non_finite_weights(model, what=f"exporting to {folder}")
     # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning per
     # tensor on every rank: an accepted cost of a one-off export, not news for the user
@@ -177,15 +189,30 @@ def export_hf(
             shutil.rmtree(leftover, ignore_errors=True)
         partial = Path(tempfile.mkdtemp(prefix=".plancc-partial-", dir=target))
         try:
-            plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
-            plain.load_state_dict(state, strict=False)
-            with _no_progress_bars():  # the CLI says what was exported, in one line
-                plain.save_pretrained(str(partial))
-            _copy_companions(source, partial)
+            if adapters_only and adapters is not None:
+                _write_adapters(partial, state, adapters, config, source)
+            else:
+                plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
+                plain.load_state_dict(merge_into(state, adapters) if adapters is not None else state, strict=False)
+                with _no_progress_bars():  # the CLI says what was exported, in one line
+                    plain.save_pretrained(str(partial))
+                _copy_companions(source, partial)
             _publish_export(partial, target)
         finally:
             shutil.rmtree(partial, ignore_errors=True)  # a folder of this export's own making
     dist.barrier()
+
+
+def _write_adapters(
+    folder: Path, state: dict[str, Any], adapters: Adapters, config: PretrainedConfig, source: str | Path | None
+) -> None:
+    """PEFT's adapter folder: the adapters' tensors and their config."""
+    from safetensors.torch import save_file
+
+    save_file(adapter_tensors(state, adapters), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    settings = adapters.spec.peft_config(adapters.modules)
+    settings["base_model_name_or_path"] = str(source) if source is not None else config.name_or_path or None
+    (folder / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
 # Files an inference engine may load from a folder by their kind, not by name (vLLM reads every

@@ -1,0 +1,150 @@
+"""Rank-side code of tests/test_lora.py (spawned by tests/distributed.py): a ``Policy`` with
+LoRA adapters against the unsharded PEFT model (``peft.get_peft_model`` on the same base and
+the same adapter weights) trained on the whole global batch in one pass."""
+
+from __future__ import annotations
+
+import copy
+
+from .distributed import init_gloo
+from .policy_worker import (
+    GRAD_NORM,
+    LOSSES,
+    LR,
+    ROWS_PER_RANK,
+    TOKEN_LOSSES,
+    _full_state,
+    _gradient_verdict,
+    _groups,
+    _recording_sgd,
+    global_batch,
+)
+
+SPEC = {"r": 4, "alpha": 8, "init_lora_weights": False}  # B drawn at random: both A and B get gradients
+ATTENTION = ["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.o_proj"]
+MLP = ["model.layers.*.mlp.gate_proj", "model.layers.*.mlp.down_proj"]
+
+
+def peft_model(config, spec, adapters, dtype):
+    """The unsharded base (seed 0, as the Policy's) wrapped by PEFT, with ``adapters`` (plancc's
+    names, full tensors) as its LoRA weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from plancc.models import build_model
+
+    torch.manual_seed(0)
+    base = build_model(copy.deepcopy(config), device="cpu").to(dtype)
+    modules = sorted({name.rsplit(".lora_", 1)[0] for name in adapters})
+    lora = LoraConfig(
+        r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0, target_modules=modules, init_lora_weights=False
+    )
+    model = get_peft_model(base, lora)
+    state = {
+        "base_model.model." + name.replace(".weight", ".default.weight"): value.to(dtype)
+        for name, value in adapters.items()
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [m for m in missing if "lora_" in m], (missing, unexpected)
+    return model
+
+
+def _peft_step(config, spec, adapters, batch, loss_fn, dtype, groups=None):
+    """(loss, gradients by plancc's names, the merged weights after the step) of the PEFT
+    model on the whole batch (or accumulated over ``groups`` of rows)."""
+    import torch
+
+    from plancc.engine.batches import default_token_mask
+    from plancc.engine.policy import Norm
+    from plancc.runtime.logprobs import per_position
+
+    model = peft_model(config, spec, adapters, dtype)
+    norm = Norm(
+        tokens=float(default_token_mask(batch["attention_mask"]).sum()), sequences=float(batch["input_ids"].shape[0])
+    )
+    total = 0.0
+    for rows in groups or [list(range(batch["input_ids"].shape[0]))]:
+        ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:, None]).squeeze(2)
+        lp = per_position(picked, mask, None).to(dtype)
+        fields = {k: (v[rows].to(dtype) if v.is_floating_point() else v[rows]) for k, v in batch.items()}
+        loss, _ = loss_fn(lp, fields, norm)
+        loss.backward()
+        total += float(loss.detach())
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    norm_before = float(torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0))
+    ours = {n.removeprefix("base_model.model.").replace(".default.weight", ".weight"): p for n, p in trained}
+    grads = {name: p.grad.detach().clone() for name, p in ours.items()}
+    grads[GRAD_NORM] = norm_before
+    with torch.no_grad():
+        for p in ours.values():
+            p -= LR * p.grad
+    merged = model.merge_and_unload()
+    return total, grads, {k: v.detach().clone() for k, v in merged.state_dict().items()}
+
+
+def lora_train_cases(plan, model_name, layout_kwargs, targets, cases):
+    """Per (loss, cutting) case from the same initial weights: the loss, gradient norm and the
+    adapters' gradients against the PEFT model's (fp64 exact; fp32 on the same microbatches as
+    the floor), whether every base parameter is bitwise unchanged, and the merged weights of
+    ``weights()`` against PEFT's ``merge_and_unload`` after the reference's step."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+    from plancc.runtime.lora import adapters_of
+
+    init_gloo()
+    spec = {**SPEC, "targets": targets}
+    policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, lora=spec, **layout_kwargs)
+    policy.optimizer.names = [name for name, p in policy.model.named_parameters() if p.requires_grad]
+    config = load_config(model_name)
+    adapter_names = set(adapters_of(policy.model).parameter_names())
+    initial = [t.clone() for t in policy._shards()]
+    before = _full_state(policy.model)
+    adapters = {k: v for k, v in before.items() if k in adapter_names}
+    batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size)
+    mine = policy.slice_of(batch["input_ids"].shape[0])
+    out = []
+    for loss_name, cutting in cases:
+        with torch.no_grad():
+            for param, value in zip(policy._shards(), initial, strict=True):
+                param.copy_(value)
+        mine_batch = {k: v[mine] for k, v in batch.items()}
+        if loss_name in TOKEN_LOSSES:
+            metrics = policy.train(mine_batch, token_loss=TOKEN_LOSSES[loss_name], **cutting)
+        else:
+            metrics = policy.train(mine_batch, LOSSES[loss_name], **cutting)
+        after = _full_state(policy.model)
+        merged = dict(policy.weights())
+        reference_loss = LOSSES[loss_name.replace("_tokens", "")]
+        try:
+            want_loss, exact, want_merged = _peft_step(config, spec, adapters, batch, reference_loss, torch.float64)
+        except RuntimeError:  # transformers' grouped MoE matmul has no fp64: the fp32 model is the bar
+            want_loss, exact, want_merged = _peft_step(config, spec, adapters, batch, reference_loss, torch.float32)
+        groups = _groups(batch, policy, cutting)
+        _, fp32, _ = _peft_step(config, spec, adapters, batch, reference_loss, torch.float32, groups)
+        want_norm = exact.pop(GRAD_NORM)
+        fp32.pop(GRAD_NORM)
+        base_changed = [k for k in before if k not in adapter_names and not torch.equal(before[k], after[k])]
+        merged_error = max(
+            float((merged[k].double() - want_merged[k].double()).abs().max()) for k in want_merged if k in merged
+        )
+        out.append(
+            {
+                "loss": loss_name,
+                "cutting": cutting,
+                "loss_diff": abs(metrics["loss"] - want_loss) / max(1.0, abs(want_loss)),
+                "grad_norm_diff": abs(metrics["grad_norm"] - want_norm) / want_norm,
+                "gradient": _gradient_verdict(policy.optimizer.gradients, exact, fp32),
+                "trained": sorted(policy.optimizer.gradients) == sorted(adapter_names),
+                "base_changed": base_changed,
+                "merged_error": merged_error,
+                # every adapted weight streamed under its base name (MoE experts stream in the
+                # checkpoint's per-expert layout, so only the shared names compare)
+                "merged_names": all(f"{m}.weight" in merged for m in adapters_of(policy.model).modules),
+            }
+        )
+    torch.distributed.destroy_process_group()
+    return out
