@@ -575,6 +575,18 @@ def apply(
     pack: Annotated[
         bool, typer.Option("--pack", help="pack a microbatch's sequences into one row, without padding")
     ] = False,
+    lora_r: Annotated[
+        int | None, typer.Option("--lora-r", help="train LoRA adapters of this rank (the plan's lora: section else)")
+    ] = None,
+    lora_alpha: Annotated[
+        float | None, typer.Option("--lora-alpha", help="LoRA alpha: adapters scaled by alpha / r (default r)")
+    ] = None,
+    lora_targets: Annotated[
+        str | None,
+        typer.Option(
+            "--lora-targets", help="comma-separated module globs to adapt (e.g. 'model.layers.*.self_attn.*_proj')"
+        ),
+    ] = None,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Train with the plan: launch workers (torchrun machinery), parallelize, train, checkpoint.
@@ -590,6 +602,13 @@ def apply(
     )
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
         batch_size = chosen.dp * -(-4 // chosen.dp)
+    lora = _lora_flags(plan_path, report, chosen, fmt, r=lora_r, alpha=lora_alpha, targets=lora_targets)
+    if (lora is not None or report.plan.lora) and worker.verify:
+        _usage_error(
+            "--verify compares full fine-tuning with the unsharded model; it does not run with LoRA yet",
+            fmt,
+            fix="drop --verify (tests/test_lora.py checks LoRA against the unsharded PEFT model at every layout)",
+        )
     cfg = RunConfig(
         plan=str(plan_path),
         layout=chosen,
@@ -604,11 +623,69 @@ def apply(
         micro_batch_size=micro_batch_size,
         max_tokens=max_tokens,
         pack=pack,
+        lora=lora,
         json_output=fmt is Format.json,
         **worker.run_config(),
         **output.run_config(),
     )
     _launch_and_report(opts, _preflight(cfg, report, fmt, nproc_per_node), fmt)
+
+
+def _usage_error(message: str, fmt: Format, fix: str | None = None) -> None:
+    """A flag combination that cannot run: one diagnostic, exit 2."""
+    _emit([Diagnostic(rule="usage", loc=SourceLoc(path="<command line>"), message=message, fix=fix)], fmt)
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _lora_flags(
+    plan_path: Path,
+    report: ValidationReport,
+    layout: Layout,
+    fmt: Format,
+    *,
+    r: int | None,
+    alpha: float | None,
+    targets: str | None,
+) -> dict[str, Any] | None:
+    """``--lora-*`` as a ``lora`` spec over the plan's ``lora:`` section (None: no flag given),
+    checked against the model at this layout before anything launches (exit 1 with the
+    diagnostics of ``plancc rules``' lora-targets)."""
+    from .checks.lora_targets import lora_problems
+    from .compiler.lora import LoraSpec
+
+    if r is None and alpha is None and targets is None:
+        return None
+    base = report.plan.lora
+    spec: dict[str, Any] = (
+        {"r": base.r, "alpha": base.alpha, "targets": list(base.targets), "dropout": base.dropout} if base else {}
+    )
+    if r is not None:
+        spec["r"] = r
+    if alpha is not None:
+        spec["alpha"] = alpha
+    if targets is not None:
+        spec["targets"] = [t.strip() for t in targets.split(",") if t.strip()]
+    if "r" not in spec or "targets" not in spec:
+        _usage_error(
+            "LoRA needs a rank and targets: --lora-r and --lora-targets, or a plan with a lora: section",
+            fmt,
+            fix="add --lora-r 16 --lora-targets 'model.layers.*.self_attn.q_proj,model.layers.*.self_attn.v_proj'",
+        )
+    flags = SourceLoc(path="--lora-r/--lora-alpha/--lora-targets")
+    try:
+        checked = LoraSpec.of(spec, loc=flags)
+    except PlanError as exc:
+        _emit(exc.diagnostics, fmt)
+        raise typer.Exit(EXIT_PLAN) from None
+    assert checked is not None
+    if report.meta_model is not None:
+        found = lora_problems(report.meta_model, checked, report.resolved_for(layout.sequence_parallel), layout.tp)
+        if found:
+            _emit(
+                [Diagnostic(rule=p.rule or "lora-targets", loc=p.loc, message=p.message, fix=p.fix) for p in found], fmt
+            )
+            raise typer.Exit(EXIT_PLAN)
+    return spec
 
 
 def _default_nproc(given: int | None, device: str | None) -> int:

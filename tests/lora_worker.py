@@ -148,3 +148,98 @@ def lora_train_cases(plan, model_name, layout_kwargs, targets, cases):
         )
     torch.distributed.destroy_process_group()
     return out
+
+
+def _base_logprobs(config, batch):
+    """log p of every token under the unsharded base model (seed 0), 0 at position 0 and padding."""
+    import torch
+
+    from plancc.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(copy.deepcopy(config), device="cpu")
+    return _logprobs_of(model, batch)
+
+
+def _logprobs_of(model, batch):
+    import torch
+
+    from plancc.runtime.logprobs import per_position
+
+    with torch.no_grad():
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None]).squeeze(2)
+        return per_position(picked, mask, None)
+
+
+def reference_export_and_resume(plan, model_name, layout_kwargs, targets, folder):
+    """With LoRA: ``reference=True`` keeps no copy and ``reference_logprobs`` (after a step) is
+    the base model's; ``export_hf`` writes the merged weights (``weights()``'s), and with
+    ``adapters_only`` a folder ``peft.PeftModel.from_pretrained`` loads into the policy's
+    log-probs; ``save`` / ``load`` keep the adapters and their AdamW state (the next step
+    equal); a LoRA checkpoint into a policy without LoRA, and the reverse, are refused."""
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.engine.checkpoint import CheckpointError
+    from plancc.models import load_config
+
+    init_gloo()
+    spec = {**SPEC, "targets": targets}
+    adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
+    config = load_config(model_name)
+    policy = plancc.Policy(plan, model_name, lora=spec, reference=True, optimizer=adamw, **layout_kwargs)
+    out: dict = {"reference_copy": policy._reference is not None}
+    batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size)
+    mine = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
+    loss = LOSSES["nll"]
+    policy.train(mine, loss)
+    reference = policy.reference_logprobs(mine)
+    base = _base_logprobs(config, mine)
+    out["reference_vs_base"] = float((reference - base).abs().max())
+    trained = policy.logprobs(mine)
+    out["trained_vs_base"] = float((trained - base).abs().max())
+    root = Path(folder)
+    policy.export_hf(root / "merged")
+    policy.export_hf(root / "adapters", adapters_only=True)
+    streamed = dict(policy.weights())
+    if dist.get_rank() == 0:
+        from peft import PeftModel
+        from safetensors.torch import load_file
+
+        written = load_file(str(root / "merged" / "model.safetensors"))
+        out["merged_export_vs_stream"] = max(float((written[k] - streamed[k]).abs().max()) for k in written)
+        out["merged_export_names"] = sorted(written) == sorted(streamed)
+        out["adapter_files"] = sorted(p.name for p in (root / "adapters").iterdir() if not p.name.startswith("."))
+        from plancc.models import build_model
+
+        torch.manual_seed(0)
+        loaded = PeftModel.from_pretrained(build_model(copy.deepcopy(config), device="cpu"), str(root / "adapters"))
+        out["peft_loaded_vs_policy"] = float((_logprobs_of(loaded, mine) - trained).abs().max())
+    saved = policy.save(root / "ck")
+    resumed = plancc.Policy(plan, model_name, lora=spec, optimizer=adamw, seed=7, **layout_kwargs)
+    resumed.load(root / "ck")
+    a, b = _full_state(policy.model), _full_state(resumed.model)
+    out["resumed_equal"] = all(torch.equal(a[k], b[k]) for k in a)
+    first, second = policy.train(mine, loss), resumed.train(mine, loss)
+    a, b = _full_state(policy.model), _full_state(resumed.model)
+    out["next_step_equal"] = first["loss"] == second["loss"] and all(torch.equal(a[k], b[k]) for k in a)
+    full = plancc.Policy(plan, model_name, optimizer=adamw, **layout_kwargs)
+    full.save(root / "full")
+    refusals = []
+    for into, source in ((full, root / "ck"), (resumed, root / "full")):  # LoRA into full, full into LoRA
+        kept = _full_state(into.model)
+        try:
+            into.load(source)
+            refusals.append(None)
+        except CheckpointError as exc:
+            changed = any(not torch.equal(v, _full_state(into.model)[k]) for k, v in kept.items())
+            refusals.append(None if changed else str(exc))
+    out["refusals"] = refusals
+    out["saved"] = saved.name
+    torch.distributed.destroy_process_group()
+    return out

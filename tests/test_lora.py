@@ -81,3 +81,26 @@ def test_a_lora_step_equals_the_unsharded_peft_model_on_the_whole_batch(ranks, p
             assert row["trained"], (rank, "the optimizer stepped more or fewer tensors than the adapters")
             assert row["base_changed"] == [], (rank, row["base_changed"])
             assert row["merged_names"] and row["merged_error"] <= 1e-5, (rank, row)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_reference_is_the_base_and_weights_go_out_merged_or_as_peft_adapters(tmp_path):
+    from .distributed import launch
+    from .lora_worker import reference_export_and_resume
+
+    results = launch(
+        reference_export_and_resume, 2, "plans/qwen3.yaml", "tiny-qwen3", {"tp": 2}, ATTENTION + MLP, str(tmp_path)
+    )
+    for rank, out in results.items():
+        assert out["reference_copy"] is False, rank  # no second copy of the weights
+        assert out["reference_vs_base"] <= 1e-5, (rank, out)
+        assert out["trained_vs_base"] > 1e-3, (rank, out)  # the adapters are on in logprobs
+        assert out["resumed_equal"] and out["next_step_equal"], (rank, out)
+        saved, unsaved = out["refusals"]
+        assert saved is not None and "holds LoRA adapters" in saved and "lora=" in saved, saved
+        assert unsaved is not None and "holds no LoRA adapters" in unsaved, unsaved
+    rank0 = results[0]
+    assert rank0["merged_export_names"] and rank0["merged_export_vs_stream"] == 0.0, rank0
+    assert rank0["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"], rank0
+    assert rank0["peft_loaded_vs_policy"] <= 1e-5, rank0

@@ -22,6 +22,7 @@ from . import (
     fsdp_units,
     heads,
     latent_attention,
+    lora_targets,
     mesh_sizes,
     module_kinds,
     packed_projections,
@@ -53,6 +54,7 @@ RULES: tuple[ModuleType, ...] = (
     context_parallel,
     fsdp_units,
     checkpointing,
+    lora_targets,
 )
 
 if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan

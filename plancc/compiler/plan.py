@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import Diagnostic, SourceLoc, raise_if_errors
 from .declarations import positional_count
+from .lora import LoraSpec
 from .schema import validate_doc
 from .source import SourceDoc, parse_yaml, read_yaml
 from .styles import ALIASES, canonical_style, format_layout, parse_layout
@@ -77,6 +78,7 @@ class Plan:
     # parameter glob -> the dim FSDP shards it on (FSDP2's shard_placement_fn; dim 0 otherwise)
     fsdp_shard_placement: tuple[ShardPlacement, ...] = ()
     activation_checkpointing: TargetList = TargetList()
+    lora: LoraSpec | None = None
     description: str = ""
     path: str = "<plan>"
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
@@ -196,6 +198,18 @@ def _checkpoint_targets(doc: SourceDoc) -> TargetList:
     return TargetList(patterns=tuple(patterns), locs=tuple(locs), saves=tuple(saves))
 
 
+def _lora(doc: SourceDoc) -> LoraSpec | None:
+    data = doc.data.get("lora")
+    if data is None:
+        return None
+    targets = data.get("targets") or []
+    return LoraSpec.of(
+        data,
+        loc=doc.loc(("lora",), key=True),
+        target_locs=tuple(doc.loc(("lora", "targets", i)) for i in range(len(targets))),
+    )
+
+
 def plan_from_doc(doc: SourceDoc) -> Plan:
     """Build a ``Plan`` from a parsed document; raise ``PlanError`` with every problem."""
     raise_if_errors(validate_doc(doc))
@@ -212,6 +226,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         fsdp_reshard_after_forward=(data.get("fsdp") or {}).get("reshard_after_forward", True),
         fsdp_shard_placement=_shard_placements(doc),
         activation_checkpointing=_checkpoint_targets(doc),
+        lora=_lora(doc),
         path=doc.path,
         loc=doc.loc(()),
         text=doc.text,

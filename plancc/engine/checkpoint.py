@@ -402,6 +402,10 @@ def _info_problem(info: CheckpointInfo) -> str | None:
     return None
 
 
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shapes: dict[str, list[int]]) -> None:
     """Refuse a checkpoint of another model, naming the first parameter that differs."""
     if info.architecture != architecture:
@@ -413,6 +417,18 @@ def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shape
     signature = _signature(shapes)
     if info.model_signature == signature:
         return
+    saved_adapters = [n for n in info.parameters if _is_adapter(n)]
+    built_adapters = [n for n in shapes if _is_adapter(n)]
+    if info.parameters and bool(saved_adapters) != bool(built_adapters):
+        raise _error(
+            step_dir,
+            f"checkpoint holds LoRA adapters ({saved_adapters[0]}), this policy has none"
+            if saved_adapters
+            else f"checkpoint holds no LoRA adapters, this policy has them ({built_adapters[0]})",
+            "construct the policy with the lora= the checkpoint was saved with"
+            if saved_adapters
+            else "construct the policy without lora= to resume a full fine-tuning checkpoint",
+        )
     for name in sorted(set(info.parameters) | set(shapes)):
         saved, built = info.parameters.get(name), shapes.get(name)
         if saved != built and info.parameters:
@@ -420,7 +436,9 @@ def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shape
                 step_dir,
                 f"checkpoint is of {info.architecture} with parameter {name} of shape "
                 f"{saved or 'absent'}, this run builds it {built or 'absent'}",
-                "resume with the --model the checkpoint was saved with",
+                "resume with the lora r and targets the checkpoint was saved with"
+                if _is_adapter(name)
+                else "resume with the --model the checkpoint was saved with",
             )
     raise _error(
         step_dir,

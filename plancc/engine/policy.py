@@ -140,7 +140,8 @@ class Policy:
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
         self.config = load_config(model)
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
-        self.lora = LoraSpec.of(lora)
+        # lora= here, else the plan's lora: section
+        self.lora = LoraSpec.of(lora) if lora is not None else self.plan.lora
         self.model, self.weight_source = build_parallel_model(
             self.plan,
             self.source,

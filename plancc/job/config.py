@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ..layout import Layout
 
@@ -50,6 +50,7 @@ class RunConfig:
     verify: bool = False
     mode: Literal["train", "logprobs"] = "train"
     out: str | None = None  # logprobs: JSONL output path
+    lora: dict[str, Any] | None = None  # train: LoRA adapters (--lora-*); None: the plan's lora: section, if any
     pack: bool = False  # pack a batch's (train: a microbatch's) sequences into one row (cu_seqlens)
     micro_batch_size: int | None = None  # train: rows per microbatch on each dp rank
     max_tokens: int | None = None  # train: microbatches by a token budget (balanced over dp ranks)

@@ -36,6 +36,7 @@ from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime.failures import diagnosed
+from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from . import reporting
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
@@ -306,9 +307,20 @@ def _policy(cfg: RunConfig, job: _Job) -> Policy:
         lr_scheduler=_schedule(cfg) if cfg.mode == "train" else None,
         max_grad_norm=cfg.max_grad_norm,
         param_dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None,
+        lora=cfg.lora,
         seed=cfg.seed,
         device=job.device,
     )
+
+
+def _lora_note(policy: Policy) -> str:
+    """What trains, when it is adapters: their rank, modules and share of the parameters."""
+    adapters = adapters_of(policy.model)
+    if adapters is None:
+        return ""
+    trained = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in policy.model.parameters())
+    return f" | LoRA r={adapters.spec.r} on {len(adapters.modules)} modules ({trained / total:.2%} of parameters train)"
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -316,7 +328,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     policy = _policy(cfg, job)
     log(
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
-        f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}"
+        f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{_lora_note(policy)}"
     )
     warnings = _weight_warnings(policy.model, cfg, job)
     trainer = _Trainer(cfg=cfg, job=job, policy=policy)

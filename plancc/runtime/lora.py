@@ -27,9 +27,9 @@ under PEFT's names (``base_model.model.<module>.lora_A.weight``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,91 +38,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from ..compiler import declarations as d
-from ..compiler.globs import ModuleTree, glob_problem
-from ..compiler.resolve import ResolvedPlan, no_match
-from ..compiler.styles import declared
-from ..errors import Diagnostic, PlanError, SourceLoc
+from ..checks.lora_targets import IDS, adapted_modules, adapter_layout, lora_problems
+from ..compiler.lora import LoraSpec
+from ..compiler.resolve import ResolvedPlan
+from ..errors import Diagnostic, PlanError
+
+__all__ = ["Adapters", "LoraSpec", "add_adapters", "adapters_disabled", "adapters_of", "initial_adapter_state"]
 
 PEFT_PREFIX = "base_model.model."
-FIELDS = ("r", "alpha", "dropout", "targets", "init_lora_weights")
-
-
-@dataclass(frozen=True, slots=True)
-class LoraSpec:
-    """What to adapt and how: PEFT's ``LoraConfig`` fields of the same meaning (``alpha`` is
-    ``lora_alpha``, ``targets`` are plancc globs over module names, ``init_lora_weights``
-    False draws ``B`` at random as PEFT does, for tests; True starts ``B`` at zero)."""
-
-    r: int
-    alpha: float
-    targets: tuple[str, ...]
-    dropout: float = 0.0
-    init_lora_weights: bool = True
-    loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<lora>"), compare=False)
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.r
-
-    @classmethod
-    def of(cls, value: LoraSpec | Mapping[str, Any] | None, loc: SourceLoc | None = None) -> LoraSpec | None:
-        """A spec from ``Policy(lora={...})`` or a plan's ``lora:`` section; a ``PlanError``
-        with one diagnostic per problem."""
-        if value is None or isinstance(value, LoraSpec):
-            return value
-        where = loc or SourceLoc(path="<lora>")
-        if not isinstance(value, Mapping):
-            raise PlanError([_bad(where, f"lora is a {type(value).__name__}", "a mapping of r, alpha, targets")])
-        problems = [
-            _bad(where, f"unknown lora field {key!r}", f"the fields {', '.join(FIELDS)}")
-            for key in value
-            if key not in FIELDS
-        ]
-        r, alpha = value.get("r"), value.get("alpha", value.get("r"))
-        targets = value.get("targets")
-        dropout = value.get("dropout", 0.0)
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-            problems.append(_bad(where, f"lora r is {r!r}", "a whole number above 0 (the adapters' rank)"))
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-            problems.append(_bad(where, f"lora alpha is {alpha!r}", "a number above 0 (the scale is alpha / r)"))
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            problems.append(_bad(where, f"lora dropout is {dropout!r}", "a number in [0, 1)"))
-        if isinstance(targets, str):
-            targets = [targets]
-        if not targets or not all(isinstance(t, str) and t for t in targets):
-            problems.append(_bad(where, f"lora targets are {targets!r}", "a list of module globs"))
-        if problems:
-            raise PlanError(problems)
-        return cls(
-            r=int(r),  # type: ignore[arg-type]
-            alpha=float(alpha),
-            targets=tuple(targets),  # type: ignore[arg-type]
-            dropout=float(dropout),
-            init_lora_weights=bool(value.get("init_lora_weights", True)),
-            loc=where,
-        )
-
-    def peft_config(self, targets: Iterable[str]) -> dict[str, Any]:
-        """PEFT's ``adapter_config.json`` for these adapters on the named modules."""
-        return {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": self.r,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
-            "target_modules": sorted(targets),
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "use_rslora": False,
-            "use_dora": False,
-            "init_lora_weights": self.init_lora_weights,
-            "inference_mode": True,
-        }
-
-
-def _bad(loc: SourceLoc, found: str, allowed: str, rule: str = "lora-config", fix: str | None = None) -> Diagnostic:
-    return Diagnostic(rule=rule, loc=loc, message=f"{found}; allowed: {allowed}", fix=fix or f"give {allowed}")
+# (A's, B's) tp placement under each base style that carries adapters (checks.lora_targets)
+PLACEMENTS: dict[str, tuple[Placement, Placement]] = {
+    "colwise": (Replicate(), Shard(0)),
+    "rowwise": (Shard(1), Replicate()),
+}
 
 
 class _AdapterHook:
@@ -161,107 +89,15 @@ def adapters_of(model: nn.Module) -> Adapters | None:
     return found if isinstance(found, Adapters) else None
 
 
-def _placements(name: str, resolved: ResolvedPlan | None, tp: int) -> tuple[Placement, Placement] | str | None:
-    """(A's, B's) tp placement for the base module's style; a reason when its style cannot
-    carry adapters; None for a plain layer."""
-    rule = resolved.assignments.get(name) if resolved is not None and tp > 1 else None
-    if rule is None:
-        return None
-    decl = declared(rule.style)
-    if type(decl) is d.Colwise:
-        return Replicate(), Shard(0)
-    if type(decl) is d.Rowwise:
-        return Shard(1), Replicate()
-    if isinstance(decl, d.LeaveWhole):
-        return None
-    return rule.style.name
-
-
-def check_targets(model: nn.Module, spec: LoraSpec, resolved: ResolvedPlan | None, tp: int) -> list[str]:
-    """The module names the spec adapts, in model order; a ``PlanError`` with every problem:
-    a glob matching nothing, a module without a 2-D weight, the output embedding, a rank larger
-    than a layer's dims, a style that cannot carry adapters, dropout under tp."""
-    tree = ModuleTree.of(model)
-    problems: list[Diagnostic] = []
-    names: dict[str, None] = {}
-    for pattern in spec.targets:
-        if (why := glob_problem(pattern)) is not None:
-            problems.append(_bad(spec.loc, f"lora target {pattern!r}: {why}", "a module glob", "lora-target"))
-            continue
-        found = tree.match(pattern)
-        if not found:
-            problems.append(no_match(pattern, spec.loc, tree, "lora target"))
-        names.update(dict.fromkeys(found))
-    modules = dict(model.named_modules())
-    embeddings = getattr(model, "get_output_embeddings", None)
-    head = embeddings() if callable(embeddings) else None
-    for name in names:
-        module = modules[name]
-        if module is head:
-            problems.append(
-                _bad(
-                    spec.loc,
-                    f"lora target {name!r} is the output embedding "
-                    "(the fused lm_head reads its weight, not its forward)",
-                    "the decoder's linear layers",
-                    "lora-target",
-                    fix="drop it from the targets",
-                )
-            )
-            continue
-        if type(module) is not nn.Linear:
-            problems.append(
-                _bad(
-                    spec.loc,
-                    f"lora target {name!r} is a {type(module).__name__}, not an nn.Linear with a 2-D weight",
-                    "nn.Linear modules (attention and MLP projections)",
-                    "lora-target",
-                    fix="narrow the glob to the projections, e.g. 'model.layers.*.self_attn.q_proj'",
-                )
-            )
-            continue
-        out_features, in_features = module.out_features, module.in_features
-        if spec.r > min(in_features, out_features):
-            problems.append(
-                _bad(
-                    spec.loc,
-                    f"lora r={spec.r} exceeds {name!r}'s dims ({in_features} -> {out_features})",
-                    f"r <= {min(in_features, out_features)}",
-                    fix=f"lower r to at most {min(in_features, out_features)}",
-                )
-            )
-        placed = _placements(name, resolved, tp)
-        if isinstance(placed, str):
-            rule = resolved.assignments[name] if resolved is not None else None
-            problems.append(
-                Diagnostic(
-                    rule="lora-style",
-                    loc=rule.loc if rule is not None else spec.loc,
-                    message=f"lora target {name!r} has the style {placed!r}, which cannot carry adapters; "
-                    "allowed: 'colwise' and 'rowwise' (and layers the plan leaves whole)",
-                    fix="drop the module from the lora targets",
-                )
-            )
-        elif placed is not None and spec.dropout:
-            problems.append(
-                _bad(
-                    spec.loc,
-                    f"lora dropout {spec.dropout} with tensor parallelism (tp={tp})",
-                    "dropout 0 when tp > 1 (a replicated input would need one mask on every tp rank)",
-                    fix="set dropout: 0",
-                )
-            )
-    if problems:
-        raise PlanError(problems)
-    return list(names)
-
-
 def add_adapters(
     model: nn.Module, spec: LoraSpec, resolved: ResolvedPlan | None, tp_mesh: DeviceMesh | None
 ) -> Adapters:
     """Adapters on every target (after tensor parallelism, before FSDP); the base frozen."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    names = check_targets(model, spec, resolved, tp)
+    problems = lora_problems(model, spec, resolved, tp)
+    if problems:
+        raise PlanError([Diagnostic(rule=p.rule or IDS[0], loc=p.loc, message=p.message, fix=p.fix) for p in problems])
+    names = list(adapted_modules(model, spec)[0])
     for p in model.parameters():
         p.requires_grad_(False)
     modules = dict(model.named_modules())
@@ -269,10 +105,11 @@ def add_adapters(
         base = modules[name]
         assert isinstance(base, nn.Linear)
         device = base.weight.device
-        a = nn.Linear(base.in_features, spec.r, bias=False, device=device)
-        b = nn.Linear(spec.r, base.out_features, bias=False, device=device)
-        placed = _placements(name, resolved, tp)
-        if isinstance(placed, tuple) and tp_mesh is not None:
+        out_features, in_features = base.weight.shape
+        a = nn.Linear(in_features, spec.r, bias=False, device=device)
+        b = nn.Linear(spec.r, out_features, bias=False, device=device)
+        placed = PLACEMENTS.get(adapter_layout(name, resolved, tp) or "")
+        if placed is not None and tp_mesh is not None:
             for layer, placement in zip((a, b), placed, strict=True):
                 layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), tp_mesh, [placement]))
         base.lora_A, base.lora_B = a, b  # registered after the tp styles shard the base: left alone by them
@@ -309,7 +146,7 @@ def _kaiming(t: torch.Tensor, gen: torch.Generator) -> None:
 
 def base_shapes(model: nn.Module, adapters: Adapters) -> dict[str, tuple[int, int]]:
     modules = dict(model.named_modules())
-    return {n: (modules[n].out_features, modules[n].in_features) for n in adapters.modules}
+    return {n: tuple(modules[n].weight.shape) for n in adapters.modules}
 
 
 @contextmanager
