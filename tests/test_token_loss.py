@@ -147,3 +147,32 @@ def test_a_token_loss_that_fails_on_one_rank_is_refused_on_every_rank():
     for rank, got in results.items():
         assert "rank 1" in got["error"] and "microbatch 0" in got["error"] and "poisoned" in got["error"], (rank, got)
         assert got["unchanged"] and got["trains_after"], (rank, got)
+
+
+def test_a_frozen_lm_head_costs_no_weight_gradient(one_rank):
+    """With LoRA the lm_head is frozen: the token-loss path forms no gradient for its weight
+    (no matmul whose output is a ``[vocab, hidden]`` weight gradient), one vocabulary matmul of
+    three saved."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import plancc
+
+    class WeightGradients(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.seen = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+                self.seen += tuple(out.shape) == self.shape
+            return out
+
+    batch = {"input_ids": torch.randint(0, 200, (4, 32)), "attention_mask": torch.ones(4, 32, dtype=torch.long)}
+    seen = {}
+    for way, lora in (("full", None), ("lora", {"r": 4, "targets": ["model.layers.*.self_attn.q_proj"]})):
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", device="cpu", lora=lora, max_grad_norm=None)
+        with WeightGradients((policy.config.vocab_size, policy.config.hidden_size)) as mode:
+            policy.train(batch, token_loss=lambda lp, t, n: -lp.sum() / n.tokens)
+        seen[way] = mode.seen
+    assert seen["full"] > 0 and seen["lora"] == 0, seen  # full: one addmm per chunk of tokens

@@ -139,9 +139,10 @@ def _grad_matmuls(
     w32: torch.Tensor | None,
     h: torch.Tensor,
     grad_h_rows: torch.Tensor,
-    grad_w: torch.Tensor,
+    grad_w: torch.Tensor | None,
 ) -> None:
-    """``grad_h_rows = gx @ weight`` and ``grad_w += gx.T @ h``, both fp32.
+    """``grad_h_rows = gx @ weight`` and ``grad_w += gx.T @ h``, both fp32 (no ``grad_w`` for a
+    frozen weight -- a LoRA run's lm_head: one vocabulary matmul fewer).
 
     ``gx`` in fp32 (CPU, or fp32 inputs): fp32 products. ``gx`` in the inputs' 16-bit dtype (the
     CUDA kernels write it so): tensor-core products with fp32 accumulation and output, so the
@@ -150,10 +151,12 @@ def _grad_matmuls(
     if gx.dtype == torch.float32:
         assert w32 is not None, "fp32 gradients of the logits need the fp32 weight"
         grad_h_rows.copy_(gx @ w32)
-        grad_w.addmm_(gx.T, _as_fp32(h))
+        if grad_w is not None:
+            grad_w.addmm_(gx.T, _as_fp32(h))
         return
     grad_h_rows.copy_(torch.mm(gx, weight, out_dtype=torch.float32))
-    torch.addmm(grad_w, gx.T, h, out_dtype=torch.float32, out=grad_w)
+    if grad_w is not None:
+        torch.addmm(grad_w, gx.T, h, out_dtype=torch.float32, out=grad_w)
 
 
 def _column_blocks(
@@ -437,12 +440,15 @@ def _stats_by_tokens(
     return ChunkStats(m, s, picked, t)
 
 
-def _grad_by_tokens(b: _Backward, chunk: int, fast: bool, widths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad of hidden, grad of the local weight), both fp32, a chunk of tokens at a time: each
-    chunk's logits recomputed, turned into their gradient and added into the weight's."""
+def _grad_by_tokens(
+    b: _Backward, chunk: int, fast: bool, widths: list[int], weight_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad of hidden, grad of the local weight or None when it is frozen), both fp32, a chunk
+    of tokens at a time: each chunk's logits recomputed, turned into their gradient and added
+    into the weight's."""
     hidden, weight, vocab = b.hidden, b.weight, b.vocab
     grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
     w32 = _fp32_weight(weight, fast)
     logits = _ChunkLogits(weight, chunk, w32)
     for lo in range(0, hidden.shape[0], chunk):
@@ -514,16 +520,18 @@ class _FusedLogprobs(torch.autograd.Function):
         g_ent = g_ent.float() if (ctx.entropy and g_ent is not None) else None
         chunks: _Chunks = ctx.chunks
         e_all = ent if ctx.entropy else None
+        grad_w: torch.Tensor | None
         if chunks.columns is not None:  # set only for the unfiltered PyTorch path (_prepare)
             walk = _Backward(hidden, _as_fp32(weight), targets, lse, e_all, g_lp, g_ent, vocab)
             grad_h, grad_w = _grad_by_columns(walk, chunks.columns)
         else:
             fast = fused_kernels.active(hidden.device) and not vocab.filtered
             walk = _Backward(hidden, weight, targets, lse, e_all, g_lp, g_ent, vocab)
-            grad_h, grad_w = _grad_by_tokens(walk, chunks.grad, fast, ctx.widths)
+            grad_h, grad_w = _grad_by_tokens(walk, chunks.grad, fast, ctx.widths, ctx.needs_input_grad[1])
         # every tp rank holds a partial sum over its columns; the hidden states are replicated
         _all_reduce_sum(grad_h, vocab.group)
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None
+        weight_grad = grad_w.to(weight.dtype) if grad_w is not None and ctx.needs_input_grad[1] else None
+        return grad_h.to(hidden.dtype), weight_grad, None, None, None, None
 
 
 TokenLossFn = Callable[[torch.Tensor, slice], torch.Tensor]
@@ -594,7 +602,9 @@ class _FusedTokenLoss(torch.autograd.Function):
         n, chunk = hidden.shape[0], chunks.grad if need_grad else chunks.forward
         lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_grad else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        # a frozen weight (LoRA's lm_head) gets no gradient: the third vocabulary matmul skipped
+        weight_grad = need_grad and weight.requires_grad
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
         fast = fused_kernels.active(hidden.device)
         w32 = _fp32_weight(weight, fast) if need_grad else None
         logits = _ChunkLogits(weight, chunk, w32)
@@ -608,7 +618,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             lp[lo:hi] = torch.where(valid, picked - lse, torch.zeros_like(lse))
             loss, g = _chunk_loss(loss_fn, lp[lo:hi], slice(lo, hi), need_grad)
             total += loss
-            if grad_h is not None and grad_w is not None and g is not None:
+            if grad_h is not None and g is not None:
                 if fast:  # masks ignore_index targets itself, as _local_grad_logits does
                     gx = _kernel_grad(x, targets[lo:hi], lse, None, g, None, vocab, weight.dtype)
                 else:  # x holds exp(x - m) now: the softmax over the whole vocabulary is one scale away
@@ -633,12 +643,15 @@ class _FusedTokenLoss(torch.autograd.Function):
                 "forward and the first backward took them"
             )
         ctx.spent = True
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, *rest = ctx.saved_tensors
+        grad_w = rest[0] if rest else None  # none for a frozen weight
         # scaled in place, whatever g_loss is: asking whether it is 1 would be a device read
         # (a GPU's queue stalled once per microbatch); one pass over them costs less
         grad_h.mul_(g_loss)
-        grad_w.mul_(g_loss)
-        return grad_h.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None, None, None
+        if grad_w is not None:
+            grad_w.mul_(g_loss)
+            grad_w = grad_w.to(ctx.dtypes[1])
+        return grad_h.to(ctx.dtypes[0]), grad_w, None, None, None, None, None
 
 
 _TARGETS_CHECKED: ContextVar[bool] = ContextVar("plancc_targets_checked", default=False)
