@@ -106,6 +106,8 @@ def _wait_for_file(path: str, timeout: float = 120.0) -> dict:
             time.sleep(0.1)
 
 
+LORA_TARGETS = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
+
 # ----------------------------------------------------------------------------- policy
 def policy_rank(args) -> list[dict]:
     """One rank of the policy: the GRPO loop. Rank 0 returns the per-step metrics."""
@@ -114,13 +116,17 @@ def policy_rank(args) -> list[dict]:
 
     import plancc
 
+    # --lora R: adapters on every projection train instead of the whole model; the frozen base
+    # is the reference (no second copy), and the rollout still receives merged weights
+    lora = {"r": args.lora, "alpha": 2 * args.lora, "targets": LORA_TARGETS} if args.lora else None
     policy = plancc.Policy(
         PLAN,
         MODEL,
         tp=args.tp,
         reference=True,
+        lora=lora,
         seed=args.seed,
-        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": args.lr}},
+        optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": args.lora_lr if args.lora else args.lr}},
     )
     vocab = policy.config.vocab_size
     rank0 = dist.get_rank() == 0
@@ -246,6 +252,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R instead")
+    parser.add_argument("--lora-lr", type=float, default=3e-2, help="the adapters' learning rate (with --lora)")
     parser.add_argument("--temperature", type=float, default=0.8, help="the sampler's, and so the log-probs'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics", default=None, help="one JSON line per step: reward, kl, loss")

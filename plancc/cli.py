@@ -423,7 +423,7 @@ def explain(
         _emit(list(report.diagnostics), fmt)
         raise typer.Exit(EXIT_PLAN)
     # the model and resolution validate built: nothing is built twice
-    exp = explain_plan(report.meta_model, report.resolved_for(layout.sp), report.layout)
+    exp = explain_plan(report.meta_model, report.resolved_for(layout.sp), report.layout, lora=report.plan.lora)
     if fmt is Format.json:
         print(json.dumps({"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}, indent=2))
         return

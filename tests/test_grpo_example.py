@@ -10,15 +10,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MARGIN = 0.2  # mean reward of the last 4 steps over the first 4 (a random model scores ~0.5)
+# mean reward of the last 4 steps over the first 4 (a random model scores ~0.5). LoRA adapters
+# on the projections alone (embeddings and lm_head frozen) learn this task more slowly: 0.085 in
+# 16 steps at the example's settings (2026-11-26), and its margin is stated for that.
+MARGIN = {"full": 0.2, "lora": 0.05}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path):
+@pytest.mark.parametrize("way", ["full", "lora"])
+def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path, way):
     metrics = tmp_path / "grpo.jsonl"
+    lora = ["--lora", "8"] if way == "lora" else []
     proc = subprocess.run(
-        [sys.executable, "examples/grpo.py", "--steps", "16", "--metrics", str(metrics)],
+        [sys.executable, "examples/grpo.py", "--steps", "16", "--metrics", str(metrics), *lora],
         cwd=ROOT, capture_output=True, text=True, timeout=360,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -26,7 +31,7 @@ def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 17))
     first = sum(r["reward"] for r in rows[:4]) / 4
     last = sum(r["reward"] for r in rows[-4:]) / 4
-    assert last >= first + MARGIN, (first, last, rows)
+    assert last >= first + MARGIN[way], (first, last, rows)
     assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0  # the policy starts at the reference, then leaves it
     out = tmp_path / "grpo.png"
     plot = subprocess.run([sys.executable, "-m", "plancc.cli", "plot", str(metrics), "--out", str(out)],

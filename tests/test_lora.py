@@ -104,3 +104,39 @@ def test_the_reference_is_the_base_and_weights_go_out_merged_or_as_peft_adapters
     assert rank0["merged_export_names"] and rank0["merged_export_vs_stream"] == 0.0, rank0
     assert rank0["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"], rank0
     assert rank0["peft_loaded_vs_policy"] <= 1e-5, rank0
+
+
+def test_explain_counts_the_bytes_a_lora_policy_holds(one_rank, write_plan):
+    """``plancc explain`` with a lora: section: parameters (base and adapters), gradients and
+    AdamW state of the adapters only -- the bytes a Policy holds after a step (one rank)."""
+    import torch
+
+    import plancc
+    from plancc.checks.report import validate_plan
+    from plancc.tools.explain import explain
+
+    path = write_plan(
+        open("plans/qwen3.yaml").read()
+        + "\nlora:\n  r: 4\n  alpha: 8\n  targets: [model.layers.*.self_attn.*_proj, model.layers.*.mlp.*_proj]\n"
+    )
+    report = validate_plan(path, model="tiny-qwen3", skeleton=False, world_size=1)
+    exp = explain(report.meta_model, report.resolved_for(False), report.layout, lora=report.plan.lora)
+    policy = plancc.Policy(path, "tiny-qwen3", device="cpu")
+    batch = {"input_ids": torch.randint(0, 200, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    grads = []  # the gradients the optimizer steps on (the step sets them to None after)
+
+    def held(optimizer, args, kwargs):
+        grads.append(sum(p.grad.numel() * p.grad.element_size() for p in policy.model.parameters() if p.grad is not None))
+
+    policy.optimizer.register_step_pre_hook(held)
+    policy.train(batch, lambda lp, mb, norm: -lp.sum() / norm.tokens)
+    params = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    (grads,) = grads
+    state = sum(
+        t.numel() * t.element_size()
+        for s in policy.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    assert (exp.param_bytes, exp.grad_bytes, exp.optimizer_bytes) == (params, grads, state)
+    assert grads < params / 10  # the adapters only

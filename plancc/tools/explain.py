@@ -5,6 +5,10 @@ each parameter's global shape, the shard rank 0 holds after TP and then FSDP ove
 dp*cp ranks, and the placements. Per-rank bytes of parameters, gradients and AdamW state
 follow from those shards (fp32 master weights, as FSDP mixed precision keeps them); the
 dry run measures the same numbers on the real parallelized model.
+
+With a ``lora:`` section the adapters get rows of their own (``lora_A`` / ``lora_B``, placed
+as ``checks.lora_targets`` says), and only they hold gradients and AdamW state: the base is
+frozen.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..checks.lora_targets import adapted_modules, adapter_layout
 from ..compiler.globs import generalize
+from ..compiler.lora import LoraSpec
 from ..compiler.placements import Placement, Replicate, Shard
 from ..compiler.resolve import ResolvedPlan
 from ..compiler.styles import canonical_style, format_layout, module_kind, style_layouts
@@ -33,6 +39,7 @@ class ParamRow:
     local_shape: tuple[int, ...]
     tp_placement: str
     fsdp_placement: str
+    trainable: bool = True  # False: a frozen base parameter under LoRA (no gradient, no state)
 
     @property
     def local_bytes(self) -> int:
@@ -51,11 +58,11 @@ class Explanation:
 
     @property
     def grad_bytes(self) -> int:
-        return self.param_bytes
+        return sum(r.local_bytes for r in self.rows if r.trainable)
 
     @property
     def optimizer_bytes(self) -> int:
-        return 2 * self.param_bytes
+        return 2 * self.grad_bytes
 
     def as_dict(self) -> dict:
         return {
@@ -77,6 +84,7 @@ class Explanation:
                     "local_shape": list(r.local_shape),
                     "tp": r.tp_placement,
                     "fsdp": r.fsdp_placement,
+                    "trainable": r.trainable,
                 }
                 for r in self.rows
             ],
@@ -92,8 +100,11 @@ def _group(name: str) -> str:
     return generalize(name)
 
 
-def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> Explanation:
+def explain(
+    model: nn.Module, resolved: ResolvedPlan | None, layout: Layout, lora: LoraSpec | None = None
+) -> Explanation:
     tp, fsdp_ranks = layout.tp, layout.fsdp_size
+    frozen = lora is not None
     rows: dict[tuple[str, str], ParamRow] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -136,8 +147,59 @@ def explain(model: nn.Module, resolved: ResolvedPlan | None, layout: Layout) -> 
                     if split > 1
                     else "-",
                     fsdp_placement=(f"shard(0) over {shards}" if spread else "shard(0)") if shards > 1 else "-",
+                    trainable=not frozen,
                 )
+    if lora is not None:
+        _adapter_rows(model, resolved, layout, lora, rows)
     return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
+
+
+# the tp placements of (A, B) under each base layout that carries adapters
+_ADAPTER_PLACEMENTS: dict[str | None, tuple[Placement, Placement]] = {
+    "colwise": (Replicate(), Shard(0)),
+    "rowwise": (Shard(1), Replicate()),
+    None: (Replicate(), Replicate()),
+}
+
+
+def _adapter_rows(
+    model: nn.Module,
+    resolved: ResolvedPlan | None,
+    layout: Layout,
+    lora: LoraSpec,
+    rows: dict[tuple[str, str], ParamRow],
+) -> None:
+    """A row for each adapted module group's ``lora_A`` and ``lora_B`` (trainable)."""
+    modules = dict(model.named_modules())
+    tp, shards = layout.tp, layout.fsdp_size
+    for name in adapted_modules(model, lora)[0]:
+        weight = getattr(modules[name], "weight", None)
+        if weight is None or weight.dim() != 2:
+            continue  # checks.lora_targets reports it
+        out_features, in_features = weight.shape
+        kind = adapter_layout(name, resolved, tp)
+        placements = _ADAPTER_PLACEMENTS.get(kind, _ADAPTER_PLACEMENTS[None])
+        for param, global_shape, placement in (
+            ("lora_A.weight", (lora.r, in_features), placements[0]),
+            ("lora_B.weight", (out_features, lora.r), placements[1]),
+        ):
+            shape = list(global_shape)
+            if isinstance(placement, Shard) and tp > 1:
+                shape[placement.dim] = _chunk(shape[placement.dim], tp)
+            if shards > 1:
+                shape[0] = _chunk(shape[0], shards)
+            key = (_group(name), param)
+            old = rows.get(key)
+            rows[key] = ParamRow(
+                group=key[0],
+                count=old.count + 1 if old else 1,
+                style=f"lora r={lora.r}",
+                param=param,
+                global_shape=global_shape,
+                local_shape=tuple(shape),
+                tp_placement=format_layout(placement) if tp > 1 else "-",
+                fsdp_placement="shard(0)" if shards > 1 else "-",
+            )
 
 
 def human_bytes(n: int) -> str:
@@ -176,4 +238,10 @@ def render(exp: Explanation) -> str:
         f"parameters {human_bytes(exp.param_bytes)}, gradients {human_bytes(exp.grad_bytes)}, "
         f"AdamW state {human_bytes(exp.optimizer_bytes)}, total {human_bytes(total)}"
     )
+    if any(not r.trainable for r in exp.rows):
+        trained = sum(r.local_bytes for r in exp.rows if r.trainable)
+        lines.append(
+            f"LoRA: the adapters ({human_bytes(trained)} per rank, {trained / max(exp.param_bytes, 1):.2%} of the "
+            "parameters) train; the base is frozen: no gradient, no optimizer state"
+        )
     return "\n".join(lines)
