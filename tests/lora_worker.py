@@ -207,6 +207,12 @@ def reference_export_and_resume(plan, model_name, layout_kwargs, targets, folder
     policy.export_hf(root / "merged")
     policy.export_hf(root / "adapters", adapters_only=True)
     streamed = dict(policy.weights())
+    adapters_streamed = dict(policy.weights(adapters_only=True))
+    manifest = policy.weights_manifest(adapters_only=True)
+    out["adapter_manifest"] = [
+        sorted(t["name"] for b in manifest["buckets"] for t in b["tensors"]) == sorted(adapters_streamed),
+        manifest["adapter_config"]["r"],
+    ]
     if dist.get_rank() == 0:
         from peft import PeftModel
         from safetensors.torch import load_file
@@ -215,6 +221,10 @@ def reference_export_and_resume(plan, model_name, layout_kwargs, targets, folder
         out["merged_export_vs_stream"] = max(float((written[k] - streamed[k]).abs().max()) for k in written)
         out["merged_export_names"] = sorted(written) == sorted(streamed)
         out["adapter_files"] = sorted(p.name for p in (root / "adapters").iterdir() if not p.name.startswith("."))
+        on_disk = load_file(str(root / "adapters" / "adapter_model.safetensors"))
+        out["adapter_stream_equal"] = sorted(on_disk) == sorted(adapters_streamed) and all(
+            torch.equal(on_disk[k], adapters_streamed[k]) for k in on_disk
+        )
         from plancc.models import build_model
 
         torch.manual_seed(0)

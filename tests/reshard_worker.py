@@ -21,7 +21,7 @@ def _batch(vocab):
     return global_batch(4, vocab, seed=21)
 
 
-def policy_side(port, manifest_path, layout, dtype=None, fault=None):
+def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None):
     """The policy's rank: trains a step, sends its weights resharded (in ``dtype`` when given),
     and reports what it sent, the peak bytes the send made (tests/live_bytes.py), and for the
     bound: the largest parameter and all the strided ones (FSDP x TP) together, full size."""
@@ -36,7 +36,7 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None):
     from .policy_worker import nll
 
     init_gloo()
-    policy = plancc.Policy(PLAN, MODEL, **layout)
+    policy = plancc.Policy(PLAN, MODEL, lora=lora, **layout)
     batch = _batch(load_config(MODEL).vocab_size)
     mine = policy.slice_of(batch["input_ids"].shape[0])
     policy.train({k: v[mine] for k, v in batch.items()}, nll)

@@ -100,7 +100,9 @@ def test_the_reference_is_the_base_and_weights_go_out_merged_or_as_peft_adapters
         saved, unsaved = out["refusals"]
         assert saved is not None and "holds LoRA adapters" in saved and "lora=" in saved, saved
         assert unsaved is not None and "holds no LoRA adapters" in unsaved, unsaved
+        assert out["adapter_manifest"] == [True, 4], out["adapter_manifest"]
     rank0 = results[0]
+    assert rank0["adapter_stream_equal"], rank0
     assert rank0["merged_export_names"] and rank0["merged_export_vs_stream"] == 0.0, rank0
     assert rank0["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"], rank0
     assert rank0["peft_loaded_vs_policy"] <= 1e-5, rank0

@@ -10,23 +10,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# B drawn at random, so the merged weights differ from the base before the step too
+LORA = {"r": 4, "alpha": 8, "init_lora_weights": False, "targets": ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    ("ranks", "layout", "dtype"),
-    [(2, {"tp": 2}, None), (2, {"dp": 2}, None), (4, {"dp": 2, "tp": 2}, None), (4, {"dp": 2, "tp": 2}, "bfloat16")],
-    ids=["tp2", "dp2", "dp2xtp2", "dp2xtp2-bf16"],
+    ("ranks", "layout", "dtype", "lora"),
+    [
+        (2, {"tp": 2}, None, None),
+        (2, {"dp": 2}, None, None),
+        (4, {"dp": 2, "tp": 2}, None, None),
+        (4, {"dp": 2, "tp": 2}, "bfloat16", None),
+        (4, {"dp": 2, "tp": 2}, None, LORA),
+    ],
+    ids=["tp2", "dp2", "dp2xtp2", "dp2xtp2-bf16", "dp2xtp2-lora-merged"],
 )
-def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logprobs(tmp_path, ranks, layout, dtype):
+def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logprobs(
+    tmp_path, ranks, layout, dtype, lora
+):
     """At tp2 both layouts line up (policy rank t sends rank t its shard); at dp2 the policy's
     FSDP rows cut across the engine's tp shards and each engine rank assembles its shard from
     both policy ranks' pieces; at dp2 x tp2 the column-sharded weights are FSDP's strided shards
     (no box of the tensor): the policy gathers those one at a time, when their turn comes, and
     rank 0 sends each engine rank its part -- a rank never holds more than the largest parameter
     gathered plus the piece on its way. In bf16 (``send_weights(dtype=)``) the engine's shards
-    arrive in bf16, half the bytes."""
+    arrive in bf16, half the bytes. A policy with LoRA adapters sends each adapted weight merged,
+    piece by piece, to an engine that has no adapters: its log-probs are the adapted policy's."""
     import torch
 
     from .distributed import free_port, launch
@@ -38,7 +49,7 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
                               cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        policy = launch(policy_side, ranks, port, str(manifest), layout, dtype)
+        policy = launch(policy_side, ranks, port, str(manifest), layout, dtype, None, lora)
         log, _ = engine.communicate(timeout=300)
     finally:
         engine.kill()

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..runtime.lora import adapters_of, merged
 from ..runtime.styles.experts import plain
 from . import faults
 from .agreement import RefitAgreement
@@ -112,6 +113,17 @@ def _box(value: Any) -> Box:
     return tuple(offsets), tuple(lengths)
 
 
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+
+def _merged_piece(piece: torch.Tensor, part: Box, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``piece`` of a base weight (its ``part`` of the global ``[out, in]`` tensor) plus the same
+    block of ``scale * B @ A``: the merged weight's piece (``runtime.lora.merged``, blockwise)."""
+    (row, col), (rows, cols) = part
+    return merged(piece, a[:, col : col + cols], b[row : row + rows], scale)
+
+
 def send_shards(
     channel: WeightChannel,
     model: nn.Module,
@@ -125,6 +137,15 @@ def send_shards(
     ``device``: the policy's process group's)."""
     agreement = RefitAgreement(device, unit="transfer")
     params = dict(model.named_parameters())
+    # LoRA: the receivers hold the base model; each adapted weight goes out merged, piece by
+    # piece (a piece's block of B @ A from the adapters, gathered whole first: r x (in + out))
+    adapters = adapters_of(model)
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if adapters is not None:
+        for base, (a, b) in adapters.by_base_weight().items():  # collective, in one order on every rank
+            deltas[base] = (_whole(params[a]), _whole(params[b]))
+        for name in adapters.parameter_names():
+            del params[name]
     boxes, strided = {}, set()
     for name, param in params.items():
         box, owner = local_box(param)
@@ -151,6 +172,8 @@ def send_shards(
                 held = gathered if name == held_name else plain(params[name]).detach()
                 assert held is not None
                 piece = held[_slices(part, _box(policy[p][name]["box"]))]
+                if name in deltas:
+                    piece = _merged_piece(piece, part, *deltas[name], adapters.spec.scale if adapters else 1.0)
                 if dtype is not None and piece.is_floating_point():
                     piece = piece.to(dtype)
                 piece = piece.contiguous().to(channel.device)

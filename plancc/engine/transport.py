@@ -68,9 +68,9 @@ class WeightTransport:
         """Plain (rank 0 passes the channel) or resharded (every rank passes it). Bytes sent."""
         if reshard:
             self._require(
-                adapters_of(self.model) is None,
-                "a resharded refit of a model with LoRA adapters is not supported yet: "
-                "send it plain (merged weights) or with adapters_only=True",
+                not adapters_only,
+                "a resharded refit sends the merged weights (the receivers' model has no adapters): "
+                "send adapters_only=True plain, from rank 0",
             )
             self._require(channel is not None, "a resharded refit sends from every policy rank: each joins the channel")
             assert channel is not None  # _require raised on every rank otherwise
