@@ -104,10 +104,11 @@ def add_adapters(
     for name in names:
         base = modules[name]
         assert isinstance(base, nn.Linear)
-        device = base.weight.device
+        # the base's device and dtype: an adapter computes with the layer's input and output
+        device, dtype = base.weight.device, base.weight.dtype
         out_features, in_features = base.weight.shape
-        a = nn.Linear(in_features, spec.r, bias=False, device=device)
-        b = nn.Linear(spec.r, out_features, bias=False, device=device)
+        a = nn.Linear(in_features, spec.r, bias=False, device=device, dtype=dtype)
+        b = nn.Linear(spec.r, out_features, bias=False, device=device, dtype=dtype)
         placed = PLACEMENTS.get(adapter_layout(name, resolved, tp) or "")
         if placed is not None and tp_mesh is not None:
             for layer, placement in zip((a, b), placed, strict=True):
