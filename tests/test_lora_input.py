@@ -124,3 +124,20 @@ def test_apply_trains_lora_adapters_from_the_flags(tmp_path):
     assert "LoRA r=4 on 4 modules" in out + err
     assert len(step_losses(out)) == 3
     assert (tmp_path / "hf" / "model.safetensors").is_file()  # merged: the base model's names
+
+
+def test_adapters_take_the_dtype_of_their_base_layer(one_rank):
+    """A config whose weights are bf16 (as Qwen3's presets say) gets bf16 adapters: fp32 ones
+    failed the first matmul ("expected m1 and m2 to have the same dtype")."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    config = load_config("tiny-qwen3")
+    config.dtype = torch.bfloat16
+    policy = plancc.Policy("plans/qwen3.yaml", config, device="cpu", lora={"r": 4, "targets": TARGETS})
+    adapters = [p for n, p in policy.model.named_parameters() if ".lora_" in n]
+    assert adapters and {p.dtype for p in adapters} == {torch.bfloat16}
+    batch = {"input_ids": torch.randint(0, 200, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    assert torch.isfinite(torch.tensor(policy.train(batch, lambda lp, mb, n: -lp.sum() / n.tokens)["loss"]))
