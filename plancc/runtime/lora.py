@@ -128,8 +128,9 @@ def initial_adapter_state(adapters: Adapters, shapes: Mapping[str, tuple[int, in
     state: dict[str, Any] = {}
     for name in adapters.modules:
         out_features, in_features = shapes[name]
-        a = torch.empty(adapters.spec.r, in_features)
-        b = torch.empty(out_features, adapters.spec.r)
+        # drawn on the host, as the seeded base is (engine.build): one seed, the same numbers anywhere
+        a = torch.empty(adapters.spec.r, in_features, device="cpu")
+        b = torch.empty(out_features, adapters.spec.r, device="cpu")
         _kaiming(a, gen)
         if adapters.spec.init_lora_weights:
             b.zero_()
