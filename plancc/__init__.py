@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .runtime.mesh import MeshError, MeshSpec, ParallelMesh, build_mesh, layout_of
     from .runtime.parallelize import parallelize
     from .runtime.styles.lower import compile_plan
+    from .tools.suggest import suggest
 
 _HOMES = {
     "check_plan": "plancc.checks",
@@ -53,6 +54,7 @@ _HOMES = {
     **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
     "receive_weights": "plancc.engine.refit",
     "receive_shared_weights": "plancc.engine.colocated",
+    "suggest": "plancc.tools.suggest",
 }
 _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, plancc.weights.*
 
@@ -90,6 +92,7 @@ __all__ = [
     "receive_shared_weights",
     "receive_weights",
     "resolve_plan",
+    "suggest",
     "weight_channel",
     "weights",
 ]

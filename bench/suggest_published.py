@@ -1,0 +1,122 @@
+"""``plancc suggest`` against published training runs (issue 42, points 3-5): for each run, the
+layout suggest ranks first and its estimate, the published layout's own estimate and rank, and
+the published throughput beside the estimate (the gap printed, not hidden); then the time of a
+full search for a 70B-class model on 512 GPUs.
+
+    python bench/suggest_published.py [--out docs/measurements/suggest_published.json]
+
+Published runs: torchtitan's Llama 3.1 benchmarks (``benchmarks/llama3_h100_202412_torchtitan.md``
+in pytorch/torchtitan: H100 SXM with 96 GB HBM2e at a 500 W power limit, 8 per host, 400 Gb/s per
+GPU; bf16 with and without torch.compile / Float8 -- the rows without either where published).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+PLAN = os.path.join(os.path.dirname(__file__), "..", "plans", "llama.yaml")
+GiB = 2**30
+
+
+def llama_70b():
+    from plancc.models import load_config
+
+    config = load_config("llama-3.1-8b")
+    config.hidden_size, config.intermediate_size = 8192, 28672
+    config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads = 80, 64, 8
+    return config
+
+
+# (what, model, gpus, seq_len, local batch (sequences per dp rank), published layout, its AC,
+#  published tokens/s per GPU, published memory GiB, note)
+RUNS = [
+    ("Llama 3.1 8B, 8 GPUs, FSDP (Table 1)", "llama-3.1-8b", 8, 8192, 2, {"dp": 8}, "plan", 5762, 82.4, "bf16, eager"),
+    ("Llama 3.1 8B, 128 GPUs, FSDP (Table 3)", "llama-3.1-8b", 128, 8192, 2, {"dp": 128}, "plan", 5605, 67.0,
+     "bf16, eager"),
+    ("Llama 3.1 8B, 8 GPUs, FSDP 8, seq 32768 (Table 2)", "llama-3.1-8b", 8, 32768, 1, {"dp": 8}, "full", 3890, 83.9,
+     "compile + Float8"),
+    ("Llama 3.1 8B, 8 GPUs, FSDP 4 x CP 2, seq 65536 (Table 2)", "llama-3.1-8b", 8, 65536, 1, {"dp": 4, "cp": 2},
+     "full", 2540, 84.2, "compile + Float8"),
+    ("Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8 (Table 4)", "llama-70b", 256, 8192, 16, {"dp": 32, "tp": 8}, "full",
+     829, 71.9, "compile + Float8"),
+]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import plancc
+    from plancc.layout import Layout
+    from plancc.tools.suggest import HARDWARE
+
+    # their H100s: 96 GB, and a 500 W limit (peak unknown, below the 700 W SXM's: the table's)
+    hardware = HARDWARE["h100"]
+    rows = []
+    for what, model, gpus, seq, local, layout, ac, tps, memory, note in RUNS:
+        config = llama_70b() if model == "llama-70b" else model
+        published = Layout(**layout)
+        tokens = published.dp * local * seq
+        result = plancc.suggest(
+            PLAN,
+            config,
+            gpus=gpus,
+            seq_len=seq,
+            tokens_per_step=tokens,
+            hardware=hardware,
+            gpu_memory=96 * 10**9,
+            allow=("sp", "cp"),
+        )
+        theirs = [c for c in result.candidates if c.layout.sizes == published.sizes and c.checkpointing == ac]
+        mine = theirs[0] if theirs else None
+        rank = result.candidates.index(mine) + 1 if mine else None
+        best = result.best
+        row = {
+            "run": what,
+            "note": note,
+            "published_layout": published.describe(),
+            "published_ac": ac,
+            "published_tps_per_gpu": tps,
+            "published_memory_gib": memory,
+            "estimate_published_layout": None
+            if mine is None
+            else {
+                "rank": rank,
+                "tps_per_gpu": mine.tokens_per_s / gpus,
+                "memory_gib": mine.memory.total / GiB,
+                "fits": mine.fits,
+            },
+            "best": None
+            if best is None
+            else {"layout": best.describe(), "tps_per_gpu": best.tokens_per_s / gpus, "memory_gib": best.memory.total / GiB},
+        }
+        rows.append(row)
+        est = row["estimate_published_layout"]
+        print(what, f"[{note}]")
+        print(f"  published {published.describe()} ac={ac}: {tps:,} tokens/s/GPU, {memory} GiB")
+        if est:
+            print(
+                f"  estimate of it: rank {est['rank']} of {len(result.candidates)}, {est['tps_per_gpu']:,.0f} tokens/s/GPU "
+                f"({est['tps_per_gpu'] / tps:.2f}x published), {est['memory_gib']:.1f} GiB, fits {est['fits']}"
+            )
+        if best:
+            print(f"  suggest's best: {best.describe()}: {best.tokens_per_s / gpus:,.0f} tokens/s/GPU, "
+                  f"{best.memory.total / GiB:.1f} GiB")  # fmt: skip
+    started = time.perf_counter()
+    search = plancc.suggest(PLAN, llama_70b(), gpus=512, seq_len=8192, allow=("sp", "cp"))
+    seconds = time.perf_counter() - started
+    print(f"search: Llama 70B on 512 GPUs, {len(search.candidates)} costed, {len(search.rejected)} refused: {seconds:.1f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"runs": rows, "search_70b_512_seconds": seconds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,589 @@
+"""``plancc suggest``: the layouts a plan allows for a model on N GPUs, each with its per-rank
+memory and estimated step time, ranked -- before any GPU is touched.
+
+Every (tp, cp, ep, dp, sequence parallelism) whose product is the GPU count is checked with
+the plan's own rules (``checks``: heads, KV heads, experts, vocabulary, packed blocks...); the
+legal ones are costed with the models below, which ``docs/suggest.md`` states with their
+assumptions:
+
+- **memory per rank**: parameters, gradients and AdamW state from ``plancc explain`` (fp32
+  master weights, the plan's TP shards, FSDP over dp*cp); FSDP's working buffers (two units'
+  gathered bf16 parameters and one unit's unsharded fp32 gradients); activations of one
+  microbatch of one sequence per rank (bf16, what each decoder layer keeps for backward, by
+  sharding and activation checkpointing); the fused lm_head's chunk buffers.
+- **time per step**: model FLOPs (6 per parameter per token, active experts only, plus causal
+  attention) at the hardware's peak times an achievable fraction, plus the communication that
+  is not hidden: TP/SP, CP and EP collectives are on the critical path; FSDP's gathers and
+  reduce-scatters overlap the compute and only their excess (and the first unit's gather) show.
+
+Not modelled (said in the output where it matters): kernel efficiency by shape, pipeline
+parallelism, stragglers, the optimizer step's own time, communication/compute contention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..checks.context import text_config
+from ..checks.engine import check_at
+from ..compiler.plan import Plan, load_plan
+from ..compiler.resolve import ResolvedPlan, resolve_sections
+from ..compiler.styles import canonical_style
+from ..errors import Diagnostic, PlanError, SourceLoc
+from ..layout import Layout, LayoutError
+from ..models import build_meta_model
+from ..runtime.vocab_stats import GPU_GRAD_CHUNK_BYTES
+from .explain import explain
+
+GiB = 2**30
+BF16, FP32 = 2, 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """One accelerator's figures: dense bf16 peak, memory, and the bandwidth one GPU gets in one
+    direction inside a node (NVLink / NVSwitch) and across nodes (its NIC)."""
+
+    name: str
+    peak_flops: float  # bf16 dense, FLOP/s
+    memory: int  # bytes
+    intra_node: float  # bytes/s per GPU
+    inter_node: float  # bytes/s per GPU
+    # the fraction of peak large matmuls reach in training (what MFU tops out near in published
+    # runs of dense models); the step's compute time is FLOPs / (peak * this)
+    achievable: float = 0.5
+
+
+# Vendor datasheets (dense bf16, no sparsity); NVLink per GPU and direction; one 400 Gb/s NIC
+# per GPU (50 GB/s) for H100/H200/B200, 200 Gb/s for A100. docs/suggest.md cites them.
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(name="H100 SXM", peak_flops=989e12, memory=80 * GiB, intra_node=450e9, inter_node=50e9),
+    "h200": Hardware(name="H200 SXM", peak_flops=989e12, memory=141 * GiB, intra_node=450e9, inter_node=50e9),
+    "a100": Hardware(name="A100 SXM 80GB", peak_flops=312e12, memory=80 * GiB, intra_node=300e9, inter_node=25e9),
+    "b200": Hardware(name="B200", peak_flops=2250e12, memory=180 * GiB, intra_node=900e9, inter_node=50e9),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Memory:
+    """Bytes per rank at the step's peak."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    fsdp_buffers: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations + self.logits
+
+    def largest(self) -> str:
+        parts = {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "AdamW state": self.optimizer,
+            "FSDP buffers": self.fsdp_buffers,
+            "activations": self.activations,
+            "logit buffers": self.logits,
+        }
+        return max(parts, key=lambda k: parts[k])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTime:
+    """Seconds per step: the compute, and the communication not hidden behind it (per kind)."""
+
+    compute: float
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    fsdp: float = 0.0  # FSDP's exposed part only
+
+    @property
+    def exposed_comm(self) -> float:
+        return self.tp + self.cp + self.ep + self.fsdp
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    layout: Layout
+    checkpointing: str  # "plan": the plan's activation_checkpointing; "none"; "full": every layer
+    memory: Memory
+    time: StepTime
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+
+    def describe(self) -> str:
+        return f"{self.layout.describe()} ac={self.checkpointing}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Suggestion:
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int
+    gpu_memory: int
+    seq_len: int
+    tokens_per_step: int
+    candidates: tuple[Candidate, ...]  # legal layouts, the fitting ones first, fastest first
+    rejected: tuple[tuple[Layout, str], ...] = ()  # layouts the plan's checks refuse, with the first reason
+
+    @property
+    def best(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.fits), None)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Shape:
+    """What the cost model reads off a model: sizes and parameter counts."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # per token through the MLP: intermediate size, or top_k x the experts' size
+    top_k: int  # experts per token (0: a dense model)
+    vocab: int
+    active_params: int  # matmul parameters a token goes through (experts: top_k of them)
+    layer_params: int  # one decoder layer's parameters (all experts)
+    checkpointed_share: float = 1.0  # of a layer's activations, what the plan's targets recompute
+
+
+def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterable[str]) -> _Shape:
+    config = text_config(model.config)  # type: ignore[arg-type]
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    experts = int(getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or 0)
+    top_k = int(getattr(config, "num_experts_per_tok", None) or 0)
+    moe_ffn = int(getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 0)
+    ffn = top_k * moe_ffn if experts and top_k else int(getattr(config, "intermediate_size", 4 * hidden))
+    layers = int(config.num_hidden_layers)
+    expert_modules = {
+        name
+        for name, rule in (resolved.assignments.items() if resolved is not None else ())
+        if canonical_style(rule.style.name).name == "moe_experts"
+    }
+    active = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            continue  # a lookup, not a matmul (a tied lm_head counts where it multiplies)
+        share = top_k / experts if name in expert_modules and experts else 1.0
+        for param in module.parameters(recurse=False):
+            if id(param) in seen or param.dim() < 2:
+                continue
+            seen.add(id(param))
+            active += int(param.numel() * share)
+    lists = [(f"{n}.{c}" if n else c, m) for n, p in model.named_modules() for c, m in p.named_children()]
+    prefix, layer_list = max(
+        ((n, m) for n, m in lists if isinstance(m, nn.ModuleList)), key=lambda found: len(found[1]), default=("", None)
+    )
+    layer_params = sum(p.numel() for p in layer_list[0].parameters()) if layer_list is not None else 0
+    layer_names = {f"{prefix}.{i}" for i in range(len(layer_list))} if layer_list is not None else set()
+    targets = list(checkpointed)
+    if not targets:
+        share = 0.0
+    elif any(t in layer_names for t in targets):  # whole layers
+        share = 1.0
+    else:  # selective (a layer's MLP): the MLP's part of a layer's activations
+        share = 4 * ffn / (4 * ffn + 4 * hidden + (2 * heads + 2 * kv_heads) * head_dim)
+    return _Shape(
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=ffn,
+        top_k=top_k if experts else 0,
+        vocab=int(config.vocab_size),
+        active_params=active,
+        layer_params=layer_params,
+        checkpointed_share=share,
+    )
+
+
+def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing: str, sequences: int = 1) -> int:
+    """What the decoder layers keep for backward, one sequence per rank (``seq_len / cp`` of
+    its tokens), bf16: per layer the two norms' inputs and outputs (sharded by SP), q, k, v and
+    the attention output, and the MLP's gate, up, activation and product (sharded by tp).
+    Checkpointed layers keep their input only, and one layer is recomputed at a time.
+    ``sequences``: per microbatch on each dp rank (a step's local batch in one pass)."""
+    tokens = sequences * seq_len // layout.cp
+    tp = layout.tp
+    sequence = tp if layout.sequence_parallel else 1
+    attention = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp
+    mlp = 4 * shape.ffn / tp
+    replicated = 4 * shape.hidden / sequence
+    per_layer = BF16 * tokens * (replicated + attention + mlp)
+    layer_input = BF16 * tokens * shape.hidden / sequence
+    if checkpointing == "none":
+        return int(shape.layers * per_layer)
+    kept_share = 1.0 if checkpointing == "full" else shape.checkpointed_share
+    kept = per_layer * (1 - kept_share) + layer_input * kept_share
+    return int(shape.layers * kept + per_layer * kept_share)  # plus one layer recomputed
+
+
+def memory_of(
+    model: nn.Module,
+    resolved: ResolvedPlan | None,
+    layout: Layout,
+    shape: _Shape,
+    seq_len: int,
+    checkpointing: str,
+    explained: dict[tuple[Any, ...], Any] | None = None,
+    sequences: int = 1,
+) -> Memory:
+    # explain reads tp, the FSDP ranks, ep and the plan's section: the same for many layouts
+    key = (layout.tp, layout.fsdp_size, layout.ep, layout.expert_fsdp_size, layout.sequence_parallel)
+    exp = explained.get(key) if explained is not None else None
+    if exp is None:
+        exp = explain(model, resolved, layout)
+        if explained is not None:
+            explained[key] = exp
+    unit = shape.layer_params / layout.tp
+    # the fused lm_head's chunk of fp32 logits and their gradient (runtime.vocab_stats on a GPU)
+    chunk = min(sequences * seq_len // layout.cp * shape.vocab / layout.tp * FP32, GPU_GRAD_CHUNK_BYTES)
+    return Memory(
+        parameters=exp.param_bytes,
+        gradients=exp.grad_bytes,
+        optimizer=exp.optimizer_bytes,
+        # two units gathered in bf16 (the one computing, the one prefetched), one unit's fp32
+        # gradients before their reduce-scatter
+        fsdp_buffers=int(unit * (2 * BF16 + FP32)) if layout.fsdp_size > 1 else 0,
+        activations=activation_bytes(shape, layout, seq_len, checkpointing, sequences),
+        logits=int(2 * chunk),
+    )
+
+
+def _bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
+    """A group of ``span`` consecutive-stride ranks stays inside a node when it fits one."""
+    return hardware.intra_node if span <= gpus_per_node else hardware.inter_node
+
+
+def time_of(
+    shape: _Shape,
+    layout: Layout,
+    hardware: Hardware,
+    *,
+    seq_len: int,
+    tokens: int,
+    gpus_per_node: int,
+    checkpointing: str,
+) -> tuple[StepTime, float]:
+    """(the step's time, its model FLOPs)."""
+    recompute = {"none": 0.0, "full": 1.0, "plan": shape.checkpointed_share}[checkpointing]
+    attention = 6 * seq_len * shape.heads * shape.head_dim * shape.layers  # per token, causal, fwd + bwd
+    model_flops = tokens * (6 * shape.active_params + attention)
+    executed = model_flops * (1 + recompute / 3)  # a recomputed forward is a third of fwd + bwd
+    compute = executed / layout.world_size / (hardware.peak_flops * hardware.achievable)
+    per_rank = tokens / (layout.dp * layout.cp)  # tokens each rank's activations carry
+    passes = 2 + recompute  # forward, backward, recomputed forward
+    tp_time = cp_time = ep_time = 0.0
+    if layout.tp > 1:  # two collectives of the layer's activations per pass (all-reduce, or AG + RS)
+        wire = 2 * (layout.tp - 1) / layout.tp * per_rank * shape.hidden * BF16
+        tp_time = shape.layers * passes * 2 * wire / _bandwidth(hardware, layout.tp, gpus_per_node)
+    if layout.cp > 1:  # keys and values gathered in forward, their gradients reduce-scattered in backward
+        kv = per_rank * 2 * shape.kv_heads * shape.head_dim / layout.tp * BF16
+        wire = (layout.cp - 1) * kv
+        cp_time = shape.layers * (1 + recompute + 1) * wire / _bandwidth(hardware, layout.tp * layout.cp, gpus_per_node)
+    if layout.ep > 1:  # dispatch and combine all-to-alls per pass: each token's top_k copies
+        wire = (layout.ep - 1) / layout.ep * per_rank * max(shape.top_k, 1) * shape.hidden * BF16
+        span = layout.tp * layout.cp * layout.ep
+        ep_time = shape.layers * passes * 2 * wire / _bandwidth(hardware, span, gpus_per_node)
+    fsdp_time = 0.0
+    if layout.fsdp_size > 1:
+        params = shape.layer_params * shape.layers / layout.tp
+        share = (layout.fsdp_size - 1) / layout.fsdp_size
+        gathers = 2  # forward, and again in backward (reshard after forward)
+        wire = params * share * (gathers * BF16 + FP32)
+        total = wire / _bandwidth(hardware, layout.world_size, gpus_per_node)
+        first_unit = total / max(shape.layers, 1) / 3
+        fsdp_time = max(0.0, total - compute) + first_unit
+    return StepTime(compute=compute, tp=tp_time, cp=cp_time, ep=ep_time, fsdp=fsdp_time), model_flops
+
+
+def layouts_for(gpus: int, *, allow: Iterable[str], max_tp: int) -> list[Layout]:
+    """Every layout of ``gpus`` ranks with the allowed axes (tp always; sp, cp, ep when allowed)."""
+    allowed = set(allow)
+    found = []
+    for tp in _divisors(gpus):
+        if tp > max_tp:
+            continue
+        for cp in _divisors(gpus // tp) if "cp" in allowed else [1]:
+            dp = gpus // (tp * cp)
+            for ep in _divisors(dp) if "ep" in allowed else [1]:
+                for sp in (False, True) if "sp" in allowed and tp > 1 else (False,):
+                    try:
+                        found.append(Layout(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp))
+                    except LayoutError:  # sizes plancc has no mesh for (ep with cp)
+                        continue
+    return found
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def suggest(
+    plan: str | Path | Plan,
+    model: Any,
+    *,
+    gpus: int,
+    gpus_per_node: int = 8,
+    gpu_memory: int | None = None,
+    seq_len: int = 4096,
+    tokens_per_step: int | None = None,
+    hardware: str | Hardware = "h100",
+    allow: Iterable[str] = ("sp", "cp", "ep"),
+    checkpointing: Iterable[str] = ("plan", "none", "full"),
+) -> Suggestion:
+    """The legal layouts of ``plan`` (a path or a ``Plan``) for ``model`` (anything ``--model``
+    takes, or a module) on ``gpus`` GPUs, costed and ranked: ``Suggestion.best`` is the fastest
+    that fits. A ``PlanError`` (one diagnostic per problem) for input no layout can serve."""
+    plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
+    model = build_meta_model(model)
+    chosen = _hardware(hardware)
+    memory_cap = gpu_memory or chosen.memory
+    tokens = tokens_per_step or gpus * seq_len
+    _refuse(_input_problems(gpus, gpus_per_node, seq_len, tokens))
+    resolved_sections, problems = resolve_sections(plan, model)
+    if any(d.is_error for d in problems):
+        raise PlanError(problems)
+    by_sp = {r.sequence_parallel: r for r in resolved_sections}
+    ac_targets = by_sp[False].activation_checkpointing if False in by_sp else ()
+    ac_ways = [a for a in checkpointing if a != "plan" or ac_targets]
+    candidates, rejected = [], []
+    shape_cache: dict[bool, _Shape] = {}
+    explained: dict[tuple[Any, ...], Any] = {}
+    has_experts = any(
+        canonical_style(rule.style.name).name == "moe_experts"
+        for section in resolved_sections
+        for rule in section.assignments.values()
+    )
+    axes = [a for a in allow if a != "ep" or has_experts]  # ep spreads experts: none to spread here
+    for layout in layouts_for(gpus, allow=axes, max_tp=gpus_per_node):
+        errors = [d for d in check_at(plan, model, layout, resolved=resolved_sections, seq_len=seq_len) if d.is_error]
+        if errors:
+            rejected.append((layout, f"{errors[0].rule}: {errors[0].message}"))
+            continue
+        resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
+        if layout.sequence_parallel not in shape_cache:
+            shape_cache[layout.sequence_parallel] = _shape(model, resolved, ac_targets)
+        shape = shape_cache[layout.sequence_parallel]
+        for ac in ac_ways:
+            # the rank's share of the step in one pass: its dp slice's sequences (no accumulation)
+            local = max(1, tokens // (layout.dp * seq_len))
+            memory = memory_of(model, resolved, layout, shape, seq_len, ac, explained, local)
+            time, flops = time_of(
+                shape, layout, chosen, seq_len=seq_len, tokens=tokens, gpus_per_node=gpus_per_node, checkpointing=ac
+            )
+            candidates.append(
+                Candidate(
+                    layout=layout,
+                    checkpointing=ac,
+                    memory=memory,
+                    time=time,
+                    fits=memory.total <= memory_cap,
+                    tokens_per_s=tokens / time.total,
+                    mfu=flops / time.total / (gpus * chosen.peak_flops),
+                )
+            )
+    if not candidates:
+        reasons = sorted({why for _, why in rejected})
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="suggest-no-layout",
+                    loc=plan.loc,
+                    message=f"no layout of {gpus} GPUs passes the plan's checks for this model: "
+                    + "; ".join(reasons[:3]),
+                    fix="try a GPU count whose divisors match the model's heads and KV heads (8, 16, 32, ...)",
+                )
+            ]
+        )
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.time.total if c.fits else c.memory.total))
+    return Suggestion(
+        hardware=chosen,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        gpu_memory=memory_cap,
+        seq_len=seq_len,
+        tokens_per_step=tokens,
+        candidates=tuple(ranked),
+        rejected=tuple(rejected),
+    )
+
+
+def _hardware(hardware: str | Hardware) -> Hardware:
+    if isinstance(hardware, Hardware):
+        return hardware
+    found = HARDWARE.get(hardware.lower())
+    if found is None:
+        raise PlanError(
+            [
+                Diagnostic(
+                    rule="suggest-hardware",
+                    loc=SourceLoc(path="--hardware"),
+                    message=f"unknown hardware {hardware!r}; allowed: {', '.join(sorted(HARDWARE))}",
+                    fix="pass one of those, or --gpu-memory with the closest of them",
+                )
+            ]
+        )
+    return found
+
+
+def _input_problems(gpus: int, gpus_per_node: int, seq_len: int, tokens: int) -> list[Diagnostic]:
+    problems = []
+    for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--seq-len", seq_len)):
+        if value < 1:
+            problems.append(_usage(flag, f"{flag} is {value}", f"{flag} 1 or more"))
+    if gpus >= 1 and gpus_per_node >= 1 and gpus > gpus_per_node and gpus % gpus_per_node:
+        problems.append(  # no layout uses it: exit 1, as a plan no layout serves
+            replace(
+                _usage("--gpus", f"{gpus} GPUs is not whole nodes of {gpus_per_node}", "a multiple of --gpus-per-node"),
+                rule="suggest-gpus",
+            )
+        )
+    if seq_len >= 1 and tokens < seq_len:
+        problems.append(
+            _usage("--tokens-per-step", f"{tokens} tokens per step is less than one sequence", "at least --seq-len")
+        )
+    return problems
+
+
+def _usage(flag: str, found: str, allowed: str) -> Diagnostic:
+    return Diagnostic(
+        rule="usage", loc=SourceLoc(path=flag), message=f"{found}; allowed: {allowed}", fix=f"pass {allowed}"
+    )
+
+
+def _refuse(problems: list[Diagnostic]) -> None:
+    if problems:
+        raise PlanError(problems)
+
+
+def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
+    """The ``plancc apply`` line of a candidate (the checkpointing is the plan's to say)."""
+    layout = candidate.layout
+    flags = [f"--tp {layout.tp}"]
+    if layout.cp > 1:
+        flags.append(f"--cp {layout.cp}")
+    if layout.ep > 1:
+        flags.append(f"--ep {layout.ep}")
+    if layout.sequence_parallel:
+        flags.append("--sp")
+    return f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
+
+
+def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
+    """An error when no legal layout fits the memory: the smallest, and what dominates it."""
+    if suggestion.best is not None:
+        return None
+    smallest = min(suggestion.candidates, key=lambda c: c.memory.total)
+    return Diagnostic(
+        rule="suggest-no-fit",
+        loc=plan.loc,
+        message=f"no layout of {suggestion.gpus} GPUs fits {suggestion.gpu_memory / GiB:.0f} GiB per GPU: the "
+        f"smallest, {smallest.describe()}, needs {smallest.memory.total / GiB:.1f} GiB, most of it "
+        f"{smallest.memory.largest()}",
+        fix="more GPUs, a shorter --seq-len, or activation checkpointing on every layer",
+    )
+
+
+def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any]:
+    def row(c: Candidate) -> dict[str, Any]:
+        return {
+            "layout": c.layout.to_json(),
+            "activation_checkpointing": c.checkpointing,
+            "fits": c.fits,
+            "memory_bytes": {
+                "parameters": c.memory.parameters,
+                "gradients": c.memory.gradients,
+                "optimizer": c.memory.optimizer,
+                "fsdp_buffers": c.memory.fsdp_buffers,
+                "activations": c.memory.activations,
+                "logits": c.memory.logits,
+                "total": c.memory.total,
+            },
+            "step_seconds": {
+                "compute": c.time.compute,
+                "tp": c.time.tp,
+                "cp": c.time.cp,
+                "ep": c.time.ep,
+                "fsdp_exposed": c.time.fsdp,
+                "total": c.time.total,
+            },
+            "tokens_per_s": c.tokens_per_s,
+            "mfu": c.mfu,
+        }
+
+    best = suggestion.best
+    return {
+        "hardware": suggestion.hardware.name,
+        "gpus": suggestion.gpus,
+        "gpus_per_node": suggestion.gpus_per_node,
+        "gpu_memory_bytes": suggestion.gpu_memory,
+        "seq_len": suggestion.seq_len,
+        "tokens_per_step": suggestion.tokens_per_step,
+        "best": row(best) if best else None,
+        "command": command_line(plan_path, model, best) if best else None,
+        "candidates": [row(c) for c in suggestion.candidates],
+        "rejected": [{"layout": lay.to_json(), "why": why} for lay, why in suggestion.rejected],
+    }
+
+
+def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) -> str:
+    cap = suggestion.gpu_memory
+    lines = [
+        f"{suggestion.gpus} x {suggestion.hardware.name} ({cap / GiB:.0f} GiB, {suggestion.gpus_per_node} per node), "
+        f"sequences of {suggestion.seq_len}, {suggestion.tokens_per_step:,} tokens per step: "
+        f"{len(suggestion.candidates)} costed, {len(suggestion.rejected)} refused by the plan's checks",
+        "",
+        f"{'#':>3}  {'layout':<24} {'ac':<5} {'memory/GPU':>11} {'fits':>5} {'step':>9} "
+        f"{'compute':>9} {'exposed comm':>13} {'tokens/s':>11} {'MFU':>6}",
+    ]
+    for i, c in enumerate(suggestion.candidates[:top], 1):
+        over = "" if c.fits else f" (+{(c.memory.total - cap) / GiB:.1f})"
+        lines.append(
+            f"{i:>3}  {c.layout.describe():<24} {c.checkpointing:<5} {c.memory.total / GiB:>8.1f} GiB "
+            f"{'yes' if c.fits else 'no':>5} {c.time.total:>8.3f}s {c.time.compute:>8.3f}s "
+            f"{c.time.exposed_comm:>12.3f}s "
+            f"{c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}{over}"
+        )
+    best = suggestion.best
+    if best is not None:
+        m = best.memory
+        lines += [
+            "",
+            f"best: {best.describe()}: parameters {m.parameters / GiB:.1f} GiB, gradients {m.gradients / GiB:.1f}, "
+            f"AdamW {m.optimizer / GiB:.1f}, FSDP buffers {m.fsdp_buffers / GiB:.1f}, activations "
+            f"{m.activations / GiB:.1f}, logit buffers {m.logits / GiB:.1f}",
+            f"  {command_line(plan_path, model, best)}"
+            + ("" if best.checkpointing == "plan" else f"   # activation checkpointing: {best.checkpointing}"),
+        ]
+    return "\n".join(lines)
+
+
+def with_memory(suggestion: Suggestion, gpu_memory: int) -> Suggestion:
+    """The same candidates judged against another memory size."""
+    marked = [replace(c, fits=c.memory.total <= gpu_memory) for c in suggestion.candidates]
+    ranked = sorted(marked, key=lambda c: (not c.fits, c.time.total if c.fits else c.memory.total))
+    return replace(suggestion, gpu_memory=gpu_memory, candidates=tuple(ranked))
+
+
+__all__ = ["HARDWARE", "Candidate", "Hardware", "Memory", "StepTime", "Suggestion", "suggest"]

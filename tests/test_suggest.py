@@ -1,0 +1,104 @@
+"""``plancc suggest`` (issue 42): the layouts a plan allows for a model on N GPUs, costed and
+ranked before any GPU is touched. Pinned here: only layouts the plan's checks pass are
+costed; the fitting ones come first, fastest first; the per-rank parameter, gradient and
+AdamW bytes are what the dry run's parallelized model holds; each kind of bad input is one
+diagnostic with exit 1 (2 for flags). The activation and time models are stated in
+docs/suggest.md; checking them against the dry run's peak and published runs is still open."""
+
+import json
+
+import pytest
+
+import plancc
+from plancc.errors import PlanError
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b_on_16():
+    return plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=16, seq_len=8192, allow=("sp", "cp"))
+
+
+def test_only_layouts_the_plans_checks_pass_are_costed(qwen3_8b_on_16):
+    result = qwen3_8b_on_16
+    layouts = {c.layout for c in result.candidates}
+    assert all(c.layout.world_size == 16 for c in result.candidates)
+    # Qwen3-8B has 8 KV heads: tp 16 would split one; the nodes have 8 GPUs: tp stays within one
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
+    assert all(not (lay.sequence_parallel and lay.tp == 1) for lay in layouts)
+
+
+def test_the_fastest_fitting_layout_comes_first(qwen3_8b_on_16):
+    result = qwen3_8b_on_16
+    fitting = [c for c in result.candidates if c.fits]
+    assert fitting and result.best is fitting[0]
+    assert [c.time.total for c in fitting] == sorted(c.time.total for c in fitting)
+    assert all(not c.fits for c in result.candidates[len(fitting) :])
+    assert all(c.memory.total <= result.gpu_memory for c in fitting)
+
+
+def test_memory_grows_as_the_gpus_shrink():
+    big = plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=16, seq_len=4096, allow=())
+    small = plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=16, seq_len=4096, allow=(), gpu_memory=24 * 2**30)
+    assert big.best is not None and small.best is not None
+    assert small.best.memory.total <= 24 * 2**30 < big.best.memory.total or small.best == big.best
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "dp": 2}, {"tp": 2, "dp": 1, "cp": 2}], ids=["dp2xtp2", "cp2xtp2"])
+def test_parameter_gradient_and_adamw_bytes_are_the_dry_runs(layout):
+    from plancc.layout import Layout
+    from plancc.models import load_config
+    from plancc.tools.dryrun import dry_run
+
+    chosen = Layout(**layout)
+    result = plancc.suggest("plans/qwen3.yaml", "tiny-qwen3", gpus=chosen.world_size, seq_len=64, allow=("cp",))
+    (candidate,) = [c for c in result.candidates if c.layout == chosen and c.checkpointing == "none"]
+    measured = dry_run(plancc.load_plan("plans/qwen3.yaml"), load_config("tiny-qwen3"), chosen, seq_len=64)
+    assert measured.ok
+    assert (candidate.memory.parameters, candidate.memory.gradients, candidate.memory.optimizer) == (
+        measured.param_bytes,
+        measured.grad_bytes,
+        measured.optimizer_bytes,
+    )
+
+
+def test_the_cli_prints_the_table_and_the_command_of_the_best(cli):
+    code, out, err = cli("suggest", "plans/qwen3.yaml", "--model", "qwen3-8b", "--gpus", "16", "--seq-len", "8192")
+    assert code == 0, err
+    assert "best: " in out and "plancc apply plans/qwen3.yaml --model qwen3-8b --tp " in out
+    code, out, err = cli("suggest", "plans/qwen3.yaml", "--model", "qwen3-8b", "--gpus", "8", "--format", "json")
+    found = json.loads(out)
+    assert code == 0 and found["best"]["fits"] and found["command"].startswith("plancc apply")
+    assert found["candidates"][0] == found["best"]
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["--gpus", "12", "--gpus-per-node", "8"], 1, ["whole nodes"]),
+        (["--gpus", "8", "--hardware", "tpu9"], 1, ["unknown hardware 'tpu9'", "h100"]),
+        (["--gpus", "8", "--gpu-memory", "4GiB"], 1, ["no layout of 8 GPUs fits 4 GiB", "needs"]),
+        (["--gpus", "8", "--gpu-memory", "lots"], 2, ["not a size"]),
+        (["--gpus", "8", "--allow", "pp"], 2, ["unknown axis 'pp'"]),
+        (["--gpus", "8", "--model", "llama-3.1-8b"], 1, ["no layout of 8 GPUs passes the plan's checks"]),
+    ],
+    ids=["not-whole-nodes", "unknown-hardware", "too-little-memory", "bad-memory", "unknown-axis", "other-model"],
+)
+def test_bad_input_is_one_diagnostic(cli, args, code, words):
+    if "--model" not in args:
+        args = [*args, "--model", "qwen3-8b"]
+    got, out, err = cli("suggest", "plans/qwen3.yaml", *args)
+    assert got == code, out + err
+    for word in words:
+        assert word in out + err, out + err
+
+
+def test_no_fit_names_the_smallest_layout_and_what_dominates_it():
+    from plancc.tools.suggest import no_fit_problem
+
+    plan = plancc.load_plan("plans/qwen3.yaml")
+    result = plancc.suggest(plan, "qwen3-8b", gpus=8, seq_len=8192, gpu_memory=8 * 2**30)
+    problem = no_fit_problem(result, plan)
+    assert result.best is None and problem is not None
+    assert "smallest" in problem.message and "most of it" in problem.message
+    with pytest.raises(PlanError, match="unknown hardware"):
+        plancc.suggest(plan, "qwen3-8b", gpus=8, hardware="tpu9")
