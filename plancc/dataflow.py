@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,9 +94,26 @@ class Flow:
     # every module (not only leaves) -> how its first call looked: what prepare_input /
     # prepare_output lay out must fit it
     signatures: tuple[tuple[str, CallSignature], ...] = ()
+    # lookups built on first use (the checks ask once per module, per layout: plancc suggest
+    # checks a model at dozens of layouts); not part of the record
+    _index: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def signature(self, name: str) -> CallSignature | None:
-        return dict(self.signatures).get(name)
+        if "signatures" not in self._index:
+            self._index["signatures"] = dict(self.signatures)
+        found: CallSignature | None = self._index["signatures"].get(name)
+        return found
+
+    def readers(self, source: str) -> list[str]:
+        """The leaf calls that read ``source``'s output, in call order."""
+        if "readers" not in self._index:
+            index: dict[str, list[str]] = {}
+            for call in self.calls:
+                for read in call.sources:
+                    index.setdefault(read, []).append(call.reader)
+            self._index["readers"] = index
+        readers: list[str] = self._index["readers"].get(source, [])
+        return readers
 
     def to_json(self) -> dict[str, Any]:
         return {

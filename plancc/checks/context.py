@@ -4,7 +4,7 @@ plan resolved to concrete module names."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -45,6 +45,12 @@ class CheckContext:
     # why the requested sizes do not fit (the mesh-sizes rule reports them); ``layout``
     # then keeps the sizes that were given, so the other rules still run
     layout_problems: tuple[Diagnostic, ...] = ()
+    # the model's modules by name, walked once per context (every rule asks for them)
+    modules: Mapping[str, nn.Module] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.modules:
+            object.__setattr__(self, "modules", dict(self.model.named_modules()))
 
     @property
     def tp(self) -> int:
@@ -58,9 +64,8 @@ class CheckContext:
         """(module name, module, deciding rule, layouts of its style) for every styled module."""
         if self.resolved is None:
             return
-        modules = dict(self.model.named_modules())
         for name, rule in self.resolved.assignments.items():
-            yield name, modules[name], rule, style_layouts(rule.style)
+            yield name, self.modules[name], rule, style_layouts(rule.style)
 
     def rule_for(self, name: str) -> Rule | None:
         return self.resolved.assignments.get(name) if self.resolved else None

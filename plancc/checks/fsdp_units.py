@@ -65,7 +65,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         return
     plan = ctx.plan.fsdp_units
     loc = plan.locs[0] if plan.locs else ctx.plan.loc
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     yield from _tied_units(ctx, loc)
     containers = [name for name in ctx.resolved.fsdp_units if not _runs(modules[name])]
     if not containers:

@@ -117,7 +117,7 @@ class _Flow:
 
 
 def _unconsumed(ctx: CheckContext, flow: _Flow) -> Iterator[Problem]:
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     for parent, made in flow.producers.items():
         if flow.consumers.get(parent):
             continue
@@ -158,7 +158,7 @@ def _reading_projection(ctx: CheckContext, producer: str) -> str | None:
     flow = flow_of(ctx)
     if isinstance(flow, str):
         return None
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     reach = {producer}
     for call in flow.calls:
         module = modules.get(call.reader)

@@ -70,7 +70,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         )
         return
     origin: dict[str, str] = {}  # leaf call whose output is tp-sharded -> the colwise module it comes from
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     reported: set[str] = set()
 
     def problem(owner: str, params: list[str], sources: list[str]) -> Iterator[Problem]:

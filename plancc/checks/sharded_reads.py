@@ -86,7 +86,7 @@ def _splits_features(lay: Layouts, module: nn.Module | None) -> bool:
 
 
 def _mixed(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     split: dict[str, frozenset[str]] = {}  # leaf -> the colwise projections its output is a shard of
     whole: dict[str, frozenset[str]] = {}  # leaf -> the projections left whole whose features it carries
     reported: set[str] = set()
@@ -132,16 +132,21 @@ def _readers_of(flow: Flow, name: str, leaf: bool) -> list[str]:
     """The leaf modules that read ``name``'s output: directly for a leaf; for a block with an
     input adapter, the leaves inside it that read the block's (main) input."""
     if leaf:
-        return [c.reader for c in flow.calls if name in c.sources]
-    call = flow.signature(name)
-    if call is None or not call.input_sources:
-        return []
-    inside = name + "."
-    return [c.reader for c in flow.calls if c.reader.startswith(inside) and c.sources & call.input_sources]
+        return list(flow.readers(name))
+    known = flow._index.setdefault("block readers", {})  # the same blocks are asked at every layout
+    if name not in known:
+        call = flow.signature(name)
+        inside = name + "."
+        known[name] = (
+            []
+            if call is None or not call.input_sources
+            else [c.reader for c in flow.calls if c.reader.startswith(inside) and c.sources & call.input_sources]
+        )
+    return list(known[name])
 
 
 def _dtensor_outputs(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     reported: set[str] = set()
     for name, module, rule, lay in ctx.assigned():
         if lay.local_output is not False or lay.output is None or rule.pattern in reported:
@@ -190,7 +195,7 @@ def _takes_a_dtensor(ctx: CheckContext, name: str, module: nn.Module | None) -> 
 def _unshared_inputs(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
     if ctx.sequence_parallel:
         return  # the overlay's gather_seq_input is the block style under SP (layout-pairing asks for it)
-    modules = dict(ctx.model.named_modules())
+    modules = ctx.modules
     blocks: dict[str, list[str]] = {}  # glob -> the blocks it names
     for block, module in modules.items():
         if block and next(module.children(), None) is not None:
