@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 from ..checks.lora_targets import IDS, adapted_modules, adapter_layout, lora_problems
 from ..compiler.lora import LoraSpec
@@ -173,10 +173,6 @@ def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float)
 def peft_name(name: str) -> str:
     """A module's adapter parameter under PEFT's saved name."""
     return PEFT_PREFIX + name
-
-
-def local(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if isinstance(value, DTensor) else value.detach()
 
 
 def merge_into(state: dict[str, Any], adapters: Adapters) -> dict[str, Any]:
