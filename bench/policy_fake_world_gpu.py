@@ -38,6 +38,16 @@ CASES = {
     "dp2xtp2": ("plans/qwen3.yaml", "tiny-qwen3", {"dp": 2, "tp": 2}),
     "cp2xtp2": ("plans/qwen3.yaml", "tiny-qwen3", {"cp": 2, "tp": 2}),
     "ep2": ("plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2, "dp": 2}),
+    # LoRA adapters (issue 41): colwise and rowwise placements under tp, SP and FSDP on CUDA
+    "one-rank-lora": ("plans/qwen3.yaml", "tiny-qwen3", {}),
+    "tp2-sp-lora": ("plans/qwen3.yaml", "tiny-qwen3", {"tp": 2, "sequence_parallel": True}),
+    "dp2xtp2-lora": ("plans/qwen3.yaml", "tiny-qwen3", {"dp": 2, "tp": 2}),
+}
+LORA = {
+    "r": 4,
+    "alpha": 8,
+    "init_lora_weights": False,
+    "targets": ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"],
 }
 
 
@@ -120,7 +130,8 @@ def run_case(name: str, device: str) -> dict:
     if device == "cuda":
         torch.cuda.set_device(0)
     calls: dict[str, str] = {}
-    policy = plancc.Policy(plan, model, layout=layout, device=device, reference=True)
+    lora = LORA if name.endswith("-lora") else None
+    policy = plancc.Policy(plan, model, layout=layout, device=device, reference=True, lora=lora)
     vocab = policy.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     rows, seq = 4, 32
@@ -173,6 +184,8 @@ def run_case(name: str, device: str) -> dict:
         )
         call("train token_loss padded", lambda: policy.train(grpo_batch, token_loss=grpo_tokens, micro_batch_size=2))
     call("weights()", lambda: sum(t.numel() for _, t in policy.weights(bucket_bytes=2**16)))
+    if lora is not None:
+        call("weights(adapters_only)", lambda: sum(t.numel() for _, t in policy.weights(adapters_only=True)))
     call("offload + onload", lambda: (policy.offload(), policy.onload()))
     call("train after onload", lambda: policy.train(batch, nll, micro_batch_size=2))
     with tempfile.TemporaryDirectory() as folder:
@@ -180,6 +193,8 @@ def run_case(name: str, device: str) -> dict:
             call("save", lambda: policy.save(os.path.join(folder, "ckpt")))
             call("load", lambda: policy.load(os.path.join(folder, "ckpt")))
         call("export_hf", lambda: policy.export_hf(os.path.join(folder, "hf")))
+        if lora is not None:
+            call("export_hf(adapters_only)", lambda: policy.export_hf(os.path.join(folder, "ad"), adapters_only=True))
     dist.destroy_process_group()
     return {"case": name, "layout": layout.describe(), "torch_shims": shims, "calls": calls}
 
