@@ -26,6 +26,7 @@ from torch import nn
 from ..compiler import declarations as d
 from ..compiler.globs import ModuleTree, generalize, glob_problem
 from ..compiler.lora import LoraSpec
+from ..compiler.placements import Placement, Replicate, Shard
 from ..compiler.resolve import ResolvedPlan, no_match
 from ..compiler.styles import declared
 from ..errors import SourceLoc
@@ -71,6 +72,13 @@ EXAMPLES = (
 )
 
 Layout = Literal["colwise", "rowwise"]
+
+# (A's, B's) tp placement under each base layout that carries adapters; a plain layer's are whole
+ADAPTER_PLACEMENTS: dict[str | None, tuple[Placement, Placement]] = {
+    "colwise": (Replicate(), Shard(0)),
+    "rowwise": (Shard(1), Replicate()),
+    None: (Replicate(), Replicate()),
+}
 
 
 def adapter_layout(name: str, resolved: ResolvedPlan | None, tp: int) -> Layout | str | None:

@@ -36,21 +36,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
-from ..checks.lora_targets import IDS, adapted_modules, adapter_layout, lora_problems
+from ..checks.lora_targets import ADAPTER_PLACEMENTS, IDS, adapted_modules, adapter_layout, lora_problems
 from ..compiler.lora import LoraSpec
 from ..compiler.resolve import ResolvedPlan
 from ..errors import Diagnostic, PlanError
+from .styles.placements import to_torch
 
 __all__ = ["Adapters", "LoraSpec", "add_adapters", "adapters_disabled", "adapters_of", "initial_adapter_state"]
 
 PEFT_PREFIX = "base_model.model."
-# (A's, B's) tp placement under each base style that carries adapters (checks.lora_targets)
-PLACEMENTS: dict[str, tuple[Placement, Placement]] = {
-    "colwise": (Replicate(), Shard(0)),
-    "rowwise": (Shard(1), Replicate()),
-}
 
 
 class _AdapterHook:
@@ -109,10 +105,10 @@ def add_adapters(
         out_features, in_features = base.weight.shape
         a = nn.Linear(in_features, spec.r, bias=False, device=device, dtype=dtype)
         b = nn.Linear(spec.r, out_features, bias=False, device=device, dtype=dtype)
-        placed = PLACEMENTS.get(adapter_layout(name, resolved, tp) or "")
-        if placed is not None and tp_mesh is not None:
-            for layer, placement in zip((a, b), placed, strict=True):
-                layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), tp_mesh, [placement]))
+        layout = adapter_layout(name, resolved, tp)
+        if layout in ("colwise", "rowwise") and tp_mesh is not None:  # a plain layer keeps plain adapters
+            for layer, placement in zip((a, b), ADAPTER_PLACEMENTS[layout], strict=True):
+                layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), tp_mesh, [to_torch(placement)]))
         base.lora_A, base.lora_B = a, b  # registered after the tp styles shard the base: left alone by them
         base.register_forward_hook(_AdapterHook(spec.scale, spec.dropout), prepend=True)
     adapters = Adapters(spec=spec, modules=tuple(names))

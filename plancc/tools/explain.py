@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..checks.lora_targets import adapted_modules, adapter_layout
+from ..checks.lora_targets import ADAPTER_PLACEMENTS, adapted_modules, adapter_layout
 from ..compiler.globs import generalize
 from ..compiler.lora import LoraSpec
 from ..compiler.placements import Placement, Replicate, Shard
@@ -154,14 +154,6 @@ def explain(
     return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
 
 
-# the tp placements of (A, B) under each base layout that carries adapters
-_ADAPTER_PLACEMENTS: dict[str | None, tuple[Placement, Placement]] = {
-    "colwise": (Replicate(), Shard(0)),
-    "rowwise": (Shard(1), Replicate()),
-    None: (Replicate(), Replicate()),
-}
-
-
 def _adapter_rows(
     model: nn.Module,
     resolved: ResolvedPlan | None,
@@ -178,7 +170,7 @@ def _adapter_rows(
             continue  # checks.lora_targets reports it
         out_features, in_features = weight.shape
         kind = adapter_layout(name, resolved, tp)
-        placements = _ADAPTER_PLACEMENTS.get(kind, _ADAPTER_PLACEMENTS[None])
+        placements = ADAPTER_PLACEMENTS.get(kind, ADAPTER_PLACEMENTS[None])
         for param, global_shape, placement in (
             ("lora_A.weight", (lora.r, in_features), placements[0]),
             ("lora_B.weight", (out_features, lora.r), placements[1]),

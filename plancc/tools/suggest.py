@@ -579,11 +579,4 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
     return "\n".join(lines)
 
 
-def with_memory(suggestion: Suggestion, gpu_memory: int) -> Suggestion:
-    """The same candidates judged against another memory size."""
-    marked = [replace(c, fits=c.memory.total <= gpu_memory) for c in suggestion.candidates]
-    ranked = sorted(marked, key=lambda c: (not c.fits, c.time.total if c.fits else c.memory.total))
-    return replace(suggestion, gpu_memory=gpu_memory, candidates=tuple(ranked))
-
-
 __all__ = ["HARDWARE", "Candidate", "Hardware", "Memory", "StepTime", "Suggestion", "suggest"]
