@@ -17,15 +17,20 @@ MARGIN = {"full": 0.2, "lora": 0.05}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("way", ["full", "lora"])
 def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path, way):
     metrics = tmp_path / "grpo.jsonl"
     lora = ["--lora", "8"] if way == "lora" else []
-    proc = subprocess.run(
-        [sys.executable, "examples/grpo.py", "--steps", "16", "--metrics", str(metrics), *lora],
-        cwd=ROOT, capture_output=True, text=True, timeout=360,
-    )
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "examples/grpo.py", "--steps", "16", "--metrics", str(metrics), *lora],
+            cwd=ROOT, capture_output=True, text=True, timeout=360,
+        )
+        # the example picks a free port, then binds it a few seconds later: a test running beside
+        # it (pytest -n 2) may take it first (CI saw EADDRINUSE once). Another port, another run.
+        if "EADDRINUSE" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 17))
