@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -399,18 +399,12 @@ class Policy:
         base with its adapters disabled); the policy's weights and optimizer state are left
         bitwise as they were."""
         if self.lora is not None:
-            with adapters_disabled(self.model):
-                return self.logprobs(
-                    batch,
-                    entropy=entropy,
-                    temperature=temperature,
-                    micro_batch_size=micro_batch_size,
-                    max_tokens=max_tokens,
-                    pack=pack,
-                )
-        if self._reference is None:
+            reference: AbstractContextManager[None] = adapters_disabled(self.model)
+        elif self._reference is not None:
+            reference = self._weights_swapped(self._reference)
+        else:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
-        with self._weights_swapped(self._reference):
+        with reference:
             return self.logprobs(
                 batch,
                 entropy=entropy,

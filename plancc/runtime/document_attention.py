@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,10 +130,8 @@ def attend_per_document(
     queries attends only to its span of keys: ``mask_of(i)`` the span's ``[B?, 1, q, k]`` bool
     mask, or None for plain causal attention (queries and keys the same positions). ``key`` and
     ``value`` may have fewer heads (GQA)."""
-    if query.is_cuda:
-        with sdpa_kernel(_ANY_LENGTH):
-            return _attend_spans(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
-    return _attend_spans(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
+    with sdpa_kernel(_ANY_LENGTH) if query.is_cuda else nullcontext():
+        return _attend_spans(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
 
 
 def _attend_spans(
