@@ -55,8 +55,8 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None):
         try:
             policy.send_weights(channel, reshard=True)
             return {"error": None}
-        except Exception as exc:
-            return {"type": type(exc).__name__, "error": str(exc)}
+        except Exception as exc:  # the channel is left broken: closing it does not wait for the dead engine
+            return {"type": type(exc).__name__, "error": str(exc), "broken": channel.broken}
         finally:
             os.environ["PLANCC_FAULT"] = ""
             torch.distributed.barrier()  # no rank left inside a collective

@@ -74,8 +74,9 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
 @pytest.mark.timeout(400)
 def test_a_policy_rank_failing_mid_resharded_refit_is_one_error_on_every_policy_rank_and_ends_the_engine(tmp_path):
     """Policy rank 1 raises at its first send: both policy ranks raise the same error naming rank 1
-    and its transfer (not rank 0's broken connection that follows from it), and the engine, left
-    waiting for rank 1's piece, fails within its channel's timeout instead of hanging."""
+    and its transfer (not rank 0's broken connection that follows from it) and close their broken
+    channel without waiting for the engine; the engine, left waiting for rank 1's piece, fails
+    within its channel's timeout instead of hanging."""
     from .distributed import free_port, launch
     from .reshard_worker import policy_side
 
@@ -93,4 +94,7 @@ def test_a_policy_rank_failing_mid_resharded_refit_is_one_error_on_every_policy_
     error = policy[0]
     assert error["type"] == "AgreedRefitError" and "rank 1, transfer " in error["error"], error
     assert "injected failure (send:raise@1)" in error["error"], error
+    # the refit broke the channel on every policy rank: close() tears it down without waiting its
+    # 60 s timeout for the engine's ranks (gone by then) to agree
+    assert all(got["broken"] for got in policy.values()), policy
     assert engine.returncode != 0 and not out.exists(), log[-2000:]

@@ -49,6 +49,10 @@ class WeightChannel:
     world_size: int
     device: str
     timeout: timedelta
+    # set when a transfer on the channel failed (a peer gone, a refit that failed on some rank):
+    # its members may be mid-transfer or dead, so the channel carries nothing more, and closing it
+    # skips the closing agreement that would wait the whole timeout for peers that never answer
+    broken: bool = False
 
     @property
     def port(self) -> int:
@@ -61,6 +65,12 @@ class WeightChannel:
         a sender that is still connected surfaces, in gloo, as "connection closed by peer" in
         whatever collective the sender's process runs next -- its policy's own."""
         if self.group is None:
+            return
+        if self.broken:  # nothing to agree on with peers that may be gone: tear down locally
+            self.group = None
+            if self.is_sender:  # a receiver that waits for it in its own close() stops waiting
+                with contextlib.suppress(Exception):
+                    self.store.set("sender_closed", "1")
             return
         try:
             with contextlib.suppress(WeightChannelError):  # a peer already gone: nothing to agree with
@@ -78,12 +88,19 @@ class WeightChannel:
     def is_sender(self) -> bool:
         return self.rank == 0
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _run(self, issue: Callable[[Any], Any], what: str) -> None:
+        """``issue(group)`` (a collective or a point-to-point op), waited for within the timeout."""
         if self.group is None:
             raise WeightChannelError(f"weight channel rank {self.rank}: {what}: the channel is closed")
+        if self.broken:
+            raise WeightChannelError(
+                f"weight channel rank {self.rank}: {what}: an earlier transfer on this channel failed; "
+                "close it and open a new one (plancc.weight_channel)"
+            )
         try:
-            work.wait(self.timeout)
+            issue(self.group).wait(self.timeout)
         except Exception as exc:  # gloo / nccl say "timed out" or "connection closed" in their words
+            self.broken = True
             peer = "the receivers" if self.is_sender else "the policy (channel rank 0)"
             raise WeightChannelError(
                 f"weight channel rank {self.rank}: {what}: no answer from {peer} within "
@@ -95,22 +112,22 @@ class WeightChannel:
         weights go from rank 0; a rollout engine may answer the same way (its rollouts)."""
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = root, 0
-        self._wait(self.group.broadcast([tensor], options) if self.group is not None else None, what)
+        self._run(lambda group: group.broadcast([tensor], options), what)
 
     def send(self, tensor: torch.Tensor, to: int, tag: int, what: str) -> None:
         """``tensor`` to channel rank ``to`` alone (a resharded refit's point-to-point pieces)."""
-        self._wait(self.group.send([tensor], to, tag) if self.group is not None else None, what)
+        self._run(lambda group: group.send([tensor], to, tag), what)
 
     def recv(self, tensor: torch.Tensor, source: int, tag: int, what: str) -> None:
         """Into ``tensor``, what channel rank ``source`` sends with ``tag``."""
-        self._wait(self.group.recv([tensor], source, tag) if self.group is not None else None, what)
+        self._run(lambda group: group.recv([tensor], source, tag), what)
 
     def any(self, flag: bool, what: str) -> bool:
         """Whether any member of the channel says ``flag``."""
         t = torch.tensor([int(flag)], device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # the stubs type it as RedOpType
-        self._wait(self.group.allreduce([t], options) if self.group is not None else None, what)
+        self._run(lambda group: group.allreduce([t], options), what)
         return bool(t.item())
 
 
@@ -267,6 +284,16 @@ def send_buckets(
     """Rank 0's side: the manifest handshake, then each bucket as one buffer. Returns bytes sent."""
     check_manifest(manifest)
     handshake(channel, manifest)
+    try:
+        return _send_each(channel, manifest, buckets)
+    except Exception:  # mid-transfer: the receivers wait for a bucket that will not come
+        channel.broken = True
+        raise
+
+
+def _send_each(
+    channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
+) -> int:
     sent = 0
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
         names = [n for n, _ in bucket]

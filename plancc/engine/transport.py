@@ -65,7 +65,10 @@ class WeightTransport:
         reshard: bool,
         adapters_only: bool = False,
     ) -> int:
-        """Plain (rank 0 passes the channel) or resharded (every rank passes it). Bytes sent."""
+        """Plain (rank 0 passes the channel) or resharded (every rank passes it). Bytes sent.
+        A refit that fails after the manifest handshake leaves the channel broken
+        (``WeightChannel.broken``): its receivers are mid-transfer or gone, so it carries nothing
+        more and closes without waiting the timeout for them."""
         if reshard:
             self._require(
                 not adapters_only,
@@ -74,9 +77,14 @@ class WeightTransport:
             )
             self._require(channel is not None, "a resharded refit sends from every policy rank: each joins the channel")
             assert channel is not None  # _require raised on every rank otherwise
+            # manifests that differ fail on both sides alike: the channel stays whole
             handshake(channel, self.manifest(bucket_bytes=bucket_bytes, dtype=dtype))
-            receivers = channel.world_size - dist.get_world_size()
-            return send_shards(channel, self.model, receivers=receivers, dtype=dtype, device=self.device)
+            try:
+                receivers = channel.world_size - dist.get_world_size()
+                return send_shards(channel, self.model, receivers=receivers, dtype=dtype, device=self.device)
+            except Exception:
+                channel.broken = True
+                raise
 
         def send(manifest: dict[str, Any], buckets: Buckets) -> int:
             if channel is None:  # noted like any hand-out failure: raised on every rank, agreed
