@@ -205,4 +205,5 @@ def test_a_token_budget_smaller_than_a_row_is_a_diagnostic_not_a_traceback(tmp_p
                                 "--max-tokens", 4)
     assert code == 1, (out, err)
     assert "[data]" in err and "more than max_tokens=4" in err and "fix:" in err, err
-    assert "Traceback" not in err
+    assert "sequence 4 of the data has 12 tokens" in err, err  # said before launch: no step ran
+    assert "Traceback" not in err and "step " not in out

@@ -265,6 +265,28 @@ class Preflight:
     dataset: TokenDataset | None = None
 
 
+def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagnostic]:
+    """A row longer than ``--max-tokens``: a row is never split across microbatches, so the run
+    would stop at the first batch holding it (perhaps hours in); said before launch instead.
+    Training rows are cut to ``--seq-len``; synthetic rows are that long."""
+    if cfg.mode != "train" or cfg.max_tokens is None or (cfg.data and dataset is None):
+        return []  # (data that could not be read has its own diagnostics)
+    lengths = [min(len(s), cfg.seq_len) for s in dataset.sequences] if dataset is not None else [cfg.seq_len]
+    longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+    if longest is None or lengths[longest] <= cfg.max_tokens:
+        return []
+    row = f"sequence {longest + 1} of the data" if dataset is not None else "every synthetic row"
+    return [
+        Diagnostic(
+            rule="data",
+            loc=SourceLoc(path=dataset.path if dataset is not None else "--max-tokens"),
+            message=f"{row} has {lengths[longest]} tokens (after --seq-len {cfg.seq_len}), "
+            f"more than max_tokens={cfg.max_tokens}: a row is never split across microbatches",
+            fix=f"pass --max-tokens {lengths[longest]} or more, or a smaller --seq-len",
+        )
+    ]
+
+
 def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, local_ranks: int = 1) -> Preflight:
     """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
     meta, as ``plancc validate`` builds it), and the data read once. ``local_ranks``: the
@@ -312,6 +334,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
             )
         except PlanError as exc:
             problems += exc.diagnostics
+    problems += _budget_problems(cfg, dataset)
     if cfg.resume:
         problems += _resume_problems(cfg.resume, model, config)
     if cfg.save:
