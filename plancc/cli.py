@@ -1040,6 +1040,13 @@ def main() -> None:  # console-script entry point
     except Interrupted as stop:  # nothing was launched yet: nothing to stop or report but the fact
         print("interrupted before any worker started", file=sys.stderr)
         sys.exit(128 + stop.signum)
+    finally:
+        # The command is done: what it built (a meta model of 80 layers for suggest or validate)
+        # is left to the interpreter's exit, whose collector would walk it again for over a second.
+        # Frozen, it is not walked; atexit handlers and module teardown still run.
+        import gc
+
+        gc.freeze()
 
 
 if __name__ == "__main__":

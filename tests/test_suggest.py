@@ -102,3 +102,32 @@ def test_no_fit_names_the_smallest_layout_and_what_dominates_it():
     assert "smallest" in problem.message and "most of it" in problem.message
     with pytest.raises(PlanError, match="unknown hardware"):
         plancc.suggest(plan, "qwen3-8b", gpus=8, hardware="tpu9")
+
+
+@pytest.mark.parametrize(("plan", "model", "gpus"), [
+    ("qwen3.yaml", "tiny-qwen3", 16),  # 4 heads, 2 KV heads: tp 4 and 8 fail, at different rules
+    ("qwen3_moe.yaml", "tiny-qwen3-moe", 16),  # ep, and experts tp must divide
+    ("deepseek_v3.yaml", "tiny-deepseek-v3", 8),  # MLA, dense layers before MoE ones
+])
+def test_the_checks_suggest_reuses_across_layouts_say_what_a_fresh_check_says(plan, model, gpus):
+    """suggest keeps each rule's answer with the layout values the rule read, and reuses it at
+    a layout of the same values: at every layout the diagnostics are a fresh check's, exactly."""
+    from plancc.checks.engine import check_at
+    from plancc.checks.layout_memo import LayoutMemo
+    from plancc.compiler.resolve import resolve_sections
+    from plancc.models import build_meta_model
+    from plancc.tools.suggest import layouts_for
+
+    loaded = plancc.load_plan(f"plans/{plan}")
+    meta = build_meta_model(model)
+    resolved, _ = resolve_sections(loaded, meta)
+    memo = LayoutMemo()
+    layouts = layouts_for(gpus, allow=("sp", "cp", "ep"), max_tp=8)
+    said = set()
+    for layout in layouts:
+        fresh = check_at(loaded, meta, layout, resolved=resolved, seq_len=4096)
+        reused = check_at(loaded, meta, layout, resolved=resolved, seq_len=4096, memo=memo)
+        assert [d.to_json() for d in reused] == [d.to_json() for d in fresh], layout
+        said.update(d.rule for d in fresh if d.is_error)
+    assert memo.reused > len(layouts)  # most rules read few sizes: their answers were reused
+    assert said  # some layouts were refused: the answers differ by layout, not only reused

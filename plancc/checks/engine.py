@@ -35,6 +35,7 @@ from . import (
     tied_embeddings,
 )
 from .context import CheckContext
+from .layout_memo import LayoutMemo
 
 RULES: tuple[ModuleType, ...] = (
     mesh_sizes,
@@ -66,10 +67,14 @@ def rule_ids(rule: ModuleType) -> tuple[str, ...]:
     return tuple(getattr(rule, "IDS", None) or (rule.ID,))
 
 
-def run_rules(ctx: CheckContext, rules: Iterable[ModuleType] = RULES) -> Iterator[Diagnostic]:
+def run_rules(
+    ctx: CheckContext, rules: Iterable[ModuleType] = RULES, memo: LayoutMemo | None = None
+) -> Iterator[Diagnostic]:
+    """Every rule's problems at ``ctx``; with a ``memo``, a rule's answer at an earlier layout of
+    the same values it reads is reused (``checks.layout_memo``)."""
     for rule in rules:
         ids = rule_ids(rule)
-        for problem in rule.check(ctx):
+        for problem in memo.problems(rule, ctx) if memo is not None else rule.check(ctx):
             rule_id = problem.rule or ids[0]
             assert rule_id in ids, f"{rule.__name__} reported {rule_id!r}, not one of its ids {ids}"
             yield Diagnostic(
@@ -125,9 +130,11 @@ def check_at(
     *,
     seq_len: int | None = None,
     resolved: Iterable[ResolvedPlan] | None = None,
+    memo: LayoutMemo | None = None,
 ) -> list[Diagnostic]:
     """``check_plan`` at a layout already diagnosed (``validate_plan`` diagnoses it once and
-    reports both the layout and why the sizes did not fit)."""
+    reports both the layout and why the sizes did not fit). ``memo``: one per plan, model and
+    ``seq_len``, shared by the checks of many layouts (``plancc suggest``)."""
     problems: list[Diagnostic] = []
     model = model_or_config if isinstance(model_or_config, nn.Module) else build_meta_model(model_or_config)
     if resolved is None:
@@ -142,4 +149,4 @@ def check_at(
         resolved=by_sp.get(layout.sequence_parallel) or by_sp.get(False),
         layout_problems=tuple(layout_problems),
     )
-    return problems + list(run_rules(ctx))
+    return problems + list(run_rules(ctx, memo=memo))

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..checks.context import text_config
 from ..checks.engine import check_at
+from ..checks.layout_memo import LayoutMemo
 from ..compiler.plan import Plan, load_plan
 from ..compiler.resolve import ResolvedPlan, resolve_sections
 from ..compiler.styles import canonical_style
@@ -370,6 +371,7 @@ def suggest(
     candidates, rejected = [], []
     shape_cache: dict[bool, _Shape] = {}
     explained: dict[tuple[Any, ...], Any] = {}
+    memo = LayoutMemo()  # a rule's answer at one layout holds at every layout of the sizes it reads
     has_experts = any(
         canonical_style(rule.style.name).name == "moe_experts"
         for section in resolved_sections
@@ -377,7 +379,8 @@ def suggest(
     )
     axes = [a for a in allow if a != "ep" or has_experts]  # ep spreads experts: none to spread here
     for layout in layouts_for(gpus, allow=axes, max_tp=gpus_per_node):
-        errors = [d for d in check_at(plan, model, layout, resolved=resolved_sections, seq_len=seq_len) if d.is_error]
+        found = check_at(plan, model, layout, resolved=resolved_sections, seq_len=seq_len, memo=memo)
+        errors = [d for d in found if d.is_error]
         if errors:
             rejected.append((layout, f"{errors[0].rule}: {errors[0].message}"))
             continue
