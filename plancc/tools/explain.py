@@ -13,8 +13,9 @@ frozen.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -96,8 +97,9 @@ def _chunk(n: int, parts: int) -> int:
     return -(-n // parts) if parts > 1 else n
 
 
+@functools.lru_cache(maxsize=65536)
 def _group(name: str) -> str:
-    return generalize(name)
+    return generalize(name)  # a module name's row (layer indices folded): the same for every layout
 
 
 def explain(
@@ -106,6 +108,7 @@ def explain(
     tp, fsdp_ranks = layout.tp, layout.fsdp_size
     frozen = lora is not None
     rows: dict[tuple[str, str], ParamRow] = {}
+    counts: dict[tuple[str, str], int] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():
         rule = resolved.assignments.get(name) if resolved is not None else None
@@ -131,11 +134,11 @@ def explain(
             if shape and shards > 1:
                 shape[0] = _chunk(shape[0], shards)
             key = (_group(name), p_name)
-            style = rule.style.describe() if rule else "-"
-            if key in rows:
-                old = rows[key]
-                rows[key] = ParamRow(**{**{f: getattr(old, f) for f in ParamRow.__slots__}, "count": old.count + 1})
+            if key in rows:  # a repeated layer's parameter: counted, its row made once at the end
+                counts[key] += 1
             else:
+                counts[key] = 1
+                style = rule.style.describe() if rule else "-"
                 rows[key] = ParamRow(
                     group=key[0],
                     count=1,
@@ -149,6 +152,7 @@ def explain(
                     fsdp_placement=(f"shard(0) over {shards}" if spread else "shard(0)") if shards > 1 else "-",
                     trainable=not frozen,
                 )
+    rows = {key: replace(row, count=counts[key]) if counts[key] > 1 else row for key, row in rows.items()}
     if lora is not None:
         _adapter_rows(model, resolved, layout, lora, rows)
     return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
