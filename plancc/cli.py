@@ -461,12 +461,21 @@ def suggest(
         str, typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep")
     ] = "sp,cp,ep",
     top: Annotated[int, typer.Option("--top", min=1, help="candidates to print")] = 10,
+    verify_top: Annotated[
+        int,
+        typer.Option(
+            "--verify-top",
+            min=0,
+            help="measure the peak memory of the K best with one training step in a fake world (slow)",
+        ),
+    ] = 0,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """The layouts the plan allows for the model on N GPUs, with per-GPU memory and estimated step
     time, fastest fitting first, and the command line of the best (no GPU is touched)."""
-    from .tools.suggest import as_dict, no_fit_problem, render
+    from .tools.suggest import as_dict, no_fit_problem, render, render_verified
     from .tools.suggest import suggest as suggest_layouts
+    from .tools.suggest import verify_top as verify
 
     axes = [a.strip() for a in allow.split(",") if a.strip()]
     unknown = [a for a in axes if a not in ("sp", "cp", "ep")]
@@ -498,13 +507,25 @@ def suggest(
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     problem = no_fit_problem(result, plan)
+    verified = verify(result, plan, name, verify_top) if verify_top else []
     if fmt is Format.json:
         found = {"plan": plan.name, "model": name, **as_dict(result, str(plan_path), name)}
+        if verified:
+            found["verified"] = [
+                {
+                    "layout": v.candidate.layout.to_json(),
+                    "checkpointing": v.candidate.checkpointing,
+                    "predicted_bytes": v.candidate.memory.total,
+                    "measured_bytes": v.measured.total,
+                    "measured": {k: getattr(v.measured, k) for k in v.measured.__slots__},
+                }
+                for v in verified
+            ]
         if problem is not None:
             found["diagnostics"] = [problem.to_json()]
         print(json.dumps(found, indent=2))
     else:
-        print(render(result, str(plan_path), name, top=top))
+        print(render(result, str(plan_path), name, top=top) + (render_verified(verified) if verified else ""))
         if problem is not None:
             _emit([problem], fmt)
     if problem is not None:

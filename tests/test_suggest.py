@@ -2,8 +2,9 @@
 ranked before any GPU is touched. Pinned here: only layouts the plan's checks pass are
 costed; the fitting ones come first, fastest first; the per-rank parameter, gradient and
 AdamW bytes are what the dry run's parallelized model holds; each kind of bad input is one
-diagnostic with exit 1 (2 for flags). The activation and time models are stated in
-docs/suggest.md; checking them against the dry run's peak and published runs is still open."""
+diagnostic with exit 1 (2 for flags); the checks reused across layouts say what a fresh check
+says; the predicted peak is set beside one measured in the dry run's fake world (--verify-top).
+The cost model, and its figures against measured peaks and published runs: docs/suggest.md."""
 
 import json
 
@@ -131,3 +132,47 @@ def test_the_checks_suggest_reuses_across_layouts_say_what_a_fresh_check_says(pl
         said.update(d.rule for d in fresh if d.is_error)
     assert memo.reused > len(layouts)  # most rules read few sizes: their answers were reused
     assert said  # some layouts were refused: the answers differ by layout, not only reused
+
+
+@pytest.fixture(scope="module")
+def short_qwen3_0_6b(tmp_path_factory):
+    """Qwen3-0.6B's real widths and vocabulary with 4 of its 28 layers: a measurement in seconds."""
+    from plancc.models import presets
+
+    path = tmp_path_factory.mktemp("configs") / "qwen3-0.6b-4-layers.json"
+    path.write_text(json.dumps({**presets()["qwen3-0.6b"].config, "num_hidden_layers": 4}))
+    return str(path)
+
+
+def test_measured_shards_and_adamw_state_are_the_predicted_ones_and_full_checkpointing_within_10_percent(
+    short_qwen3_0_6b,
+):
+    """One training step in the dry run's fake world (bf16 over fp32 masters, the fused lm_head loss,
+    AdamW) at dp=2: the fp32 shards and AdamW state it holds are suggest's figures exactly, and with
+    every layer recomputed (where the peak is the lm_head's gradient, the gathered embeddings and the
+    layers' inputs) the predicted total is within 10% of the measured peak."""
+    from plancc.compiler.resolve import resolve_sections
+    from plancc.layout import Layout
+    from plancc.models import build_meta_model, load_config
+    from plancc.tools.measured_memory import measure_step_memory
+    from plancc.tools.suggest import _shape, memory_of
+
+    plan = plancc.load_plan("plans/qwen3.yaml")
+    layout = Layout(dp=2)
+    measured = measure_step_memory(plan, load_config(short_qwen3_0_6b), layout, seq_len=2048, checkpointing="full")
+    model = build_meta_model(short_qwen3_0_6b)
+    (resolved, *_), _ = resolve_sections(plan, model)
+    shape = _shape(model, resolved, resolved.activation_checkpointing)
+    want = memory_of(model, resolved, layout, shape, 2048, "full", None, 1, device="cpu")
+    assert measured.parameters == want.parameters
+    steps = 4 * len(list(model.parameters()))  # AdamW's step counter: one fp32 scalar a parameter
+    assert measured.optimizer == want.optimizer + steps
+    assert 0.9 <= want.total / measured.total <= 1.1, (want, measured)
+
+
+def test_verify_top_prints_each_prediction_beside_its_measured_peak(cli, short_qwen3_0_6b):
+    code, out, err = cli("suggest", "plans/qwen3.yaml", "--model", short_qwen3_0_6b, "--gpus", 2, "--seq-len", 1024,
+                         "--allow", "sp", "--verify-top", 1)
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if "measured" in x and "predicted" in x and "GiB" in x)
+    assert line.split()[0].startswith("dp=") and "x;" in line, out

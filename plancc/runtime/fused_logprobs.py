@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -350,6 +351,8 @@ def _rank_slice(full: torch.Tensor, vocab: _Vocab, v_local: int) -> torch.Tensor
 def _widths(v_local: int, group: dist.ProcessGroup | None) -> list[int]:
     if group is None or dist.get_world_size(group) == 1:
         return [v_local]
+    if dist.get_backend(group) == "fake":  # the dry run's world: no rank can be asked; each holds rank 0's share
+        return [v_local] * dist.get_world_size(group)
     widths: list[int] = [0] * dist.get_world_size(group)
     dist.all_gather_object(widths, v_local, group=group)
     return widths
@@ -685,7 +688,8 @@ def _vocab_of(
             return weight.to_local(), None, 0, size
         if weight.device_mesh.ndim != 1:
             raise ValueError("a vocab-sharded lm_head weight must live on a 1-D (tp) mesh")
-        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
+        with unset_fake_temporarily():  # the mesh's coordinates are host data, also in the dry run's fake world
+            _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
         return weight.to_local(), weight.device_mesh.get_group(), offset[0], size
     local_rows = weight.shape[0]
     if group is None or dist.get_world_size(group) == 1:

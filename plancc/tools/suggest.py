@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..checks.context import text_config
@@ -37,12 +38,18 @@ from ..compiler.resolve import ResolvedPlan, resolve_sections
 from ..compiler.styles import canonical_style
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout, LayoutError
-from ..models import build_meta_model
-from ..runtime.vocab_stats import GPU_GRAD_CHUNK_BYTES
+from ..models import build_meta_model, load_config
+from ..runtime.vocab_stats import default_chunk
 from .explain import explain
+from .measured_memory import MeasuredMemory, measure_step_memory
 
 GiB = 2**30
 BF16, FP32 = 2, 4
+# per element, what transformers' RMSNorm keeps for backward: its input in fp32 and the normalized
+# bf16 tensor (its weight's gradient); a norm over the hidden states also hands its bf16 output to
+# the projections that follow, which keep it (measured: tools.measured_memory, docs/suggest.md)
+HEAD_NORM = FP32 + BF16
+HIDDEN_NORM = FP32 + 2 * BF16
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,6 +168,9 @@ class _Shape:
     active_params: int  # matmul parameters a token goes through (experts: top_k of them)
     layer_params: int  # one decoder layer's parameters (all experts)
     checkpointed_share: float = 1.0  # of a layer's activations, what the plan's targets recompute
+    hidden_norms: int = 2  # RMSNorms of a layer over the hidden states (each keeps its input in fp32)
+    head_norm_width: int = 0  # per token, the elements a layer's per-head norms (q_norm, k_norm) see
+    root_params: int = 0  # parameters outside the decoder layers (embeddings, lm_head, final norm)
 
 
 def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterable[str]) -> _Shape:
@@ -196,13 +206,17 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
     )
     layer_params = sum(p.numel() for p in layer_list[0].parameters()) if layer_list is not None else 0
     layer_names = {f"{prefix}.{i}" for i in range(len(layer_list))} if layer_list is not None else set()
+    in_layers = sum(p.numel() for p in layer_list.parameters()) if layer_list is not None else 0
+    hidden_norms, head_norm_width = _norms(layer_list[0] if layer_list is not None else None, hidden, heads, kv_heads)
     targets = list(checkpointed)
     if not targets:
         share = 0.0
     elif any(t in layer_names for t in targets):  # whole layers
         share = 1.0
-    else:  # selective (a layer's MLP): the MLP's part of a layer's activations
-        share = 4 * ffn / (4 * ffn + 4 * hidden + (2 * heads + 2 * kv_heads) * head_dim)
+    else:  # selective (a layer's MLP): the MLP's part of a layer's activations (activation_bytes' terms)
+        mlp = BF16 * 4 * ffn
+        attention = BF16 * (2 * heads + 2 * kv_heads) * head_dim + HEAD_NORM * head_norm_width
+        share = mlp / (mlp + attention + HIDDEN_NORM * hidden_norms * hidden)
     return _Shape(
         hidden=hidden,
         layers=layers,
@@ -215,22 +229,48 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
         active_params=active,
         layer_params=layer_params,
         checkpointed_share=share,
+        hidden_norms=hidden_norms,
+        head_norm_width=head_norm_width,
+        root_params=sum(p.numel() for p in model.parameters()) - in_layers,
     )
+
+
+def _norms(layer: nn.Module | None, hidden: int, heads: int, kv_heads: int) -> tuple[int, int]:
+    """(norms over the hidden states, elements per token the per-head norms see) in a decoder
+    layer: transformers' RMSNorms keep their input in fp32 and their bf16 output for backward,
+    (``HIDDEN_NORM``, ``HEAD_NORM``)."""
+    if layer is None:
+        return 2, 0
+    hidden_norms, head_width = 0, 0
+    for name, module in layer.named_modules():
+        weight = getattr(module, "weight", None)
+        if "norm" not in type(module).__name__.lower() or weight is None or weight.dim() != 1:
+            continue
+        if weight.numel() == hidden:
+            hidden_norms += 1
+        else:  # a per-head norm: q's over every head, k's over the KV heads
+            head_width += weight.numel() * (kv_heads if name.rsplit(".", 1)[-1].startswith("k") else heads)
+    return hidden_norms or 2, head_width
 
 
 def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing: str, sequences: int = 1) -> int:
     """What the decoder layers keep for backward, one sequence per rank (``seq_len / cp`` of
-    its tokens), bf16: per layer the two norms' inputs and outputs (sharded by SP), q, k, v and
-    the attention output, and the MLP's gate, up, activation and product (sharded by tp).
+    its tokens): per layer the norms' inputs (fp32) and outputs (bf16; the hidden-state norms
+    sharded by SP), q, k, v and the attention output, and the MLP's gate, up, activation and
+    product (bf16, sharded by tp) -- what one transformers decoder layer keeps, measured.
     Checkpointed layers keep their input only, and one layer is recomputed at a time.
     ``sequences``: per microbatch on each dp rank (a step's local batch in one pass)."""
     tokens = sequences * seq_len // layout.cp
     tp = layout.tp
     sequence = tp if layout.sequence_parallel else 1
-    attention = (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp
-    mlp = 4 * shape.ffn / tp
-    replicated = 4 * shape.hidden / sequence
-    per_layer = BF16 * tokens * (replicated + attention + mlp)
+    # bytes per token: q, k, v and the attention output in bf16, the per-head norms' fp32 input and
+    # bf16 output; the MLP's gate, up, activation and product in bf16; the hidden-state norms
+    attention = (
+        BF16 * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + HEAD_NORM * shape.head_norm_width
+    ) / tp
+    mlp = BF16 * 4 * shape.ffn / tp
+    replicated = HIDDEN_NORM * shape.hidden_norms * shape.hidden / sequence
+    per_layer = tokens * (replicated + attention + mlp)
     layer_input = BF16 * tokens * shape.hidden / sequence
     if checkpointing == "none":
         return int(shape.layers * per_layer)
@@ -248,7 +288,10 @@ def memory_of(
     checkpointing: str,
     explained: dict[tuple[Any, ...], Any] | None = None,
     sequences: int = 1,
+    device: str = "cuda",
 ) -> Memory:
+    """``device``: whose fused lm_head chunking sizes the logit buffers (CUDA for suggestions;
+    the CPU's when set beside a measurement in the dry run's fake world, which runs on it)."""
     # explain reads tp, the FSDP ranks, ep and the plan's section: the same for many layouts
     key = (layout.tp, layout.fsdp_size, layout.ep, layout.expert_fsdp_size, layout.sequence_parallel)
     exp = explained.get(key) if explained is not None else None
@@ -257,17 +300,22 @@ def memory_of(
         if explained is not None:
             explained[key] = exp
     unit = shape.layer_params / layout.tp
+    root = shape.root_params / layout.tp * BF16
     # the fused lm_head's chunk of fp32 logits and their gradient (runtime.vocab_stats on a GPU)
-    chunk = min(sequences * seq_len // layout.cp * shape.vocab / layout.tp * FP32, GPU_GRAD_CHUNK_BYTES)
+    tokens, v_local = sequences * seq_len // layout.cp, -(-shape.vocab // layout.tp)
+    chunk = min(tokens, default_chunk(tokens, v_local, torch.device(device), grad=True)) * v_local * FP32
     return Memory(
         parameters=exp.param_bytes,
         gradients=exp.grad_bytes,
         optimizer=exp.optimizer_bytes,
         # two units gathered in bf16 (the one computing, the one prefetched), one unit's fp32
         # gradients before their reduce-scatter
-        fsdp_buffers=int(unit * (2 * BF16 + FP32)) if layout.fsdp_size > 1 else 0,
+        # and the root unit (embeddings, lm_head), gathered from forward to the end of backward
+        fsdp_buffers=int(unit * (2 * BF16 + FP32) + root) if layout.fsdp_size > 1 else 0,
         activations=activation_bytes(shape, layout, seq_len, checkpointing, sequences),
-        logits=int(2 * chunk),
+        # a chunk of fp32 logits and its gradient, and the lm_head's fp32 weight gradient, which
+        # the fused token loss forms in forward and holds until backward hands it to FSDP
+        logits=int(2 * chunk + v_local * shape.hidden * FP32),
     )
 
 
@@ -432,6 +480,53 @@ def suggest(
     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verified:
+    """A candidate's predicted per-rank peak beside the one a fake-world training step measured."""
+
+    candidate: Candidate
+    measured: MeasuredMemory
+
+    @property
+    def ratio(self) -> float:
+        return self.candidate.memory.total / max(self.measured.total, 1)
+
+
+def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[Verified]:
+    """Measure the per-rank peak of the ``k`` fastest fitting candidates (or the smallest ones
+    when none fits) with one training step in the dry run's fake world (``measured_memory``):
+    seconds to minutes each, by the layout's layer count and ranks."""
+    fitting = [c for c in suggestion.candidates if c.fits] or sorted(
+        suggestion.candidates, key=lambda c: c.memory.total
+    )
+    config = load_config(model)
+    verified = []
+    for candidate in fitting[:k]:
+        sequences = max(1, suggestion.tokens_per_step // (candidate.layout.dp * suggestion.seq_len))
+        measured = measure_step_memory(
+            plan,
+            config,
+            candidate.layout,
+            seq_len=suggestion.seq_len,
+            sequences=sequences,
+            checkpointing=candidate.checkpointing,
+        )
+        verified.append(Verified(candidate=candidate, measured=measured))
+    return verified
+
+
+def render_verified(verified: list[Verified]) -> str:
+    lines = ["", "predicted against measured (one training step in a fake world of the layout's ranks):"]
+    for v in verified:
+        c, m = v.candidate, v.measured
+        lines.append(
+            f"  {c.describe():<30} predicted {c.memory.total / GiB:6.1f} GiB  measured {m.total / GiB:6.1f} GiB "
+            f"({v.ratio:.2f}x; measured parameters {m.parameters / GiB:.1f}, gathered {m.gathered / GiB:.1f}, "
+            f"gradients {m.gradients / GiB:.1f}, AdamW {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f})"
+        )
+    return "\n".join(lines)
+
+
 def _hardware(hardware: str | Hardware) -> Hardware:
     if isinstance(hardware, Hardware):
         return hardware
@@ -582,4 +677,4 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
     return "\n".join(lines)
 
 
-__all__ = ["HARDWARE", "Candidate", "Hardware", "Memory", "StepTime", "Suggestion", "suggest"]
+__all__ = ["HARDWARE", "Candidate", "Hardware", "Memory", "StepTime", "Suggestion", "Verified", "suggest", "verify_top"]

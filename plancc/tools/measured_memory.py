@@ -1,0 +1,118 @@
+"""A training step's per-rank peak memory, measured in one process with no GPU and no memory.
+
+The dry run's world (a fake process group of the layout's ranks, fake tensors, the real model
+code parallelized by the plan) runs one step the way ``plancc apply`` trains: bf16 compute over
+fp32 master weights (FSDP mixed precision), the plan's activation checkpointing or the one
+asked for, the fused lm_head token loss (no logits tensor), and AdamW, whose state exists
+before the measured step as it does in every step after the first. torch's
+``FSDPMemTracker`` follows every tensor the step allocates and frees and reports the peak by
+kind: what ``plancc suggest --verify-top`` sets beside its predictions.
+
+Fake tensors on the CPU run torch's CPU attention (flash-style: it keeps the output and the
+log-sum-exp, as the GPU kernels do); allocator effects (fragmentation, the caching
+allocator's reserve) are not in the figure.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from transformers import PretrainedConfig
+
+from ..compiler.plan import Plan, TargetList
+from ..dataflow import batched_experts
+from ..errors import quiet_logger
+from ..layout import Layout
+from ..models import build_model
+from ..runtime.fused_logprobs import targets_checked
+from ..runtime.mesh import build_mesh
+from ..runtime.parallelize import parallelize
+from ..runtime.token_loss import evaluated_positions, model_token_loss
+from .dryrun import _fake_process_group, _layers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredMemory:
+    """Bytes one rank holds at the step's peak, by kind (``FSDPMemTracker``'s categories)."""
+
+    total: int
+    parameters: int  # the fp32 shards FSDP keeps
+    gathered: int  # unsharded bf16 parameters and all-gather buffers of the units in use
+    gradients: int
+    optimizer: int
+    activations: int  # kept for backward (and recomputed ones), with backward's temporaries
+    other: int  # buffers and inputs
+
+    @classmethod
+    def of(cls, snapshot: dict) -> MeasuredMemory:
+        by = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
+        kinds = {
+            "parameters": by.get("Sharded Param", 0),
+            "gathered": by.get("Unsharded Param", 0) + by.get("All Gather", 0),
+            "gradients": by.get("Sharded Grad", 0) + by.get("Unsharded Grad", 0) + by.get("Reduce Scatter", 0),
+            "optimizer": by.get("OptState", 0),
+            "activations": by.get("Activation", 0) + by.get("Temp", 0),
+            "other": by.get("Buffer", 0) + by.get("Inputs", 0),
+        }
+        return cls(total=by.get("Total", sum(kinds.values())), **kinds)
+
+
+def _with_checkpointing(plan: Plan, model: torch.nn.Module, checkpointing: str) -> tuple[Plan, bool | None]:
+    """The plan and ``parallelize``'s switch for ``checkpointing``: "plan" as written, "none",
+    or "full" (every decoder layer recomputed)."""
+    if checkpointing == "none":
+        return plan, False
+    if checkpointing == "plan":
+        return plan, None
+    found = _layers(model)
+    if found is None:
+        return plan, False
+    names = [n for n, m in model.named_modules() if m is found[2]]
+    every_layer = TargetList(patterns=(f"{names[0]}.*",), locs=(plan.loc,), saves=((),))
+    return replace(plan, activation_checkpointing=every_layer), True
+
+
+def measure_step_memory(
+    plan: Plan,
+    config: PretrainedConfig,
+    layout: Layout,
+    *,
+    seq_len: int,
+    sequences: int = 1,
+    checkpointing: str = "plan",
+    param_dtype: torch.dtype = torch.bfloat16,
+) -> MeasuredMemory:
+    """Rank 0's peak over one training step of ``sequences`` rows of ``seq_len`` tokens (the
+    whole sequence: context parallelism splits it) at ``layout``."""
+    quiet = quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL)
+    with _fake_process_group(layout.world_size), quiet:
+        model = build_model(copy.deepcopy(config), device="meta", dtype=torch.float32)
+        plan, ac = _with_checkpointing(plan, model, checkpointing)
+        mesh = build_mesh(layout, device_type="cpu")
+        parallelize(model, plan, mesh, param_dtype=param_dtype, activation_checkpointing=ac)
+        with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model), targets_checked():
+            model.to_empty(device="cpu")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for p in model.parameters():  # AdamW's state, as every step after the first holds it
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ids = torch.randint(0, int(config.vocab_size), (sequences, seq_len))
+            where = torch.arange(sequences * seq_len).view(sequences, seq_len)
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((ids,))
+            with tracker:
+                evaluated = evaluated_positions(model, where, attention_mask=None, cu_seqlens=None)
+                loss = model_token_loss(
+                    model, ids, evaluated, lambda lp, _: -lp.sum(), attention_mask=None, cu_seqlens=None
+                )
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            peak = tracker.get_tracker_snapshot("peak")
+    return MeasuredMemory.of(next(iter(peak.values())))
