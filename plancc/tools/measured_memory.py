@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, masking_utils
 
 from ..compiler.plan import Plan, TargetList
 from ..dataflow import batched_experts
@@ -77,6 +80,28 @@ def _with_checkpointing(plan: Plan, model: torch.nn.Module, checkpointing: str) 
     return replace(plan, activation_checkpointing=every_layer), True
 
 
+@contextmanager
+def _rows_without_padding() -> Iterator[None]:
+    """The measured rows are whole sequences: no padding, one document each. In a real run
+    transformers then leaves the causal mask to SDPA's ``is_causal`` (no ``[s, s]`` mask, and the
+    KV heads are not repeated: SDPA's own GQA). Under fake tensors it cannot read the position ids'
+    or the padding mask's values, takes the rows for packed ones and builds the mask instead
+    (with the KV heads repeated to every head), 48 MiB a Qwen3-0.6B layer at 4k tokens that the
+    real run never holds. Here both decisions are made as the real run makes them for such rows."""
+    decide, find_packed = masking_utils._ignore_causal_mask_sdpa, masking_utils.find_packed_sequence_indices
+
+    def without_padding(padding_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> bool:
+        return decide(None, *args, **kwargs)
+
+    masking_utils._ignore_causal_mask_sdpa = without_padding
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = decide
+        masking_utils.find_packed_sequence_indices = find_packed
+
+
 def measure_step_memory(
     plan: Plan,
     config: PretrainedConfig,
@@ -95,7 +120,8 @@ def measure_step_memory(
         plan, ac = _with_checkpointing(plan, model, checkpointing)
         mesh = build_mesh(layout, device_type="cpu")
         parallelize(model, plan, mesh, param_dtype=param_dtype, activation_checkpointing=ac)
-        with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model), targets_checked():
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, batched_experts(model), targets_checked(), _rows_without_padding():
             model.to_empty(device="cpu")
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for p in model.parameters():  # AdamW's state, as every step after the first holds it

@@ -270,6 +270,13 @@ def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing:
     ) / tp
     mlp = BF16 * 4 * shape.ffn / tp
     replicated = HIDDEN_NORM * shape.hidden_norms * shape.hidden / sequence
+    if layout.cp > 1:
+        # plancc's CP attention (runtime.cp) keeps the keys and values gathered over the whole
+        # sequence and repeated to every query head in place of the local ones, and SDPA keeps the
+        # bool [s/cp, s] mask converted to bf16, per layer (measured; the mask is not sharded by tp)
+        local_kv = BF16 * 2 * shape.kv_heads * shape.head_dim / tp
+        gathered_kv = BF16 * 2 * shape.heads * shape.head_dim / tp * layout.cp
+        attention += gathered_kv - local_kv + BF16 * seq_len
     per_layer = tokens * (replicated + attention + mlp)
     layer_input = BF16 * tokens * shape.hidden / sequence
     if checkpointing == "none":
