@@ -10,7 +10,7 @@ import inspect
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
 from enum import StrEnum
 from pathlib import Path
@@ -517,7 +517,7 @@ def suggest(
                     "checkpointing": v.candidate.checkpointing,
                     "predicted_bytes": v.candidate.memory.total,
                     "measured_bytes": v.measured.total,
-                    "measured": {k: getattr(v.measured, k) for k in v.measured.__slots__},
+                    "measured": asdict(v.measured),
                 }
                 for v in verified
             ]

@@ -213,10 +213,9 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
         share = 0.0
     elif any(t in layer_names for t in targets):  # whole layers
         share = 1.0
-    else:  # selective (a layer's MLP): the MLP's part of a layer's activations (activation_bytes' terms)
-        mlp = BF16 * 4 * ffn
-        attention = BF16 * (2 * heads + 2 * kv_heads) * head_dim + HEAD_NORM * head_norm_width
-        share = mlp / (mlp + attention + HIDDEN_NORM * hidden_norms * hidden)
+    else:  # selective (a layer's MLP): the MLP's part of a layer's activations
+        replicated, attention, mlp = _layer_bytes(hidden, heads, kv_heads, head_dim, ffn, hidden_norms, head_norm_width)
+        share = mlp / (replicated + attention + mlp)
     return _Shape(
         hidden=hidden,
         layers=layers,
@@ -235,10 +234,21 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
     )
 
 
+def _layer_bytes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, hidden_norms: int, head_norm_width: int
+) -> tuple[float, float, float]:
+    """Bytes per token one decoder layer keeps for backward, unsharded, in three parts: the
+    hidden-state norms' (sharded only by SP); q, k, v, the attention output (bf16) and the
+    per-head norms'; the MLP's gate, up, activation and product (bf16) -- the last two sharded
+    by tp. What one transformers decoder layer keeps, measured (``tools.measured_memory``)."""
+    replicated = HIDDEN_NORM * hidden_norms * hidden
+    attention = BF16 * (2 * heads + 2 * kv_heads) * head_dim + HEAD_NORM * head_norm_width
+    return replicated, attention, BF16 * 4 * ffn
+
+
 def _norms(layer: nn.Module | None, hidden: int, heads: int, kv_heads: int) -> tuple[int, int]:
     """(norms over the hidden states, elements per token the per-head norms see) in a decoder
-    layer: transformers' RMSNorms keep their input in fp32 and their bf16 output for backward,
-    (``HIDDEN_NORM``, ``HEAD_NORM``)."""
+    layer; what each keeps per element is ``HIDDEN_NORM`` and ``HEAD_NORM``."""
     if layer is None:
         return 2, 0
     hidden_norms, head_width = 0, 0
@@ -263,13 +273,10 @@ def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing:
     tokens = sequences * seq_len // layout.cp
     tp = layout.tp
     sequence = tp if layout.sequence_parallel else 1
-    # bytes per token: q, k, v and the attention output in bf16, the per-head norms' fp32 input and
-    # bf16 output; the MLP's gate, up, activation and product in bf16; the hidden-state norms
-    attention = (
-        BF16 * (2 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + HEAD_NORM * shape.head_norm_width
-    ) / tp
-    mlp = BF16 * 4 * shape.ffn / tp
-    replicated = HIDDEN_NORM * shape.hidden_norms * shape.hidden / sequence
+    replicated, attention, mlp = _layer_bytes(
+        shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn, shape.hidden_norms, shape.head_norm_width
+    )
+    replicated, attention, mlp = replicated / sequence, attention / tp, mlp / tp
     if layout.cp > 1:
         # plancc's CP attention (runtime.cp) keeps the keys and values gathered over the whole
         # sequence and repeated to every query head in place of the local ones, and SDPA keeps the
@@ -284,6 +291,12 @@ def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing:
     kept_share = 1.0 if checkpointing == "full" else shape.checkpointed_share
     kept = per_layer * (1 - kept_share) + layer_input * kept_share
     return int(shape.layers * kept + per_layer * kept_share)  # plus one layer recomputed
+
+
+def local_sequences(tokens: int, layout: Layout, seq_len: int) -> int:
+    """A rank's share of a step of ``tokens`` in one pass: its dp slice's sequences (no gradient
+    accumulation), at least one."""
+    return max(1, tokens // (layout.dp * seq_len))
 
 
 def memory_of(
@@ -444,8 +457,7 @@ def suggest(
             shape_cache[layout.sequence_parallel] = _shape(model, resolved, ac_targets)
         shape = shape_cache[layout.sequence_parallel]
         for ac in ac_ways:
-            # the rank's share of the step in one pass: its dp slice's sequences (no accumulation)
-            local = max(1, tokens // (layout.dp * seq_len))
+            local = local_sequences(tokens, layout, seq_len)
             memory = memory_of(model, resolved, layout, shape, seq_len, ac, explained, local)
             time, flops = time_of(
                 shape, layout, chosen, seq_len=seq_len, tokens=tokens, gpus_per_node=gpus_per_node, checkpointing=ac
@@ -509,7 +521,7 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
     config = load_config(model)
     verified = []
     for candidate in fitting[:k]:
-        sequences = max(1, suggestion.tokens_per_step // (candidate.layout.dp * suggestion.seq_len))
+        sequences = local_sequences(suggestion.tokens_per_step, candidate.layout, suggestion.seq_len)
         measured = measure_step_memory(
             plan,
             config,
