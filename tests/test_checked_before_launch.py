@@ -114,9 +114,9 @@ def checkpoint_copy(tiny_checkpoint, tmp_path):
 
 
 def _rewrite_metadata(step: Path, change) -> None:
-    from plancc.engine import checkpoint
+    from plancc.engine.checkpoint_reader import SafeFileSystemReader
 
-    meta = checkpoint.SafeFileSystemReader(str(step)).read_metadata()
+    meta = SafeFileSystemReader(str(step)).read_metadata()
     meta.storage_meta = None
     change(meta)
     (step / ".metadata").write_bytes(pickle.dumps(meta))
@@ -168,13 +168,14 @@ def test_a_metadata_pickle_dcp_itself_cannot_load_is_refused_not_raised(checkpoi
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     from plancc.engine import checkpoint
+    from plancc.engine.checkpoint_reader import SafeFileSystemReader
 
     _, step = checkpoint_copy
     monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (self.dtype, self.layout, False, 99, False))
     _rewrite_metadata(step, lambda meta: None)
     monkeypatch.undo()
     with pytest.raises(checkpoint.CheckpointError) as info:
-        checkpoint.SafeFileSystemReader(str(step)).read_metadata()
+        SafeFileSystemReader(str(step)).read_metadata()
     assert "refused checkpoint metadata" in info.value.diagnostics[0].message
 
 

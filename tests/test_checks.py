@@ -182,3 +182,26 @@ def test_the_summary_counts_the_units_fsdp_shards_and_names_the_tied_one_left_to
     assert (untied.summary()["fsdp_units"], untied.summary()["fsdp_units_left_to_root"]) == (37, 0)
     assert "fsdp units: 28 (+1 left to the root: a tied weight)" in tied.render()
     assert not tied.has_errors and not [d for d in tied.diagnostics if d.rule == "fsdp-units"]
+
+
+def test_a_config_checked_again_is_not_traced_again_but_a_model_handed_in_is(monkeypatch, write_plan):
+    """The wiring of a model built from a config is traced once per equal config (a second
+    plan, another layout); a model the caller hands in is traced from the model itself."""
+    import plancc.checks.context as context
+    from plancc.models import build_meta_model, load_config
+
+    traced = []
+    real = context.trace
+    monkeypatch.setattr(context, "trace", lambda model: traced.append(model) or real(model))
+    config = load_config("tiny-qwen3")
+    config.intermediate_size *= 2  # a config no other test has traced in this process
+    broken = write_plan((PLANS / "qwen3.yaml").read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", ""))
+    ok = check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), config, tp=2)
+    found = check_plan(plancc.load_plan(broken), config, tp=2)
+    assert len(traced) == 1
+    assert not [d for d in ok if d.is_error] and any(d.rule == "layout-pairing" for d in found)
+    config.intermediate_size *= 2  # another config: traced for itself
+    check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), config, tp=2)
+    assert len(traced) == 2
+    check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), build_meta_model(config), tp=2)
+    assert len(traced) == 3

@@ -71,13 +71,14 @@ def test_a_checkpoint_whose_metadata_runs_code_is_refused_and_runs_nothing(saved
 @pytest.mark.timeout(300)
 def test_latest_and_shard_paths_that_leave_the_folder_are_not_followed(saved, tmp_path, cli):
     import plancc.engine.checkpoint as checkpoint
+    from plancc.engine.checkpoint_reader import SafeFileSystemReader
 
     ck = tmp_path / "ck"
     shutil.copytree(saved, ck)
     (ck / "latest").write_text("../../../etc\n")
     assert checkpoint.find(ck) == ck / "step-000002"  # the pointer is ignored, the real step found
     step = ck / "step-000002"
-    meta = checkpoint.SafeFileSystemReader(str(step)).read_metadata()
+    meta = SafeFileSystemReader(str(step)).read_metadata()
     for info in meta.storage_data.values():
         info.relative_path = "../../outside.distcp"
     (step / ".metadata").write_bytes(pickle.dumps(meta))

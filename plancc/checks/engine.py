@@ -19,6 +19,7 @@ from . import (
     checkpointing,
     context_parallel,
     expert_parallel,
+    flow_memo,
     fsdp_units,
     heads,
     latent_attention,
@@ -136,7 +137,10 @@ def check_at(
     reports both the layout and why the sizes did not fit). ``memo``: one per plan, model and
     ``seq_len``, shared by the checks of many layouts (``plancc suggest``)."""
     problems: list[Diagnostic] = []
-    model = model_or_config if isinstance(model_or_config, nn.Module) else build_meta_model(model_or_config)
+    built = not isinstance(model_or_config, nn.Module)
+    model = build_meta_model(model_or_config) if built else model_or_config
+    if built:
+        flow_memo.attach(model, model_or_config)
     if resolved is None:
         resolved, problems = resolve_sections(plan, model)
     by_sp = {r.sequence_parallel: r for r in resolved}
@@ -149,4 +153,7 @@ def check_at(
         resolved=by_sp.get(layout.sequence_parallel) or by_sp.get(False),
         layout_problems=tuple(layout_problems),
     )
-    return problems + list(run_rules(ctx, memo=memo))
+    problems += run_rules(ctx, memo=memo)
+    if built:
+        flow_memo.keep(model, model_or_config)
+    return problems

@@ -44,7 +44,9 @@ def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) ->
         checkpoint.compatible(
             info, step_dir, architecture=architecture_of(config), shapes=checkpoint.parameter_shapes(model)
         )
-        checkpoint.SafeFileSystemReader(str(step_dir)).read_metadata()
+        from ..engine.checkpoint_reader import SafeFileSystemReader  # DCP: only when resuming
+
+        SafeFileSystemReader(str(step_dir)).read_metadata()
     except PlanError as exc:
         return exc.diagnostics
     return []

@@ -30,19 +30,19 @@ import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
 
 from ..checks.lora_targets import ADAPTER_PLACEMENTS, IDS, adapted_modules, adapter_layout, lora_problems
 from ..compiler.lora import LoraSpec
 from ..compiler.resolve import ResolvedPlan
 from ..errors import Diagnostic, PlanError
-from .styles.placements import to_torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Adapters", "LoraSpec", "add_adapters", "adapters_disabled", "adapters_of", "initial_adapter_state"]
 
@@ -89,6 +89,12 @@ def add_adapters(
     model: nn.Module, spec: LoraSpec, resolved: ResolvedPlan | None, tp_mesh: DeviceMesh | None
 ) -> Adapters:
     """Adapters on every target (after tensor parallelism, before FSDP); the base frozen."""
+    # DTensor here, not at import: the launcher reads adapter names (``adapters_of``) from
+    # this module before any worker starts
+    from torch.distributed.tensor import distribute_tensor
+
+    from .styles.placements import to_torch
+
     tp = tp_mesh.size() if tp_mesh is not None else 1
     problems = lora_problems(model, spec, resolved, tp)
     if problems:
