@@ -17,6 +17,25 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+EXTENDED = pytest.mark.extended
+
+
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended tier: further fault points and signals of behaviours the default run "
+                          "covers once, scale tests, layouts a larger one subsumes (docs/testing.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``extended`` are skipped (and counted as skipped) unless ``--extended``."""
+    if config.getoption("--extended"):
+        return
+    skip = pytest.mark.skip(reason="extended tier: pytest --extended (docs/testing.md)")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def one_rank():
     """A real world of one rank (gloo; nccl too where a GPU is): a fake process group's

@@ -115,7 +115,9 @@ def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "fault", ["send:kill@0#2", "gather:kill@1#2"], ids=["sender-dies", "another-policy-rank-dies"]
+    "fault",
+    ["send:kill@0#2", pytest.param("gather:kill@1#2", marks=pytest.mark.extended)],
+    ids=["sender-dies", "another-policy-rank-dies"],
 )
 def test_a_policy_that_dies_mid_transfer_ends_the_receiver_within_the_timeout_naming_peer_and_bucket(
     tmp_path, monkeypatch, fault

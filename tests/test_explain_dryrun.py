@@ -26,6 +26,7 @@ def test_explain_shows_shards_and_per_rank_bytes(cli):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # a scale test: dry run and explain agree at small sizes in the default run
 def test_qwen3_32b_dry_run_at_128_ranks_agrees_with_explain(cli):
     """The time (7-12 s here, the bar is 60 s) is reported in docs/performance.md, not asserted.
     In this process: its fake process group is gone when the command returns."""

@@ -118,6 +118,7 @@ def test_a_billion_laughs_plan_is_answered_at_the_alias_within_a_second_or_so(wr
     assert code == 1 and seconds < FAST and line.startswith(f"{path}:")
 
 
+@pytest.mark.extended  # a scale test
 def test_a_plan_of_100k_rules_that_all_miss_is_answered_in_seconds(write_plan, cli):
     rules = "".join(f"  model.layers.*.nothing_{i}: colwise\n" for i in range(100_000))
     path = write_plan(f"plancc: 1\nname: big\narchitectures: [Qwen3ForCausalLM]\ntensor_parallel:\n{rules}")
@@ -357,6 +358,7 @@ def test_yaml_round_trip_of_a_plan_with_merge_keys_stays_a_plan(tmp_path):
     assert [d.rule for d in info.value.diagnostics] == ["unknown-key"]
 
 
+@pytest.mark.extended  # a scale test
 def test_double_star_globs_on_a_1000_layer_model_resolve_in_seconds(tmp_path, write_plan, cli):
     from plancc.models import presets
 

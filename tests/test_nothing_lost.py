@@ -94,7 +94,7 @@ def resumes_exactly(ck: Path, good) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault,steps", [
     ("publish:kill@0", 0),  # re-saving step 2: old copy moved aside, new one not yet in place
-    ("latest:kill@0", 1),   # step 3 in place, 'latest' about to be replaced
+    pytest.param("latest:kill@0", 1, marks=pytest.mark.extended),  # step 3 in place, 'latest' about to be replaced
     # (a kill after the shards, before publishing: tests/test_reliability.py, save:kill@0)
 ])
 def test_a_crash_at_any_point_of_a_save_keeps_a_checkpoint_that_resumes_bitwise(good, tmp_path, fault, steps):
@@ -304,6 +304,7 @@ def test_a_run_that_goes_non_finite_stops_at_that_step_and_keeps_the_last_checkp
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.extended  # the default run stops a run that goes non-finite at a later step (above)
 def test_a_config_that_makes_nan_is_stopped_at_the_first_step(tmp_path):
     from plancc.models import load_config
 
@@ -449,7 +450,7 @@ def test_a_truncated_shard_is_named_before_launch(good, cli, tmp_path):
 # --------------------------------------------------------------------------- long runs: Ctrl-C, SIGTERM
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", pytest.param("sigterm", marks=pytest.mark.extended)])
 def test_an_interrupted_run_says_where_it_stopped_keeps_its_checkpoints_and_leaves_no_process(tmp_path, how):
     """Ctrl-C reaches the launcher and every worker at once (the terminal signals the whole
     process group); a scheduler's SIGTERM reaches the launcher alone. Either way: one line,
@@ -482,7 +483,8 @@ def test_an_interrupted_run_says_where_it_stopped_keeps_its_checkpoints_and_leav
 # --------------------------------------------------------------------------- round 3: a signal to one worker
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.extended)],
+                         ids=["sigterm", "sigint"])
 def test_a_signal_to_one_worker_stops_the_run_with_its_code_never_as_a_success(tmp_path, sig):
     """A scheduler or an operator may signal one worker rather than the launcher: the run still
     stopped early, so it says where, writes no export, and exits 128 + the signal."""

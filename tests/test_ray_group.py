@@ -86,6 +86,7 @@ def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended  # the resharded refit itself: tests/test_reshard.py; the group: the bitwise test above
 def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logprobs(tmp_path, cluster):
     """Every actor joins the weight channel (as its global rank) and sends the engine at tp=2 only
     the shards it holds; the engine's model then gives the group's log-probs."""

@@ -215,7 +215,7 @@ def test_a_raising_rank_beats_ranks_the_agent_stopped_and_the_earliest_of_equals
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("action", ["raise", "kill"])
+@pytest.mark.parametrize("action", ["raise", pytest.param("kill", marks=pytest.mark.extended)])
 def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action, tmp_path):
     t0 = time.perf_counter()
     as_json = action == "raise"  # --format json: the failure is the one JSON document on stdout
@@ -239,6 +239,7 @@ def test_a_failing_rank_stops_every_worker_quickly_and_is_named(action, tmp_path
 # --------------------------------------------------------------------------- checkpoints
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.extended  # the default run crashes a save at publishing (tests/test_nothing_lost.py)
 def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, tiny_checkpoint):
     import shutil
 

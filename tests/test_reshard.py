@@ -19,9 +19,9 @@ LORA = {"r": 4, "alpha": 8, "init_lora_weights": False, "targets": ["model.layer
 @pytest.mark.parametrize(
     ("ranks", "layout", "dtype", "lora"),
     [
-        (2, {"tp": 2}, None, None),
-        (2, {"dp": 2}, None, None),
-        (4, {"dp": 2, "tp": 2}, None, None),
+        pytest.param(2, {"tp": 2}, None, None, marks=pytest.mark.extended),  # dp2 x tp2 below covers tp
+        pytest.param(2, {"dp": 2}, None, None, marks=pytest.mark.extended),  # dp2 x tp2 below covers dp
+        pytest.param(4, {"dp": 2, "tp": 2}, None, None, marks=pytest.mark.extended),  # bf16 and LoRA below
         (4, {"dp": 2, "tp": 2}, "bfloat16", None),
         (4, {"dp": 2, "tp": 2}, None, LORA),
     ],

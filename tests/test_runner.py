@@ -35,6 +35,7 @@ def test_apply_with_no_flags_trains_a_tiny_qwen3_data_parallel_on_two_processes(
 
 
 # tiny-llama-tied at dp2 x tp2: tests/test_numerics.py (the same comparison, without the CLI)
+@pytest.mark.extended  # --verify at 4 ranks through the CLI: the cp=2 x tp=2 test below
 @pytest.mark.parametrize("model", ["tiny-llama"])
 def test_verify_llama_dp2_tp2_sp_reports_differences(model):
     code, out, err = plancc_cli("apply", PLANS / "llama.yaml", "--model", model, "--nproc-per-node", 4,
