@@ -74,7 +74,12 @@ def main() -> None:
             gpu_memory=96 * 10**9,
             allow=("sp", "cp"),
         )
-        theirs = [c for c in result.candidates if c.layout.sizes == published.sizes and c.checkpointing == ac]
+        # torchtitan reshards after forward (its default for runs without pipeline parallelism)
+        theirs = [
+            c
+            for c in result.candidates
+            if c.layout.sizes == published.sizes and c.checkpointing == ac and c.reshard_after_forward
+        ]
         mine = theirs[0] if theirs else None
         rank = result.candidates.index(mine) + 1 if mine else None
         best = result.best

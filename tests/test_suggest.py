@@ -52,7 +52,8 @@ def test_parameter_gradient_and_adamw_bytes_are_the_dry_runs(layout):
 
     chosen = Layout(**layout)
     result = plancc.suggest("plans/qwen3.yaml", "tiny-qwen3", gpus=chosen.world_size, seq_len=64, allow=("cp",))
-    (candidate,) = [c for c in result.candidates if c.layout == chosen and c.checkpointing == "none"]
+    (candidate,) = [c for c in result.candidates
+                    if c.layout == chosen and c.checkpointing == "none" and c.reshard_after_forward]
     measured = dry_run(plancc.load_plan("plans/qwen3.yaml"), load_config("tiny-qwen3"), chosen, seq_len=64)
     assert measured.ok
     assert (candidate.memory.parameters, candidate.memory.gradients, candidate.memory.optimizer) == (
@@ -144,13 +145,27 @@ def short_qwen3_0_6b(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize(("sizes", "checkpointing"), [
-    ({"dp": 2}, "full"),  # the peak: the lm_head's gradient, the gathered embeddings, the layers' inputs
-    ({"dp": 2}, "none"),  # every layer's activations
-    ({"cp": 2}, "none"),  # the keys and values gathered over the sequence, the mask over them
-])
+@pytest.fixture(scope="module")
+def qwen3_0_6b_small_vocab(tmp_path_factory):
+    """Qwen3-0.6B's layers, 8 of them, under a vocabulary of 8192: the decoder layers' weights,
+    not the embeddings, are most of the memory (what keeping them gathered changes)."""
+    from plancc.models import presets
+
+    path = tmp_path_factory.mktemp("configs") / "qwen3-0.6b-8-layers-8k-vocab.json"
+    path.write_text(json.dumps({**presets()["qwen3-0.6b"].config, "num_hidden_layers": 8, "vocab_size": 8192}))
+    return str(path)
+
+
+@pytest.mark.parametrize(("sizes", "checkpointing", "reshard", "model"), [
+    # the peak: the lm_head's gradient, the gathered embeddings, the layers' inputs
+    ({"dp": 2}, "full", True, "short_qwen3_0_6b"),
+    ({"dp": 2}, "none", True, "short_qwen3_0_6b"),  # every layer's activations
+    ({"cp": 2}, "none", True, "short_qwen3_0_6b"),  # the keys and values gathered over the sequence, the mask
+    # every layer's unit kept gathered from its forward to its backward: 15% more here
+    ({"dp": 2}, "full", False, "qwen3_0_6b_small_vocab"),
+], ids=["dp2-full", "dp2-none", "cp2-none", "dp2-full-kept-gathered"])
 def test_the_predicted_peak_is_within_10_percent_of_a_measured_step_and_the_shards_are_exact(
-    short_qwen3_0_6b, sizes, checkpointing
+    request, sizes, checkpointing, reshard, model
 ):
     """One training step in the dry run's fake world (bf16 over fp32 masters, the fused lm_head loss,
     AdamW): the fp32 shards and AdamW state it holds are suggest's figures exactly, and the predicted
@@ -161,14 +176,19 @@ def test_the_predicted_peak_is_within_10_percent_of_a_measured_step_and_the_shar
     from plancc.tools.measured_memory import measure_step_memory
     from plancc.tools.suggest import _shape, memory_of
 
+    config_path = request.getfixturevalue(model)
     plan = plancc.load_plan("plans/qwen3.yaml")
     layout = Layout(**sizes)
-    config = load_config(short_qwen3_0_6b)
-    measured = measure_step_memory(plan, config, layout, seq_len=2048, checkpointing=checkpointing)
-    model = build_meta_model(short_qwen3_0_6b)
+    config = load_config(config_path)
+    measured = measure_step_memory(
+        plan, config, layout, seq_len=2048, checkpointing=checkpointing, reshard_after_forward=reshard
+    )
+    model = build_meta_model(config_path)
     (resolved, *_), _ = resolve_sections(plan, model)
     shape = _shape(model, resolved, resolved.activation_checkpointing)
-    want = memory_of(model, resolved, layout, shape, 2048, checkpointing, None, 1, device="cpu")
+    want = memory_of(
+        model, resolved, layout, shape, 2048, checkpointing, None, 1, device="cpu", reshard_after_forward=reshard
+    )
     assert measured.parameters == want.parameters
     steps = 4 * len(list(model.parameters()))  # AdamW's step counter: one fp32 scalar a parameter
     assert measured.optimizer == want.optimizer + steps
@@ -181,3 +201,25 @@ def test_verify_top_prints_each_prediction_beside_its_measured_peak(cli, short_q
     assert code == 0, err
     line = next(x for x in out.splitlines() if "measured" in x and "predicted" in x and "GiB" in x)
     assert line.split()[0].startswith("dp=") and "x;" in line, out
+
+
+def test_keeping_units_gathered_is_searched_where_fsdp_shards_and_costs_memory_not_time(qwen3_8b_on_16):
+    """reshard_after_forward=False: one all-gather per unit a step instead of two, every layer's
+    bf16 weights held at the start of backward. A layout without FSDP ranks has nothing to keep."""
+    by_key = {}
+    for c in qwen3_8b_on_16.candidates:
+        by_key.setdefault((c.layout, c.checkpointing), {})[c.reshard_after_forward] = c
+    sharded = [pair for (layout, _), pair in by_key.items() if layout.fsdp_size > 1]
+    assert sharded and all(set(pair) == {True, False} for pair in sharded)
+    for pair in sharded:
+        kept, resharded = pair[False], pair[True]
+        assert kept.memory.total >= resharded.memory.total
+        assert kept.time.total <= resharded.time.total and kept.time.fsdp <= resharded.time.fsdp
+    # every layer's bf16 weights (2 bytes a parameter) held where, at the other end of backward,
+    # the fp32 gradient shards are 4 / fsdp bytes: more memory from 4 FSDP ranks on (a tie at 2)
+    wide = [pair for (layout, _), pair in by_key.items() if layout.fsdp_size >= 4]
+    assert wide and all(pair[False].memory.total > pair[True].memory.total for pair in wide)
+    two = plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=2, seq_len=4096, allow=())
+    unsharded = [c for c in two.candidates if c.layout.tp == 2]  # dp=1: no FSDP ranks
+    assert unsharded and all(c.reshard_after_forward for c in unsharded)
+    assert len(unsharded) == len({c.checkpointing for c in unsharded})

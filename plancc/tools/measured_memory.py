@@ -111,13 +111,17 @@ def measure_step_memory(
     sequences: int = 1,
     checkpointing: str = "plan",
     param_dtype: torch.dtype = torch.bfloat16,
+    reshard_after_forward: bool | None = None,
 ) -> MeasuredMemory:
     """Rank 0's peak over one training step of ``sequences`` rows of ``seq_len`` tokens (the
-    whole sequence: context parallelism splits it) at ``layout``."""
+    whole sequence: context parallelism splits it) at ``layout``; ``reshard_after_forward``
+    overrides the plan's ``fsdp.reshard_after_forward`` when given."""
     quiet = quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL)
     with _fake_process_group(layout.world_size), quiet:
         model = build_model(copy.deepcopy(config), device="meta", dtype=torch.float32)
         plan, ac = _with_checkpointing(plan, model, checkpointing)
+        if reshard_after_forward is not None:
+            plan = replace(plan, fsdp_reshard_after_forward=reshard_after_forward)
         mesh = build_mesh(layout, device_type="cpu")
         parallelize(model, plan, mesh, param_dtype=param_dtype, activation_checkpointing=ac)
         fake = FakeTensorMode(allow_non_fake_inputs=True)

@@ -22,6 +22,7 @@ parallelism, stragglers, the optimizer step's own time, communication/compute co
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -132,9 +133,13 @@ class Candidate:
     fits: bool
     tokens_per_s: float
     mfu: float
+    # False: FSDP keeps each unit gathered from its forward to its backward (one all-gather per
+    # unit a step instead of two, every unit's bf16 weights held at the start of backward)
+    reshard_after_forward: bool = True
 
     def describe(self) -> str:
-        return f"{self.layout.describe()} ac={self.checkpointing}"
+        kept = "" if self.reshard_after_forward else " reshard=off"
+        return f"{self.layout.describe()} ac={self.checkpointing}{kept}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -309,6 +314,7 @@ def memory_of(
     explained: dict[tuple[Any, ...], Any] | None = None,
     sequences: int = 1,
     device: str = "cuda",
+    reshard_after_forward: bool = True,
 ) -> Memory:
     """``device``: whose fused lm_head chunking sizes the logit buffers (CUDA for suggestions;
     the CPU's when set beside a measurement in the dry run's fake world, which runs on it)."""
@@ -321,22 +327,30 @@ def memory_of(
             explained[key] = exp
     unit = shape.layer_params / layout.tp
     root = shape.root_params / layout.tp * BF16
+    sharded = layout.fsdp_size > 1
     # the fused lm_head's chunk of fp32 logits and their gradient (runtime.vocab_stats on a GPU)
     tokens, v_local = sequences * seq_len // layout.cp, -(-shape.vocab // layout.tp)
     chunk = min(tokens, default_chunk(tokens, v_local, torch.device(device), grad=True)) * v_local * FP32
-    return Memory(
+    peak = Memory(
         parameters=exp.param_bytes,
         gradients=exp.grad_bytes,
         optimizer=exp.optimizer_bytes,
         # two units gathered in bf16 (the one computing, the one prefetched), one unit's fp32
-        # gradients before their reduce-scatter
-        # and the root unit (embeddings, lm_head), gathered from forward to the end of backward
-        fsdp_buffers=int(unit * (2 * BF16 + FP32) + root) if layout.fsdp_size > 1 else 0,
+        # gradients before their reduce-scatter, and the root unit (embeddings, lm_head),
+        # gathered from forward to the end of backward
+        fsdp_buffers=int(unit * (2 * BF16 + FP32) + root) if sharded else 0,
         activations=activation_bytes(shape, layout, seq_len, checkpointing, sequences),
         # a chunk of fp32 logits and its gradient, and the lm_head's fp32 weight gradient, which
         # the fused token loss forms in forward and holds until backward hands it to FSDP
         logits=int(2 * chunk + v_local * shape.hidden * FP32),
     )
+    if reshard_after_forward or not sharded:
+        return peak
+    # Units kept gathered from forward to backward: at the start of backward every layer's unit
+    # is gathered and no gradient is formed yet; each unit's backward then frees its weights as
+    # its gradients arrive. The peak is whichever end is larger (a measured step agrees).
+    start = replace(peak, gradients=0, fsdp_buffers=int(unit * (max(shape.layers, 2) * BF16 + FP32) + root))
+    return start if start.total > peak.total else peak
 
 
 def _bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
@@ -353,6 +367,7 @@ def time_of(
     tokens: int,
     gpus_per_node: int,
     checkpointing: str,
+    reshard_after_forward: bool = True,
 ) -> tuple[StepTime, float]:
     """(the step's time, its model FLOPs)."""
     recompute = {"none": 0.0, "full": 1.0, "plan": shape.checkpointed_share}[checkpointing]
@@ -378,10 +393,11 @@ def time_of(
     if layout.fsdp_size > 1:
         params = shape.layer_params * shape.layers / layout.tp
         share = (layout.fsdp_size - 1) / layout.fsdp_size
-        gathers = 2  # forward, and again in backward (reshard after forward)
-        wire = params * share * (gathers * BF16 + FP32)
-        total = wire / _bandwidth(hardware, layout.world_size, gpus_per_node)
-        first_unit = total / max(shape.layers, 1) / 3
+        gathers = 2 if reshard_after_forward else 1  # forward, and again in backward unless kept
+        bandwidth = _bandwidth(hardware, layout.world_size, gpus_per_node)
+        total = params * share * (gathers * BF16 + FP32) / bandwidth
+        # the first unit's all-gather is exposed either way (nothing computes before it)
+        first_unit = params * share * (2 * BF16 + FP32) / bandwidth / max(shape.layers, 1) / 3
         fsdp_time = max(0.0, total - compute) + first_unit
     return StepTime(compute=compute, tp=tp_time, cp=cp_time, ep=ep_time, fsdp=fsdp_time), model_flops
 
@@ -420,6 +436,7 @@ def suggest(
     hardware: str | Hardware = "h100",
     allow: Iterable[str] = ("sp", "cp", "ep"),
     checkpointing: Iterable[str] = ("plan", "none", "full"),
+    reshard_after_forward: Iterable[bool] = (True, False),
 ) -> Suggestion:
     """The legal layouts of ``plan`` (a path or a ``Plan``) for ``model`` (anything ``--model``
     takes, or a module) on ``gpus`` GPUs, costed and ranked: ``Suggestion.best`` is the fastest
@@ -456,16 +473,28 @@ def suggest(
         if layout.sequence_parallel not in shape_cache:
             shape_cache[layout.sequence_parallel] = _shape(model, resolved, ac_targets)
         shape = shape_cache[layout.sequence_parallel]
-        for ac in ac_ways:
-            local = local_sequences(tokens, layout, seq_len)
-            memory = memory_of(model, resolved, layout, shape, seq_len, ac, explained, local)
+        local = local_sequences(tokens, layout, seq_len)
+        # without FSDP there is nothing to reshard: one candidate, not two equal ones
+        reshard_ways = [r for r in reshard_after_forward if r or layout.fsdp_size > 1] or [True]
+        for ac, reshard in itertools.product(ac_ways, reshard_ways):
+            memory = memory_of(
+                model, resolved, layout, shape, seq_len, ac, explained, local, reshard_after_forward=reshard
+            )
             time, flops = time_of(
-                shape, layout, chosen, seq_len=seq_len, tokens=tokens, gpus_per_node=gpus_per_node, checkpointing=ac
+                shape,
+                layout,
+                chosen,
+                seq_len=seq_len,
+                tokens=tokens,
+                gpus_per_node=gpus_per_node,
+                checkpointing=ac,
+                reshard_after_forward=reshard,
             )
             candidates.append(
                 Candidate(
                     layout=layout,
                     checkpointing=ac,
+                    reshard_after_forward=reshard,
                     memory=memory,
                     time=time,
                     fits=memory.total <= memory_cap,
@@ -486,7 +515,8 @@ def suggest(
                 )
             ]
         )
-    ranked = sorted(candidates, key=lambda c: (not c.fits, c.time.total if c.fits else c.memory.total))
+    # equal times (FSDP's traffic hidden either way): the smaller memory first
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.time.total if c.fits else c.memory.total, c.memory.total))
     return Suggestion(
         hardware=chosen,
         gpus=gpus,
@@ -529,6 +559,7 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
             seq_len=suggestion.seq_len,
             sequences=sequences,
             checkpointing=candidate.checkpointing,
+            reshard_after_forward=candidate.reshard_after_forward,
         )
         verified.append(Verified(candidate=candidate, measured=measured))
     return verified
@@ -604,7 +635,11 @@ def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
         flags.append(f"--ep {layout.ep}")
     if layout.sequence_parallel:
         flags.append("--sp")
-    return f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
+    line = f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
+    notes = [] if candidate.checkpointing == "plan" else [f"activation checkpointing: {candidate.checkpointing}"]
+    if not candidate.reshard_after_forward:
+        notes.append("in the plan, fsdp: {reshard_after_forward: false}")
+    return line + (f"   # {'; '.join(notes)}" if notes else "")
 
 
 def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
@@ -627,6 +662,7 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
         return {
             "layout": c.layout.to_json(),
             "activation_checkpointing": c.checkpointing,
+            "reshard_after_forward": c.reshard_after_forward,
             "fits": c.fits,
             "memory_bytes": {
                 "parameters": c.memory.parameters,
@@ -664,6 +700,13 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
     }
 
 
+def _reshard(c: Candidate) -> str:
+    """FSDP's reshard after forward: "yes", "no" (kept gathered), or "-" (no FSDP ranks)."""
+    if c.layout.fsdp_size == 1:
+        return "-"
+    return "yes" if c.reshard_after_forward else "no"
+
+
 def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) -> str:
     cap = suggestion.gpu_memory
     lines = [
@@ -671,13 +714,13 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
         f"sequences of {suggestion.seq_len}, {suggestion.tokens_per_step:,} tokens per step: "
         f"{len(suggestion.candidates)} costed, {len(suggestion.rejected)} refused by the plan's checks",
         "",
-        f"{'#':>3}  {'layout':<24} {'ac':<5} {'memory/GPU':>11} {'fits':>5} {'step':>9} "
+        f"{'#':>3}  {'layout':<24} {'ac':<5} {'reshard':<7} {'memory/GPU':>11} {'fits':>5} {'step':>9} "
         f"{'compute':>9} {'exposed comm':>13} {'tokens/s':>11} {'MFU':>6}",
     ]
     for i, c in enumerate(suggestion.candidates[:top], 1):
         over = "" if c.fits else f" (+{(c.memory.total - cap) / GiB:.1f})"
         lines.append(
-            f"{i:>3}  {c.layout.describe():<24} {c.checkpointing:<5} {c.memory.total / GiB:>8.1f} GiB "
+            f"{i:>3}  {c.layout.describe():<24} {c.checkpointing:<5} {_reshard(c):<7} {c.memory.total / GiB:>8.1f} GiB "
             f"{'yes' if c.fits else 'no':>5} {c.time.total:>8.3f}s {c.time.compute:>8.3f}s "
             f"{c.time.exposed_comm:>12.3f}s "
             f"{c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}{over}"
@@ -690,8 +733,7 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
             f"best: {best.describe()}: parameters {m.parameters / GiB:.1f} GiB, gradients {m.gradients / GiB:.1f}, "
             f"AdamW {m.optimizer / GiB:.1f}, FSDP buffers {m.fsdp_buffers / GiB:.1f}, activations "
             f"{m.activations / GiB:.1f}, logit buffers {m.logits / GiB:.1f}",
-            f"  {command_line(plan_path, model, best)}"
-            + ("" if best.checkpointing == "plan" else f"   # activation checkpointing: {best.checkpointing}"),
+            f"  {command_line(plan_path, model, best)}",
         ]
     return "\n".join(lines)
 
