@@ -3,6 +3,7 @@ run's fake world (``plancc.tools.measured_memory``: the real model code, FSDP2 m
 the plan's TP/SP/CP, activation checkpointing, the fused lm_head loss, AdamW), side by side.
 
     python bench/suggest_memory.py            # the cases below; about 30 s each on a 2-core CPU
+    python bench/suggest_memory.py reshard    # only the cases whose line holds "reshard"
 
 Both figures are at the measurement's device, the CPU (its lm_head chunking); the ratio is
 predicted / measured. Latest results: docs/suggest.md.
@@ -22,7 +23,7 @@ from plancc.tools.suggest import _shape, memory_of
 
 GiB = 2**30
 
-# (plan, model, layout, seq_len, checkpointing)
+# (plan, model, layout, seq_len, checkpointing[, reshard_after_forward])
 CASES = [
     ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=8), 4096, "none"),
     ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=8), 4096, "full"),
@@ -31,6 +32,8 @@ CASES = [
     ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=4, tp=2, sequence_parallel=True), 4096, "none"),
     ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=4, cp=2), 8192, "none"),  # long sequence, CP
     ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=2, cp=4), 16384, "full"),
+    ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=8), 4096, "full", False),  # reshard off: units kept gathered
+    ("plans/qwen3.yaml", "qwen3-0.6b", Layout(dp=2), 4096, "full", False),
     ("plans/llama.yaml", "llama-3.2-1b", Layout(dp=4, tp=2, sequence_parallel=True), 4096, "plan"),
     ("plans/qwen3_moe.yaml", "qwen3-30b-a3b:4", Layout(dp=8, ep=8), 4096, "none"),  # MoE, 4 of its 48 layers
     ("plans/qwen3_moe.yaml", "qwen3-30b-a3b:4", Layout(dp=4, tp=2, ep=4), 4096, "full"),
@@ -53,29 +56,40 @@ def _model(name: str) -> str:
     return path
 
 
-def predicted(plan, model_name: str, layout: Layout, seq_len: int, checkpointing: str):
+def predicted(plan, model_name: str, layout: Layout, seq_len: int, checkpointing: str, reshard: bool = True):
     model = build_meta_model(model_name)
     sections, _ = resolve_sections(plan, model)
     by_sp = {r.sequence_parallel: r for r in sections}
     resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
     shape = _shape(model, resolved, by_sp[False].activation_checkpointing)
-    return memory_of(model, resolved, layout, shape, seq_len, checkpointing, None, 1, device="cpu")
+    return memory_of(
+        model, resolved, layout, shape, seq_len, checkpointing, None, 1, device="cpu", reshard_after_forward=reshard
+    )
 
 
 def main() -> None:
+    import sys
+
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
     print(f"{'model':<16} {'layout':<22} {'seq':>6} {'ac':<5} {'predicted':>10} {'measured':>10} {'ratio':>6}  seconds")
-    for plan_path, name, layout, seq_len, ac in CASES:
+    for plan_path, name, layout, seq_len, ac, *rest in CASES:
+        reshard = rest[0] if rest else True
+        if only and not (only == "reshard" and not reshard) and only not in name:
+            continue
         plan, model_name = load_plan(plan_path), _model(name)
         started = time.perf_counter()
         try:
-            got = measure_step_memory(plan, load_config(model_name), layout, seq_len=seq_len, checkpointing=ac)
+            got = measure_step_memory(
+                plan, load_config(model_name), layout, seq_len=seq_len, checkpointing=ac, reshard_after_forward=reshard
+            )
         except Exception as exc:  # noqa: BLE001 - a case the fake world cannot run is printed, not fatal
             print(f"{name:<16} {layout.describe():<22} {seq_len:>6} {ac:<5} not measured: {type(exc).__name__}: {exc}")
             continue
         seconds = time.perf_counter() - started
-        want = predicted(plan, model_name, layout, seq_len, ac)
+        want = predicted(plan, model_name, layout, seq_len, ac, reshard)
+        kept = "" if reshard else " reshard off"
         print(
-            f"{name:<16} {layout.describe():<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G "
+            f"{name:<16} {layout.describe() + kept:<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G "
             f"{got.total / GiB:>8.2f} G {want.total / got.total:>6.2f}  {seconds:.0f}"
         )
 
