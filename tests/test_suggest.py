@@ -70,6 +70,7 @@ def test_the_cli_prints_the_table_and_the_command_of_the_best(cli):
     code, out, err = cli("suggest", "plans/qwen3.yaml", "--model", "qwen3-8b", "--gpus", "8", "--format", "json")
     found = json.loads(out)
     assert code == 0 and found["best"]["fits"] and found["command"].startswith("plancc apply")
+    assert isinstance(found["plan_edits"], list) and "#" not in found["command"]
     assert found["candidates"][0] == found["best"]
 
 
@@ -211,8 +212,12 @@ def test_keeping_units_gathered_is_searched_where_fsdp_shards_and_costs_memory_n
         by_key.setdefault((c.layout, c.checkpointing), {})[c.reshard_after_forward] = c
     sharded = [pair for (layout, _), pair in by_key.items() if layout.fsdp_size > 1]
     assert sharded and all(set(pair) == {True, False} for pair in sharded)
+    from plancc.tools.suggest import plan_edits
+
     for pair in sharded:
         kept, resharded = pair[False], pair[True]
+        assert "fsdp: {reshard_after_forward: false}" in plan_edits(kept)
+        assert not any("reshard" in edit for edit in plan_edits(resharded))
         assert kept.memory.total >= resharded.memory.total
         assert kept.time.total <= resharded.time.total and kept.time.fsdp <= resharded.time.fsdp
     # every layer's bf16 weights (2 bytes a parameter) held where, at the other end of backward,

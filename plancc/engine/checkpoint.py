@@ -19,10 +19,11 @@ only after ``latest`` names the new one; ``latest`` is replaced through a fresh 
 complete step is still found: ``find`` falls back to scanning complete steps when ``latest``
 names nothing usable.
 
-Reading (``checkpoint_reader``): DCP's ``.metadata`` is a pickle and its non-tensor items are ``torch.load``ed with
-``weights_only=False``; a checkpoint shared between people must not run code on resume, so
-plancc reads the metadata with an unpickler that admits DCP's own metadata classes only, loads
-non-tensor items with ``weights_only=True``, and refuses shard paths outside the folder.
+Reading (``checkpoint_reader``): DCP's ``.metadata`` is a pickle and its non-tensor items are
+``torch.load``ed with ``weights_only=False``; a checkpoint shared between people must not run
+code on resume, so plancc reads the metadata with an unpickler that admits DCP's own metadata
+classes only, loads non-tensor items with ``weights_only=True``, and refuses shard paths outside
+the folder.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ DCP's ``.metadata`` is a pickle and its non-tensor items are ``torch.load``ed wi
 ``weights_only=False``; a checkpoint shared between people must not run code on resume. The
 reader here admits DCP's own metadata classes only, checks the metadata's types and the shards
 it names before any of them is read, and loads non-tensor items with ``weights_only=True``.
-(Apart from ``checkpoint``, whose folder checks the launcher runs without importing DCP.)
+It imports DCP; ``checkpoint``, whose folder checks the launcher runs, does not.
 """
 
 from __future__ import annotations

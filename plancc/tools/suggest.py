@@ -626,7 +626,8 @@ def _refuse(problems: list[Diagnostic]) -> None:
 
 
 def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
-    """The ``plancc apply`` line of a candidate (the checkpointing is the plan's to say)."""
+    """The ``plancc apply`` line of a candidate (checkpointing and resharding are the plan's to
+    say: ``plan_edits``)."""
     layout = candidate.layout
     flags = [f"--tp {layout.tp}"]
     if layout.cp > 1:
@@ -635,11 +636,15 @@ def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
         flags.append(f"--ep {layout.ep}")
     if layout.sequence_parallel:
         flags.append("--sp")
-    line = f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
-    notes = [] if candidate.checkpointing == "plan" else [f"activation checkpointing: {candidate.checkpointing}"]
+    return f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
+
+
+def plan_edits(candidate: Candidate) -> list[str]:
+    """What the plan must say for ``candidate`` beyond the command's flags."""
+    edits = [] if candidate.checkpointing == "plan" else [f"activation checkpointing: {candidate.checkpointing}"]
     if not candidate.reshard_after_forward:
-        notes.append("in the plan, fsdp: {reshard_after_forward: false}")
-    return line + (f"   # {'; '.join(notes)}" if notes else "")
+        edits.append("fsdp: {reshard_after_forward: false}")
+    return edits
 
 
 def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
@@ -695,6 +700,7 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
         "tokens_per_step": suggestion.tokens_per_step,
         "best": row(best) if best else None,
         "command": command_line(plan_path, model, best) if best else None,
+        "plan_edits": plan_edits(best) if best else [],
         "candidates": [row(c) for c in suggestion.candidates],
         "rejected": [{"layout": lay.to_json(), "why": why} for lay, why in suggestion.rejected],
     }
@@ -733,7 +739,8 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
             f"best: {best.describe()}: parameters {m.parameters / GiB:.1f} GiB, gradients {m.gradients / GiB:.1f}, "
             f"AdamW {m.optimizer / GiB:.1f}, FSDP buffers {m.fsdp_buffers / GiB:.1f}, activations "
             f"{m.activations / GiB:.1f}, logit buffers {m.logits / GiB:.1f}",
-            f"  {command_line(plan_path, model, best)}",
+            f"  {command_line(plan_path, model, best)}"
+            + (f"   # in the plan: {'; '.join(edits)}" if (edits := plan_edits(best)) else ""),
         ]
     return "\n".join(lines)
 
