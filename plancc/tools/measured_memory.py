@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -125,7 +125,11 @@ def measure_step_memory(
         mesh = build_mesh(layout, device_type="cpu")
         parallelize(model, plan, mesh, param_dtype=param_dtype, activation_checkpointing=ac)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, batched_experts(model), targets_checked(), _rows_without_padding():
+        # Experts run as a real bf16 step runs them (grouped_mm: each token through its top_k
+        # experts only, which fake tensors take in bf16); the dry run's stand-in, which runs
+        # every expert on every token, only where the compute is not bf16
+        experts = nullcontext() if param_dtype == torch.bfloat16 else batched_experts(model)
+        with fake, experts, targets_checked(), _rows_without_padding():
             model.to_empty(device="cpu")
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             for p in model.parameters():  # AdamW's state, as every step after the first holds it

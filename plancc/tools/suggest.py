@@ -172,6 +172,7 @@ class _Shape:
     vocab: int
     active_params: int  # matmul parameters a token goes through (experts: top_k of them)
     layer_params: int  # one decoder layer's parameters (all experts)
+    layer_expert_params: int = 0  # of them, the experts' (spread over ep x tp, not tp alone)
     checkpointed_share: float = 1.0  # of a layer's activations, what the plan's targets recompute
     hidden_norms: int = 2  # RMSNorms of a layer over the hidden states (each keeps its input in fp32)
     head_norm_width: int = 0  # per token, the elements a layer's per-head norms (q_norm, k_norm) see
@@ -210,6 +211,13 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
         ((n, m) for n, m in lists if isinstance(m, nn.ModuleList)), key=lambda found: len(found[1]), default=("", None)
     )
     layer_params = sum(p.numel() for p in layer_list[0].parameters()) if layer_list is not None else 0
+    first = f"{prefix}.0."
+    layer_expert_params = sum(
+        p.numel()
+        for name, module in model.named_modules()
+        if name in expert_modules and name.startswith(first)
+        for p in module.parameters()
+    )
     layer_names = {f"{prefix}.{i}" for i in range(len(layer_list))} if layer_list is not None else set()
     in_layers = sum(p.numel() for p in layer_list.parameters()) if layer_list is not None else 0
     hidden_norms, head_norm_width = _norms(layer_list[0] if layer_list is not None else None, hidden, heads, kv_heads)
@@ -232,6 +240,7 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
         vocab=int(config.vocab_size),
         active_params=active,
         layer_params=layer_params,
+        layer_expert_params=layer_expert_params,
         checkpointed_share=share,
         hidden_norms=hidden_norms,
         head_norm_width=head_norm_width,
@@ -325,7 +334,7 @@ def memory_of(
         exp = explain(model, resolved, layout)
         if explained is not None:
             explained[key] = exp
-    unit = shape.layer_params / layout.tp
+    unit = _unit_params(shape, layout)
     root = shape.root_params / layout.tp * BF16
     sharded = layout.fsdp_size > 1
     # the fused lm_head's chunk of fp32 logits and their gradient (runtime.vocab_stats on a GPU)
@@ -351,6 +360,13 @@ def memory_of(
     # its gradients arrive. The peak is whichever end is larger (a measured step agrees).
     start = replace(peak, gradients=0, fsdp_buffers=int(unit * (max(shape.layers, 2) * BF16 + FP32) + root))
     return start if start.total > peak.total else peak
+
+
+def _unit_params(shape: _Shape, layout: Layout) -> float:
+    """One decoder layer's parameters a rank gathers: the experts' share is spread over ep x tp
+    (each rank gathers only its own experts), the rest over tp."""
+    experts = shape.layer_expert_params
+    return (shape.layer_params - experts) / layout.tp + experts / (layout.tp * layout.ep)
 
 
 def _bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
@@ -391,7 +407,7 @@ def time_of(
         ep_time = shape.layers * passes * 2 * wire / _bandwidth(hardware, span, gpus_per_node)
     fsdp_time = 0.0
     if layout.fsdp_size > 1:
-        params = shape.layer_params * shape.layers / layout.tp
+        params = _unit_params(shape, layout) * shape.layers
         share = (layout.fsdp_size - 1) / layout.fsdp_size
         gathers = 2 if reshard_after_forward else 1  # forward, and again in backward unless kept
         bandwidth = _bandwidth(hardware, layout.world_size, gpus_per_node)
