@@ -17,9 +17,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-EXTENDED = pytest.mark.extended
-
-
 def pytest_addoption(parser):
     parser.addoption("--extended", action="store_true",
                      help="also run the extended tier: further fault points and signals of behaviours the default run "
