@@ -3,7 +3,7 @@ run's fake world (``plancc.tools.measured_memory``: the real model code, FSDP2 m
 the plan's TP/SP/CP, activation checkpointing, the fused lm_head loss, AdamW), side by side.
 
     python bench/suggest_memory.py            # the cases below; about 30 s each on a 2-core CPU
-    python bench/suggest_memory.py reshard    # only the cases whose line holds "reshard"
+    python bench/suggest_memory.py reshard    # only the cases whose model or layout holds "reshard"
 
 Both figures are at the measurement's device, the CPU (its lm_head chunking); the ratio is
 predicted / measured. Latest results: docs/suggest.md.
@@ -74,7 +74,8 @@ def main() -> None:
     print(f"{'model':<16} {'layout':<22} {'seq':>6} {'ac':<5} {'predicted':>10} {'measured':>10} {'ratio':>6}  seconds")
     for plan_path, name, layout, seq_len, ac, *rest in CASES:
         reshard = rest[0] if rest else True
-        if only and not (only == "reshard" and not reshard) and only not in name:
+        described = layout.describe() + ("" if reshard else " reshard off")
+        if only not in f"{name} {described}":
             continue
         plan, model_name = load_plan(plan_path), _model(name)
         started = time.perf_counter()
@@ -83,13 +84,12 @@ def main() -> None:
                 plan, load_config(model_name), layout, seq_len=seq_len, checkpointing=ac, reshard_after_forward=reshard
             )
         except Exception as exc:  # noqa: BLE001 - a case the fake world cannot run is printed, not fatal
-            print(f"{name:<16} {layout.describe():<22} {seq_len:>6} {ac:<5} not measured: {type(exc).__name__}: {exc}")
+            print(f"{name:<16} {described:<22} {seq_len:>6} {ac:<5} not measured: {type(exc).__name__}: {exc}")
             continue
         seconds = time.perf_counter() - started
         want = predicted(plan, model_name, layout, seq_len, ac, reshard)
-        kept = "" if reshard else " reshard off"
         print(
-            f"{name:<16} {layout.describe() + kept:<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G "
+            f"{name:<16} {described:<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G "
             f"{got.total / GiB:>8.2f} G {want.total / got.total:>6.2f}  {seconds:.0f}"
         )
 
