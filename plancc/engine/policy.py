@@ -132,6 +132,7 @@ class Policy:
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
+        self._dp_rank: int | None = None
         self.mesh: ParallelMesh = the_mesh(
             layout, mesh, {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "sp": sp}, device=self.device
         )
@@ -171,11 +172,13 @@ class Policy:
     @property
     def dp_rank(self) -> int:
         """Which slice of a global batch this rank holds: rows ``dp_rank * B/dp_size ...``."""
-        return self.mesh["dp"].get_local_rank()
+        if self._dp_rank is None:  # slicing a DeviceMesh costs a millisecond: once per Policy
+            self._dp_rank = self.mesh["dp"].get_local_rank()
+        return self._dp_rank
 
     @property
     def dp_size(self) -> int:
-        return self.mesh["dp"].size()
+        return self.layout.dp
 
     def slice_of(self, global_rows: int) -> slice:
         """This rank's rows of a global batch of ``global_rows`` (which dp must divide)."""
@@ -250,7 +253,8 @@ class Policy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
         batch, norm, plan = self._prepared(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        self.model.train()
+        if not self.model.training:  # every module's flag: a walk of the model, not free on each step
+            self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         sums: dict[str, torch.Tensor | float] = {}
         # Nothing reads the device inside the loop (a GPU's queue never stalls on the host): a
