@@ -2,7 +2,8 @@
 # One device call of a session (docs/gpu.md): Policy.train's throughput against a hand-written
 # loop, the fake-world Policy cases, the kernels' tests, and apply / logprobs through the CLI on
 # CUDA (--verify, microbatched and packed); POLICY_GPU=1 adds the one-GPU offload bench,
-# RESUME=1 save / resume / export. Wheels of the
+# RESUME=1 save / resume / export, SUGGEST_PEAK=1 the real step's peak against the fake world's
+# (bench/suggest_real_peak.py); FAKE_CASES names the fake-world cases (default: all). Wheels of the
 # pinned transformers (and jsonschema) travel in .whl: see docs/gpu.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/plancc-gpu}
@@ -17,10 +18,12 @@ python3 -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.sp
   || sed -i '/--shutdown-timeout=/d' plancc/job/launch.py
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/gpu.txt"
+[ -n "${SUGGEST_PEAK:-}" ] && timeout 240 torchrun --nproc-per-node 1 bench/suggest_real_peak.py --out "$OUT/suggest_real_peak.json" \
+  2>&1 | grep -v "^\[W" | tee "$OUT/suggest_real_peak.txt" | grep -v Warning
 # Policy.train against a hand-written transformers + Liger loop (issue 40; liger travels in .whl)
 timeout 240 torchrun --nproc-per-node 1 bench/train_gpu.py --steps ${TRAIN_STEPS:-3} --profile --out "$OUT/train_gpu.json" \
   2>&1 | grep -v "^\[W" | tee "$OUT/train_gpu.txt" | tail -30
-timeout 150 python3 bench/policy_fake_world_gpu.py --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
+timeout 150 python3 bench/policy_fake_world_gpu.py ${FAKE_CASES:+--cases $FAKE_CASES} --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
 tail -1 "$OUT/fake_world_gpu.txt"
 [ -n "${POLICY_GPU:-}" ] && torchrun --nproc-per-node 1 bench/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py tests/test_document_attention.py 2>&1 | tail -2

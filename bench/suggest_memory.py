@@ -4,6 +4,7 @@ the plan's TP/SP/CP, activation checkpointing, the fused lm_head loss, AdamW), s
 
     python bench/suggest_memory.py            # the cases below; about 30 s each on a 2-core CPU
     python bench/suggest_memory.py reshard    # only the cases whose model or layout holds "reshard"
+    python bench/suggest_memory.py --kinds    # each figure by kind too
 
 Both figures are at the measurement's device, the CPU (its lm_head chunking); the ratio is
 predicted / measured. Latest results: docs/suggest.md.
@@ -56,21 +57,23 @@ def _model(name: str) -> str:
     return path
 
 
-def predicted(plan, model_name: str, layout: Layout, seq_len: int, checkpointing: str, reshard: bool = True):
+def predicted(
+    plan, model_name: str, layout: Layout, seq_len: int, checkpointing: str, reshard: bool = True, device: str = "cpu"
+):
     model = build_meta_model(model_name)
     sections, _ = resolve_sections(plan, model)
     by_sp = {r.sequence_parallel: r for r in sections}
     resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
     shape = _shape(model, resolved, by_sp[False].activation_checkpointing)
     return memory_of(
-        model, resolved, layout, shape, seq_len, checkpointing, None, 1, device="cpu", reshard_after_forward=reshard
+        model, resolved, layout, shape, seq_len, checkpointing, None, 1, device=device, reshard_after_forward=reshard
     )
 
 
 def main() -> None:
     import sys
 
-    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    only = next((a for a in sys.argv[1:] if not a.startswith("--")), "")
     print(f"{'model':<16} {'layout':<22} {'seq':>6} {'ac':<5} {'predicted':>10} {'measured':>10} {'ratio':>6}  seconds")
     for plan_path, name, layout, seq_len, ac, *rest in CASES:
         reshard = rest[0] if rest else True
@@ -92,6 +95,9 @@ def main() -> None:
             f"{name:<16} {described:<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G "
             f"{got.total / GiB:>8.2f} G {want.total / got.total:>6.2f}  {seconds:.0f}"
         )
+        if "--kinds" in sys.argv:  # each figure by kind
+            print("    predicted:", {k: round(getattr(want, k) / GiB, 2) for k in want.__slots__})
+            print("    measured: ", {k: round(getattr(got, k) / GiB, 2) for k in got.__slots__ if k != "total"})
 
 
 if __name__ == "__main__":
