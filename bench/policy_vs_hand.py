@@ -26,8 +26,8 @@ PLAN = os.path.join(os.path.dirname(__file__), "..", "plans", "llama.yaml")
 
 
 def worker(steps: int, layout: str, profile: bool = False):
-    import cProfile
     import copy
+    import cProfile
     import io
     import pstats
     import time

@@ -16,11 +16,10 @@ import os
 import time
 
 from plancc.compiler.plan import load_plan
-from plancc.compiler.resolve import resolve_sections
 from plancc.layout import Layout
 from plancc.models import build_meta_model, load_config
 from plancc.tools.measured_memory import measure_step_memory
-from plancc.tools.suggest import _shape, memory_of
+from plancc.tools.suggest import predicted_memory
 
 GiB = 2**30
 
@@ -60,13 +59,14 @@ def _model(name: str) -> str:
 def predicted(
     plan, model_name: str, layout: Layout, seq_len: int, checkpointing: str, reshard: bool = True, device: str = "cpu"
 ):
-    model = build_meta_model(model_name)
-    sections, _ = resolve_sections(plan, model)
-    by_sp = {r.sequence_parallel: r for r in sections}
-    resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
-    shape = _shape(model, resolved, by_sp[False].activation_checkpointing)
-    return memory_of(
-        model, resolved, layout, shape, seq_len, checkpointing, None, 1, device=device, reshard_after_forward=reshard
+    return predicted_memory(
+        plan,
+        build_meta_model(model_name),
+        layout,
+        seq_len,
+        checkpointing,
+        device=device,
+        reshard_after_forward=reshard,
     )
 
 
@@ -74,7 +74,8 @@ def main() -> None:
     import sys
 
     only = next((a for a in sys.argv[1:] if not a.startswith("--")), "")
-    print(f"{'model':<16} {'layout':<22} {'seq':>6} {'ac':<5} {'predicted':>10} {'measured':>10} {'ratio':>6}  seconds")
+    head = f"{'model':<16} {'layout':<22} {'seq':>6} {'ac':<5} {'predicted':>10} {'at':<14} {'measured':>10}"
+    print(f"{head} {'ratio':>6}  seconds")
     for plan_path, name, layout, seq_len, ac, *rest in CASES:
         reshard = rest[0] if rest else True
         described = layout.describe() + ("" if reshard else " reshard off")
@@ -92,11 +93,11 @@ def main() -> None:
         seconds = time.perf_counter() - started
         want = predicted(plan, model_name, layout, seq_len, ac, reshard)
         print(
-            f"{name:<16} {described:<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G "
+            f"{name:<16} {described:<22} {seq_len:>6} {ac:<5} {want.total / GiB:>8.2f} G {want.at:<14} "
             f"{got.total / GiB:>8.2f} G {want.total / got.total:>6.2f}  {seconds:.0f}"
         )
         if "--kinds" in sys.argv:  # each figure by kind
-            print("    predicted:", {k: round(getattr(want, k) / GiB, 2) for k in want.__slots__})
+            print("    predicted:", {k: round(getattr(want, k) / GiB, 2) for k in want.__slots__ if k != "at"})
             print("    measured: ", {k: round(getattr(got, k) / GiB, 2) for k in got.__slots__ if k != "total"})
 
 

@@ -175,7 +175,8 @@ def main() -> None:
     parser.add_argument("--row", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        return one_case(args.case, args.device, args.where, args.row)
+        one_case(args.case, args.device, args.where, args.row)
+        return
 
     import socket
     import subprocess
@@ -222,17 +223,17 @@ def main() -> None:
         row["seconds"] = time.perf_counter() - started
         rows.append(row)
         peak = real["allocator_peak"] or real["tracker"]["total"]
+        tracked, faked = real["tracker"]["total"] / GiB, fake.total / GiB if fake else float("nan")
         print(
-            f"{name:<16} {seq_len:>6} {ac:<5} {real['allocator_peak'] / GiB:>7.2f}G {real['tracker']['total'] / GiB:>7.2f}G "
-            f"{(fake.total / GiB if fake else float('nan')):>7.2f}G {want.total / GiB:>8.2f}G  {want.total / peak:.2f}"
+            f"{name:<16} {seq_len:>6} {ac:<5} {real['allocator_peak'] / GiB:>7.2f}G {tracked:>7.2f}G {faked:>7.2f}G "
+            f"{want.total / GiB:>8.2f}G  {want.total / peak:.2f} ({want.at})"
         )
         print(f"    real by kind: { {k: round(v / GiB, 2) for k, v in real['tracker'].items()} }")
         print(f"    allocator's peak by phase: { {k: round(v / GiB, 2) for k, v in real['phases'].items()} }")
         if real["holders"]:
             best, sites = real["holders"]
-            print(
-                f"    at the peak: {(real['resident_before'] + best) / GiB:.2f} G, {best / GiB:.2f} G beyond the resident:"
-            )
+            total = (real["resident_before"] + best) / GiB
+            print(f"    at the peak: {total:.2f} G, {best / GiB:.2f} G beyond the resident:")
             for site, size in sites:
                 print(f"      {size / GiB:7.3f} G  {site}")
     if args.out:

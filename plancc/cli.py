@@ -516,7 +516,8 @@ def suggest(
                     "layout": v.candidate.layout.to_json(),
                     "checkpointing": v.candidate.checkpointing,
                     "reshard_after_forward": v.candidate.reshard_after_forward,
-                    "predicted_bytes": v.candidate.memory.total,
+                    "predicted_bytes": v.predicted.total,  # for the measurement's device, the CPU
+                    "predicted_cuda_bytes": v.candidate.memory.total,
                     "measured_bytes": v.measured.total,
                     "measured": asdict(v.measured),
                 }

@@ -23,6 +23,7 @@ parallelism, stragglers, the optimizer step's own time, communication/compute co
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -80,14 +81,16 @@ HARDWARE: dict[str, Hardware] = {
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Memory:
-    """Bytes per rank at the step's peak."""
+    """Bytes per rank at the step's peak, by kind, and which moment of the step that is (``at``,
+    one of ``step_ends``': "forward", "backward start", "backward end", "optimizer step")."""
 
     parameters: int
     gradients: int
-    optimizer: int
+    optimizer: int  # AdamW's state, and at the optimizer step its temporaries
     fsdp_buffers: int
     activations: int
     logits: int
+    at: str = "forward"
 
     @property
     def total(self) -> int:
@@ -227,8 +230,10 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
     elif any(t in layer_names for t in targets):  # whole layers
         share = 1.0
     else:  # selective (a layer's MLP): the MLP's part of a layer's activations
-        replicated, attention, mlp = _layer_bytes(hidden, heads, kv_heads, head_dim, ffn, hidden_norms, head_norm_width)
-        share = mlp / (replicated + attention + mlp)
+        replicated, attention, mlp, routed = _layer_bytes(
+            hidden, heads, kv_heads, head_dim, ffn, hidden_norms, head_norm_width, top_k if experts else 0
+        )
+        share = (mlp + routed) / (replicated + attention + mlp + routed)
     return _Shape(
         hidden=hidden,
         layers=layers,
@@ -249,15 +254,28 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
 
 
 def _layer_bytes(
-    hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, hidden_norms: int, head_norm_width: int
-) -> tuple[float, float, float]:
-    """Bytes per token one decoder layer keeps for backward, unsharded, in three parts: the
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    hidden_norms: int,
+    head_norm_width: int,
+    top_k: int = 0,
+) -> tuple[float, float, float, float]:
+    """Bytes per token one decoder layer keeps for backward, unsharded, in four parts: the
     hidden-state norms' (sharded only by SP); q, k, v, the attention output (bf16) and the
-    per-head norms'; the MLP's gate, up, activation and product (bf16) -- the last two sharded
-    by tp. What one transformers decoder layer keeps, measured (``tools.measured_memory``)."""
+    per-head norms' (sharded by tp); a dense MLP's gate, up, activation and product (bf16,
+    sharded by tp); a MoE block's (``top_k`` > 0), which no axis shards: each token's ``top_k``
+    copies of the hidden state three times over (dispatched, sorted by expert, the experts'
+    output) and of the experts' gate, up, activation and product. What one transformers decoder
+    layer keeps, measured (``tools.measured_memory``: 227 KB a token against 226 KB predicted
+    for a Qwen3-30B-A3B layer at ep=8, 204 against 203 at tp=2 x ep=4)."""
     replicated = HIDDEN_NORM * hidden_norms * hidden
     attention = BF16 * (2 * heads + 2 * kv_heads) * head_dim + HEAD_NORM * head_norm_width
-    return replicated, attention, BF16 * 4 * ffn
+    if top_k:
+        return replicated, attention, 0.0, BF16 * (4 * ffn + 3 * top_k * hidden)
+    return replicated, attention, BF16 * 4 * ffn, 0.0
 
 
 def _norms(layer: nn.Module | None, hidden: int, heads: int, kv_heads: int) -> tuple[int, int]:
@@ -277,18 +295,27 @@ def _norms(layer: nn.Module | None, hidden: int, heads: int, kv_heads: int) -> t
     return hidden_norms or 2, head_width
 
 
-def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing: str, sequences: int = 1) -> int:
-    """What the decoder layers keep for backward, one sequence per rank (``seq_len / cp`` of
-    its tokens): per layer the norms' inputs (fp32) and outputs (bf16; the hidden-state norms
-    sharded by SP), q, k, v and the attention output, and the MLP's gate, up, activation and
-    product (bf16, sharded by tp) -- what one transformers decoder layer keeps, measured.
-    Checkpointed layers keep their input only, and one layer is recomputed at a time.
+def activation_bytes(
+    shape: _Shape, layout: Layout, seq_len: int, checkpointing: str, sequences: int = 1
+) -> tuple[int, int]:
+    """(what the decoder layers keep for backward, what backward recomputes at once), one
+    sequence per rank (``seq_len / cp`` of its tokens): per layer the norms' inputs (fp32) and
+    outputs (bf16; the hidden-state norms sharded by SP), q, k, v and the attention output, and
+    the MLP's (``_layer_bytes``) -- what one transformers decoder layer keeps, measured.
+    Checkpointed layers keep their input only, and backward recomputes one layer at a time.
     ``sequences``: per microbatch on each dp rank (a step's local batch in one pass)."""
     tokens = sequences * seq_len // layout.cp
     tp = layout.tp
     sequence = tp if layout.sequence_parallel else 1
-    replicated, attention, mlp = _layer_bytes(
-        shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.ffn, shape.hidden_norms, shape.head_norm_width
+    replicated, attention, mlp, routed = _layer_bytes(
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.ffn,
+        shape.hidden_norms,
+        shape.head_norm_width,
+        shape.top_k,
     )
     replicated, attention, mlp = replicated / sequence, attention / tp, mlp / tp
     if layout.cp > 1:
@@ -298,13 +325,13 @@ def activation_bytes(shape: _Shape, layout: Layout, seq_len: int, checkpointing:
         local_kv = BF16 * 2 * shape.kv_heads * shape.head_dim / tp
         gathered_kv = BF16 * 2 * shape.heads * shape.head_dim / tp * layout.cp
         attention += gathered_kv - local_kv + BF16 * seq_len
-    per_layer = tokens * (replicated + attention + mlp)
+    per_layer = tokens * (replicated + attention + mlp + routed)
     layer_input = BF16 * tokens * shape.hidden / sequence
     if checkpointing == "none":
-        return int(shape.layers * per_layer)
+        return int(shape.layers * per_layer), 0
     kept_share = 1.0 if checkpointing == "full" else shape.checkpointed_share
     kept = per_layer * (1 - kept_share) + layer_input * kept_share
-    return int(shape.layers * kept + per_layer * kept_share)  # plus one layer recomputed
+    return int(shape.layers * kept), int(per_layer * kept_share)
 
 
 def local_sequences(tokens: int, layout: Layout, seq_len: int) -> int:
@@ -325,8 +352,43 @@ def memory_of(
     device: str = "cuda",
     reshard_after_forward: bool = True,
 ) -> Memory:
-    """``device``: whose fused lm_head chunking sizes the logit buffers (CUDA for suggestions;
-    the CPU's when set beside a measurement in the dry run's fake world, which runs on it)."""
+    """The step's peak: the largest of ``step_ends``."""
+    ends = step_ends(
+        model, resolved, layout, shape, seq_len, checkpointing, explained, sequences, device, reshard_after_forward
+    )
+    return max(ends, key=lambda m: m.total)  # the first of equals: forward
+
+
+def step_ends(
+    model: nn.Module,
+    resolved: ResolvedPlan | None,
+    layout: Layout,
+    shape: _Shape,
+    seq_len: int,
+    checkpointing: str,
+    explained: dict[tuple[Any, ...], Any] | None = None,
+    sequences: int = 1,
+    device: str = "cuda",
+    reshard_after_forward: bool = True,
+) -> tuple[Memory, ...]:
+    """What a rank holds at the moments one of which is a training step's peak (between them
+    memory moves one way: forward keeps activations, backward frees them as gradients arrive):
+
+    - the end of forward, inside the fused token loss: every activation kept for backward, the
+      lm_head's fp32 gradient (formed in forward), a chunk of fp32 logits and their gradient,
+      on the PyTorch path (the CPU's) an fp32 copy of the lm_head weight; the root unit and the
+      last layer's unit gathered in bf16 (every layer's with ``reshard_after_forward`` off);
+    - the start of backward: the first layer recomputed (with checkpointing), its unit and the
+      next gathered in bf16 and its fp32 gradients, the lm_head's gradient still held, no
+      other gradient yet;
+    - the end of backward: every gradient, the first layer's unit and its gradients' buffers;
+    - AdamW's step: every gradient and its state, and the update's temporaries: on CUDA
+      (``foreach``) one fp32 tensor as large as the trained parameters, on the CPU (one
+      parameter at a time) two as large as the largest.
+
+    ``device``: CUDA for suggestions; the CPU's beside a measurement in the dry run's fake world,
+    which runs on it (its lm_head chunking, its fused-loss path, its optimizer). Checked against a
+    real CUDA step's allocator (docs/gpu.md) and the fake world's tracker (docs/suggest.md)."""
     # explain reads tp, the FSDP ranks, ep and the plan's section: the same for many layouts
     key = (layout.tp, layout.fsdp_size, layout.ep, layout.expert_fsdp_size, layout.sequence_parallel)
     exp = explained.get(key) if explained is not None else None
@@ -336,30 +398,42 @@ def memory_of(
             explained[key] = exp
     unit = _unit_params(shape, layout)
     root = shape.root_params / layout.tp * BF16
-    sharded = layout.fsdp_size > 1
-    # the fused lm_head's chunk of fp32 logits and their gradient (runtime.vocab_stats on a GPU)
     tokens, v_local = sequences * seq_len // layout.cp, -(-shape.vocab // layout.tp)
     chunk = min(tokens, default_chunk(tokens, v_local, torch.device(device), grad=True)) * v_local * FP32
-    peak = Memory(
-        parameters=exp.param_bytes,
-        gradients=exp.grad_bytes,
-        optimizer=exp.optimizer_bytes,
-        # two units gathered in bf16 (the one computing, the one prefetched), one unit's fp32
-        # gradients before their reduce-scatter, and the root unit (embeddings, lm_head),
-        # gathered from forward to the end of backward
-        fsdp_buffers=int(unit * (2 * BF16 + FP32) + root) if sharded else 0,
-        activations=activation_bytes(shape, layout, seq_len, checkpointing, sequences),
-        # a chunk of fp32 logits and its gradient, and the lm_head's fp32 weight gradient, which
-        # the fused token loss forms in forward and holds until backward hands it to FSDP
-        logits=int(2 * chunk + v_local * shape.hidden * FP32),
+    lm_head = v_local * shape.hidden * FP32
+    kernels = device == "cuda"  # the fused loss's kernels take the bf16 weight as it is
+    kept, recomputed = activation_bytes(shape, layout, seq_len, checkpointing, sequences)
+    gathered = unit * BF16 * (1 if reshard_after_forward else max(shape.layers, 1))
+    held = {"parameters": exp.param_bytes, "optimizer": exp.optimizer_bytes}
+    forward = Memory(
+        **held,
+        gradients=0,
+        fsdp_buffers=int(gathered + root),
+        activations=kept,
+        logits=int(2 * chunk + lm_head + (0 if kernels else lm_head)),
+        at="forward",
     )
-    if reshard_after_forward or not sharded:
-        return peak
-    # Units kept gathered from forward to backward: at the start of backward every layer's unit
-    # is gathered and no gradient is formed yet; each unit's backward then frees its weights as
-    # its gradients arrive. The peak is whichever end is larger (a measured step agrees).
-    start = replace(peak, gradients=0, fsdp_buffers=int(unit * (max(shape.layers, 2) * BF16 + FP32) + root))
-    return start if start.total > peak.total else peak
+    in_use = 2 * unit * BF16 if reshard_after_forward else gathered  # computing and prefetched, or all kept
+    backward_start = Memory(
+        **held,
+        gradients=0,
+        fsdp_buffers=int(unit * FP32 + in_use + root),
+        activations=kept + recomputed,
+        logits=int(lm_head),
+        at="backward start",
+    )
+    backward_end = Memory(
+        **held,
+        gradients=exp.grad_bytes,
+        fsdp_buffers=int(unit * (2 * BF16 + FP32) + root),
+        activations=0,
+        logits=0,
+        at="backward end",
+    )
+    trained = [math.prod(r.local_shape) * FP32 for r in exp.rows if r.trainable]
+    temporaries = exp.grad_bytes if kernels else 2 * max(trained, default=0)
+    optimizer = replace(backward_end, optimizer=exp.optimizer_bytes + temporaries, fsdp_buffers=0, at="optimizer step")
+    return forward, backward_start, backward_end, optimizer
 
 
 def _unit_params(shape: _Shape, layout: Layout) -> float:
@@ -547,14 +621,50 @@ def suggest(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Verified:
-    """A candidate's predicted per-rank peak beside the one a fake-world training step measured."""
+    """A candidate's predicted per-rank peak beside the one a fake-world training step measured.
+    ``predicted``: the prediction for the measurement's device, the CPU (its lm_head chunking,
+    its fused-loss path, its optimizer), which ``ratio`` compares; the candidate's own figure is
+    CUDA's."""
 
     candidate: Candidate
     measured: MeasuredMemory
+    predicted: Memory
 
     @property
     def ratio(self) -> float:
-        return self.candidate.memory.total / max(self.measured.total, 1)
+        return self.predicted.total / max(self.measured.total, 1)
+
+
+def predicted_memory(
+    plan: Plan,
+    model: nn.Module,
+    layout: Layout,
+    seq_len: int,
+    checkpointing: str,
+    *,
+    sequences: int = 1,
+    device: str = "cuda",
+    reshard_after_forward: bool = True,
+) -> Memory:
+    """``memory_of`` one layout of ``model`` (a meta model) under ``plan``, the way the search
+    costs it: the plan's section for the layout's sequence parallelism."""
+    sections, _ = resolve_sections(plan, model)
+    by_sp = {r.sequence_parallel: r for r in sections}
+    resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
+    targets = by_sp[False].activation_checkpointing if False in by_sp else ()
+    shape = _shape(model, resolved, targets)
+    return memory_of(
+        model,
+        resolved,
+        layout,
+        shape,
+        seq_len,
+        checkpointing,
+        None,
+        sequences,
+        device=device,
+        reshard_after_forward=reshard_after_forward,
+    )
 
 
 def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[Verified]:
@@ -565,6 +675,7 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
         suggestion.candidates, key=lambda c: c.memory.total
     )
     config = load_config(model)
+    meta = build_meta_model(model)
     verified = []
     for candidate in fitting[:k]:
         sequences = local_sequences(suggestion.tokens_per_step, candidate.layout, suggestion.seq_len)
@@ -577,16 +688,31 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
             checkpointing=candidate.checkpointing,
             reshard_after_forward=candidate.reshard_after_forward,
         )
-        verified.append(Verified(candidate=candidate, measured=measured))
+        here = predicted_memory(
+            plan,
+            meta,
+            candidate.layout,
+            suggestion.seq_len,
+            candidate.checkpointing,
+            sequences=sequences,
+            device="cpu",
+            reshard_after_forward=candidate.reshard_after_forward,
+        )
+        verified.append(Verified(candidate=candidate, measured=measured, predicted=here))
     return verified
 
 
 def render_verified(verified: list[Verified]) -> str:
-    lines = ["", "predicted against measured (one training step in a fake world of the layout's ranks):"]
+    lines = [
+        "",
+        "predicted against measured (one training step in a fake world of the layout's ranks, on the CPU: "
+        "predicted for the CPU's lm_head path and optimizer, beside the table's CUDA figure):",
+    ]
     for v in verified:
         c, m = v.candidate, v.measured
         lines.append(
-            f"  {c.describe():<30} predicted {c.memory.total / GiB:6.1f} GiB  measured {m.total / GiB:6.1f} GiB "
+            f"  {c.describe():<30} predicted {v.predicted.total / GiB:6.1f} GiB (CUDA {c.memory.total / GiB:.1f})  "
+            f"measured {m.total / GiB:6.1f} GiB "
             f"({v.ratio:.2f}x; measured parameters {m.parameters / GiB:.1f}, gathered {m.gathered / GiB:.1f}, "
             f"gradients {m.gradients / GiB:.1f}, AdamW {m.optimizer / GiB:.1f}, activations {m.activations / GiB:.1f})"
         )
@@ -678,6 +804,14 @@ def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
     )
 
 
+_moment = {
+    "forward": "the end of forward",
+    "backward start": "the start of backward",
+    "backward end": "the end of backward",
+    "optimizer step": "AdamW's step",
+}
+
+
 def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any]:
     def row(c: Candidate) -> dict[str, Any]:
         return {
@@ -693,6 +827,7 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
                 "activations": c.memory.activations,
                 "logits": c.memory.logits,
                 "total": c.memory.total,
+                "peak_at": c.memory.at,
             },
             "step_seconds": {
                 "compute": c.time.compute,
@@ -752,7 +887,8 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
         m = best.memory
         lines += [
             "",
-            f"best: {best.describe()}: parameters {m.parameters / GiB:.1f} GiB, gradients {m.gradients / GiB:.1f}, "
+            f"best: {best.describe()}: at its peak ({_moment[m.at]}) parameters {m.parameters / GiB:.1f} GiB, "
+            f"gradients {m.gradients / GiB:.1f}, "
             f"AdamW {m.optimizer / GiB:.1f}, FSDP buffers {m.fsdp_buffers / GiB:.1f}, activations "
             f"{m.activations / GiB:.1f}, logit buffers {m.logits / GiB:.1f}",
             f"  {command_line(plan_path, model, best)}"
