@@ -240,3 +240,25 @@ def test_keeping_units_gathered_is_searched_where_fsdp_shards_and_costs_memory_n
     unsharded = [c for c in two.candidates if c.layout.tp == 2]  # dp=1: no FSDP ranks
     assert unsharded and all(c.reshard_after_forward for c in unsharded)
     assert len(unsharded) == len({c.checkpointing for c in unsharded})
+
+
+def test_the_unit_fsdp_gathers_is_the_largest_layer_and_its_traffic_every_layer(tmp_path):
+    """DeepSeek-V3's first three decoder layers are dense: FSDP's unit at a time is one of its MoE
+    layers (most of its experts a rank's own under ep), a step's gathers are every layer's sum."""
+    from plancc.compiler.resolve import resolve_sections
+    from plancc.layout import Layout
+    from plancc.models import build_meta_model, presets
+    from plancc.tools.suggest import _all_units_params, _shape, _unit_params
+
+    path = tmp_path / "deepseek-v3-5-layers.json"
+    path.write_text(json.dumps({**presets()["deepseek-v3"].config, "num_hidden_layers": 5}))
+    model = build_meta_model(str(path))
+    (resolved, *_), _ = resolve_sections(plancc.load_plan("plans/deepseek_v3.yaml"), model)
+    shape = _shape(model, resolved, ())
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert sizes[0] < sizes[3] == max(sizes)  # dense first, MoE after
+    assert (shape.layer_params, shape.layers_params) == (sizes[3], sum(sizes))
+    assert 0 < shape.layer_expert_params < shape.layer_params
+    layout = Layout(dp=2, ep=2)
+    assert _unit_params(shape, layout) < sizes[3]  # half of the experts are the other rank's
+    assert _all_units_params(shape, layout) < 5 * _unit_params(shape, layout)  # three layers are smaller

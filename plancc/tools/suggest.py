@@ -174,8 +174,10 @@ class _Shape:
     top_k: int  # experts per token (0: a dense model)
     vocab: int
     active_params: int  # matmul parameters a token goes through (experts: top_k of them)
-    layer_params: int  # one decoder layer's parameters (all experts)
+    layer_params: int  # the largest decoder layer's parameters (all experts): the unit FSDP gathers
     layer_expert_params: int = 0  # of them, the experts' (spread over ep x tp, not tp alone)
+    layers_params: int = 0  # every decoder layer's together (0: layers x the largest)
+    layers_expert_params: int = 0  # of them, the experts'
     checkpointed_share: float = 1.0  # of a layer's activations, what the plan's targets recompute
     hidden_norms: int = 2  # RMSNorms of a layer over the hidden states (each keeps its input in fp32)
     head_norm_width: int = 0  # per token, the elements a layer's per-head norms (q_norm, k_norm) see
@@ -213,14 +215,15 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
     prefix, layer_list = max(
         ((n, m) for n, m in lists if isinstance(m, nn.ModuleList)), key=lambda found: len(found[1]), default=("", None)
     )
-    layer_params = sum(p.numel() for p in layer_list[0].parameters()) if layer_list is not None else 0
-    first = f"{prefix}.0."
-    layer_expert_params = sum(
-        p.numel()
-        for name, module in model.named_modules()
-        if name in expert_modules and name.startswith(first)
-        for p in module.parameters()
-    )
+    # each layer's parameters and, of them, its experts': layers differ (DeepSeek-V3's first three
+    # are dense), so the largest is the unit FSDP gathers at a time, and their sum is its traffic
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layer_list] if layer_list is not None else [0]
+    expert_sizes = [0] * len(sizes)
+    for name, module in model.named_modules():
+        index = name[len(prefix) + 1 :].split(".", 1)[0] if name.startswith(f"{prefix}.") else ""
+        if name in expert_modules and index.isdigit():
+            expert_sizes[int(index)] += sum(p.numel() for p in module.parameters())
+    largest = max(range(len(sizes)), key=lambda i: sizes[i])
     layer_names = {f"{prefix}.{i}" for i in range(len(layer_list))} if layer_list is not None else set()
     in_layers = sum(p.numel() for p in layer_list.parameters()) if layer_list is not None else 0
     hidden_norms, head_norm_width = _norms(layer_list[0] if layer_list is not None else None, hidden, heads, kv_heads)
@@ -244,8 +247,10 @@ def _shape(model: nn.Module, resolved: ResolvedPlan | None, checkpointed: Iterab
         top_k=top_k if experts else 0,
         vocab=int(config.vocab_size),
         active_params=active,
-        layer_params=layer_params,
-        layer_expert_params=layer_expert_params,
+        layer_params=sizes[largest],
+        layer_expert_params=expert_sizes[largest],
+        layers_params=sum(sizes),
+        layers_expert_params=sum(expert_sizes),
         checkpointed_share=share,
         hidden_norms=hidden_norms,
         head_norm_width=head_norm_width,
@@ -403,7 +408,7 @@ def step_ends(
     lm_head = v_local * shape.hidden * FP32
     kernels = device == "cuda"  # the fused loss's kernels take the bf16 weight as it is
     kept, recomputed = activation_bytes(shape, layout, seq_len, checkpointing, sequences)
-    gathered = unit * BF16 * (1 if reshard_after_forward else max(shape.layers, 1))
+    gathered = BF16 * (unit if reshard_after_forward else _all_units_params(shape, layout))
     held = {"parameters": exp.param_bytes, "optimizer": exp.optimizer_bytes}
     forward = Memory(
         **held,
@@ -437,10 +442,18 @@ def step_ends(
 
 
 def _unit_params(shape: _Shape, layout: Layout) -> float:
-    """One decoder layer's parameters a rank gathers: the experts' share is spread over ep x tp
-    (each rank gathers only its own experts), the rest over tp."""
+    """The largest decoder layer's parameters a rank gathers: the experts' share is spread over
+    ep x tp (each rank gathers only its own experts), the rest over tp."""
     experts = shape.layer_expert_params
     return (shape.layer_params - experts) / layout.tp + experts / (layout.tp * layout.ep)
+
+
+def _all_units_params(shape: _Shape, layout: Layout) -> float:
+    """Every decoder layer's parameters a rank gathers over a step's pass, as ``_unit_params``."""
+    if not shape.layers_params:
+        return _unit_params(shape, layout) * shape.layers
+    experts = shape.layers_expert_params
+    return (shape.layers_params - experts) / layout.tp + experts / (layout.tp * layout.ep)
 
 
 def _bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
@@ -481,7 +494,7 @@ def time_of(
         ep_time = shape.layers * passes * 2 * wire / _bandwidth(hardware, span, gpus_per_node)
     fsdp_time = 0.0
     if layout.fsdp_size > 1:
-        params = _unit_params(shape, layout) * shape.layers
+        params = _all_units_params(shape, layout)
         share = (layout.fsdp_size - 1) / layout.fsdp_size
         gathers = 2 if reshard_after_forward else 1  # forward, and again in backward unless kept
         bandwidth = _bandwidth(hardware, layout.world_size, gpus_per_node)
