@@ -48,8 +48,7 @@ def real_step(plan, config, seq_len: int, checkpointing: str, device: str, where
     from plancc.runtime.materialize import materialize
     from plancc.runtime.mesh import build_mesh
     from plancc.runtime.parallelize import parallelize
-    from plancc.runtime.token_loss import evaluated_positions, model_token_loss
-    from plancc.tools.measured_memory import MeasuredMemory, _with_checkpointing
+    from plancc.tools.measured_memory import MeasuredMemory, _with_checkpointing, adamw_with_state, training_step
 
     model = build_model(config, device="meta", dtype=torch.float32)
     plan, ac = _with_checkpointing(plan, model, checkpointing)
@@ -59,13 +58,8 @@ def real_step(plan, config, seq_len: int, checkpointing: str, device: str, where
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():  # AdamW's state, as every step after the first holds it
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer = adamw_with_state(model)
     ids = torch.randint(0, int(config.vocab_size), (1, seq_len), device=device)
-    where = torch.arange(seq_len, device=device).view(1, seq_len)
     cuda = device == "cuda"
     phases: dict = {}
 
@@ -83,21 +77,14 @@ def real_step(plan, config, seq_len: int, checkpointing: str, device: str, where
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=4_000_000)
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs((ids,))
-    with tracker:
-        evaluated = evaluated_positions(model, where, attention_mask=None, cu_seqlens=None)
-        loss = model_token_loss(model, ids, evaluated, lambda lp, _: -lp.sum(), attention_mask=None, cu_seqlens=None)
-        phase("forward")
-        loss.backward()
-        phase("backward")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        phase("optimizer")
+    with tracker:  # the fake world's measured step, for real
+        training_step(model, optimizer, ids, mark=phase)
     holders = None
     if cuda and where_peak:
         holders = peak_holders(torch.cuda.memory._snapshot())
         torch.cuda.memory._record_memory_history(enabled=None)
     by_kind = MeasuredMemory.of(next(iter(tracker.get_tracker_snapshot("peak").values())))
-    del model, optimizer, loss, tracker
+    del model, optimizer, tracker
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()

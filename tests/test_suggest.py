@@ -186,7 +186,7 @@ def test_the_predicted_peak_is_within_10_percent_of_a_measured_step_and_the_shar
     from plancc.layout import Layout
     from plancc.models import build_meta_model, load_config
     from plancc.tools.measured_memory import measure_step_memory
-    from plancc.tools.suggest import _shape, memory_of
+    from plancc.tools.suggest import _shape, peak, step_ends
 
     config_path = request.getfixturevalue(model)
     plan = plancc.load_plan("plans/qwen3.yaml")
@@ -198,9 +198,9 @@ def test_the_predicted_peak_is_within_10_percent_of_a_measured_step_and_the_shar
     model = build_meta_model(config_path)
     (resolved, *_), _ = resolve_sections(plan, model)
     shape = _shape(model, resolved, resolved.activation_checkpointing)
-    want = memory_of(
+    want = peak(step_ends(
         model, resolved, layout, shape, 2048, checkpointing, None, 1, device="cpu", reshard_after_forward=reshard
-    )
+    ))
     assert measured.parameters == want.parameters
     steps = 4 * len(list(model.parameters()))  # AdamW's step counter: one fp32 scalar a parameter
     if want.at != "optimizer step":  # whose temporaries the tracker files under the optimizer too

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -102,6 +102,35 @@ def _rows_without_padding() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = find_packed
 
 
+def adamw_with_state(model: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW over ``model``'s parameters with its state made, as every step after the first holds it."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def training_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ids: torch.Tensor,
+    mark: Callable[[str], None] = lambda moment: None,
+) -> None:
+    """The measured step over whole rows ``ids``: the fused token loss at every position,
+    backward, AdamW; ``mark`` is called after each of "forward", "backward" and "optimizer"."""
+    where = torch.arange(ids.numel(), device=ids.device).view(ids.shape)
+    evaluated = evaluated_positions(model, where, attention_mask=None, cu_seqlens=None)
+    loss = model_token_loss(model, ids, evaluated, lambda lp, _: -lp.sum(), attention_mask=None, cu_seqlens=None)
+    mark("forward")
+    loss.backward()
+    mark("backward")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
+
+
 def measure_step_memory(
     plan: Plan,
     config: PretrainedConfig,
@@ -131,22 +160,11 @@ def measure_step_memory(
         experts = nullcontext() if param_dtype == torch.bfloat16 else batched_experts(model)
         with fake, experts, targets_checked(), _rows_without_padding():
             model.to_empty(device="cpu")
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            for p in model.parameters():  # AdamW's state, as every step after the first holds it
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer = adamw_with_state(model)
             ids = torch.randint(0, int(config.vocab_size), (sequences, seq_len))
-            where = torch.arange(sequences * seq_len).view(sequences, seq_len)
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((ids,))
             with tracker:
-                evaluated = evaluated_positions(model, where, attention_mask=None, cu_seqlens=None)
-                loss = model_token_loss(
-                    model, ids, evaluated, lambda lp, _: -lp.sum(), attention_mask=None, cu_seqlens=None
-                )
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                training_step(model, optimizer, ids)
             peak = tracker.get_tracker_snapshot("peak")
     return MeasuredMemory.of(next(iter(peak.values())))

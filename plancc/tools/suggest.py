@@ -345,23 +345,9 @@ def local_sequences(tokens: int, layout: Layout, seq_len: int) -> int:
     return max(1, tokens // (layout.dp * seq_len))
 
 
-def memory_of(
-    model: nn.Module,
-    resolved: ResolvedPlan | None,
-    layout: Layout,
-    shape: _Shape,
-    seq_len: int,
-    checkpointing: str,
-    explained: dict[tuple[Any, ...], Any] | None = None,
-    sequences: int = 1,
-    device: str = "cuda",
-    reshard_after_forward: bool = True,
-) -> Memory:
-    """The step's peak: the largest of ``step_ends``."""
-    ends = step_ends(
-        model, resolved, layout, shape, seq_len, checkpointing, explained, sequences, device, reshard_after_forward
-    )
-    return max(ends, key=lambda m: m.total)  # the first of equals: forward
+def peak(ends: Iterable[Memory]) -> Memory:
+    """The step's peak: the largest of ``step_ends`` (the first of equals: the end of forward)."""
+    return max(ends, key=lambda m: m.total)
 
 
 def step_ends(
@@ -580,8 +566,8 @@ def suggest(
         # without FSDP there is nothing to reshard: one candidate, not two equal ones
         reshard_ways = [r for r in reshard_after_forward if r or layout.fsdp_size > 1] or [True]
         for ac, reshard in itertools.product(ac_ways, reshard_ways):
-            memory = memory_of(
-                model, resolved, layout, shape, seq_len, ac, explained, local, reshard_after_forward=reshard
+            memory = peak(
+                step_ends(model, resolved, layout, shape, seq_len, ac, explained, local, reshard_after_forward=reshard)
             )
             time, flops = time_of(
                 shape,
@@ -659,24 +645,26 @@ def predicted_memory(
     device: str = "cuda",
     reshard_after_forward: bool = True,
 ) -> Memory:
-    """``memory_of`` one layout of ``model`` (a meta model) under ``plan``, the way the search
+    """The peak of one layout of ``model`` (a meta model) under ``plan``, the way the search
     costs it: the plan's section for the layout's sequence parallelism."""
     sections, _ = resolve_sections(plan, model)
     by_sp = {r.sequence_parallel: r for r in sections}
     resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
     targets = by_sp[False].activation_checkpointing if False in by_sp else ()
     shape = _shape(model, resolved, targets)
-    return memory_of(
-        model,
-        resolved,
-        layout,
-        shape,
-        seq_len,
-        checkpointing,
-        None,
-        sequences,
-        device=device,
-        reshard_after_forward=reshard_after_forward,
+    return peak(
+        step_ends(
+            model,
+            resolved,
+            layout,
+            shape,
+            seq_len,
+            checkpointing,
+            None,
+            sequences,
+            device=device,
+            reshard_after_forward=reshard_after_forward,
+        )
     )
 
 
