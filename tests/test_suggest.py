@@ -145,6 +145,9 @@ def test_the_checks_suggest_reuses_across_layouts_say_what_a_fresh_check_says(pl
         said.update(d.rule for d in fresh if d.is_error)
     assert memo.reused > len(layouts)  # most rules read few sizes: their answers were reused
     assert said  # some layouts were refused: the answers differ by layout, not only reused
+    # the context-parallel rule walks every decoder layer: once per cp size (and section), not per layout
+    from plancc.checks import context_parallel
+    assert len(memo.seen[context_parallel.__name__]) <= len({(x.cp, x.sequence_parallel) for x in layouts})
 
 
 @pytest.fixture(scope="module")

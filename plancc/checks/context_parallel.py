@@ -1,5 +1,4 @@
-"""context-parallel: combinations the CP attention does not support; sequence-length:
-sequence lengths that shard evenly over cp (and tp under sequence parallelism).
+"""context-parallel: combinations the CP attention does not support.
 
 Under context parallelism every module sees only its rank's shard of the sequence. Attention
 is exact because the CP attention gathers the keys and values; every other module must work
@@ -7,11 +6,11 @@ position by position. A layer that mixes positions some other way -- a linear-at
 state-space layer (Qwen3-Next, Jamba, Nemotron-H, MiniMax's lightning attention), a causal
 convolution, an attention whose mask is computed from the activations (Doge's dynamic mask),
 a sparse-attention indexer that picks keys over the whole sequence (DeepSeek-V3.2) -- would
-compute on its shard alone, so cp > 1 is refused for such a model.
+compute on its shard alone, so cp > 1 is refused for such a model. (Whether the length
+shards evenly is ``sequence-length``'s.)
 
-Context parallelism gives each rank two of 2*cp equal chunks of every sequence, so the
-length must be a multiple of 2*cp; with sequence parallelism on top each cp shard is split
-again over tp (a multiple of 2*cp*tp). Without cp, SP needs a multiple of tp.
+This rule reads the layout's cp alone: ``plancc suggest`` walks the model for it once per cp
+size, not once per layout (``checks.layout_memo``).
 """
 
 from __future__ import annotations
@@ -20,18 +19,15 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..errors import SourceLoc
 from ..sequence_mixing import calls_attention_interface, is_cp_attention, sequence_mixing
 from .context import CheckContext, Problem, text_config
 from .example import Example
 
 ID = "context-parallel"
-IDS = ("context-parallel", "sequence-length")
 
 
 EXAMPLES = (
-    Example(verdict="PASS", text="--cp 2 --seq-len 4096", args={"cp": 2, "seq_len": 4096}),
-    Example(verdict="FAIL", text="--cp 2 --seq-len 4098 (pad by 2 to 4100)", args={"cp": 2, "seq_len": 4098}),
+    Example(verdict="PASS", text="--cp 2 on Qwen3 (every layer's sequence mixing is its attention)", args={"cp": 2}),
     Example(
         verdict="FAIL",
         text="--cp 2 on a model with attention logit soft-capping (the CP attention has none)",
@@ -44,22 +40,7 @@ EXAMPLES = (
 
 
 def check(ctx: CheckContext) -> Iterator[Problem]:
-    cp, tp, seq = ctx.layout.cp, ctx.layout.tp, ctx.seq_len
-    sp = ctx.sequence_parallel and tp > 1
-    multiple = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
-    if seq is not None and multiple > 1 and seq % multiple:
-        pad = (-seq) % multiple
-        why = " x ".join(
-            w for w in [f"2*cp={2 * cp}" if cp > 1 else "", f"tp={tp} (sequence parallel)" if sp else ""] if w
-        )
-        yield Problem(
-            rule="sequence-length",
-            loc=SourceLoc(path=ctx.plan.path),  # a command-line value: the plan as a whole, no line of it
-            message=f"sequence length {seq} is not a multiple of {multiple} ({why}); it would be padded by {pad} "
-            f"to {seq + pad}",
-            fix=f"use --seq-len {seq + pad} (or pad with plancc.cp.pad_to_multiple)",
-        )
-    if cp == 1:
+    if ctx.layout.cp == 1:
         return
     cfg = text_config(ctx.config)
     if getattr(cfg, "attn_logit_softcapping", None):

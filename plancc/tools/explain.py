@@ -102,12 +102,46 @@ def _group(name: str) -> str:
     return generalize(name)  # a module name's row (layer indices folded): the same for every layout
 
 
+@dataclass(frozen=True, slots=True)
+class TensorParallelRows:
+    """Each row's shard after TP (and EP) alone, before FSDP: the part of ``explain`` that
+    depends on tp, ep and the plan's section, not on how many ranks FSDP shards over (``plancc
+    suggest`` costs dozens of layouts that differ only in that). ``spread``: per row, whether
+    FSDP shards it over the expert FSDP ranks (experts under ep) rather than dp*cp."""
+
+    rows: tuple[ParamRow, ...]
+    spread: tuple[bool, ...]
+
+
 def explain(
-    model: nn.Module, resolved: ResolvedPlan | None, layout: Layout, lora: LoraSpec | None = None
+    model: nn.Module,
+    resolved: ResolvedPlan | None,
+    layout: Layout,
+    lora: LoraSpec | None = None,
+    *,
+    tensor_parallel: TensorParallelRows | None = None,
 ) -> Explanation:
-    tp, fsdp_ranks = layout.tp, layout.fsdp_size
+    """``tensor_parallel``: this layout's ``tensor_parallel_rows``, when the caller kept them."""
+    before = tensor_parallel or tensor_parallel_rows(model, resolved, layout, lora)
+    rows = []
+    for row, spread in zip(before.rows, before.spread, strict=True):
+        shards = layout.expert_fsdp_size if spread else layout.fsdp_size
+        if shards > 1:
+            shape = (_chunk(row.local_shape[0], shards), *row.local_shape[1:]) if row.local_shape else ()
+            where = f"shard(0) over {shards}" if spread else "shard(0)"
+            row = replace(row, local_shape=shape, fsdp_placement=where)
+        rows.append(row)
+    return Explanation(rows=tuple(rows), tp=layout.tp, fsdp_ranks=layout.fsdp_size)
+
+
+def tensor_parallel_rows(
+    model: nn.Module, resolved: ResolvedPlan | None, layout: Layout, lora: LoraSpec | None = None
+) -> TensorParallelRows:
+    """Every parameter's row with its shard after TP/EP (``fsdp_placement`` still "-")."""
+    tp = layout.tp
     frozen = lora is not None
     rows: dict[tuple[str, str], ParamRow] = {}
+    spreads: dict[tuple[str, str], bool] = {}
     counts: dict[tuple[str, str], int] = {}
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -117,7 +151,7 @@ def explain(
         if tp == 1 and not spread:
             rule = None
         lay = style_layouts(rule.style) if rule else None
-        split, shards = (layout.expert_ranks, layout.expert_fsdp_size) if spread else (tp, fsdp_ranks)
+        split = layout.expert_ranks if spread else tp
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:  # tied weights are held once
                 continue
@@ -131,13 +165,12 @@ def explain(
             shape = list(param.shape)
             if isinstance(placement, Shard):
                 shape[placement.dim] = _chunk(shape[placement.dim], split)
-            if shape and shards > 1:
-                shape[0] = _chunk(shape[0], shards)
             key = (_group(name), p_name)
             if key in rows:  # a repeated layer's parameter: counted, its row made once at the end
                 counts[key] += 1
             else:
                 counts[key] = 1
+                spreads[key] = spread
                 style = rule.style.describe() if rule else "-"
                 rows[key] = ParamRow(
                     group=key[0],
@@ -149,13 +182,13 @@ def explain(
                     tp_placement=(f"{format_layout(placement)} over ep*tp" if spread else format_layout(placement))
                     if split > 1
                     else "-",
-                    fsdp_placement=(f"shard(0) over {shards}" if spread else "shard(0)") if shards > 1 else "-",
+                    fsdp_placement="-",
                     trainable=not frozen,
                 )
     rows = {key: replace(row, count=counts[key]) if counts[key] > 1 else row for key, row in rows.items()}
     if lora is not None:
         _adapter_rows(model, resolved, layout, lora, rows)
-    return Explanation(rows=tuple(rows.values()), tp=tp, fsdp_ranks=fsdp_ranks)
+    return TensorParallelRows(rows=tuple(rows.values()), spread=tuple(spreads.get(key, False) for key in rows))
 
 
 def _adapter_rows(
@@ -165,9 +198,9 @@ def _adapter_rows(
     lora: LoraSpec,
     rows: dict[tuple[str, str], ParamRow],
 ) -> None:
-    """A row for each adapted module group's ``lora_A`` and ``lora_B`` (trainable)."""
+    """A row for each adapted module group's ``lora_A`` and ``lora_B`` (trainable), sharded by TP."""
     modules = dict(model.named_modules())
-    tp, shards = layout.tp, layout.fsdp_size
+    tp = layout.tp
     for name in adapted_modules(model, lora)[0]:
         weight = getattr(modules[name], "weight", None)
         if weight is None or weight.dim() != 2:
@@ -182,8 +215,6 @@ def _adapter_rows(
             shape = list(global_shape)
             if isinstance(placement, Shard) and tp > 1:
                 shape[placement.dim] = _chunk(shape[placement.dim], tp)
-            if shards > 1:
-                shape[0] = _chunk(shape[0], shards)
             key = (_group(name), param)
             old = rows.get(key)
             rows[key] = ParamRow(
@@ -194,7 +225,7 @@ def _adapter_rows(
                 global_shape=global_shape,
                 local_shape=tuple(shape),
                 tp_placement=format_layout(placement) if tp > 1 else "-",
-                fsdp_placement="shard(0)" if shards > 1 else "-",
+                fsdp_placement="-",
             )
 
 

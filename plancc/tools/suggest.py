@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,8 +42,10 @@ from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout, LayoutError
 from ..models import build_meta_model, load_config
 from ..runtime.vocab_stats import default_chunk
-from .explain import explain
-from .measured_memory import MeasuredMemory, measure_step_memory
+from .explain import explain, tensor_parallel_rows
+
+if TYPE_CHECKING:  # the search itself never measures: see verify_top
+    from .measured_memory import MeasuredMemory
 
 GiB = 2**30
 BF16, FP32 = 2, 4
@@ -380,13 +382,17 @@ def step_ends(
     ``device``: CUDA for suggestions; the CPU's beside a measurement in the dry run's fake world,
     which runs on it (its lm_head chunking, its fused-loss path, its optimizer). Checked against a
     real CUDA step's allocator (docs/gpu.md) and the fake world's tracker (docs/suggest.md)."""
-    # explain reads tp, the FSDP ranks, ep and the plan's section: the same for many layouts
-    key = (layout.tp, layout.fsdp_size, layout.ep, layout.expert_fsdp_size, layout.sequence_parallel)
+    # explain reads tp, ep and the plan's section (the same for many layouts), then the FSDP ranks
+    by_tp = (layout.tp, layout.ep, layout.expert_ranks, layout.sequence_parallel)
+    key = (*by_tp, layout.fsdp_size, layout.expert_fsdp_size)
     exp = explained.get(key) if explained is not None else None
     if exp is None:
-        exp = explain(model, resolved, layout)
+        tp_rows = explained.get(by_tp) if explained is not None else None
+        if tp_rows is None:
+            tp_rows = tensor_parallel_rows(model, resolved, layout)
+        exp = explain(model, resolved, layout, tensor_parallel=tp_rows)
         if explained is not None:
-            explained[key] = exp
+            explained[by_tp], explained[key] = tp_rows, exp
     unit = _unit_params(shape, layout)
     root = shape.root_params / layout.tp * BF16
     tokens, v_local = sequences * seq_len // layout.cp, -(-shape.vocab // layout.tp)
@@ -675,6 +681,10 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
     fitting = [c for c in suggestion.candidates if c.fits] or sorted(
         suggestion.candidates, key=lambda c: c.memory.total
     )
+    # a measurement needs FSDP's memory tracker, DTensor and dynamo: 2 s of imports that the
+    # search alone (docs/suggest.md: "under 10 s") does not pay
+    from .measured_memory import measure_step_memory
+
     config = load_config(model)
     meta = build_meta_model(model)
     verified = []
