@@ -35,8 +35,9 @@ from .models import build_meta_model, load_config, presets
 from .sequence_mixing import RECORDED_INTERFACE, RECORDED_MIXING, calls_attention_interface, sequence_mixing
 
 # 2: the forward's wiring (plancc.dataflow) recorded; 3: how each module is called; 4: what the
-# context-parallel check reads of each class's code (the attention interface, sequence mixing)
-FORMAT = 4
+# context-parallel check reads of each class's code (the attention interface, sequence mixing);
+# 5: the config class's attribute aliases (Qwen3-MoE's ``num_experts`` is ``num_local_experts``)
+FORMAT = 5
 
 # torch classes a skeleton module may derive from, most specific first: the checks ask
 # isinstance() of these (module kinds), and of nothing else
@@ -46,11 +47,19 @@ _ATTRIBUTES = ("layer_idx",)  # plain attributes the checks read (CP: attention 
 
 class SkeletonConfig:
     """A model config as transformers filled it in (``to_dict()`` of the real one): the
-    attributes the checks and the preflight read, for a text-only decoder."""
+    attributes the checks and the preflight read, for a text-only decoder. ``aliases``: the
+    config class's ``attribute_map`` (another name for a field, as the real config answers it)."""
 
-    def __init__(self, fields: dict[str, Any]):
+    def __init__(self, fields: dict[str, Any], aliases: dict[str, str] | None = None):
         self.__dict__.update(fields)
         self._fields = dict(fields)
+        self._aliases = dict(aliases or {})
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields
+        aliases = self.__dict__.get("_aliases", {})
+        if name in aliases:
+            return getattr(self, aliases[name])
+        raise AttributeError(name)
 
     def get_text_config(self, *_args: Any, **_kwargs: Any) -> SkeletonConfig:
         return self
@@ -114,6 +123,7 @@ def describe(model: nn.Module, config: Any) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "config": json.loads(json.dumps(config.to_dict(), default=str)),
+        "aliases": dict(getattr(type(config), "attribute_map", {}) or {}),
         "input_embeddings": names.get(id(inputs)) if inputs is not None else None,
         "output_embeddings": names.get(id(outputs)) if outputs is not None else None,
         "modules": modules,
@@ -171,7 +181,7 @@ def build_skeleton(record: dict[str, Any]) -> nn.Module:
             built[parent].add_module(leaf, module)
         built[name] = module
     root = built[""]
-    root.config = SkeletonConfig(record["config"])  # type: ignore[assignment]
+    root.config = SkeletonConfig(record["config"], record["aliases"])  # type: ignore[assignment]
     inputs, outputs = record["input_embeddings"], record["output_embeddings"]
     root.get_input_embeddings = lambda: built[inputs] if inputs is not None else None  # type: ignore[assignment]
     root.get_output_embeddings = lambda: built[outputs] if outputs is not None else None  # type: ignore[assignment]

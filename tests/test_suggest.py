@@ -7,6 +7,8 @@ says; the predicted peak is set beside one measured in the dry run's fake world 
 The cost model, and its figures against measured peaks and published runs: docs/suggest.md."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -265,3 +267,26 @@ def test_the_unit_fsdp_gathers_is_the_largest_layer_and_its_traffic_every_layer(
     layout = Layout(dp=2, ep=2)
     assert _unit_params(shape, layout) < sizes[3]  # half of the experts are the other rank's
     assert _all_units_params(shape, layout) < 5 * _unit_params(shape, layout)  # three layers are smaller
+
+
+@pytest.mark.parametrize("plan,preset,gpus,allow", [
+    ("llama.yaml", "llama-3.1-8b", 32, ("sp", "cp")),
+    ("qwen3_moe.yaml", "qwen3-30b-a3b", 16, ("sp", "cp", "ep")),  # its config names experts by an alias
+])
+def test_a_preset_is_searched_on_its_skeleton_with_the_real_models_answers(plan, preset, gpus, allow):
+    """suggest reads a built-in preset's shipped skeleton rather than building and tracing the
+    model: every candidate's memory and time, and every refusal, are the real model's."""
+    from plancc.models import build_meta_model
+
+    on_skeleton = plancc.suggest(f"plans/{plan}", preset, gpus=gpus, seq_len=4096, allow=allow)
+    on_model = plancc.suggest(f"plans/{plan}", build_meta_model(preset), gpus=gpus, seq_len=4096, allow=allow)
+    assert on_skeleton.candidates == on_model.candidates and on_skeleton.rejected == on_model.rejected
+
+
+def test_a_search_of_a_70b_preset_on_512_gpus_imports_no_transformers():
+    """Llama 3.1 70B on 512 GPUs: the search runs on the preset's skeleton (docs/suggest.md: seconds)."""
+    code = ("import sys, plancc; r = plancc.suggest('plans/llama.yaml', 'llama-3.1-70b', gpus=512, seq_len=8192); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers'))); print(r.best.describe())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "[]" and lines[1].startswith("dp=")

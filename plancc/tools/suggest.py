@@ -42,6 +42,7 @@ from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout, LayoutError
 from ..models import build_meta_model, load_config
 from ..runtime.vocab_stats import default_chunk
+from ..skeleton import load_skeleton
 from .explain import explain, tensor_parallel_rows
 
 if TYPE_CHECKING:  # the search itself never measures: see verify_top
@@ -519,6 +520,28 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _meta_model(model: Any) -> nn.Module:
+    """A built-in preset's shipped skeleton (its tree, shapes, config and recorded wiring: no
+    import of transformers' modeling code and no trace, seconds of a search), else the meta model
+    of anything ``--model`` takes. ``tests/test_suggest.py`` pins that both give the same search."""
+    loaded = load_skeleton(model) if isinstance(model, str) else None
+    return loaded[1] if loaded is not None else build_meta_model(model)
+
+
+def _by_sequence_parallel(
+    sections: Iterable[ResolvedPlan],
+) -> tuple[dict[bool, ResolvedPlan], tuple[str, ...]]:
+    """The plan's sections by sequence parallelism, and the targets of its activation
+    checkpointing (the section without SP holds them)."""
+    by_sp = {r.sequence_parallel: r for r in sections}
+    return by_sp, by_sp[False].activation_checkpointing if False in by_sp else ()
+
+
+def _section(by_sp: dict[bool, ResolvedPlan], layout: Layout) -> ResolvedPlan | None:
+    """The section a layout runs: its SP overlay, or the plan without SP."""
+    return by_sp.get(layout.sequence_parallel) or by_sp.get(False)
+
+
 def suggest(
     plan: str | Path | Plan,
     model: Any,
@@ -537,7 +560,7 @@ def suggest(
     takes, or a module) on ``gpus`` GPUs, costed and ranked: ``Suggestion.best`` is the fastest
     that fits. A ``PlanError`` (one diagnostic per problem) for input no layout can serve."""
     plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
-    model = build_meta_model(model)
+    model = _meta_model(model)
     chosen = _hardware(hardware)
     memory_cap = gpu_memory or chosen.memory
     tokens = tokens_per_step or gpus * seq_len
@@ -545,8 +568,7 @@ def suggest(
     resolved_sections, problems = resolve_sections(plan, model)
     if any(d.is_error for d in problems):
         raise PlanError(problems)
-    by_sp = {r.sequence_parallel: r for r in resolved_sections}
-    ac_targets = by_sp[False].activation_checkpointing if False in by_sp else ()
+    by_sp, ac_targets = _by_sequence_parallel(resolved_sections)
     ac_ways = [a for a in checkpointing if a != "plan" or ac_targets]
     candidates, rejected = [], []
     shape_cache: dict[bool, _Shape] = {}
@@ -564,7 +586,7 @@ def suggest(
         if errors:
             rejected.append((layout, f"{errors[0].rule}: {errors[0].message}"))
             continue
-        resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
+        resolved = _section(by_sp, layout)
         if layout.sequence_parallel not in shape_cache:
             shape_cache[layout.sequence_parallel] = _shape(model, resolved, ac_targets)
         shape = shape_cache[layout.sequence_parallel]
@@ -653,10 +675,8 @@ def predicted_memory(
 ) -> Memory:
     """The peak of one layout of ``model`` (a meta model) under ``plan``, the way the search
     costs it: the plan's section for the layout's sequence parallelism."""
-    sections, _ = resolve_sections(plan, model)
-    by_sp = {r.sequence_parallel: r for r in sections}
-    resolved = by_sp.get(layout.sequence_parallel) or by_sp.get(False)
-    targets = by_sp[False].activation_checkpointing if False in by_sp else ()
+    by_sp, targets = _by_sequence_parallel(resolve_sections(plan, model)[0])
+    resolved = _section(by_sp, layout)
     shape = _shape(model, resolved, targets)
     return peak(
         step_ends(
