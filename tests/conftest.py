@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,14 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``extended`` are skipped (and counted as skipped) unless ``--extended``."""
+    """Tests marked ``extended`` are skipped (and counted as skipped) unless ``--extended``.
+
+    The files with the most multi-rank (``slow``) tests run first: ``-n 2 --dist loadfile`` hands
+    out whole files in collection order, and a long file handed out last kept one worker busy
+    while the other sat idle (alphabetically, tests/test_runner.py: ~40 s of a 16-minute run,
+    docs/testing.md). A stable sort: a file's tests keep their order and stay together."""
+    slow = Counter(item.nodeid.split("::")[0] for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
     if config.getoption("--extended"):
         return
     skip = pytest.mark.skip(reason="extended tier: pytest --extended (docs/testing.md)")
