@@ -39,15 +39,6 @@ MLA_PLAN = os.path.join(os.path.dirname(__file__), "..", "plans", "deepseek_v3.y
 GiB = 2**30
 
 
-def llama_70b():
-    from plancc.models import load_config
-
-    config = load_config("llama-3.1-8b")
-    config.hidden_size, config.intermediate_size = 8192, 28672
-    config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads = 80, 64, 8
-    return config
-
-
 def deepseek_v3_16b():
     """torchtitan's DeepSeek-V3 "16B" flavor, in the Hugging Face DeepSeek-V3 config."""
     from plancc.models import load_config
@@ -74,7 +65,7 @@ def mla_plan_without_query_lora(folder: str) -> str:
     return path
 
 
-MODELS = {"llama-70b": llama_70b, "deepseek-v3-16b": deepseek_v3_16b}
+MODELS = {"deepseek-v3-16b": deepseek_v3_16b}
 
 # (what, model, gpus, seq_len, local batch (sequences per dp rank), published layout, its AC,
 #  published tokens/s per GPU, published memory GiB (None: a configuration, no figure), note[, plan])
@@ -87,7 +78,7 @@ RUNS = [
     ("Llama 3.1 8B, 8 GPUs, FSDP 4 x CP 2, seq 65536 (Table 2)", "llama-3.1-8b", 8, 65536, 1, {"dp": 4, "cp": 2},
      "full", 2540, 84.2, "compile + Float8"),
     # torchtitan's TP always runs sequence parallelism (its norms sharded on the sequence)
-    ("Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8 (Table 4)", "llama-70b", 256, 8192, 16,
+    ("Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8 (Table 4)", "llama-3.1-70b", 256, 8192, 16,
      {"dp": 32, "tp": 8, "sequence_parallel": True}, "full", 829, 71.9, "compile + Float8"),
     ("Qwen3-30B-A3B, 8 GPUs, FSDP 8 (torchtitan's qwen3_30b_a3b config)", "qwen3-30b-a3b", 8, 4096, 2, {"dp": 8},
      "full", None, None, "a configuration: no published figure", MOE_PLAN),
@@ -197,7 +188,7 @@ def main() -> None:
             print(f"  suggest's best: {best.describe()}: {best.tokens_per_s / gpus:,.0f} tokens/s/GPU, "
                   f"{best.memory.total / GiB:.1f} GiB")  # fmt: skip
     started = time.perf_counter()
-    search = plancc.suggest(PLAN, llama_70b(), gpus=512, seq_len=8192, allow=("sp", "cp"))
+    search = plancc.suggest(PLAN, "llama-3.1-70b", gpus=512, seq_len=8192, allow=("sp", "cp"))
     seconds = time.perf_counter() - started
     costed, refused = len(search.candidates), len(search.rejected)
     print(f"search: Llama 70B on 512 GPUs, {costed} costed, {refused} refused: {seconds:.1f} s")
