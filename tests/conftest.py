@@ -12,6 +12,12 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("plancc", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("plancc")
 
+# The README command's two xdist workers and the ranks they start share two cores: a test process
+# with an OpenMP pool of a thread per core oversubscribes them, and the pool's threads spin while
+# they wait (the same in-process tests beside a busy core: 24-27 s of CPU with one thread, 36-37 s
+# with two; docs/testing.md). Rank processes set their own (tests/distributed.py, plancc's launcher).
+torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
