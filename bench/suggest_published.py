@@ -89,10 +89,6 @@ RUNS = [
 ]  # fmt: skip
 
 
-def same_layout(a, b) -> bool:
-    return (a.sizes, a.ep, a.sequence_parallel) == (b.sizes, b.ep, b.sequence_parallel)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -127,7 +123,7 @@ def main() -> None:
         theirs = [
             c
             for c in result.candidates
-            if same_layout(c.layout, published) and c.checkpointing == ac and c.reshard_after_forward
+            if c.layout == published and c.checkpointing == ac and c.reshard_after_forward
         ]
         mine = theirs[0] if theirs else None
         rank = result.candidates.index(mine) + 1 if mine else None
@@ -135,7 +131,7 @@ def main() -> None:
         fully = [
             c
             for c in result.candidates
-            if same_layout(c.layout, published) and c.checkpointing == "full" and c.reshard_after_forward
+            if c.layout == published and c.checkpointing == "full" and c.reshard_after_forward
         ]
         full = fully[0] if fully and ac != "full" else None
         best = result.best

@@ -706,7 +706,7 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
     from .measured_memory import measure_step_memory
 
     config = load_config(model)
-    meta = build_meta_model(model)
+    meta = _meta_model(model)  # what the search costed (a preset's skeleton)
     verified = []
     for candidate in fitting[:k]:
         sequences = local_sequences(suggestion.tokens_per_step, candidate.layout, suggestion.seq_len)
