@@ -89,6 +89,24 @@ def cli():
     return run
 
 
+def forked_cli(*args):
+    """The plancc CLI run in this test process, its ranks forked from the test forkserver
+    (``tests.distributed.forked_ranks``): (exit code, stdout, stderr), the ranks' output after
+    the launcher's lines of before the launch. For tests of what the ranks compute; tests of how
+    the launcher starts, signals and reaps processes use ``run_cli``, as a user would."""
+    from typer.testing import CliRunner
+
+    from plancc.cli import app
+
+    from .distributed import forked_ranks
+
+    with forked_ranks():
+        result = CliRunner().invoke(app, [str(a) for a in args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
 def run_cli(*args, env=None, timeout=240, **popen):
     """Run the plancc CLI in its own process, as a user would: (exit code, stdout, stderr)."""
     import subprocess
@@ -130,9 +148,9 @@ def tiny_checkpoint(tmp_path_factory):
     by every test that needs one (each works on its own copy), as saving costs a launch."""
 
     def make(root):
-        code, _, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
+        code, _, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
         assert code == 0, err
-        code, out, err = run_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
+        code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
         assert code == 0, err
         assert "resumed from step 2" in out
         return step_losses(out)
@@ -145,7 +163,7 @@ def tiny_checkpoint(tmp_path_factory):
 def fp32_run(tmp_path_factory):
     """`plancc apply --steps 3 --tp 2 --format json` on the tiny Qwen3 (fp32, seed 0): (exit code,
     stdout, stderr). The baseline the determinism and mixed-precision tests share."""
-    _, run = once_per_run(tmp_path_factory, "fp32-run", lambda _: run_cli(
+    _, run = once_per_run(tmp_path_factory, "fp32-run", lambda _: forked_cli(
         "apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json"))
     return tuple(run)
 

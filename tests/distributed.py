@@ -3,6 +3,8 @@ one process per rank, gloo on CPU, a free local port for the c10d rendezvous.
 
 ``launch(fn, nproc, *args)`` runs ``fn(*args)`` on every rank and returns {rank: result};
 ``fn`` must be a module-level function (its reference is pickled to the workers).
+``forked_ranks()`` has plancc's own launcher, run in the test process, fork its ranks the
+same way (``tests.conftest.forked_cli``).
 
 Workers are forked from a forkserver that imported torch, transformers and plancc once per
 test session: a spawned worker spends ~5 s of CPU importing them, every launch, on a 2-core
@@ -12,11 +14,15 @@ worker then gets the test's environment as it is at the launch (``_in_test_env``
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import shutil
+import signal
 import socket
 import tempfile
 import uuid
+from pathlib import Path
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -42,16 +48,22 @@ _PRELOAD = [
     "plancc",
     "plancc.job.verify",
     "plancc.runtime.logprobs",
+    "plancc.job.runner",  # the ranks of plancc's own launcher (forked_ranks)
 ]
 
 
-def _in_test_env(fn, env: dict[str, str], *args):
-    """Run ``fn`` with the launching test's environment (the forkserver holds the one of the
+def _take_env(env: dict[str, str]) -> None:
+    """The launching test's environment in a forked worker (the forkserver holds the one of the
     first launch); the agent's per-rank variables are not in it and stay."""
     for key, value in env.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
     tempfile.tempdir = None  # computed again from this TMPDIR
+
+
+def _in_test_env(fn, env: dict[str, str], *args):
+    """Run ``fn`` with the launching test's environment."""
+    _take_env(env)
     return fn(*args)
 
 
@@ -83,3 +95,78 @@ def init_gloo(timeout_s: int = 120):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _runner_rank(argv: list[str], env: dict[str, str], out_dir: str) -> None:
+    """A ``plancc apply``/``logprobs`` rank forked from the forkserver: ``plancc.job.runner``'s
+    ``main`` as its ``python -m`` would run it, with the launcher's environment, and this rank's
+    stdout and stderr in files the launching test reads back (a forked rank writes to the
+    forkserver's terminal otherwise)."""
+    import sys
+
+    from plancc.job import runner
+
+    _take_env(env)
+    rank = os.environ["RANK"]
+    for fd, name in ((1, "out"), (2, "err")):
+        with open(os.path.join(out_dir, f"rank-{rank}.{name}"), "w") as f:
+            os.dup2(f.fileno(), fd)
+    code = runner.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        sys.exit(code)  # the agent sees the exit code the runner's process would have ended with
+
+
+@contextlib.contextmanager
+def forked_ranks():
+    """While inside, plancc's launcher (torchrun's ``run``, run in this process) starts its ranks
+    from this test process's forkserver instead of ``python -m plancc.job.runner``: the same agent,
+    rendezvous, runner and exit codes, without an interpreter importing torch and transformers per
+    rank (~6.5 s of CPU each on this host). The ranks' output is printed, in rank order, once the
+    ranks end. Tests of the launcher's own process handling (signals, a killed launcher or rank)
+    start the real CLI instead (``run_cli``)."""
+    import dataclasses
+    import sys
+
+    from multiprocessing import forkserver
+
+    import torch.distributed.run as torchrun
+
+    # the server up before this test's TMPDIR is taken: its socket lives in the temporary folder
+    # of the process that starts it, and a test's folder is too deep for an AF_UNIX path
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    forkserver.ensure_running()
+    real = torchrun.elastic_launch
+    out_dir = tempfile.mkdtemp(prefix="plancc-forked-")
+
+    def launch_forked(config, entrypoint):
+        def call(*cmd_args):
+            args = list(cmd_args)
+            assert args[:3] == ["-u", "-m", "plancc.job.runner"], args  # what plancc's launcher runs
+            forked = dataclasses.replace(config, start_method="forkserver")
+            try:
+                return real(forked, _runner_rank)(args[3:], dict(os.environ), out_dir)
+            finally:
+                for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
+                    for path in sorted(Path(out_dir).glob(f"rank-*.{name}"), key=lambda p: int(p.stem[5:])):
+                        stream.write(path.read_text())
+                        path.unlink()
+
+        return call
+
+    environ, tempdir = dict(os.environ), tempfile.tempdir
+    # the agent handles these four in the process that runs it; plancc's launcher gives back two
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    torchrun.elastic_launch = launch_forked
+    tempfile.tempdir = None  # the launcher's temporary folders under this test's TMPDIR, as in its own process
+    try:
+        yield
+    finally:
+        torchrun.elastic_launch = real
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        tempfile.tempdir = tempdir
+        os.environ.clear()
+        os.environ.update(environ)  # the launcher's OMP_NUM_THREADS and the like stay with it
+        shutil.rmtree(out_dir, ignore_errors=True)

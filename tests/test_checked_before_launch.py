@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import PLANS, run_cli
+from .conftest import PLANS, forked_cli, run_cli
 
 QWEN3 = PLANS / "qwen3.yaml"
 
@@ -343,7 +343,7 @@ def test_a_folder_with_a_nan_weight_is_evaluated_with_a_warning_naming_the_tenso
     tensors["model.norm.weight"][3] = float("nan")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     # one rank: the warning comes from the launcher's folder check, before any worker
-    code, out, err = run_cli("logprobs", QWEN3, "--model", folder, "--data", lines, "--format", "json",
+    code, out, err = forked_cli("logprobs", QWEN3, "--model", folder, "--data", lines, "--format", "json",
                              "--nproc-per-node", 1)
     assert code == 0, err
     (warning,) = [d for d in json.loads(out)["diagnostics"] if d["rule"] == "non-finite-weights"]
@@ -499,7 +499,7 @@ def test_a_worker_killed_mid_run_gives_the_rank_failed_line_and_no_traceback_on_
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_full_disk_under_metrics_is_one_line_with_the_trace_in_the_ranks_log():
-    code, _, err = run_cli("apply", QWEN3, "--steps", 2, "--metrics", "/dev/full", "--nproc-per-node", 1)
+    code, _, err = forked_cli("apply", QWEN3, "--steps", 2, "--metrics", "/dev/full", "--nproc-per-node", 1)
     line = problem(err, "rank-failed")
     assert code == 1 and "No space left on device" in line
     log = err.split("its full traceback: ")[1].split(";")[0]

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from .conftest import PLANS, run_cli
+from .conftest import PLANS, forked_cli
 from .distributed import launch
 from .numerics_worker import verify_ep_cases
 from .test_numerics import assert_matches
@@ -47,11 +47,11 @@ def test_a_checkpoint_saved_with_ep_resumes_without_it_step_for_step(tmp_path):
     common = [PLANS / "qwen3_moe.yaml", "--model", "tiny-qwen3-moe", "--nproc-per-node", "2", "--device", "cpu",
               "--schedule-steps", "3"]
     # 3 steps at ep=2, a checkpoint every 2: step-000002 and step-000003
-    code, out, err = run_cli("apply", *common, "--ep", "2", "--steps", "3", "--save", tmp_path / "ck",
+    code, out, err = forked_cli("apply", *common, "--ep", "2", "--steps", "3", "--save", tmp_path / "ck",
                              "--save-every", "2", "--metrics", tmp_path / "ep.jsonl")
     assert code == 0, err
     # from step 2 at tp=2 (experts over tp only): DCP reshards the experts' weights and moments
-    code, out, err = run_cli("apply", *common, "--tp", "2", "--steps", "1", "--resume", tmp_path / "ck" / "step-000002",
+    code, out, err = forked_cli("apply", *common, "--tp", "2", "--steps", "1", "--resume", tmp_path / "ck" / "step-000002",
                              "--metrics", tmp_path / "tp.jsonl")
     assert code == 0, err
     assert "saved at dp=2 cp=1 tp=1 ep=2" in out + err

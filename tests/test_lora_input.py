@@ -113,9 +113,9 @@ def test_apply_refuses_bad_lora_flags_before_launch(cli):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_apply_trains_lora_adapters_from_the_flags(tmp_path):
-    from .conftest import run_cli, step_losses
+    from .conftest import forked_cli, step_losses
 
-    code, out, err = run_cli(
+    code, out, err = forked_cli(
         "apply", "plans/qwen3.yaml", "--steps", "3", "--tp", "2", "--lora-r", "4", "--lora-alpha", "8",
         "--lora-targets", "model.layers.*.self_attn.q_proj,model.layers.*.mlp.down_proj", "--lr", "1e-2",
         "--export-hf", str(tmp_path / "hf"),

@@ -22,7 +22,7 @@ import torch
 
 from plancc.engine import checkpoint
 
-from .conftest import PLANS
+from .conftest import PLANS, forked_cli
 from .distributed import launch
 
 QWEN3 = PLANS / "qwen3.yaml"
@@ -83,7 +83,7 @@ def copy_of(good, tmp_path) -> Path:
 
 
 def resumes_exactly(ck: Path, good) -> None:
-    code, out, err = run("apply", QWEN3, "--steps", 2, "--resume", ck)
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 2, "--resume", ck)
     assert code == 0, err
     assert "resumed from step 2" in out
     assert losses(out) == good[1]  # bitwise: the same floats printed
@@ -122,7 +122,7 @@ def test_a_planted_link_is_never_followed_and_an_old_export_is_replaced_whole(go
     (ck / "latest").symlink_to(victim)
     export = tmp_path / "export"
     _sharded_hf_folder(export)
-    code, out, err = run("apply", QWEN3, "--steps", 1, "--resume", ck, "--save", ck, "--export-hf", export)
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 1, "--resume", ck, "--save", ck, "--export-hf", export)
     assert code == 0, err
     assert victim.read_text() == "precious\n"
     assert (ck / "latest").read_text().strip() == "step-000003" and not (ck / "latest").is_symlink()

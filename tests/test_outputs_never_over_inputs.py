@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import PLANS, run_cli
+from .conftest import PLANS, forked_cli
 
 QWEN3 = PLANS / "qwen3.yaml"
 
@@ -135,7 +135,7 @@ def test_an_export_keeps_every_file_it_did_not_write_and_removes_only_its_own_st
     (export / ".plancc-export.json").write_text(json.dumps({"files": earlier}))
     (export / "NOTES.md").write_text("my notes\n")
     (export / "pytorch_model.bin.index.json").write_text("{}")
-    code, _, err = run_cli("apply", QWEN3, "--steps", 1, "--export-hf", export, "--nproc-per-node", 2)
+    code, _, err = forked_cli("apply", QWEN3, "--steps", 1, "--export-hf", export, "--nproc-per-node", 2)
     assert code == 0, err
     manifest = json.loads((export / ".plancc-export.json").read_text())
     assert "model.safetensors" in manifest["files"] and "config.json" in manifest["files"]
@@ -160,7 +160,7 @@ def test_logprobs_of_a_row_count_dp_does_not_divide_gives_every_line_in_order(tm
     seqs = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(lines)]
     data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
     out = tmp_path / "lp.jsonl"
-    code, stdout, err = run_cli("logprobs", QWEN3, "--model", "tiny-qwen3", "--nproc-per-node", 2, "--data", data,
+    code, stdout, err = forked_cli("logprobs", QWEN3, "--model", "tiny-qwen3", "--nproc-per-node", 2, "--data", data,
                                 "--out", out, "--batch-size", batch, "--verify")
     assert code == 0, err
     assert "verify: max |logprob diff|" in stdout and "OK" in stdout

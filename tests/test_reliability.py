@@ -23,7 +23,7 @@ from plancc.job.data import DataError, read_jsonl
 from plancc.job.launch import RankFailure, root_cause
 from plancc.compiler.styles import STYLE_NAMES
 
-from .conftest import PLANS
+from .conftest import PLANS, forked_cli
 
 FUZZ = int(os.environ.get("PLANCC_FUZZ_EXAMPLES", "200"))
 fuzz_settings = settings(max_examples=FUZZ, deadline=None, suppress_health_check=list(HealthCheck))
@@ -262,7 +262,7 @@ def test_same_seed_and_layout_give_bitwise_equal_losses(tmp_path, fp32_run):
     """Bitwise-equal losses also while the second run writes metrics, TensorBoard events and a
     checkpoint every step (keeping the newest two): none of that perturbs training."""
     metrics, board, ck = tmp_path / "metrics.jsonl", tmp_path / "tb", tmp_path / "ck"
-    runs = [fp32_run, plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json",
+    runs = [fp32_run, forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--format", "json",
                                  "--metrics", metrics, "--tensorboard", board,
                                  "--save", ck, "--save-every", 1, "--keep", 2)]
     assert all(code == 0 for code, _, _ in runs), runs[0][2]

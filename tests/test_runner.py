@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from .conftest import PLANS
+from .conftest import PLANS, forked_cli
 from .distributed import launch
 from .runner_worker import logits_from_hf_folder
 
@@ -48,7 +48,7 @@ def test_apply_through_an_explicit_c10d_rendezvous_endpoint():
     """The multi-node path (--nnodes/--rdzv-endpoint/--rdzv-id), here with one node."""
     from .distributed import free_port
 
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--nnodes", 1, "--rdzv-endpoint",
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--nnodes", 1, "--rdzv-endpoint",
                                 f"127.0.0.1:{free_port()}", "--rdzv-id", "plancc-test", "--steps", 1)
     assert code == 0, err
     assert "world 2" in out and len(losses(out)) == 1
@@ -67,7 +67,7 @@ def six_steps_at_tp2(tmp_path_factory):
     """One run of 6 steps at tp=2 that checkpoints every 3 steps and exports the model: (its
     stdout, the checkpoint folder, the exported folder). One launch serves the tests below."""
     root = tmp_path_factory.mktemp("six-steps")
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2, "--save", root / "ck",
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2, "--save", root / "ck",
                                 "--save-every", 3, "--keep", 2, "--export-hf", root / "out")
     assert code == 0, err
     return out, root / "ck", root / "out"
@@ -79,7 +79,7 @@ def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(six_steps_at_tp2):
     # back to the checkpoint of step 3 (without 'latest', resume takes the newest complete step)
     shutil.rmtree(ck / "step-000006")
     (ck / "latest").unlink()
-    code, resumed, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--resume", ck)
+    code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--resume", ck)
     assert code == 0, err
     assert "resumed from step 3 (saved at dp=1 cp=1 tp=2)" in resumed and "dp=2 cp=1 tp=1" in resumed
     assert losses(resumed) == pytest.approx(losses(straight)[3:], rel=1e-5)
@@ -91,7 +91,7 @@ def test_a_resumed_run_takes_its_learning_rate_from_lr_at_the_schedules_restored
     from plancc.job.runner import lr_lambda
 
     _, ck, _ = six_steps_at_tp2
-    code, resumed, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--lr", "2e-3",
+    code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--lr", "2e-3",
                                     "--resume", ck / "step-000003")
     assert code == 0, err
     rates = [float(line.split(" lr ")[1].split()[0]) for line in resumed.splitlines() if line.startswith("step ")]
@@ -133,7 +133,7 @@ def test_export_hf_is_loadable_by_transformers(six_steps_at_tp2):
 
 def test_apply_with_context_parallel_verifies():
     """Through the CLI at cp=2 x tp=2 (cp alone, every plan: tests/test_cp.py, without a launch each)."""
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--nproc-per-node", 4, "--cp", 2, "--tp", 2,
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--nproc-per-node", 4, "--cp", 2, "--tp", 2,
                                 "--verify", "--steps", 2)
     assert code == 0, err + out
     assert "verify: OK" in out and "cp=2" in out
@@ -147,7 +147,7 @@ def test_logprobs_cli_verifies_with_tp_and_cp(tmp_path):
     # cp without packing: tests/test_cp.py compares it to the unsharded model directly
     for args, to_file in ((["--tp", 2, "--entropy"], True), (["--cp", 2, "--pack"], False)):
         out_args = ["--out", tmp_path / "out.jsonl"] if to_file else []  # without --out: JSONL on stdout
-        code, out, err = plancc_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify", *out_args)
+        code, out, err = forked_cli("logprobs", PLANS / "qwen3.yaml", "--data", data, *args, "--verify", *out_args)
         assert code == 0, err + out
         log = out if to_file else err
         assert "verify: max |logprob diff|" in log and "OK" in log
@@ -168,7 +168,7 @@ def test_bf16_mixed_precision_tracks_the_fp32_run(fp32_run):
     code, out, err = fp32_run
     assert code == 0, err
     fp32 = [h["loss"] for h in json.loads(out)["history"]]
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--param-dtype", "bfloat16",
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 2, "--param-dtype", "bfloat16",
                                 "--format", "json")
     assert code == 0, err
     bf16 = [h["loss"] for h in json.loads(out)["history"]]
@@ -188,7 +188,7 @@ def test_apply_trains_the_same_steps_whether_the_batch_is_one_pass_microbatches_
                             for i, n in enumerate(lengths)))
     curves = {}
     for name, flags in {"one": [], "packed": ["--max-tokens", 40, "--pack"]}.items():
-        code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--data", data, "--steps", 2, "--batch-size", 4,
+        code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--data", data, "--steps", 2, "--batch-size", 4,
                                     *flags)
         assert code == 0, err
         curves[name] = losses(out)

@@ -2,9 +2,6 @@
 left whole trains wrong without an error; validate must refuse it, and accept it once its
 gradients are summed over tp (replicated_with_grad_allreduce) -- which then trains exactly."""
 
-import subprocess
-import sys
-
 import pytest
 import yaml
 from transformers import AutoConfig
@@ -14,7 +11,7 @@ from plancc import dataflow
 from plancc.checks import check_plan
 from plancc.tools.import_hf import import_hf
 
-from .conftest import PLANS, assert_verified
+from .conftest import PLANS, assert_verified, forked_cli
 
 QWEN3 = PLANS / "qwen3.yaml"
 ACT_FN_FIX = "  model.layers.*.mlp.act_fn: replicated_with_grad_allreduce\n"
@@ -101,12 +98,8 @@ def test_the_fixed_plan_trains_exactly_at_tp2(apertus, tmp_path):
     folder, imported = apertus
     plan = tmp_path / "apertus.yaml"
     plan.write_text(imported)  # with the act_fn rule import-hf adds
-    proc = subprocess.run(
-        [sys.executable, "-m", "plancc.cli", "apply", plan, "--model", folder, "--tp", "2", "--steps", "2", "--verify"],
-        capture_output=True, text=True, timeout=240,
-    )
-    code, out = proc.returncode, proc.stdout
-    assert code == 0, proc.stderr + out
+    code, out, err = forked_cli("apply", plan, "--model", folder, "--tp", "2", "--steps", "2", "--verify")
+    assert code == 0, err + out
     assert "verify: OK" in out and "dropout off in both models for the comparison (attention_dropout=0.1)" in out
 
 

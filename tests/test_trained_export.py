@@ -10,7 +10,7 @@ moved while the export held the initial weights, and the run exited 0."""
 import pytest
 from safetensors.torch import load_file
 
-from .conftest import PLANS, run_cli, step_losses
+from .conftest import PLANS, forked_cli, step_losses
 from .distributed import launch
 from .export_worker import trained_exports
 
@@ -51,7 +51,7 @@ def test_apply_without_fsdp_units_exports_what_it_trained(tmp_path):
 
     plan = tmp_path / "no-fsdp.yaml"
     plan.write_text(PLAN_SHAPES["no-fsdp-section"])
-    code, out, err = run_cli("apply", plan, "--model", "tiny-qwen3", "--nproc-per-node", 2, "--tp", 2,
+    code, out, err = forked_cli("apply", plan, "--model", "tiny-qwen3", "--nproc-per-node", 2, "--tp", 2,
                              "--steps", 2, "--export-hf", tmp_path / "out")
     assert code == 0, err + out
     assert len(step_losses(out)) == 2
