@@ -134,14 +134,34 @@ def test_leaving_qk_norm_whole_gives_wrong_gradients_like_the_reference(two_rank
     assert "_norm" in report["worst_grad"]
 
 
-def test_dp2_x_tp2_matches_unsharded():
-    cases = [(p, m, dp, tp, sp) for p, m in FAMILIES for dp, tp, sp in FOUR_RANK_LAYOUTS]
-    # experts: FSDP shards each rank's whole experts again over dp
-    cases += [(p, m, 2, 2, False) for p, m in MOE_FAMILIES[::2]]
+# dp2 x tp2 composes the two layouts every family passes above. The README command runs the
+# composition once per kind of weight it handles: untied with and without SP (Qwen3), a tied
+# embedding with its plan's own units under SP (Gemma3), and experts, which FSDP shards again
+# over dp (Qwen3-MoE); the extended tier runs every other family at dp2 x tp2 as well.
+FOUR_RANK_CASES = [
+    ("qwen3.yaml", "tiny-qwen3", 2, 2, False),
+    ("qwen3.yaml", "tiny-qwen3", 2, 2, True),
+    ("gemma3.yaml", "tiny-gemma3", 2, 2, True),
+    ("qwen3_moe.yaml", "tiny-qwen3-moe", 2, 2, False),
+]
+
+
+def _four_rank_matches(cases):
     results = run(4, cases)
     for rank, reports in results.items():
         for i, case in enumerate(cases):
             assert_matches(reports[i], f"rank {rank} {case}")
+
+
+def test_dp2_x_tp2_matches_unsharded():
+    _four_rank_matches(FOUR_RANK_CASES)
+
+
+@pytest.mark.extended  # the composition itself: test_dp2_x_tp2_matches_unsharded; each family: the two-rank layouts
+def test_dp2_x_tp2_matches_unsharded_for_every_family():
+    cases = [(p, m, dp, tp, sp) for p, m in FAMILIES for dp, tp, sp in FOUR_RANK_LAYOUTS]
+    cases += [(p, m, 2, 2, False) for p, m in MOE_FAMILIES[::2]]  # experts: sharded again over dp
+    _four_rank_matches([case for case in cases if case not in FOUR_RANK_CASES])
 
 
 def test_cpu_offload_keeps_logits_and_gradients():
