@@ -164,9 +164,14 @@ def dying_receiver(port: str, manifest_path: str) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    """``dying PORT MANIFEST`` or ``PORT MANIFEST OUT TAMPER [TIMEOUT]``: a receiver's exit code."""
+    if argv[0] == "dying":
+        return dying_receiver(argv[1], argv[2])
+    port, manifest_path, out_path, tamper = argv[0], argv[1], argv[2], argv[3] == "1"
+    timeout = float(argv[4]) if len(argv) > 4 else 60
+    return receiver(port, manifest_path, out_path, tamper, timeout)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "dying":
-        sys.exit(dying_receiver(sys.argv[2], sys.argv[3]))
-    port, manifest_path, out_path, tamper = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-    timeout = float(sys.argv[5]) if len(sys.argv) > 5 else 60
-    sys.exit(receiver(port, manifest_path, out_path, tamper, timeout))
+    sys.exit(main(sys.argv[1:]))

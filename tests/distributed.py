@@ -85,6 +85,103 @@ def launch(fn, nproc: int, *args, timeout_s: int = 240):
     return elastic_launch(config, _in_test_env)(fn, dict(os.environ), *args)
 
 
+def _ensure_forkserver() -> None:
+    """The forkserver up, its socket in this process's temporary folder as it is now (a test's
+    own TMPDIR is too deep for an AF_UNIX path: start it before taking one)."""
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    forkserver.ensure_running()
+
+
+def launch_beside(fn, nproc: int, *args, timeout_s: int = 240) -> "Beside":
+    """``launch(fn, nproc, *args)`` in a thread of this process, beside the job the test launches
+    itself (a rollout engine of its own): its ranks forked from the same server, not from a server
+    of another interpreter that imports torch and transformers again (~11 s of CPU). torch's
+    agent installs its signal handlers in the main thread only; the test's own launch keeps them."""
+    import threading
+
+    _ensure_forkserver()
+    beside = Beside()
+    beside.thread = threading.Thread(target=beside.run, args=(fn, nproc, args, timeout_s), daemon=True)
+    beside.thread.start()
+    return beside
+
+
+class Beside:
+    """A job started by ``launch_beside``: ``wait`` gives {rank: result} or raises what its launch raised."""
+
+    thread = None
+    result = None
+    error: BaseException | None = None
+
+    def run(self, fn, nproc, args, timeout_s):
+        try:
+            self.result = launch(fn, nproc, *args, timeout_s=timeout_s)
+        except BaseException as exc:  # the test's thread raises it (ChildFailedError: a rank failed)
+            self.error = exc
+
+    def wait(self, timeout: float):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the job beside the test's did not end within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _captured(fn, env: dict[str, str], log: str, args) -> None:
+    """In a process forked from the server: ``fn(*args)`` with the test's environment, its output
+    in ``log``, and the int it returns as the process's exit code."""
+    import sys
+
+    import torch
+
+    _take_env(env)
+    torch.set_num_threads(1)
+    with open(log, "w") as f:
+        for fd in (1, 2):
+            os.dup2(f.fileno(), fd)
+    code = fn(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code or 0)
+
+
+class ForkedProcess:
+    """``fn(*args)`` in a process of its own, forked from the test forkserver instead of started as
+    ``python -m tests.…`` (which imports torch and plancc again, ~7 s of CPU): the part of
+    ``subprocess.Popen`` the tests use -- ``communicate`` (its stdout and stderr together),
+    ``returncode`` (what ``fn`` returned; minus the signal that ended it) and ``kill``."""
+
+    def __init__(self, fn, *args):
+        _ensure_forkserver()
+        fd, self._log = tempfile.mkstemp(prefix="plancc-forked-", suffix=".log")
+        os.close(fd)
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_captured, args=(fn, dict(os.environ), self._log, args))
+        self._process.start()
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def communicate(self, timeout: float):
+        import subprocess
+
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(getattr(self._process, "name", "forked"), timeout)
+        return Path(self._log).read_text(errors="replace"), None
+
+    def kill(self):
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join()
+        with contextlib.suppress(OSError):
+            os.unlink(self._log)
+
+
 def init_gloo(timeout_s: int = 120):
     """In a worker: the default process group on gloo with a timeout on every collective."""
     from datetime import timedelta
@@ -129,14 +226,9 @@ def forked_ranks():
     import dataclasses
     import sys
 
-    from multiprocessing import forkserver
-
     import torch.distributed.run as torchrun
 
-    # the server up before this test's TMPDIR is taken: its socket lives in the temporary folder
-    # of the process that starts it, and a test's folder is too deep for an AF_UNIX path
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    forkserver.ensure_running()
+    _ensure_forkserver()  # before this test's TMPDIR is taken
     real = torchrun.elastic_launch
     out_dir = tempfile.mkdtemp(prefix="plancc-forked-")
 

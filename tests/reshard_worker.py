@@ -1,15 +1,14 @@
 """Both sides of a resharded refit for tests/test_reshard.py: the policy (spawned by
-tests/distributed.py) and a rollout engine of its own at tp=2 (``python -m tests.reshard_worker``,
-which launches its two ranks the same way). Channel ranks: the policy's first, then the engine's."""
+tests/distributed.py) and a rollout engine of its own at tp=2 (``receiver_rank``, its two ranks launched
+beside the policy's by ``tests.distributed.launch_beside``). Channel ranks: the policy's first, then the engine's."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
-from .distributed import init_gloo, launch
+from .distributed import init_gloo
 
 PLAN = "plans/qwen3.yaml"
 MODEL = "tiny-qwen3"
@@ -115,10 +114,3 @@ def receiver_rank(port, manifest_path, timeout=60):
     torch.distributed.destroy_process_group()
     return out
 
-
-if __name__ == "__main__":
-    import torch
-
-    timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60
-    results = launch(receiver_rank, 2, int(sys.argv[1]), sys.argv[2], timeout)
-    torch.save(results, sys.argv[3])

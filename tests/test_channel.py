@@ -5,23 +5,18 @@ manifest fails on both sides with a clear error, one that never joins is an erro
 timeout, and one that dies mid-transfer is an error on every policy rank naming the bucket and
 the peer, with the weights unchanged and a new channel working."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 BUCKET = 32 * 1024
 
 
 def _receiver(*args):
-    """A receiver process (``python -m tests.channel_worker ARGS``), its output captured."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.channel_worker", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    """A receiver process (``tests.channel_worker.main(ARGS)``, forked from the test forkserver),
+    its output captured."""
+    from .channel_worker import main
+    from .distributed import ForkedProcess
+
+    return ForkedProcess(main, [str(a) for a in args])
 
 
 def _run(tmp_path, tamper):

@@ -2,7 +2,6 @@
 process group set up among them, a global batch fanned out by dp rank -- and the results equal
 the torchrun path bitwise."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -91,37 +90,27 @@ def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logpro
     """Every actor joins the weight channel (as its global rank) and sends the engine at tp=2 only
     the shards it holds; the engine's model then gives the group's log-probs."""
     import json
-    import subprocess
-    import sys
-
-    import torch
 
     from plancc.models import load_config
     from plancc.ray import PolicyGroup
 
-    from .distributed import free_port
-    from .reshard_worker import MODEL, PLAN, _batch
+    from .distributed import free_port, launch_beside
+    from .reshard_worker import MODEL, PLAN, _batch, receiver_rank
 
     port = free_port()
-    manifest, out = tmp_path / "manifest.json", tmp_path / "engine.pt"
-    engine = None
+    manifest = tmp_path / "manifest.json"
     group = PolicyGroup(2, PLAN, MODEL, dp=2)
     try:
         manifest.write_text(json.dumps({**group.weights_manifest(), "policy_ranks": 2}))
-        engine = subprocess.Popen([sys.executable, "-m", "tests.reshard_worker", str(port), str(manifest), str(out)],
-                                  cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        engine = launch_beside(receiver_rank, 2, port, str(manifest))
         group.open_channel("127.0.0.1", port, world_size=4, backend="gloo", reshard=True)
         sent = group.send_weights(reshard=True)
         group.close_channel()
         want = group.logprobs(_batch(load_config(MODEL).vocab_size))
-        log, _ = engine.communicate(timeout=300)
+        receivers = engine.wait(timeout=300)
     finally:
         group.shutdown()
-        if engine is not None:
-            engine.kill()
-    assert engine.returncode == 0, log[-3000:]
     assert sent > 0
-    for rank, got in torch.load(out).items():
+    for rank, got in receivers.items():
         assert 0 < got["received"] <= 1.05 * got["shard"], (rank, got)
         assert (got["logprobs"] - want).abs().max() <= 1e-5, rank
