@@ -441,8 +441,28 @@ def parameters_on_meta() -> Iterator[None]:
         handle.remove()
 
 
+# Writes of values only (shape, dtype and strides kept): on a meta tensor they store nothing,
+# and a modeling file's weight init runs one on every parameter -- through torch's Python
+# reference kernels on meta, more than half the time it takes to build a model there.
+# transformers swaps its own guarded copies of torch.nn.init's functions in while it inits.
+_INIT_WRITES = frozenset(name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_"))
+_INIT_MODULES = frozenset({"torch.nn.init", "transformers.initialization"})
+_TENSOR_WRITES = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_})
+
+
+def _meta_value_write(func: Any, args: Any, kwargs: Any) -> torch.Tensor | None:
+    """The meta tensor ``func`` would write values into, if it is such a write."""
+    if func not in _TENSOR_WRITES and not (
+        getattr(func, "__module__", None) in _INIT_MODULES and getattr(func, "__name__", None) in _INIT_WRITES
+    ):
+        return None
+    target = args[0] if args else (kwargs or {}).get("tensor")
+    return target if isinstance(target, torch.Tensor) and target.is_meta else None
+
+
 class _LargeAllocationsOnMeta(TorchFunctionMode):
-    """Tensors of 2**28 elements (1 GiB in fp32) or more made without a device go to meta.
+    """Tensors of 2**28 elements (1 GiB in fp32) or more made without a device go to meta, and
+    value writes into meta tensors (the weight init) are skipped.
 
     A parameter is allocated (``torch.empty``) before it is registered: one DeepSeek-V3 experts
     weight is 28 GiB, more than this machine has. Buffers computed in ``__init__`` (rotary
@@ -454,6 +474,8 @@ class _LargeAllocationsOnMeta(TorchFunctionMode):
     _LARGE = 1 << 28
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (target := _meta_value_write(func, args, kwargs)) is not None:
+            return target  # what the write returns: its tensor
         kwargs = dict(kwargs or {})
         if func in self._FACTORIES and kwargs.get("device") is None:
             sizes = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args

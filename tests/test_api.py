@@ -54,3 +54,33 @@ def test_parallelize_explains_which_mesh_it_needs():
     assert all(e and "axes named ('dp', 'cp', 'tp')" in e and "plancc.build_mesh" in e for e in errors), errors
     assert "an unnamed mesh of shape (1,)" in errors[0]
     assert "axes ('dp_shard', 'tp') of sizes (1, 1)" in errors[2]
+
+
+def test_a_model_built_on_meta_skips_its_weight_init_and_keeps_its_buffers_real():
+    """Weight init writes values a meta tensor cannot hold, through torch's Python reference
+    kernels: more than half of a meta build's time before ``build_model`` skipped those writes.
+    Buffers (rotary frequencies) are built for real and still computed; a CPU build still inits."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plancc.models import build_model, load_config
+
+    class MetaWrites(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name.split("::")[-1].endswith("_") and args and getattr(args[0], "is_meta", False):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    config = load_config("tiny-qwen3")
+    with MetaWrites() as writes:
+        model = build_model(config)
+    assert not writes.ops, writes.ops[:5]
+    assert all(p.is_meta for p in model.parameters())
+    cpu = build_model(config, device="cpu")
+    assert torch.equal(model.model.rotary_emb.inv_freq, cpu.model.rotary_emb.inv_freq)
+    std = cpu.model.layers[0].mlp.up_proj.weight.std().item()
+    assert abs(std - config.initializer_range) < 0.2 * config.initializer_range  # transformers' normal init
