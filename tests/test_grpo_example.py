@@ -19,7 +19,7 @@ MARGIN = {"full": 0.2, "lora": 0.05}
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("way", ["full", "lora"])
-def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path, way):
+def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path, way, cli):
     metrics = tmp_path / "grpo.jsonl"
     lora = ["--lora", "8"] if way == "lora" else []
     for _ in range(3):
@@ -39,6 +39,5 @@ def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path, way):
     assert last >= first + MARGIN[way], (first, last, rows)
     assert rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0  # the policy starts at the reference, then leaves it
     out = tmp_path / "grpo.png"
-    plot = subprocess.run([sys.executable, "-m", "plancc.cli", "plot", str(metrics), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert plot.returncode == 0 and out.stat().st_size > 0, plot.stderr
+    code, _, err = cli("plot", metrics, "--out", out)
+    assert code == 0 and out.stat().st_size > 0, err

@@ -20,27 +20,46 @@ def cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def group_of_two(cluster):
+    """``take(fresh=)``: a group of two actors on the tiny Qwen3 at dp=2 (PACK, the SGD step of the
+    torchrun reference). Each actor's start imports torch, transformers and plancc, so the file's
+    tests share one: ``fresh=True`` gives a group no test has used yet, ``fresh=False`` the live one
+    (a new one where a test ended it). Every group is shut down after the file."""
+    from plancc.ray import PolicyGroup
+
+    from .policy_worker import LR
+
+    made, used = [], set()
+
+    def take(*, fresh: bool):
+        if not made or not made[-1].workers or (fresh and id(made[-1]) in used):
+            made.append(PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2, strategy="PACK", timeout_s=600,
+                                    optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}))
+        used.add(id(made[-1]))
+        return made[-1]
+
+    yield take
+    for group in made:
+        group.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise(cluster):
+def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise(group_of_two):
     import torch
 
     from plancc.models import load_config
-    from plancc.ray import PolicyGroup
 
     from .distributed import launch
-    from .policy_worker import LR, ROWS_PER_RANK, global_batch, grpo, torchrun_reference_for_ray
+    from .policy_worker import ROWS_PER_RANK, global_batch, grpo, torchrun_reference_for_ray
 
     want = launch(torchrun_reference_for_ray, 2, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2})
     batch = global_batch(ROWS_PER_RANK * 2, load_config("tiny-qwen3").vocab_size, seed=13)
-    group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2,
-                        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}})
-    try:
-        before = group.logprobs(batch)
-        metrics = group.train(batch, grpo, micro_batch_size=3)
-        after = group.logprobs(batch)
-    finally:
-        group.shutdown()
+    group = group_of_two(fresh=True)
+    before = group.logprobs(batch)
+    metrics = group.train(batch, grpo, micro_batch_size=3)
+    after = group.logprobs(batch)
     expected_before = torch.cat([want[r]["logprobs"] for r in sorted(want, key=lambda r: want[r]["start"])])
     expected_after = torch.cat([want[r]["after"] for r in sorted(want, key=lambda r: want[r]["start"])])
     assert torch.equal(before, expected_before)
@@ -51,7 +70,7 @@ def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise(cluster):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_group(cluster):
+def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_group(group_of_two):
     """The group's actors hold one placement group (a bundle each); an actor whose process dies
     mid-train fails the driver's call at once with one PolicyGroupError naming its rank -- not
     after the process group's timeout -- the other actor is ended and the reservation freed."""
@@ -60,12 +79,12 @@ def test_actors_are_placed_together_and_a_dead_actor_is_one_error_that_ends_the_
     from ray.util.placement_group import placement_group_table
 
     from plancc.models import load_config
-    from plancc.ray import PolicyGroup, PolicyGroupError
+    from plancc.ray import PolicyGroupError
 
     from .policy_worker import ROWS_PER_RANK, dies_on_rank_1, global_batch
 
     batch = global_batch(ROWS_PER_RANK * 2, load_config("tiny-qwen3").vocab_size, seed=13)
-    group = PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2, strategy="PACK", timeout_s=600)
+    group = group_of_two(fresh=False)  # a step or none: what follows is the same
     try:
         table = placement_group_table(group.placement)
         assert table["state"] == "CREATED" and table["strategy"] == "PACK" and len(table["bundles"]) == 2

@@ -57,7 +57,7 @@ def test_apply_through_an_explicit_c10d_rendezvous_endpoint():
 def test_broken_plan_fails_validation_before_any_process_starts(tmp_path):
     broken = tmp_path / "no-o-proj.yaml"
     broken.write_text((PLANS / "qwen3.yaml").read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", ""))
-    code, out, err = plancc_cli("apply", broken, "--nproc-per-node", 2, "--tp", 2)
+    code, out, err = forked_cli("apply", broken, "--nproc-per-node", 2, "--tp", 2)
     assert code == 1
     assert "[layout-pairing]" in err and "plancc apply:" not in out  # no worker ever printed
 
@@ -99,7 +99,7 @@ def test_a_resumed_run_takes_its_learning_rate_from_lr_at_the_schedules_restored
 
 
 def test_resuming_another_architecture_is_a_clear_error(tiny_checkpoint):
-    code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--model", "tiny-qwen2", "--steps", 1,
+    code, _, err = forked_cli("apply", PLANS / "qwen3.yaml", "--model", "tiny-qwen2", "--steps", 1,
                               "--resume", tiny_checkpoint[0])
     assert code != 0
     assert "checkpoint is of Qwen3ForCausalLM" in err
@@ -201,7 +201,7 @@ def test_apply_trains_the_same_steps_whether_the_batch_is_one_pass_microbatches_
 def test_a_token_budget_smaller_than_a_row_is_a_diagnostic_not_a_traceback(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(2, 2 + n))}) + "\n" for n in (5, 9, 7, 12)))
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--data", data, "--steps", 1, "--batch-size", 4,
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--data", data, "--steps", 1, "--batch-size", 4,
                                 "--max-tokens", 4)
     assert code == 1, (out, err)
     assert "[data]" in err and "more than max_tokens=4" in err and "fix:" in err, err
