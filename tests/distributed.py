@@ -4,7 +4,9 @@ one process per rank, gloo on CPU, a free local port for the c10d rendezvous.
 ``launch(fn, nproc, *args)`` runs ``fn(*args)`` on every rank and returns {rank: result};
 ``fn`` must be a module-level function (its reference is pickled to the workers).
 ``forked_ranks()`` has plancc's own launcher, run in the test process, fork its ranks the
-same way (``tests.conftest.forked_cli``).
+same way (``tests.conftest.forked_cli``). ``launch_beside`` starts a second job (a rollout
+engine) beside the one a test launches, and ``ForkedProcess`` one process of its own (a weight
+receiver), both from the same server.
 
 Workers are forked from a forkserver that imported torch, transformers and plancc once per
 test session: a spawned worker spends ~5 s of CPU importing them, every launch, on a 2-core
