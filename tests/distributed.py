@@ -51,6 +51,7 @@ _PRELOAD = [
     "plancc.job.verify",
     "plancc.runtime.logprobs",
     "plancc.job.runner",  # the ranks of plancc's own launcher (forked_ranks)
+    "peft",  # the LoRA tests' unsharded reference (skipped where the extra is not installed)
 ]
 
 
