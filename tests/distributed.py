@@ -24,6 +24,7 @@ import signal
 import socket
 import tempfile
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -97,40 +98,27 @@ def _ensure_forkserver() -> None:
     forkserver.ensure_running()
 
 
-def launch_beside(fn, nproc: int, *args, timeout_s: int = 240) -> "Beside":
+def launch_beside(fn, nproc: int, *args, timeout_s: int = 240) -> Future:
     """``launch(fn, nproc, *args)`` in a thread of this process, beside the job the test launches
     itself (a rollout engine of its own): its ranks forked from the same server, not from a server
     of another interpreter that imports torch and transformers again (~11 s of CPU). torch's
-    agent installs its signal handlers in the main thread only; the test's own launch keeps them."""
-    import threading
-
+    agent installs its signal handlers in the main thread only; the test's own launch keeps them.
+    The future's ``result(timeout)`` is {rank: result}, or raises what the launch raised
+    (``ChildFailedError``: a rank failed)."""
     _ensure_forkserver()
-    beside = Beside()
-    beside.thread = threading.Thread(target=beside.run, args=(fn, nproc, args, timeout_s), daemon=True)
-    beside.thread.start()
-    return beside
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="launch-beside")
+    try:
+        return pool.submit(launch, fn, nproc, *args, timeout_s=timeout_s)
+    finally:
+        pool.shutdown(wait=False)
 
 
-class Beside:
-    """A job started by ``launch_beside``: ``wait`` gives {rank: result} or raises what its launch raised."""
-
-    thread = None
-    result = None
-    error: BaseException | None = None
-
-    def run(self, fn, nproc, args, timeout_s):
-        try:
-            self.result = launch(fn, nproc, *args, timeout_s=timeout_s)
-        except BaseException as exc:  # the test's thread raises it (ChildFailedError: a rank failed)
-            self.error = exc
-
-    def wait(self, timeout: float):
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise TimeoutError(f"the job beside the test's did not end within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return self.result
+def _output_to(out: str, err: str) -> None:
+    """This process's stdout and stderr into files (a process forked from the server writes to
+    the server's terminal otherwise); appended, so that both may be one file."""
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "a") as f:
+            os.dup2(f.fileno(), fd)
 
 
 def _captured(fn, env: dict[str, str], log: str, args) -> None:
@@ -142,9 +130,7 @@ def _captured(fn, env: dict[str, str], log: str, args) -> None:
 
     _take_env(env)
     torch.set_num_threads(1)
-    with open(log, "w") as f:
-        for fd in (1, 2):
-            os.dup2(f.fileno(), fd)
+    _output_to(log, log)
     code = fn(*args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -174,7 +160,7 @@ class ForkedProcess:
 
         self._process.join(timeout)
         if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(getattr(self._process, "name", "forked"), timeout)
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
         return Path(self._log).read_text(errors="replace"), None
 
     def kill(self):
@@ -208,9 +194,7 @@ def _runner_rank(argv: list[str], env: dict[str, str], out_dir: str) -> None:
 
     _take_env(env)
     rank = os.environ["RANK"]
-    for fd, name in ((1, "out"), (2, "err")):
-        with open(os.path.join(out_dir, f"rank-{rank}.{name}"), "w") as f:
-            os.dup2(f.fileno(), fd)
+    _output_to(os.path.join(out_dir, f"rank-{rank}.out"), os.path.join(out_dir, f"rank-{rank}.err"))
     code = runner.main(argv)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -126,7 +126,7 @@ def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logpro
         sent = group.send_weights(reshard=True)
         group.close_channel()
         want = group.logprobs(_batch(load_config(MODEL).vocab_size))
-        receivers = engine.wait(timeout=300)
+        receivers = engine.result(timeout=300)
     finally:
         group.shutdown()
     assert sent > 0

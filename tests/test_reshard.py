@@ -41,7 +41,7 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
     manifest = tmp_path / "manifest.json"
     engine = launch_beside(receiver_rank, 2, port, str(manifest))
     policy = launch(policy_side, ranks, port, str(manifest), layout, dtype, None, lora)
-    receivers = engine.wait(timeout=300)
+    receivers = engine.result(timeout=300)
     slices = {got["start"]: got["logprobs"] for got in policy.values()}  # tp ranks of a slice: the same rows
     want = torch.cat([slices[start] for start in sorted(slices)])
     for rank, got in receivers.items():
@@ -81,4 +81,4 @@ def test_a_policy_rank_failing_mid_resharded_refit_is_one_error_on_every_policy_
     # 60 s timeout for the engine's ranks (gone by then) to agree
     assert all(got["broken"] for got in policy.values()), policy
     with pytest.raises(ChildFailedError):  # an engine rank failed: its channel's timeout, not a hang
-        engine.wait(timeout=300)
+        engine.result(timeout=300)
