@@ -83,6 +83,9 @@ class _Walker:
         self.expanded = 0  # nodes walked again because an alias names them
         self._seen: set[int] = set()
         self._merged: dict[int, int] = {}  # mapping node -> how many of its pairs came from '<<'
+        # node -> its location: an alias walks its anchor's nodes again (up to MAX_EXPANDED of
+        # them), and each would otherwise build the same frozen SourceLoc anew
+        self._locs: dict[int, SourceLoc] = {}
 
     def walk(self, node: yaml.Node, at: JsonPath) -> Any:
         if id(node) in self._seen:
@@ -91,7 +94,10 @@ class _Walker:
                 raise _TooLarge(node)
         else:
             self._seen.add(id(node))
-        self.value_locs[at] = _loc(self.path, node.start_mark)
+        loc = self._locs.get(id(node))
+        if loc is None:
+            loc = self._locs[id(node)] = _loc(self.path, node.start_mark)
+        self.value_locs[at] = loc
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, at)
         if isinstance(node, yaml.SequenceNode):
