@@ -148,30 +148,43 @@ def _sharded_hf_folder(folder: Path, preset: str = "tiny-qwen3", **config) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_second_run_saving_into_the_same_folder_is_refused_and_the_first_completes(tmp_path):
+    """The first run's rank 0 (the folder's holder) freezes itself before its second step
+    (``train:stop``): the second run tries while the first one certainly still holds the folder,
+    however fast its steps would be, and the first completes once it is resumed."""
     ck = tmp_path / "ck"
-    first = subprocess.Popen([sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "80",
-                              "--save", str(ck)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "3",
+                              "--save", str(ck)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PLANCC_FAULT": "train:stop@0#2"})
+    holder = None
     try:
-        deadline = time.monotonic() + 120
-        while not (_locked(ck) and (ck / ".lock").read_text().startswith("pid ")):  # rank 0 holds the folder
+        deadline = time.monotonic() + 240
+        while holder is None or not _stopped(holder):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            if holder is None and _locked(ck) and (ck / ".lock").read_text().startswith("pid "):
+                holder = int((ck / ".lock").read_text().split()[1])  # rank 0, its pid in the lock file
             time.sleep(0.2)
-        # The holder (rank 0, its pid in the lock file) is frozen while the second run tries:
-        # it still holds the folder however fast it would have finished its steps here.
-        holder = int((ck / ".lock").read_text().split()[1])
-        os.kill(holder, signal.SIGSTOP)
-        try:
-            code, out, err = run("apply", QWEN3, "--steps", 1, "--save", ck)
-        finally:
-            os.kill(holder, signal.SIGCONT)
+        assert _locked(ck)
+        code, out, err = run("apply", QWEN3, "--steps", 1, "--save", ck)
         assert code == 1 and "plancc apply:" not in out  # refused before any process started
-        assert f"{ck}: error: another run (pid " in err and "[checkpoint]" in err
+        assert f"{ck}: error: another run (pid {holder}) " in err and "[checkpoint]" in err
+        os.kill(holder, signal.SIGCONT)
         out, err = first.communicate(timeout=300)
     finally:
+        if holder is not None:
+            subprocess.run(["kill", "-CONT", str(holder)], check=False)
         first.kill()
     assert first.returncode == 0, err
-    assert checkpoint.find(ck).name == "step-000080"
-    assert checkpoint.read_info(checkpoint.find(ck)).step == 80
+    assert checkpoint.find(ck).name == "step-000003"
+    assert checkpoint.read_info(checkpoint.find(ck)).step == 3
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (state T in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 def _locked(folder: Path) -> bool:

@@ -10,8 +10,9 @@
   gathered for the rollout engine), ``send`` (before a bucket -- resharded: a transfer -- goes
   over a weight channel) or
   ``pack`` (before a bucket is packed for a colocated consumer)
-- ACTION: ``raise`` (an exception: a failing rank), ``kill`` (SIGKILL: a lost process) or,
-  at ``loss`` only, ``nan`` (the loss becomes NaN: a diverging run)
+- ACTION: ``raise`` (an exception: a failing rank), ``kill`` (SIGKILL: a lost process),
+  ``stop`` (SIGSTOP: a frozen process, as a stuck host or a debugger leaves it; SIGCONT resumes
+  it) or, at ``loss`` only, ``nan`` (the loss becomes NaN: a diverging run)
 - RANK: the global rank that fails; STEP (train, loss, gather, send, pack only): the 1-based
   step (gather, send, pack: the bucket; a resharded send: the transfer)
 
@@ -42,6 +43,8 @@ def inject(point: str, *, rank: int, step: int | None = None) -> None:
     for action, entry in _entries(point, rank, step):
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         if action == "raise":
             raise RuntimeError(
                 f"injected failure ({entry}) on rank {rank}" + (f" at step {step}" if step is not None else "")
