@@ -8,7 +8,9 @@ lie in the lower half of the vocabulary (a random model scores about 0.5; a trai
     plancc plot grpo.jsonl --out grpo.png
 
 The policy runs on ``--nproc`` ranks started by torch's elastic launcher (torchrun's machinery);
-the rollout engine is one more process (``--role rollout``). Each step:
+the rollout engine is one more process. All of them are forked from one server that imported
+torch, transformers and plancc once (a process started afresh imports them again: seconds of CPU
+each). Each step:
 
 1. the policy's rank 0 sends the weights over the channel (bucket by bucket); the rollout engine
    loads them (``load_state_dict`` of what arrives: the names are Hugging Face's);
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +109,7 @@ def _wait_for_file(path: str, timeout: float = 120.0) -> dict:
 
 LORA_TARGETS = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 
+
 # ----------------------------------------------------------------------------- policy
 def policy_rank(args) -> list[dict]:
     """One rank of the policy: the GRPO loop. Rank 0 returns the per-step metrics."""
@@ -173,7 +175,9 @@ def policy_rank(args) -> list[dict]:
         }
         history.append(row)
         if rank0:
-            print(f"step {step:>3}  reward {row['reward']:.3f}  kl {row['kl']:.5f}  loss {row['loss']:+.5f}", flush=True)
+            print(
+                f"step {step:>3}  reward {row['reward']:.3f}  kl {row['kl']:.5f}  loss {row['loss']:+.5f}", flush=True
+            )
     if channel is not None:
         channel.close()
     return history
@@ -201,16 +205,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rollout_entry(args_dict: dict) -> None:
+    code = rollout(argparse.Namespace(**args_dict))
+    if code:
+        raise SystemExit(code)
+
+
 def run(args) -> list[dict]:
     """The rollout process and the policy's ranks; the metrics of every step."""
+    import multiprocessing
+
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     folder = tempfile.mkdtemp(prefix="plancc-grpo-")
     args.port, args.manifest = _free_port(), os.path.join(folder, "manifest.json")
-    engine = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--role", "rollout", *_flags(args)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    forkserver = multiprocessing.get_context("forkserver")
+    # "__main__": this file, so that the server's children find _rollout_entry and _policy_entry
+    forkserver.set_forkserver_preload(["__main__", "torch", "transformers", "plancc", "plancc.models"])
+    engine = forkserver.Process(target=_rollout_entry, args=(vars(args),), name="rollout")
+    engine.start()
     try:
         config = LaunchConfig(
             min_nodes=1,
@@ -221,26 +234,20 @@ def run(args) -> list[dict]:
             rdzv_endpoint=f"127.0.0.1:{_free_port()}",
             max_restarts=0,
             monitor_interval=0.2,
-            start_method="spawn",
+            start_method="forkserver",
         )
         history = elastic_launch(config, _policy_entry)(vars(args))[0]
-        if engine.wait(timeout=120) != 0:
-            raise SystemExit(f"the rollout engine exited with {engine.returncode}")
+        engine.join(timeout=120)
+        if engine.exitcode != 0:
+            raise SystemExit(f"the rollout engine exited with {engine.exitcode}")
     finally:
-        engine.kill()
+        if engine.is_alive():
+            engine.kill()
     if args.metrics:
         with open(args.metrics, "w") as f:
             for row in history:
                 f.write(json.dumps(row) + "\n")
     return history
-
-
-def _flags(args) -> list[str]:
-    return [
-        f"--{k.replace('_', '-')}={v}"
-        for k, v in vars(args).items()
-        if k not in ("role", "metrics") and v is not None
-    ]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -257,16 +264,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.8, help="the sampler's, and so the log-probs'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics", default=None, help="one JSON line per step: reward, kl, loss")
-    parser.add_argument("--role", choices=["driver", "rollout"], default="driver")
-    parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--manifest", default=None)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.role == "rollout":
-        return rollout(args)
     history = run(args)
     first, last = history[: len(history) // 4 or 1], history[-(len(history) // 4 or 1) :]
     mean = lambda rows: sum(r["reward"] for r in rows) / len(rows)  # noqa: E731
