@@ -37,7 +37,8 @@ if _LOG:
 
     def _record():
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        record = {"argv": sys.argv[:2], "forked": os.getpid() != _pid0,
+        record = {"argv": [a[:200] for a in sys.argv[:3]], "forked": os.getpid() != _pid0,
+                  "pid": os.getpid(), "ppid": os.getppid(),
                   "cpu": usage.ru_utime + usage.ru_stime,
                   "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" (")[0]}
         try:
@@ -73,6 +74,7 @@ def kind(record: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (-n)")
+    parser.add_argument("--records", type=Path, help="also write every process's record (JSON lines) here")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as tmp:
@@ -97,6 +99,8 @@ def main() -> None:
         proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.monotonic() - start
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        if args.records is not None and log.exists():
+            args.records.write_text(log.read_text())
     print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else f"pytest exited {proc.returncode}")
     by_kind: dict[str, list[float]] = collections.defaultdict(list)
     by_file: dict[str, float] = collections.Counter()
