@@ -238,6 +238,8 @@ def run(args) -> list[dict]:
         )
         history = elastic_launch(config, _policy_entry)(vars(args))[0]
         engine.join(timeout=120)
+        if engine.exitcode is None:
+            raise SystemExit("the rollout engine did not finish within 120 s of the policy")
         if engine.exitcode != 0:
             raise SystemExit(f"the rollout engine exited with {engine.exitcode}")
     finally:
