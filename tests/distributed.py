@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,8 +37,6 @@ def _method_name(depth: int = 2) -> str:
     ``depth`` frames up, without its two ``inspect.stack()`` calls: they read the source of every
     frame on the stack, and a rendezvous records a dozen events. At the depth of a test in a
     pytest-xdist worker that was ~0.3-1 s of the worker's CPU a launch, ~150 launches a run."""
-    import sys
-
     try:
         return sys._getframe(depth).f_code.co_name
     except ValueError:  # the stack is not that deep
@@ -141,8 +140,6 @@ def _output_to(out: str, err: str) -> None:
 def _captured(fn, env: dict[str, str], log: str, args) -> None:
     """In a process forked from the server: ``fn(*args)`` with the test's environment, its output
     in ``log``, and the int it returns as the process's exit code."""
-    import sys
-
     import torch
 
     _take_env(env)
@@ -205,8 +202,6 @@ def _runner_rank(argv: list[str], env: dict[str, str], out_dir: str) -> None:
     ``main`` as its ``python -m`` would run it, with the launcher's environment, and this rank's
     stdout and stderr in files the launching test reads back (a forked rank writes to the
     forkserver's terminal otherwise)."""
-    import sys
-
     from plancc.job import runner
 
     _take_env(env)
@@ -228,8 +223,6 @@ def forked_ranks():
     ranks end. Tests of the launcher's own process handling (signals, a killed launcher or rank)
     start the real CLI instead (``run_cli``)."""
     import dataclasses
-    import sys
-
     import torch.distributed.run as torchrun
 
     _ensure_forkserver()  # before this test's TMPDIR is taken

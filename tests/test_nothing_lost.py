@@ -160,8 +160,9 @@ def test_a_second_run_saving_into_the_same_folder_is_refused_and_the_first_compl
         deadline = time.monotonic() + 240
         while holder is None or not _stopped(holder):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            if holder is None and _locked(ck) and (ck / ".lock").read_text().startswith("pid "):
-                holder = int((ck / ".lock").read_text().split()[1])  # rank 0, its pid in the lock file
+            said = (ck / ".lock").read_text() if holder is None and _locked(ck) else ""
+            if said.startswith("pid "):
+                holder = int(said.split()[1])  # rank 0, its pid in the lock file
             time.sleep(0.2)
         assert _locked(ck)
         code, out, err = run("apply", QWEN3, "--steps", 1, "--save", ck)
