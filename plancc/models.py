@@ -487,11 +487,21 @@ class _LargeAllocationsOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# The dtype a trained model's parameters (the optimizer's master weights) and its AdamW state
+# are held in, whatever ``config.dtype`` says: every real checkpoint says bfloat16, and
+# transformers builds in it when not told otherwise, so AdamW at an RL learning rate (1e-6 on
+# weights of scale 0.02) would round most updates away. Compute in bf16 comes from FSDP2's
+# ``MixedPrecisionPolicy(param_dtype=...)``, as in torchtitan and verl; an export writes the
+# config's own dtype again.
+MASTER_DTYPE = torch.float32
+
+
 def build_model(
     config: PretrainedConfig, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None
 ) -> nn.Module:
     """The causal-LM module of ``config``. With ``device="meta"`` parameters allocate
-    nothing (buffers are real, see ``parameters_on_meta``)."""
+    nothing (buffers are real, see ``parameters_on_meta``). ``dtype`` (e.g. ``MASTER_DTYPE``)
+    overrides ``config.dtype``; transformers then writes it into ``config``, so pass a copy."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype} if dtype else {}

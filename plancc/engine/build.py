@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
 from ..errors import Diagnostic, Severity, SourceLoc
-from ..models import build_model
+from ..models import MASTER_DTYPE, build_model
 from ..runtime.document_attention import enable_document_attention
 from ..runtime.lora import LoraSpec, adapters_of, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
@@ -34,7 +34,9 @@ def seeded_model(config: PretrainedConfig, seed: int) -> nn.Module:
     same weights on every device: what a ``Policy`` without a model folder starts from, and the
     unsharded reference it is verified against."""
     torch.manual_seed(seed)
-    return build_model(config, device="cpu")
+    # fp32 whatever the config's dtype (a seed means the same masters as a Policy's); a copy,
+    # since transformers writes the dtype it built with into the config
+    return build_model(copy.deepcopy(config), device="cpu", dtype=MASTER_DTYPE)
 
 
 def load_weights(model: nn.Module, source: str | None, config: PretrainedConfig, device: str, seed: int) -> str:
@@ -89,7 +91,9 @@ def build_parallel_model(
     lora: LoraSpec | None = None,
 ) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
-    model = build_model(copy.deepcopy(config), device="meta")  # its own config: cp changes it
+    # its own config (cp changes it; so does building at another dtype); fp32 masters whatever
+    # the config's dtype, the compute dtype is ``param_dtype`` (FSDP2's mixed precision)
+    model = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
     parallelize(model, plan, mesh, param_dtype=param_dtype, lora=lora)
     # packed documents attend one at a time, no [T, T] mask (cp's attention does the same itself)
     enable_document_attention(model)

@@ -33,7 +33,7 @@ from ..engine.build import seeded_model
 from ..engine.losses import token_nll
 from ..engine.policy import Policy
 from ..errors import quiet_logger
-from ..models import build_model, load_config
+from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.cp import load_balanced_indices
 from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
@@ -189,7 +189,7 @@ def build_pair(
     reference = seeded_model(config, seed).to(device)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     # A config of its own: cp switches the attention implementation on the model's config.
-    model = build_model(copy.deepcopy(config), device="meta")
+    model = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
     parallelize(model, plan, mesh, sequence_parallel=sequence_parallel, ep=ep)
     materialize(model, device, full_state_dict=state)
     return model, reference, config
@@ -272,7 +272,7 @@ def unsharded_reference(
     if folder is not None:
         from transformers import AutoModelForCausalLM
 
-        reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder)
+        reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder, dtype=MASTER_DTYPE)
         return reference.to(device)
     return seeded_model(copy.deepcopy(config), seed).to(device)
 
