@@ -647,7 +647,10 @@ def apply(
     worker: WorkerFlags,
     output: OutputFlags,
     model: ModelOpt = None,
-    steps: Annotated[int, typer.Option("--steps", min=0, help="optimizer steps to run")] = 5,
+    steps: Annotated[
+        int,
+        typer.Option("--steps", min=0, help="the run's total optimizer steps (with --resume: trains on to this step)"),
+    ] = 5,
     data: Annotated[Path | None, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
     batch_size: Annotated[
         int | None,
@@ -659,12 +662,14 @@ def apply(
     lr: Annotated[float, typer.Option("--lr", help="peak learning rate (AdamW, warmup then cosine)")] = 1e-3,
     schedule_steps: Annotated[
         int | None,
-        typer.Option("--schedule-steps", min=1, help="LR schedule horizon (set it when a run will be resumed)"),
+        typer.Option("--schedule-steps", min=1, help="LR schedule horizon (default: --steps)"),
     ] = None,
     param_dtype: Annotated[
         str | None,
         typer.Option(
-            "--param-dtype", help="FSDP mixed precision for compute, e.g. bfloat16 (master weights stay fp32)"
+            "--param-dtype",
+            help="compute dtype (FSDP mixed precision), e.g. bfloat16; default fp32. Master weights and "
+            "AdamW state are fp32 whatever the model's dtype",
         ),
     ] = None,
     micro_batch_size: Annotated[

@@ -150,7 +150,7 @@ def tiny_checkpoint(tmp_path_factory):
     def make(root):
         code, _, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--save", root / "ck")
         assert code == 0, err
-        code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 2, "--resume", root / "ck")
+        code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 4, "--resume", root / "ck")
         assert code == 0, err
         assert "resumed from step 2" in out
         return step_losses(out)

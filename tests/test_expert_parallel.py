@@ -51,7 +51,7 @@ def test_a_checkpoint_saved_with_ep_resumes_without_it_step_for_step(tmp_path):
                              "--save-every", "2", "--metrics", tmp_path / "ep.jsonl")
     assert code == 0, err
     # from step 2 at tp=2 (experts over tp only): DCP reshards the experts' weights and moments
-    code, out, err = forked_cli("apply", *common, "--tp", "2", "--steps", "1", "--resume", tmp_path / "ck" / "step-000002",
+    code, out, err = forked_cli("apply", *common, "--tp", "2", "--steps", "3", "--resume", tmp_path / "ck" / "step-000002",
                              "--metrics", tmp_path / "tp.jsonl")
     assert code == 0, err
     assert "saved at dp=2 cp=1 tp=1 ep=2" in out + err

@@ -83,7 +83,7 @@ def copy_of(good, tmp_path) -> Path:
 
 
 def resumes_exactly(ck: Path, good) -> None:
-    code, out, err = forked_cli("apply", QWEN3, "--steps", 2, "--resume", ck)
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 4, "--resume", ck)
     assert code == 0, err
     assert "resumed from step 2" in out
     assert losses(out) == good[1]  # bitwise: the same floats printed
@@ -99,14 +99,15 @@ def resumes_exactly(ck: Path, good) -> None:
 ])
 def test_a_crash_at_any_point_of_a_save_keeps_a_checkpoint_that_resumes_bitwise(good, tmp_path, fault, steps):
     ck = copy_of(good, tmp_path)
-    code, _, err = run("apply", QWEN3, "--steps", steps, "--resume", ck, "--save", ck, env={"PLANCC_FAULT": fault})
+    code, _, err = run("apply", QWEN3, "--steps", 2 + steps, "--schedule-steps", 4, "--resume", ck, "--save", ck,
+                       env={"PLANCC_FAULT": fault})
     assert code == 1 and "SIGKILL" in err
     assert no_workers_within(10)
     if checkpoint.read_info(checkpoint.find(ck)).step == 2:  # step-000002, or its copy moved aside
         resumes_exactly(ck, good)
     else:  # step 3 was complete before the crash: resuming it continues the same run
         assert fault == "latest:kill@0"
-        code, out, err = run("apply", QWEN3, "--steps", 1, "--resume", ck)
+        code, out, err = run("apply", QWEN3, "--steps", 4, "--resume", ck)
         assert code == 0 and "resumed from step 3" in out, err
         assert losses(out) == good[1][1:]
 
@@ -122,7 +123,7 @@ def test_a_planted_link_is_never_followed_and_an_old_export_is_replaced_whole(go
     (ck / "latest").symlink_to(victim)
     export = tmp_path / "export"
     _sharded_hf_folder(export)
-    code, out, err = forked_cli("apply", QWEN3, "--steps", 1, "--resume", ck, "--save", ck, "--export-hf", export)
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 3, "--resume", ck, "--save", ck, "--export-hf", export)
     assert code == 0, err
     assert victim.read_text() == "precious\n"
     assert (ck / "latest").read_text().strip() == "step-000003" and not (ck / "latest").is_symlink()
@@ -305,7 +306,7 @@ def test_load_hf_weights_refuses_a_missing_tensor_on_every_rank_in_a_users_own_l
 def test_a_run_that_goes_non_finite_stops_at_that_step_and_keeps_the_last_checkpoint(good, tmp_path):
     ck = copy_of(good, tmp_path)
     before = snapshot(ck)
-    code, out, err = run("apply", QWEN3, "--steps", 3, "--resume", ck, "--save", ck,
+    code, out, err = run("apply", QWEN3, "--steps", 5, "--resume", ck, "--save", ck,
                          env={"PLANCC_FAULT": "loss:nan@0#4"})
     assert code == 1
     (line,) = [x for x in err.splitlines() if "[non-finite]" in x]
@@ -426,7 +427,7 @@ def test_a_disk_that_fills_during_save_is_one_line_and_the_last_checkpoint_survi
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
-    code, _, err = run("apply", QWEN3, "--steps", 1, "--resume", ck, "--save", ck, preexec_fn=small_disk)
+    code, _, err = run("apply", QWEN3, "--steps", 3, "--resume", ck, "--save", ck, preexec_fn=small_disk)
     assert code == 1
     (line,) = [x for x in err.splitlines() if "[checkpoint]" in x]
     assert "saving step 3 failed" in line and "File too large" in line

@@ -245,12 +245,12 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, t
 
     ck = tmp_path / "ck"
     shutil.copytree(tiny_checkpoint[0], ck)
-    code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 1, "--resume", ck, "--save", ck,
+    code, _, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--resume", ck, "--save", ck,
                               env={"PLANCC_FAULT": "save:kill@0"})
     assert code == 1 and "SIGKILL" in err
     assert (ck / "latest").read_text().strip() == "step-000002"
     assert not (ck / "step-000003").exists()
-    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 1, "--resume", ck)
+    code, out, err = plancc_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--resume", ck)
     assert code == 0, err
     assert "resumed from step 2" in out
 

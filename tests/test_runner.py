@@ -68,9 +68,30 @@ def six_steps_at_tp2(tmp_path_factory):
     stdout, the checkpoint folder, the exported folder). One launch serves the tests below."""
     root = tmp_path_factory.mktemp("six-steps")
     code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2, "--save", root / "ck",
-                                "--save-every", 3, "--keep", 2, "--export-hf", root / "out")
+                                "--save-every", 3, "--keep", 2, "--export-hf", root / "out",
+                                "--metrics", root / "straight.jsonl")
     assert code == 0, err
     return out, root / "ck", root / "out"
+
+
+def _metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_same_command_plus_resume_is_the_uninterrupted_run_step_for_step(six_steps_at_tp2, tmp_path):
+    """--steps is the run's total (HF Trainer's max_steps): the run stopped after step 3 and
+    started again with the same command plus --resume trains steps 4-6 at the learning rates
+    and with the losses of the run that was never stopped."""
+    _, ck, _ = six_steps_at_tp2
+    straight = _metrics(ck.parent / "straight.jsonl")
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 2, "--resume", ck / "step-000003",
+                                "--metrics", tmp_path / "resumed.jsonl")
+    assert code == 0, err
+    assert "resumed from step 3" in out and "training to step 6" in out and "note:" not in out
+    resumed = _metrics(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in straight[3:]]  # every step's rate, exactly
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[3:]], abs=1e-6)
 
 
 def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(six_steps_at_tp2):
@@ -79,7 +100,7 @@ def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(six_steps_at_tp2):
     # back to the checkpoint of step 3 (without 'latest', resume takes the newest complete step)
     shutil.rmtree(ck / "step-000006")
     (ck / "latest").unlink()
-    code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--resume", ck)
+    code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 1, "--resume", ck)
     assert code == 0, err
     assert "resumed from step 3 (saved at dp=1 cp=1 tp=2)" in resumed and "dp=2 cp=1 tp=1" in resumed
     assert losses(resumed) == pytest.approx(losses(straight)[3:], rel=1e-5)
@@ -91,11 +112,14 @@ def test_a_resumed_run_takes_its_learning_rate_from_lr_at_the_schedules_restored
     from plancc.job.runner import lr_lambda
 
     _, ck, _ = six_steps_at_tp2
-    code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--tp", 1, "--lr", "2e-3",
+    code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 1, "--lr", "2e-3",
                                     "--resume", ck / "step-000003")
     assert code == 0, err
     rates = [float(line.split(" lr ")[1].split()[0]) for line in resumed.splitlines() if line.startswith("step ")]
     assert rates == pytest.approx([2e-3 * lr_lambda(s, warmup=1, total=6) for s in (3, 4, 5)], rel=1e-2)
+    # a resume that changes what fixes the rate says so, in one line
+    (note,) = [line for line in resumed.splitlines() if line.startswith("note:")]
+    assert "--lr 0.001 -> 0.002" in note
 
 
 def test_resuming_another_architecture_is_a_clear_error(tiny_checkpoint):

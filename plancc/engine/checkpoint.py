@@ -73,6 +73,10 @@ class CheckpointInfo:
     parameters: dict[str, list[int]] = field(default_factory=dict)
     # the LR schedule's counters (plancc.Policy with an lr_scheduler; absent before plancc 0.4)
     schedule: dict[str, Any] = field(default_factory=dict)
+    # the run's settings that fix its learning rate (``plancc apply``'s total steps, warmup,
+    # horizon, lr), so a resume with other ones says so; absent before plancc 0.5 and for a
+    # caller's own loop unless it passes ``Policy.save(run=...)``
+    run: dict[str, Any] = field(default_factory=dict)
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -380,8 +384,9 @@ def _info_problem(info: CheckpointInfo) -> str | None:
         isinstance(k, str) and isinstance(v, list) and all(_is_int(d, 0) for d in v) for k, v in shapes.items()
     ):
         return "has 'parameters' that are not a mapping of names to shapes"
-    if not isinstance(info.schedule, dict):
-        return f"has a 'schedule' of {type(info.schedule).__name__}, not a mapping"
+    for name in ("schedule", "run"):
+        if not isinstance(getattr(info, name), dict):
+            return f"has a {name!r} of {type(getattr(info, name)).__name__}, not a mapping"
     return None
 
 

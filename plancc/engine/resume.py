@@ -26,6 +26,7 @@ def save_state(
     config: PretrainedConfig,
     plan: str,
     layout: Layout,
+    run: Mapping[str, Any] | None = None,
 ) -> Path:
     """A DCP checkpoint of the model, optimizer and schedule at ``step`` (atomic; loadable at
     another layout). Returns the step folder. The caller reshards the model first."""
@@ -40,6 +41,7 @@ def save_state(
         ep=layout.ep,
         parameters=checkpoint.parameter_shapes(model),
         schedule=schedule_state(scheduler),
+        run=dict(run or {}),
     )
     return checkpoint.save(folder, model, optimizer, info)
 

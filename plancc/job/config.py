@@ -41,7 +41,7 @@ class RunConfig:
     seq_len: int = 32
     lr: float = 1e-3
     warmup_steps: int = 1
-    schedule_steps: int | None = None  # LR schedule horizon; default: resumed step + steps
+    schedule_steps: int | None = None  # LR schedule horizon; default: steps (the run's total)
     max_grad_norm: float = 1.0
     seed: int = 0
     save: str | None = None

@@ -152,16 +152,30 @@ class _Trainer:
 
     def resume(self) -> None:
         """Continue from --resume: weights, optimizer state and the schedule's position
-        (``Policy.load``); the base learning rate is this run's --lr."""
+        (``Policy.load``); the base learning rate is this run's --lr. --steps is the run's total
+        (as torchtitan's ``training.steps`` and HF Trainer's ``max_steps``): the same command
+        plus --resume ends where the uninterrupted run ends, on the same schedule."""
         if self.cfg.resume:
             info = self.policy.load(self.cfg.resume)
             self.start = self.done = info.step
             experts = f" ep={info.ep}" if info.ep > 1 else ""
-            log(f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp}{experts})")
+            log(
+                f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp}{experts}); "
+                f"training to step {self.total}"
+            )
+            changed = schedule_changes(info.run, run_settings(self.cfg))
+            if changed:
+                log(f"note: this run's {changed}: the learning rate follows this run's schedule from step {info.step}")
+            if info.step >= self.total:
+                log(f"note: the checkpoint is at step {info.step}, --steps {self.total}: nothing left to train")
 
     @property
     def total(self) -> int:
-        return self.start + self.cfg.steps
+        return self.cfg.steps
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.total - self.start)
 
     def step(self, step: int, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """One optimizer step on this rank's slice of the global batch; its metrics."""
@@ -195,9 +209,9 @@ class _Trainer:
 
     def run(self) -> list[dict[str, float]]:
         device, history = self.job.device, []
-        progress = RunProgress(self.cfg.steps)
+        progress = RunProgress(self.remaining)
         metrics = MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard)
-        batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.cfg.steps)
+        batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
         try:
             for step, (ids, mask) in enumerate(batches, start=self.start):
                 self.interrupted = StopRequest.agreed(device)
@@ -225,7 +239,7 @@ class _Trainer:
         schedule included), then the oldest beyond --keep removed. Collective."""
         if not self.cfg.save or self.last_checkpoint == self.done:
             return
-        path = self.policy.save(self.cfg.save)
+        path = self.policy.save(self.cfg.save, run=run_settings(self.cfg))
         self.last_checkpoint = self.done
         if self.cfg.keep and dist.get_rank() == 0:
             checkpoint.prune(self.cfg.save, keep=self.cfg.keep)
@@ -289,11 +303,32 @@ def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
     return lock
 
 
+def run_settings(cfg: RunConfig) -> dict[str, Any]:
+    """What of a run fixes its learning rate at every step: kept in each checkpoint, so that a
+    resume with other settings says so (``schedule_changes``)."""
+    return {
+        "steps": cfg.steps,
+        "warmup_steps": cfg.warmup_steps,
+        "schedule_steps": cfg.schedule_steps or cfg.steps,
+        "lr": cfg.lr,
+    }
+
+
+def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """One line naming each setting a resumed run changed (``--steps 200 -> 300``), or "" when
+    none did or the checkpoint kept none (a ``Policy.save`` of the caller's own loop)."""
+    flags = {"steps": "--steps", "warmup_steps": "warmup steps", "schedule_steps": "--schedule-steps", "lr": "--lr"}
+    changed = [
+        f"{flag} {saved[key]} -> {now[key]}" for key, flag in flags.items() if key in saved and saved[key] != now[key]
+    ]
+    return ", ".join(changed)
+
+
 def _schedule(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
-    """Warmup, then cosine to 10% over --schedule-steps (default: the steps this run ends at),
-    as a function of the global step: ``Policy.load`` restores the position on --resume."""
-    start = checkpoint.read_info(checkpoint.find(cfg.resume)).step if cfg.resume else 0
-    schedule = partial(lr_lambda, warmup=cfg.warmup_steps, total=cfg.schedule_steps or start + cfg.steps)
+    """Warmup, then cosine to 10% over --schedule-steps (default: --steps, the run's total), as
+    a function of the global step: ``Policy.load`` restores the position on --resume, so a
+    resumed run's rate at every step is the uninterrupted run's."""
+    schedule = partial(lr_lambda, warmup=cfg.warmup_steps, total=cfg.schedule_steps or cfg.steps)
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
