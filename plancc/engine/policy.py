@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.T
 TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], Any]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +245,8 @@ class Policy:
         Returns ``loss`` (of the global batch), ``grad_norm`` (before clipping), ``lr`` (the one
         this step used), ``tokens`` and ``sequences`` (the global normalizers), ``microbatches``
         (per rank), ``seconds``, and each of the loss's own metrics summed over the microbatches
-        of every dp rank.
+        of every dp rank, by name: a metric some ranks' loss does not give (``if clipped.any():
+        m["clip_frac"] = ...``) counts 0 on those (``agreed_names``).
         """
         self._require_onloaded("train")
         check_temperature(temperature)
@@ -280,9 +283,9 @@ class Policy:
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
             # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
             shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
-            not_finite, reduced = self._settle(refused, finite, [loss_sum, *sums.values()], shares)
+            not_finite, loss_total, metric_sums = self._settle(refused, finite, loss_sum, sums, shares)
             if not_finite or not math.isfinite(grad_norm):
-                self._raise_non_finite(finite, reduced[0], grad_norm)
+                self._raise_non_finite(finite, loss_total, grad_norm)
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
@@ -295,14 +298,14 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
-            "loss": reduced[0],
+            "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": norm.tokens,
             "sequences": norm.sequences,
             "microbatches": float(len(plan)),
             "seconds": time.perf_counter() - started,
-            **dict(zip(sums, reduced[1:], strict=True)),
+            **metric_sums,
         }
 
     def _loss_pass(
@@ -506,9 +509,10 @@ class Policy:
         self._memory.onload()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None) -> Path:
         """A DCP checkpoint of the model, optimizer and schedule (atomic; loadable at another
-        layout). Returns the step folder."""
+        layout). Returns the step folder. ``run``: JSON settings of the caller's run kept beside
+        it (``load``'s ``CheckpointInfo.run``), e.g. the total steps a resume must reach."""
         self._require_onloaded("save")
         shards.reshard(self.model)
         return save_state(
@@ -520,6 +524,7 @@ class Policy:
             config=self.config,
             plan=self.plan.name,
             layout=self.layout,
+            run=run,
         )
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
@@ -567,18 +572,23 @@ class Policy:
             plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
             token_mask, sample_mask = on_device.get("token_mask"), on_device.get("sample_mask")
             weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
-            # the same rows give the same numbers (int64 sums, then float64 for one gather)
+            # the same rows give the same numbers: int64 sums (wrapping is fine for a
+            # fingerprint), kept below 2^52 so that float64 holds them exactly, each converted
+            # on its own -- stacked with a float mask's sum they would be promoted to float32
+            # and the "different rows" check below would stop seeing differences
             mine[1:] = torch.stack(
                 [
-                    torch.tensor(ids.shape[0], device=self.device),
-                    (ids.long() * weights).sum(),
-                    (mask.long() * weights).sum(),
-                    torch.tensor(ids.shape[1], device=self.device),
-                    (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
-                    sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=self.device),
-                    torch.tensor(len(plan), device=self.device),
+                    torch.tensor(ids.shape[0], device=self.device, dtype=torch.float64),
+                    ((ids.long() * weights).sum() % FINGERPRINT_MODULUS).to(torch.float64),
+                    ((mask.long() * weights).sum() % FINGERPRINT_MODULUS).to(torch.float64),
+                    torch.tensor(ids.shape[1], device=self.device, dtype=torch.float64),
+                    (token_mask if token_mask is not None else default_token_mask(mask)).sum().to(torch.float64),
+                    sample_mask.sum().to(torch.float64)
+                    if sample_mask is not None
+                    else torch.tensor(ids.shape[0], device=self.device, dtype=torch.float64),
+                    torch.tensor(len(plan), device=self.device, dtype=torch.float64),
                 ]
-            ).to(torch.float64)
+            )
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         verdicts = torch.stack(every).tolist()
@@ -641,22 +651,34 @@ class Policy:
         return result
 
     def _settle(
-        self, refused: str, finite: list[torch.Tensor], values: Sequence[torch.Tensor | float], shares: int
-    ) -> tuple[bool, list[float]]:
-        """After the last backward, one all-reduce over every rank for all of it: whether any
-        rank refused a microbatch's loss (then every rank raises the first rank's refusal, its
-        words gathered only now), whether any rank's loss was not finite, and ``values`` summed
-        over the ``shares`` of the global batch (every other rank holds a copy of one)."""
-        flags = [float(bool(refused)), (~torch.stack(finite)).any()]
-        t = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in [*flags, *values]]
-        )
-        dist.all_reduce(t)
-        out = t.tolist()
+        self,
+        refused: str,
+        finite: list[torch.Tensor],
+        loss: torch.Tensor,
+        metrics: Mapping[str, torch.Tensor | float],
+        shares: int,
+    ) -> tuple[bool, float, dict[str, float]]:
+        """After the last backward: (whether any rank's loss was not finite, the loss and the
+        metrics summed over the ``shares`` of the global batch; every other rank holds a copy of
+        one). First one fixed-size all-reduce of the verdicts -- whether any rank refused a
+        microbatch's loss (then every rank raises the first rank's refusal, before any metric is
+        reduced) -- and of the metric names' fingerprint (``agreed_names``); then one all-reduce
+        of the loss and each metric by name, sorted, 0 where a rank's loss gave no such metric."""
+        names = sorted(metrics)
+        header = torch.tensor([float(bool(refused)), 0.0, *name_fingerprint(names)], dtype=torch.float64)
+        header[1] = float((~torch.stack(finite)).any())
+        header = header.to(self.device)
+        dist.all_reduce(header)
+        out = header.tolist()
         if out[0]:
             self._agree(partial(_raise_if, refused))
+        names = agreed_names(names, out[2:])
+        values = [loss, *(metrics.get(name, 0.0) for name in names)]
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in values])
+        dist.all_reduce(t)
         copies = dist.get_world_size() // shares
-        return out[1] > 0, [v / copies for v in out[2:]]
+        reduced = [v / copies for v in t.tolist()]
+        return out[1] > 0, reduced[0], dict(zip(names, reduced[1:], strict=True))
 
     def _raise_non_finite(self, finite: list[torch.Tensor], loss: float, grad_norm: float) -> None:
         """A ``NonFiniteError`` on every rank (each calls it: the verdict was reduced), naming
@@ -732,6 +754,31 @@ class _TokenTerms:
                 return loss
         # nothing, with a finite gradient of 0 (a log-prob may be -inf)
         return torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)).sum() * 0
+
+
+def name_fingerprint(names: Sequence[str]) -> list[float]:
+    """``[n, n^2, a, a^2, b, b^2]`` of a sorted list of metric names (``a``, ``b``: two 20-bit
+    checksums of them): summed over the ranks, these say whether every rank has the same list
+    (``agreed_names``). Exact in float64 for up to 2^12 ranks."""
+    text = "\0".join(names).encode()
+    parts = [len(names), zlib.crc32(text) & 0xFFFFF, zlib.adler32(text) & 0xFFFFF]
+    return [float(v) for part in parts for v in (part, part * part)]
+
+
+def agreed_names(names: list[str], summed: Sequence[float]) -> list[str]:
+    """Collective: the metric names every rank reduces, in one order. When each rank's list is
+    the same (the sums of ``name_fingerprint`` say so: ``sum(x)^2 == world * sum(x^2)`` holds
+    only when every rank's ``x`` is equal), its own list; otherwise -- a metric a loss gives
+    only on some ranks, ``if clipped.any(): m["clip_frac"] = ...`` -- the sorted union, gathered
+    (a name a rank lacks counts 0 there). Never a reduction of tensors of different lengths, or
+    of the same names in another order."""
+    world = dist.get_world_size()
+    pairs = [(round(summed[i]), round(summed[i + 1])) for i in range(0, len(summed), 2)]
+    if all(total * total == world * squares for total, squares in pairs):
+        return names
+    every: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(every, names)
+    return sorted({name for own in every for name in own})
 
 
 def _raise_if(problem: str) -> None:

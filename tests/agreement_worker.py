@@ -1,0 +1,58 @@
+"""Rank functions for tests/test_agreement.py: what every rank of a step must agree on."""
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 256
+
+
+def _global_batch(rows=4, seq=10):
+    ids = torch.randint(0, VOCAB // 2, (rows, seq), generator=torch.Generator().manual_seed(5))
+    ids[3, 1] = VOCAB - 1  # one "big" row, in dp rank 1's half only
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _loss_with_uneven_metrics(lp, mb, norm):
+    """An NLL whose metrics differ in name and order by rank: ``big_rows`` only where a row holds
+    a token >= VOCAB / 2 (data-dependent: a clip fraction reported only when something clipped),
+    and two metrics inserted in an order that depends on the rank."""
+    mask = mb["attention_mask"].clone()
+    mask[:, 0] = 0
+    metrics = {}
+    big = (mb["input_ids"] >= VOCAB // 2).any(1)
+    if big.any():
+        metrics["big_rows"] = big.sum().float()
+    rows = float(mb["input_ids"].shape[0])
+    pairs = [("z_rows", rows), ("a_twice_rows", 2 * rows)]
+    for key, value in pairs if dist.get_rank() % 2 else reversed(pairs):
+        metrics[key] = value
+    return -(lp * mask).sum() / norm.tokens, metrics
+
+
+def uneven_metric_names(plan, model_name, layouts):
+    """For each layout: the metrics one step reports with a loss whose metric names differ by
+    rank; and whether tp ranks given rows that differ in one token (a float token mask beside
+    them) are told so."""
+    from plancc import Policy
+    from plancc.engine.batches import BatchError
+
+    out = {}
+    batch = _global_batch()
+    for layout in layouts:
+        policy = Policy(plan, model_name, device="cpu", **layout)
+        rows = policy.slice_of(batch["input_ids"].shape[0])
+        mine = {k: v[rows] for k, v in batch.items()}
+        row = policy.train(mine, _loss_with_uneven_metrics, micro_batch_size=1)
+        out[str(layout)] = {k: row.get(k) for k in ("big_rows", "z_rows", "a_twice_rows")}
+        if layout.get("tp", 1) > 1:
+            ids = mine["input_ids"].clone()
+            if dist.get_rank() == 1:
+                ids[0, 1] += 1  # one token, near the start: a small term of a large sum
+            token_mask = torch.ones_like(ids, dtype=torch.float32)
+            token_mask[:, 0] = 0
+            try:
+                policy.logprobs({**mine, "input_ids": ids, "token_mask": token_mask})
+                out["different_rows"] = "accepted"
+            except BatchError as exc:
+                out["different_rows"] = str(exc)
+    return out
