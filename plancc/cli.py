@@ -711,12 +711,15 @@ def apply(
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
         batch_size = chosen.dp * -(-4 // chosen.dp)
     lora = _lora_flags(plan_path, report, chosen, fmt, r=lora_r, alpha=lora_alpha, targets=lora_targets)
-    if (lora is not None or report.plan.lora) and worker.verify:
-        _usage_error(
-            "--verify compares full fine-tuning with the unsharded model; it does not run with LoRA yet",
-            fmt,
-            fix="drop --verify (tests/test_lora.py checks LoRA against the unsharded PEFT model at every layout)",
+    if worker.verify:
+        from .job.verify import unverifiable
+
+        outputs = {"--save": output.save, "--export-hf": output.export_hf}
+        why = unverifiable(
+            lora=lora is not None or report.plan.lora is not None, param_dtype=param_dtype, outputs=outputs
         )
+        if why:
+            _usage_error(why, fmt, fix="drop --verify, or the flags it names (verify first, then run with them)")
     cfg = RunConfig(
         plan=str(plan_path),
         layout=chosen,

@@ -126,9 +126,11 @@ def test_apply_trains_lora_adapters_from_the_flags(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").is_file()  # merged: the base model's names
 
 
-def test_adapters_take_the_dtype_of_their_base_layer(one_rank):
-    """A config whose weights are bf16 (as Qwen3's presets say) gets bf16 adapters: fp32 ones
-    failed the first matmul ("expected m1 and m2 to have the same dtype")."""
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
+def test_adapters_take_the_dtype_of_their_base_layer(one_rank, param_dtype):
+    """A config whose weights are bf16 (as Qwen3's presets say): the base's masters are fp32
+    (tests/test_master_weights.py) and so are the adapters (bf16 adapters on an fp32 base failed
+    the first matmul, "expected m1 and m2 to have the same dtype"); bf16 compute casts both."""
     import torch
 
     import plancc
@@ -136,8 +138,11 @@ def test_adapters_take_the_dtype_of_their_base_layer(one_rank):
 
     config = load_config("tiny-qwen3")
     config.dtype = torch.bfloat16
-    policy = plancc.Policy("plans/qwen3.yaml", config, device="cpu", lora={"r": 4, "targets": TARGETS})
+    policy = plancc.Policy(
+        "plans/qwen3.yaml", config, device="cpu", lora={"r": 4, "targets": TARGETS}, param_dtype=param_dtype
+    )
     adapters = [p for n, p in policy.model.named_parameters() if ".lora_" in n]
-    assert adapters and {p.dtype for p in adapters} == {torch.bfloat16}
+    base = [p for n, p in policy.model.named_parameters() if ".lora_" not in n]
+    assert adapters and {p.dtype for p in adapters} == {p.dtype for p in base} == {torch.float32}
     batch = {"input_ids": torch.randint(0, 200, (2, 12)), "attention_mask": torch.ones(2, 12, dtype=torch.long)}
     assert torch.isfinite(torch.tensor(policy.train(batch, lambda lp, mb, n: -lp.sum() / n.tokens)["loss"]))

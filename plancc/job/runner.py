@@ -402,9 +402,15 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
+def _cutting(cfg: RunConfig) -> list[tuple[str, Any]]:
+    return [("--micro-batch-size", cfg.micro_batch_size), ("--max-tokens", cfg.max_tokens), ("--pack", cfg.pack)]
+
+
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
-    batches = list(_batches(cfg, job.dataset, job.config.vocab_size, 0, cfg.steps + 1))
+    # a resumed run's next batches are those after its checkpoint's step
+    start = checkpoint.read_info(checkpoint.find(cfg.resume)).step if cfg.resume else 0
+    batches = list(_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.steps + 1))
     with diagnosed("verify", fallback=SourceLoc(path=cfg.plan)):
         report = verify_against_unsharded(
             job.plan,
@@ -419,11 +425,18 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
             micro_batch_size=cfg.micro_batch_size,
             max_tokens=cfg.max_tokens,
             pack=cfg.pack,
+            weights=cfg.model if from_folder(cfg.model) else None,
+            resume=cfg.resume,
         )
     flags = torch.tensor([int(within_tolerance(report))], device=job.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     ok = bool(flags.item())
     log(f"verify {job.plan.name} on {job.model_name} ({job.layout.describe()}) against the unsharded model:")
+    cuts = [flag if value is True else f"{flag} {value}" for flag, value in _cutting(cfg) if value]
+    log(
+        f"  both from {report.weights} (the unsharded loss on the first batch {report.first_loss:.6f}); "
+        f"the sharded run cut as apply cuts it ({', '.join(cuts) or 'one pass'})"
+    )
     if report.dropout_off:
         log(f"  dropout off in both models for the comparison ({', '.join(report.dropout_off)})")
     log(

@@ -23,6 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import PretrainedConfig
 
@@ -39,6 +45,7 @@ from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, parallel_mesh
 from ..runtime.parallelize import parallelize
+from ..runtime.weights import load_hf_weights
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,6 +66,9 @@ class VerifyReport:
     # the sharded model's worst gradient against fp64 (0: not measured)
     grad_exact_rel: float = 0.0
     dropout_off: list[str] = field(default_factory=list)  # config fields set to 0 for the comparison
+    # where both models' weights came from: the seeded init, a folder's safetensors, a checkpoint
+    weights: str = ""
+    first_loss: float = 0.0  # the unsharded model's loss on the first batch (what the weights give)
 
     def tolerance(self, key: str) -> float:
         """The bar for ``key`` of TOLERANCES: the fp32 one, or twice fp32's own error."""
@@ -130,6 +140,24 @@ def _replicas_identical(model: torch.nn.Module, mesh: MeshLike) -> bool:
         dist.all_gather(gathered, local, group=group)
         ok &= all(torch.equal(g, gathered[0]) for g in gathered)
     return ok
+
+
+def unverifiable(*, lora: bool, param_dtype: str | None, outputs: dict[str, Any]) -> str | None:
+    """Why ``--verify`` cannot check the run these flags ask for (None: it can). It checks the
+    run the user asked for -- the model folder's weights, the checkpoint of ``--resume``, the
+    microbatching -- and refuses what it would otherwise drop: LoRA, a compute dtype other than
+    fp32 (the reference's bars are fp32's), and outputs a verification does not write."""
+    if lora:
+        return "--verify compares full fine-tuning with the unsharded model; it does not run with LoRA yet"
+    if param_dtype is not None:
+        return (
+            f"--verify compares in fp32 against fp32 bars (1e-5); it does not check --param-dtype {param_dtype} "
+            "compute (tests/test_master_weights.py checks bf16 compute keeps fp32 masters)"
+        )
+    written = [flag for flag, value in outputs.items() if value]
+    if written:
+        return f"--verify trains a comparison and writes nothing: {', '.join(written)} would be ignored"
+    return None
 
 
 def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[str]]:
@@ -272,7 +300,9 @@ def unsharded_reference(
     if folder is not None:
         from transformers import AutoModelForCausalLM
 
-        reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder, dtype=MASTER_DTYPE)
+        reference: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            folder, config=copy.deepcopy(config), dtype=MASTER_DTYPE
+        )
         return reference.to(device)
     return seeded_model(copy.deepcopy(config), seed).to(device)
 
@@ -295,11 +325,17 @@ def verify_against_unsharded(
     micro_batch_size: int | None = None,
     max_tokens: int | None = None,
     pack: bool = False,
+    weights: str | None = None,
+    resume: str | None = None,
 ) -> VerifyReport:
     """Train a ``plancc.Policy`` of the plan (what ``plancc apply`` runs: the same loss,
     microbatching, clipping and AdamW) and the unsharded model on the whole batch side by side
     for ``steps`` steps, and compare: logits, loss and every (clipped) gradient at the first
-    step, the loss after each."""
+    step, the loss after each.
+
+    Both start from the weights the run would: the seeded init, or ``weights`` (a Hugging Face
+    folder's safetensors), or the checkpoint ``resume`` names -- then the optimizer's state too,
+    so the steps compared are the resumed run's."""
     config, dropped = without_dropout(load_config(model_spec))
     mesh = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
     policy = Policy(
@@ -311,7 +347,25 @@ def verify_against_unsharded(
         seed=seed,
         device=device,
     )
+    source = policy.weight_source
+    if weights is not None:
+        load_hf_weights(policy.model, weights)
+        source = f"safetensors from {weights}"
+    ref_opt_state = None
+    if resume is not None:
+        info = policy.load(resume)
+        source = f"the checkpoint of step {info.step} in {resume}"
+        # a copy: a full state dict may hold the optimizer's own tensors (AdamW's step counts
+        # always; a shard that is the whole tensor too), which both optimizers would then advance
+        ref_opt_state = copy.deepcopy(
+            get_optimizer_state_dict(policy.model, policy.optimizer, options=StateDictOptions(full_state_dict=True))
+        )
     reference = unsharded_reference(config, seed=seed, device=device)
+    if weights is not None or resume is not None:  # the policy's own weights, whole, on every rank
+        with quiet_logger("torch.distributed.tensor"):
+            state = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True))
+        reference.load_state_dict({k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)})
+        del state
     reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
     if batches is None:
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)
@@ -320,9 +374,17 @@ def verify_against_unsharded(
     local_index = (
         load_balanced_indices(batches[0][0].shape[1], cp, mesh["cp"].get_local_rank()).to(device) if cp > 1 else None
     )
-    report = VerifyReport(dropout_off=dropped)
+    report = VerifyReport(dropout_off=dropped, weights=source)
     first = _FirstGradients(policy)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    if ref_opt_state is not None:  # the resumed moments and step counts, as the policy's
+        for group in ref_opt.param_groups:  # the keys the policy's groups have (Policy.load sets it)
+            group.setdefault("initial_lr", lr)
+        set_optimizer_state_dict(
+            reference, ref_opt, ref_opt_state, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+        for group in ref_opt.param_groups:  # this run's rate, as Policy.load keeps it
+            group["lr"] = lr
     for step, (ids, mask) in enumerate(batches[: steps + 1]):
         ids, mask = ids.to(device), mask.to(device)
         ref_full = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -345,6 +407,7 @@ def verify_against_unsharded(
         )
         if step == 0:
             report.loss_abs = abs(row["loss"] - ref_loss.item())
+            report.first_loss = ref_loss.item()
         else:
             report.step_loss_abs.append(abs(row["loss"] - ref_loss.item()))
         ref_loss.backward()
