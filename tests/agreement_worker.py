@@ -56,3 +56,57 @@ def uneven_metric_names(plan, model_name, layouts):
             except BatchError as exc:
                 out["different_rows"] = str(exc)
     return out
+
+
+def _raised(call):
+    """(the exception's type and first line, or None; seconds until it was raised)."""
+    import time
+
+    started = time.perf_counter()
+    try:
+        call()
+        outcome = None
+    except Exception as exc:  # what the test inspects
+        outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return outcome, time.perf_counter() - started
+
+
+def _consume_failing_on(rank):
+    def consume(policy):
+        for index, (name, tensor) in enumerate(policy.weights(bucket_bytes=1 << 14)):
+            if dist.get_rank() == rank and index == 3:
+                raise RuntimeError(f"the consumer on rank {rank} refused {name}")
+
+    return consume
+
+
+def failures_agreed(plan, model_name, root):
+    """A failure of one rank's file work or weights consumer, raised on every rank at once, then
+    log-probs as before it: each case's (outcome, seconds) per rank, and whether the log-probs
+    after it equal the ones before."""
+    import os
+    from pathlib import Path
+
+    from plancc import Policy
+
+    policy = Policy(plan, model_name, device="cpu", dp=2, timeout_s=120)
+    batch = _global_batch()
+    mine = {k: v[policy.slice_of(4)] for k, v in batch.items()}
+    before = policy.logprobs(mine)
+    cases = {
+        "save: rank 0's folder read-only while publishing": ("meta:readonly@0", lambda: policy.save(Path(root) / "ck")),
+        "export: rank 0's folder read-only": ("export:readonly@0", lambda: policy.export_hf(Path(root) / "out")),
+        "weights(): the consumer raises on rank 0": ("", lambda: _consume_failing_on(0)(policy)),
+        "weights(): the consumer raises on rank 1": ("", lambda: _consume_failing_on(1)(policy)),
+    }
+    out = {}
+    for case, (fault, call) in cases.items():
+        os.environ["PLANCC_FAULT"] = fault
+        try:
+            outcome, seconds = _raised(call)
+        finally:
+            os.environ.pop("PLANCC_FAULT", None)
+        after = policy.logprobs(mine)
+        out[case] = {"outcome": outcome, "seconds": seconds, "same_logprobs": bool(torch.equal(after, before))}
+    out["saved after the failures"] = str(policy.save(Path(root) / "ck"))
+    return out

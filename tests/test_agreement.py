@@ -24,3 +24,37 @@ def test_metrics_are_summed_by_name_whatever_each_rank_reports():
         # tp2: both ranks hold the whole batch (one copy of each row), the keys in another order
         assert out["{'tp': 2}"] == {"big_rows": big_rows, "z_rows": rows, "a_twice_rows": 2 * rows}, rank
         assert "were given different rows" in out["different_rows"], rank
+
+
+GENEROUS_S = 60  # a hang waits for the process group's timeout (120 s here; 600 s by default)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_one_ranks_failure_is_every_ranks_within_seconds_and_the_policy_goes_on(tmp_path):
+    """Rank 0's file work (publishing a checkpoint, writing an export) and a consumer of
+    ``weights()`` that raises on rank 0 or on rank 1: every rank raises within seconds (none waits
+    in a barrier or a gather for the process group's timeout), every rank leaves the failed call
+    at the same point, and the next ``logprobs`` and ``save`` work as before."""
+    from .agreement_worker import failures_agreed
+    from .distributed import launch
+
+    results = launch(failures_agreed, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3", str(tmp_path))
+    for rank, out in results.items():
+        saving = out["save: rank 0's folder read-only while publishing"]
+        assert saving["outcome"].startswith("CheckpointError") and "rank 0: OSError" in saving["outcome"], rank
+        assert "Read-only file system" in saving["outcome"]
+        exporting = out["export: rank 0's folder read-only"]
+        assert exporting["outcome"].startswith("PlanError") and "Read-only file system" in exporting["outcome"], rank
+        for failing in (0, 1):
+            consumer = out[f"weights(): the consumer raises on rank {failing}"]
+            if rank == failing:  # its own exception goes on
+                assert consumer["outcome"].startswith("RuntimeError: the consumer on rank"), consumer
+            else:  # the peer is told who stopped, at its next settle
+                assert consumer["outcome"].startswith("AgreedRefitError"), consumer
+                assert f"rank {failing}, bucket" in consumer["outcome"] and "stopped taking weights" in consumer["outcome"]
+        for case, row in out.items():
+            if isinstance(row, dict):
+                assert row["seconds"] < GENEROUS_S and row["same_logprobs"], (rank, case, row)
+        assert out["saved after the failures"].endswith("step-000000")
+    assert (tmp_path / "ck" / "step-000000" / "plancc.json").is_file()

@@ -17,25 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
+from ..runtime.agreement import first_problem
 from .channel import WeightChannelError
 
-
-def first_problem(problem: str, device: str, *, at: int = 0) -> tuple[int, str] | None:
-    """Collective: (rank, problem) of the earliest problem any rank has (``at``: where it arose,
-    a bucket; ties go to the lowest rank), or None when no rank has one. One all-reduce when
-    none does; the problems are gathered only when one does. Every rank gets the same answer, so
-    every rank raises the same error, and none goes on to a collective the others skip."""
-    flag = torch.tensor([int(bool(problem))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return None
-    said: list[tuple[int, str]] = [(0, "")] * dist.get_world_size()
-    dist.all_gather_object(said, (at, problem))
-    _, rank, first = min((when, rank, what) for rank, (when, what) in enumerate(said) if what)
-    return rank, first
+__all__ = ["AgreedRefitError", "RefitAgreement", "first_problem"]
 
 
 class AgreedRefitError(WeightChannelError):
@@ -51,6 +38,7 @@ class RefitAgreement:
     unit: str = "bucket"  # what ``bucket`` counts: a plain refit's buckets, a resharded one's transfers
     problem: str = ""
     at: int = 0  # the bucket the problem was noted at
+    failed: bool = False  # a settle raised: every rank has left
 
     def note(self, exc: BaseException) -> None:
         """This rank's problem at the current bucket (the first one counts)."""
@@ -62,9 +50,15 @@ class RefitAgreement:
             self.problem = f"rank {dist.get_rank()}, {where}: {type(exc).__name__}" + (f": {cause}" if cause else "")
             self.at = self.bucket
 
+    @property
+    def settled(self) -> bool:
+        """Whether a settle already raised (every rank left together: nothing more to agree)."""
+        return self.failed
+
     def settle(self) -> None:
         """Collective: every rank raises the first rank's problem when any rank noted one."""
         # the earliest problem is the cause; later ones (a peer's broken connection) follow from it
         found = first_problem(self.problem, self.device, at=self.at)
         if found is not None:
+            self.failed = True
             raise AgreedRefitError(f"refit failed on {found[1]}")

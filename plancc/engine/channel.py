@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import faults
+from ..runtime import faults
 
 FORMAT = "plancc-weights/1"
 
@@ -53,6 +53,9 @@ class WeightChannel:
     # its members may be mid-transfer or dead, so the channel carries nothing more, and closing it
     # skips the closing agreement that would wait the whole timeout for peers that never answer
     broken: bool = False
+    # refits begun on this channel (every member counts its handshakes alike): a resharded
+    # refit's store keys carry it, so that no refit reads an earlier one's layouts
+    refits: int = 0
 
     @property
     def port(self) -> int:
@@ -265,6 +268,7 @@ def check_manifest(manifest: Any) -> None:
 
 def handshake(channel: WeightChannel, manifest: Mapping[str, Any]) -> None:
     """Rank 0's manifest digest to every receiver; any mismatch fails every member at once."""
+    channel.refits += 1
     mine = digest(manifest)
     theirs = torch.tensor([mine, len(manifest["buckets"])], dtype=torch.int64, device=channel.device)
     channel.broadcast(theirs, "manifest handshake")

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import faults
+from ..runtime import faults
+from ..runtime.agreement import on_rank0
 from .checkpoint_error import CheckpointError
 from .checkpoint_error import is_int as _is_int
 from .checkpoint_error import refusal as _error
@@ -230,31 +231,37 @@ def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     root = Path(root)
     final = _step_dir(root, info.step)
     partial = root / f".partial-{final.name}-{_shared_token()}"
-    if dist.get_rank() == 0:
+    intact = "free disk space or pass another --save folder; the previous checkpoint is intact"
+
+    def make_folders() -> None:
         root.mkdir(parents=True, exist_ok=True)
         partial.mkdir()
-    dist.barrier()
+
+    # rank 0's file work ends in an agreement, not a barrier: its failure is every rank's at once
+    on_rank0(make_folders, fail=lambda why: _error(final, f"saving step {info.step} failed: {why}", intact))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise _error(
-            final,
-            f"saving step {info.step} failed: {_first_line(exc)}",
-            "free disk space or pass another --save folder; the previous checkpoint is intact",
-        ) from None
+        raise _error(final, f"saving step {info.step} failed: {_first_line(exc)}", intact) from None
     faults.inject("save", rank=dist.get_rank())
     dist.barrier()
-    if dist.get_rank() == 0:
-        _write_file_atomically(partial / META, json.dumps(asdict(info), indent=2))
-        aside = _publish(root, partial, final, partial.name.rsplit("-", 1)[1])
+
+    def publish() -> None:
+        try:
+            _write_file_atomically(partial / META, json.dumps(asdict(info), indent=2))
+            aside = _publish(root, partial, final, partial.name.rsplit("-", 1)[1])
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # never published: this save's own folder
+            raise
         _write_file_atomically(root / LATEST, final.name + "\n")
         _remove_leftovers(root, keep=aside)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-    dist.barrier()
+
+    on_rank0(publish, fail=lambda why: _error(final, f"publishing step {info.step} failed: {why}", intact))
     return final
 
 
@@ -272,6 +279,7 @@ def prune(root: str | Path, *, keep: int) -> list[Path]:
         if latest is not None and old == latest:
             continue
         doomed = root / f".removing-{old.name}-{uuid.uuid4().hex[:8]}"
+        faults.inject("prune", rank=0)
         os.rename(old, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(old)
@@ -351,6 +359,22 @@ def find(root: str | Path) -> Path:
         "no complete checkpoint here (no step folder with .metadata and plancc.json)",
         "pass the --save folder of an earlier run",
     )
+
+
+def agreed_find(root: str | Path) -> Path:
+    """Collective: ``find(root)`` as rank 0 sees it, on every rank (or rank 0's refusal, raised on
+    every rank): on a shared file system each rank's own look may see another newest step while
+    a run still writes, and ranks that load different steps train different models."""
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            answer = [str(find(root))]
+        except CheckpointError as exc:
+            answer = [exc.diagnostics]
+    dist.broadcast_object_list(answer, src=0)
+    if not isinstance(answer[0], str):
+        raise CheckpointError(answer[0])
+    return Path(answer[0])
 
 
 def read_info(step_dir: Path) -> CheckpointInfo:
@@ -446,7 +470,7 @@ def load(
 
     from .checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
 
-    step_dir = find(root)
+    step_dir = agreed_find(root)
     info = read_info(step_dir)
     compatible(info, step_dir, architecture=architecture, shapes=parameter_shapes(model))
     model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import faults
+from ..runtime import faults
 from .channel import WeightChannelError, check_manifest, pack_into, unpack
 
 

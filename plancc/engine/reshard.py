@@ -23,6 +23,7 @@ the receivers' shards are made in it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -33,9 +34,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..runtime import faults
 from ..runtime.lora import adapters_of, merged
 from ..runtime.styles.experts import plain
-from . import faults
 from .agreement import RefitAgreement
 from .channel import WeightChannel, WeightChannelError
 
@@ -76,12 +77,21 @@ def _slices(box: Box, within: Box) -> tuple[slice, ...]:
     return tuple(slice(o - w, o - w + n) for o, n, w in zip(box[0], box[1], within[0], strict=True))
 
 
+def _key(refit: int, rank: int) -> str:
+    return f"boxes/{refit}/{rank}"
+
+
 def _publish(channel: WeightChannel, boxes: Mapping[str, Any]) -> None:
-    channel.store.set(f"boxes/{channel.rank}", json.dumps(boxes))
+    """This rank's boxes for this refit; its previous refit's key deleted (every member has
+    passed this refit's handshake, so none reads the previous layouts any more)."""
+    channel.store.set(_key(channel.refits, channel.rank), json.dumps(boxes))
+    if channel.refits > 1:
+        with contextlib.suppress(Exception):  # a store without delete_key keeps it: the keys differ anyway
+            channel.store.delete_key(_key(channel.refits - 1, channel.rank))
 
 
 def _read(channel: WeightChannel, rank: int) -> dict[str, Any]:
-    key = f"boxes/{rank}"
+    key = _key(channel.refits, rank)
     try:
         channel.store.wait([key], channel.timeout)
     except Exception:

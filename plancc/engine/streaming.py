@@ -19,9 +19,9 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
+from ..runtime import faults
 from ..runtime.lora import Adapters, adapters_of, merged, peft_name
 from ..runtime.styles.experts import plain
-from . import faults
 from .agreement import RefitAgreement
 
 

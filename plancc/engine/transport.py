@@ -16,6 +16,7 @@ before anything is sent). The caller (``Policy``) reshards the model first.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,11 +27,11 @@ from transformers import PretrainedConfig
 
 from ..models import architecture_of
 from ..runtime.lora import adapters_of
-from .agreement import RefitAgreement, first_problem
+from .agreement import AgreedRefitError, RefitAgreement, first_problem
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
 from .reshard import send_shards
-from .streaming import full_weights, manifest_buckets, weight_buckets
+from .streaming import manifest_buckets, weight_buckets
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
@@ -44,8 +45,29 @@ class WeightTransport:
     def stream(
         self, *, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full tensor)``, gathered one bucket at a time (collective)."""
-        yield from full_weights(self.model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+        """``(hf_name, full tensor)``, gathered one bucket at a time (collective), under the one
+        failure rule: the ranks settle before each bucket's gather and at the end. A consumer
+        that raises (or stops iterating) on one rank closes its generator there (CPython closes
+        it as the exception leaves the loop that held it): that rank notes it and settles once,
+        so its peers raise an ``AgreedRefitError`` naming it at their next settle instead of
+        waiting in the next gather for the process group's timeout; the consumer's own
+        exception goes on on its rank."""
+        agreement = RefitAgreement(self.device)
+        buckets = weight_buckets(
+            self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement, adapters_only=adapters_only
+        )
+        try:
+            for bucket in buckets:
+                bucket.reverse()
+                while bucket:  # handed on one by one: none is still held when the next bucket is gathered
+                    yield bucket.pop()
+        except GeneratorExit:
+            if not agreement.settled:  # the consumer left mid-stream; the peers are at a settle
+                agreement.note(WeightChannelError("the consumer stopped taking weights (it raised or broke off)"))
+                with contextlib.suppress(AgreedRefitError):
+                    agreement.settle()
+            raise
+        agreement.settle()
 
     def manifest(self, *, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False) -> dict[str, Any]:
         """What ``send`` sends, as JSON-serialisable data (local: nothing is gathered)."""

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan, parse_plan
-from ..engine import checkpoint, faults
+from ..engine import checkpoint
 from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
@@ -35,6 +35,8 @@ from ..engine.policy import NonFiniteError, Norm, Policy
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout
 from ..models import default_preset, load_config
+from ..runtime import faults
+from ..runtime.agreement import on_rank0
 from ..runtime.failures import diagnosed
 from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
@@ -241,8 +243,21 @@ class _Trainer:
             return
         path = self.policy.save(self.cfg.save, run=run_settings(self.cfg))
         self.last_checkpoint = self.done
-        if self.cfg.keep and dist.get_rank() == 0:
-            checkpoint.prune(self.cfg.save, keep=self.cfg.keep)
+        keep, folder = self.cfg.keep, self.cfg.save
+        if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.agreement)
+            on_rank0(
+                lambda: checkpoint.prune(folder, keep=keep),
+                fail=lambda why: checkpoint.CheckpointError(
+                    [
+                        Diagnostic(
+                            rule="checkpoint",
+                            loc=SourceLoc(path=folder),
+                            message=f"removing checkpoints beyond --keep {keep} failed: {why}",
+                            fix="check the --save folder's permissions; the new checkpoint is complete",
+                        )
+                    ]
+                ),
+            )
         log(f"saved checkpoint {path}")
 
     def save(self) -> None:
@@ -409,7 +424,7 @@ def _cutting(cfg: RunConfig) -> list[tuple[str, Any]]:
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
     # a resumed run's next batches are those after its checkpoint's step
-    start = checkpoint.read_info(checkpoint.find(cfg.resume)).step if cfg.resume else 0
+    start = checkpoint.read_info(checkpoint.agreed_find(cfg.resume)).step if cfg.resume else 0
     batches = list(_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.steps + 1))
     with diagnosed("verify", fallback=SourceLoc(path=cfg.plan)):
         report = verify_against_unsharded(

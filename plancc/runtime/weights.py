@@ -30,6 +30,8 @@ from transformers import PretrainedConfig
 
 from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
 from ..models import build_model
+from . import faults
+from .agreement import on_rank0
 from .hf_folder import check_export_target, check_folder, has_weights, read_folder
 from .lora import Adapters, adapter_tensors, adapters_of, merge_into
 from .non_finite import first_non_finite
@@ -182,13 +184,15 @@ def export_hf(
     # tensor on every rank: an accepted cost of a one-off export, not news for the user
     with quiet_logger("torch.distributed.tensor"):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
+
+    def write() -> None:
         target = Path(folder)
         target.mkdir(parents=True, exist_ok=True)
         for leftover in target.glob(".plancc-partial-*"):  # an export that died mid-way: its own folder
             shutil.rmtree(leftover, ignore_errors=True)
         partial = Path(tempfile.mkdtemp(prefix=".plancc-partial-", dir=target))
         try:
+            faults.inject("export", rank=0)
             if adapters_only and adapters is not None:
                 _write_adapters(partial, state, adapters, config, source)
             else:
@@ -200,7 +204,21 @@ def export_hf(
             _publish_export(partial, target)
         finally:
             shutil.rmtree(partial, ignore_errors=True)  # a folder of this export's own making
-    dist.barrier()
+
+    def failed(why: str) -> PlanError:
+        return PlanError(
+            [
+                Diagnostic(
+                    rule="export",
+                    loc=SourceLoc(path=str(folder)),
+                    message=f"exporting to {folder} failed: {why}; the folder's earlier files are as they were",
+                    fix="free disk space or pass a writable --export-hf folder",
+                )
+            ]
+        )
+
+    # rank 0 writes; its failure is every rank's, at once (runtime.agreement), not a barrier's hang
+    on_rank0(write, fail=failed)
 
 
 def _write_adapters(
