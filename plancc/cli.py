@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
+from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
@@ -439,7 +440,8 @@ def _bytes_of(text: str) -> int | None:
     if found is None:
         return None
     unit = {"gib": 2**30, "g": 2**30, None: 2**30, "gb": 10**9, "tib": 2**40, "t": 2**40, "tb": 10**12}[found.group(2)]
-    return int(float(found.group(1)) * unit)
+    # exact (a 400-digit size is a size: suggest says it is more than any GPU has, no OverflowError)
+    return int(Decimal(found.group(1)) * unit)
 
 
 @app.command()

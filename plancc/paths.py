@@ -12,7 +12,9 @@ Pure path logic, no torch: the CLI calls it before a process starts, ``plot`` as
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,35 @@ def _inside(inner: str, outer: str) -> bool:
     return _real(outer) in _real(inner).parents
 
 
+def loops(path: str | Path) -> bool:
+    """Whether resolving ``path`` meets a symbolic-link loop (ELOOP), in it or in a folder above
+    it: such a path names no file or folder (pathlib's ``resolve`` raises a RuntimeError on it)."""
+    try:
+        os.stat(os.path.expanduser(str(path)))
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
+def is_stdout(path: str | Path) -> bool:
+    """Whether ``path`` is the file this process's stdout writes to (same device and inode:
+    ``/dev/stdout``, or the file stdout is redirected to)."""
+    try:
+        named, ours = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):  # no such file; a stdout without a file descriptor
+        return False
+    return (named.st_dev, named.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _loop_problem(path: RunPath) -> Diagnostic:
+    return Diagnostic(
+        rule="path-loop",
+        loc=SourceLoc(path=path.path),
+        message=f"{path.flag} {path.path}: its symbolic links loop (ELOOP), so it names no file or folder",
+        fix=f"give {path.flag} a path without a link that points back at itself (ls -l shows the links)",
+    )
+
+
 def _problem(out: RunPath, other: RunPath, how: str) -> Diagnostic:
     what = "output" if other.output else "input"
     return Diagnostic(
@@ -66,7 +97,9 @@ def overlaps(paths: Iterable[RunPath], *, allowed: Iterable[tuple[str, str]] = (
     resumes from its own checkpoint folder) may name the same or nested paths."""
     named = [p for p in paths if p.path]
     exempt = {frozenset(pair) for pair in allowed}
-    found: list[Diagnostic] = []
+    found: list[Diagnostic] = [_loop_problem(p) for p in named if loops(p.path)]
+    if found:  # a looping path names nothing: comparing it with the others means nothing either
+        return found
     reported: set[frozenset[str]] = set()
     for out in (p for p in named if p.output):
         for other in named:

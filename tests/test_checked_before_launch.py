@@ -335,20 +335,21 @@ def test_a_tied_folder_holding_a_distinct_lm_head_is_refused_one_holding_the_sam
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_folder_with_a_nan_weight_is_evaluated_with_a_warning_naming_the_tensor(hf_folder, tmp_path, lines):
+def test_a_folder_with_a_nan_weight_is_refused_by_logprobs_naming_the_tensor(hf_folder, tmp_path, lines):
+    """NaN log-probs with exit 0 were the old answer; logprobs refuses such weights as save and
+    export do."""
     from safetensors.torch import load_file, save_file
 
     folder = _copy(hf_folder, tmp_path)
     tensors = load_file(folder / "model.safetensors")
     tensors["model.norm.weight"][3] = float("nan")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    # one rank: the warning comes from the launcher's folder check, before any worker
     code, out, err = forked_cli("logprobs", QWEN3, "--model", folder, "--data", lines, "--format", "json",
                              "--nproc-per-node", 1)
-    assert code == 0, err
-    (warning,) = [d for d in json.loads(out)["diagnostics"] if d["rule"] == "non-finite-weights"]
-    assert "'model.norm.weight'" in warning["message"] and warning["severity"] == "warning"
-    assert "'model.norm.weight'" in problem(err, "non-finite-weights")
+    assert code == 1, err
+    (found,) = [d for d in json.loads(out)["diagnostics"] if d["rule"] == "non-finite-weights"]
+    assert "'model.norm.weight'" in found["message"] and found["severity"] == "error"
+    assert "refused, no log-probs written" in found["message"] and "logprobs" not in json.loads(out)
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,7 @@ def check_save_folder(root: str | Path) -> None:
     if path.exists() and not path.is_dir():
         raise _error(path, "--save names an existing file, not a folder", "pass a folder (it is created if missing)")
     probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("/"))
-    if not os.access(probe, os.W_OK | os.X_OK) or str(path.resolve()).startswith(("/proc", "/sys", "/dev")):
+    if not os.access(probe, os.W_OK | os.X_OK) or os.path.realpath(path).startswith(("/proc", "/sys", "/dev")):
         raise _error(path, f"cannot write checkpoints here ({probe} is not writable)", "pass a writable folder")
     _refuse_odd_lock(path / LOCK)
     if (path / LOCK).is_file():  # a run may hold it; without a lock file none does, and none is made

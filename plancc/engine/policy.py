@@ -71,6 +71,9 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.T
 TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], Any]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+# the coldest temperature whose log-probs are finite: fp32 logits of ~1e3 times 1/t stay far
+# below fp32's 3e38 (at 1e-40, 1/t itself is inf in fp32 and every log-prob NaN)
+MIN_TEMPERATURE = 1e-6
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
 
 
@@ -792,6 +795,11 @@ def check_temperature(temperature: float) -> None:
     log-probs; an infinite one makes every token equally likely)."""
     if not isinstance(temperature, int | float) or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature {temperature!r} is not a sampling temperature: it must be finite and > 0")
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: fp32 logits divided by it overflow "
+            "(log-probs NaN); a sampler that cold is greedy decoding, which has no log-probs"
+        )
 
 
 class NonFiniteError(ArithmeticError):

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ..layout import Layout
+from ..paths import is_stdout
 
 # --param-dtype: torch's names and the short ones people type
 PARAM_DTYPES = {
@@ -71,8 +72,9 @@ class RunConfig:
 
     @property
     def log_to_stderr(self) -> bool:
-        """Whether stdout carries data (a JSON document, or log-probs without --out)."""
-        return self.json_output or (self.mode == "logprobs" and not self.out)
+        """Whether stdout carries data (a JSON document, or log-probs without --out, or with an
+        --out that is this process's stdout: ``/dev/stdout``, or the file stdout is redirected to)."""
+        return self.json_output or (self.mode == "logprobs" and (not self.out or is_stdout(self.out)))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -24,7 +24,7 @@ from torch import nn
 from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of
-from ..paths import RunPath, overlaps
+from ..paths import RunPath, is_stdout, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from ..runtime.mesh import default_device_type
 from .config import PARAM_DTYPES, RunConfig
@@ -144,6 +144,9 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
 
 
 def _output_problems(out: Path, flag: str = "--out") -> list[Diagnostic]:
+    if is_stdout(out):  # /dev/stdout: where the log-probs go without --out (the log then goes to stderr)
+        return []
+
     def problem(message: str) -> list[Diagnostic]:
         return [
             Diagnostic(
@@ -158,7 +161,7 @@ def _output_problems(out: Path, flag: str = "--out") -> list[Diagnostic]:
         return problem(f"{flag} is a folder, not a file")
     if not out.parent.is_dir():
         return problem(f"{flag} names a file in {out.parent}, which does not exist")
-    if not os.access(out.parent, os.W_OK) or str(out.resolve()).startswith(("/proc", "/sys")):
+    if not os.access(out.parent, os.W_OK) or os.path.realpath(out).startswith(("/proc", "/sys")):
         return problem(f"{flag} cannot be written ({out.parent} is not writable)")
     return []
 

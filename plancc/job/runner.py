@@ -8,6 +8,7 @@ build mesh -> meta model -> parallelize with the plan -> weights (HF folder or s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
 from ..engine.policy import NonFiniteError, Norm, Policy
-from ..errors import Diagnostic, PlanError, SourceLoc
+from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime import faults
@@ -551,7 +552,12 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     sequences, device = job.dataset.sequences, job.device
     policy = _policy(cfg, job)
     source = policy.weight_source
-    warnings = _weight_warnings(policy.model, cfg, job)
+    # log-probs of NaN weights are NaN lines with exit 0: refused, as save and export refuse them
+    found = non_finite_weight_warning(policy.model, cfg.model, job.device)  # collective: one verdict
+    if found is not None:
+        refused = f"{found.message}; refused, no log-probs written"
+        raise PlanError([dataclasses.replace(found, severity=Severity.ERROR, message=refused)])
+    warnings: list[dict[str, Any]] = []
     reference = None
     if cfg.verify:
         folder = str(cfg.model) if from_folder(cfg.model) else None

@@ -39,7 +39,7 @@ from ..compiler.plan import Plan, load_plan
 from ..compiler.resolve import ResolvedPlan, resolve_sections
 from ..compiler.styles import canonical_style
 from ..errors import Diagnostic, PlanError, SourceLoc
-from ..layout import Layout, LayoutError
+from ..layout import Layout, LayoutError, divisors_of
 from ..models import build_meta_model, load_config
 from ..runtime.vocab_stats import default_chunk
 from ..skeleton import load_skeleton
@@ -343,9 +343,10 @@ def activation_bytes(
 
 
 def local_sequences(tokens: int, layout: Layout, seq_len: int) -> int:
-    """A rank's share of a step of ``tokens`` in one pass: its dp slice's sequences (no gradient
-    accumulation), at least one."""
-    return max(1, tokens // (layout.dp * seq_len))
+    """A rank's share of a step of ``tokens`` (whole sequences) in one pass: the largest dp
+    slice's sequences (no gradient accumulation) -- the busiest rank's memory, as the step's time
+    counts every token."""
+    return max(1, -(-tokens // (layout.dp * seq_len)))
 
 
 def peak(ends: Iterable[Memory]) -> Memory:
@@ -502,22 +503,18 @@ def layouts_for(gpus: int, *, allow: Iterable[str], max_tp: int) -> list[Layout]
     """Every layout of ``gpus`` ranks with the allowed axes (tp always; sp, cp, ep when allowed)."""
     allowed = set(allow)
     found = []
-    for tp in _divisors(gpus):
+    for tp in divisors_of(gpus):
         if tp > max_tp:
             continue
-        for cp in _divisors(gpus // tp) if "cp" in allowed else [1]:
+        for cp in divisors_of(gpus // tp) if "cp" in allowed else [1]:
             dp = gpus // (tp * cp)
-            for ep in _divisors(dp) if "ep" in allowed else [1]:
+            for ep in divisors_of(dp) if "ep" in allowed else [1]:
                 for sp in (False, True) if "sp" in allowed and tp > 1 else (False,):
                     try:
                         found.append(Layout(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp))
                     except LayoutError:  # sizes plancc has no mesh for (ep with cp)
                         continue
     return found
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _meta_model(model: Any) -> nn.Module:
@@ -563,8 +560,8 @@ def suggest(
     model = _meta_model(model)
     chosen = _hardware(hardware)
     memory_cap = gpu_memory or chosen.memory
-    tokens = tokens_per_step or gpus * seq_len
-    _refuse(_input_problems(gpus, gpus_per_node, seq_len, tokens))
+    tokens = gpus * seq_len if tokens_per_step is None else tokens_per_step  # 0 is refused, not a default
+    _refuse(_input_problems(gpus, gpus_per_node, seq_len, tokens, gpu_memory))
     resolved_sections, problems = resolve_sections(plan, model)
     if any(d.is_error for d in problems):
         raise PlanError(problems)
@@ -768,11 +765,45 @@ def _hardware(hardware: str | Hardware) -> Hardware:
     return found
 
 
-def _input_problems(gpus: int, gpus_per_node: int, seq_len: int, tokens: int) -> list[Diagnostic]:
+# The largest inputs a search can use (round 4 of the adversarial pass: a billion GPUs never
+# answered, a 400-digit memory or length ended in OverflowError). Each is far past any real job:
+# the largest training clusters are ~10^5 GPUs, the longest contexts ~10^7 tokens.
+MAX_GPUS = 2**17  # 131,072
+MAX_SEQ_LEN = 2**24  # 16,777,216 tokens
+MAX_TOKENS_PER_STEP = 2**40
+MAX_GPU_MEMORY = 2**50  # 1 PiB per GPU
+
+
+def _input_problems(
+    gpus: int, gpus_per_node: int, seq_len: int, tokens: int, gpu_memory: int | None = None
+) -> list[Diagnostic]:
     problems = []
     for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--seq-len", seq_len)):
         if value < 1:
             problems.append(_usage(flag, f"{flag} is {value}", f"{flag} 1 or more"))
+    bounds = [
+        ("--gpus", gpus, MAX_GPUS),
+        ("--gpus-per-node", gpus_per_node, MAX_GPUS),
+        ("--seq-len", seq_len, MAX_SEQ_LEN),
+        ("--gpu-memory", gpu_memory or 0, MAX_GPU_MEMORY),
+    ]
+    for flag, value, most in bounds:
+        if value > most:
+            problems.append(_usage(flag, f"{flag} is {_shown(value)}, more than any job can use", f"at most {most:,}"))
+    if not problems and tokens > MAX_TOKENS_PER_STEP:  # (a product of the sizes above when not given)
+        problems.append(
+            _usage("--tokens-per-step", f"{_shown(tokens)} tokens per step", f"at most {MAX_TOKENS_PER_STEP:,}")
+        )
+    if problems:  # the checks below assume sizes a search can use
+        return problems
+    if tokens % seq_len:
+        problems.append(
+            _usage(
+                "--tokens-per-step",
+                f"{tokens:,} tokens is not whole sequences of {seq_len:,}",
+                "a multiple of --seq-len",
+            )
+        )
     if gpus >= 1 and gpus_per_node >= 1 and gpus > gpus_per_node and gpus % gpus_per_node:
         problems.append(  # no layout uses it: exit 1, as a plan no layout serves
             replace(
@@ -785,6 +816,12 @@ def _input_problems(gpus: int, gpus_per_node: int, seq_len: int, tokens: int) ->
             _usage("--tokens-per-step", f"{tokens} tokens per step is less than one sequence", "at least --seq-len")
         )
     return problems
+
+
+def _shown(value: int) -> str:
+    """A count as a person reads it: ``131,072``, or ``a 400-digit number``."""
+    digits = len(str(value))
+    return f"{value:,}" if digits <= 18 else f"a {digits}-digit number"
 
 
 def _usage(flag: str, found: str, allowed: str) -> Diagnostic:
