@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -233,11 +234,25 @@ def load_config(model: str | Path | Any) -> PretrainedConfig:
     if path.suffix == ".json" and path.is_file():
         return check_config(_read_config_file(path), str(path))
     near = closest(text, presets())
+    if _HUB_ID.fullmatch(text):  # Qwen/Qwen3-0.6B: a hub id, not a path here
+        preset = closest(text.split("/")[1].lower(), presets(), n=1) or closest(text.lower(), presets(), n=1)
+        other = (
+            f", or --model {preset[0]} for its published config with random weights (nothing trained)" if preset else ""
+        )
+        raise _model_error(
+            text,
+            "a Hugging Face Hub id: plancc loads no weights from the hub",
+            f"download it first (huggingface-cli download {text} --local-dir DIR) and pass --model DIR{other}",
+        )
     raise _model_error(
         text,
         "not a preset, a model folder or a config.json",
         (f"did you mean {near[0]!r}? " if near else "") + "see `plancc models` for presets",
     )
+
+
+# owner/name, as the hub spells a repository (a relative path of two parts that does not exist)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 class ConfigError(PlanError):

@@ -110,3 +110,19 @@ def failures_agreed(plan, model_name, root):
         out[case] = {"outcome": outcome, "seconds": seconds, "same_logprobs": bool(torch.equal(after, before))}
     out["saved after the failures"] = str(policy.save(Path(root) / "ck"))
     return out
+
+
+def dropout_streams(plan, model_name, layouts):
+    """For each layout: the first numbers each rank's training draws (LoRA's dropout masks come
+    from this stream) after a Policy with LoRA dropout is built."""
+    from plancc import Policy
+
+    out = {}
+    for layout in layouts:
+        # (LoRA dropout under tp is refused: a rowwise layer's input shards would share masks)
+        lora = {"r": 4, "targets": ["model.layers.*.self_attn.q_proj"], "dropout": 0.5 if layout.get("tp", 1) == 1 else 0.0}
+        Policy(plan, model_name, device="cpu", lora=lora, **layout)
+        drawn = [None] * dist.get_world_size()
+        dist.all_gather_object(drawn, torch.rand(6).tolist())
+        out[str(layout)] = drawn
+    return out

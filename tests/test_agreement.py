@@ -58,3 +58,18 @@ def test_one_ranks_failure_is_every_ranks_within_seconds_and_the_policy_goes_on(
                 assert row["seconds"] < GENEROUS_S and row["same_logprobs"], (rank, case, row)
         assert out["saved after the failures"].endswith("step-000000")
     assert (tmp_path / "ck" / "step-000000" / "plancc.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dropout_masks_differ_across_dp_ranks_and_agree_across_tp_ranks():
+    """One seed for every rank drew the same dropout masks on every dp rank (each holding other
+    rows: no dropout across the batch); tp ranks hold the same activations and must drop alike."""
+    from .agreement_worker import dropout_streams
+    from .distributed import launch
+
+    results = launch(dropout_streams, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3", [{"dp": 2}, {"tp": 2}])
+    for out in results.values():
+        dp_ranks, tp_ranks = out["{'dp': 2}"], out["{'tp': 2}"]
+        assert dp_ranks[0] != dp_ranks[1]
+        assert tp_ranks[0] == tp_ranks[1]

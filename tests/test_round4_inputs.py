@@ -79,3 +79,21 @@ def test_a_temperature_whose_logprobs_overflow_is_refused(temperature):
     with pytest.raises(ValueError, match="below 1e-06"):
         check_temperature(temperature)
     check_temperature(1e-6)  # the coldest one allowed, as --temperature's own bound
+
+
+def test_a_hub_id_is_refused_with_the_weightless_preset_offered_as_a_choice(cli):
+    code, out, err = cli("apply", QWEN3, "--model", "Qwen/Qwen3-0.6B")
+    assert code == 2 and "[unknown-model]" in err and "Hub id" in err
+    (fix,) = [line for line in err.splitlines() if line.strip().startswith("fix:")]
+    assert "huggingface-cli download Qwen/Qwen3-0.6B" in fix and "--model qwen3-0.6b" in fix and "random weights" in fix
+
+
+def test_a_run_on_a_presets_random_weights_says_so():
+    from plancc.job.config import RunConfig
+    from plancc.job.preflight import notices
+    from plancc.layout import Layout
+
+    for model in ("qwen3-0.6b", None):
+        cfg = RunConfig(plan=str(QWEN3), layout=Layout(dp=1), model=model, mode="logprobs")
+        (found,) = [d for d in notices(cfg) if d.rule == "random-init"]
+        assert "random weights" in found.message and found.format().count("warning:") == 1

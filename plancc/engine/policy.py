@@ -158,6 +158,7 @@ class Policy:
             param_dtype=dtype,
             lora=self.lora,
         )
+        self._seed_random_streams(seed)
         # with LoRA only the adapters train: the frozen base gets no gradient and no state
         self.optimizer = make_optimizer(optimizer, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
@@ -543,6 +544,19 @@ class Policy:
         return info
 
     # ------------------------------------------------------------------ internals
+    def _seed_random_streams(self, seed: int) -> None:
+        """The random numbers training draws (LoRA's dropout masks, a model's own dropout): one
+        stream per data shard -- the same on the ranks of one tp group (they hold the same
+        activations, and a replicated input must be dropped alike), another on each dp and cp
+        rank (other rows, other positions: a mask repeated on every dp rank is no dropout). The
+        global generator, as torch's activation checkpointing saves and restores it: a
+        recomputed forward draws the same masks."""
+        names = self.mesh.device_mesh.mesh_dim_names or ()
+        dp_rank = self.mesh["dp"].get_local_rank() if "dp" in names else 0
+        cp_rank = self.mesh["cp"].get_local_rank() if "cp" in names else 0
+        shard = dp_rank * self.layout.cp + cp_rank
+        torch.manual_seed(seed * 1_000_003 + 0x5EED + shard)
+
     def _require_onloaded(self, what: str) -> None:
         if self._memory.offloaded:
             offloaded = " and ".join(self._memory.offloaded)

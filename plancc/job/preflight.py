@@ -23,7 +23,7 @@ from torch import nn
 
 from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
-from ..models import architecture_of
+from ..models import architecture_of, presets
 from ..paths import RunPath, is_stdout, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from ..runtime.mesh import default_device_type
@@ -375,6 +375,18 @@ def notices(cfg: RunConfig) -> list[Diagnostic]:
                 message="the folder holds a config but no weights: the model starts from random "
                 f"init (seed {cfg.seed})",
                 fix="add model.safetensors to the folder to start from its weights",
+            )
+        )
+    preset = cfg.model is None or cfg.model in presets()
+    if preset and not cfg.verify:  # a run on weights nobody trained: said, not only in a banner
+        named = f"preset {cfg.model!r}" if cfg.model else "the plan's default preset (no --model)"
+        found.append(
+            Diagnostic(
+                rule="random-init",
+                loc=SourceLoc(path=cfg.model or cfg.plan),
+                severity=Severity.WARNING,
+                message=f"{named} is a config without weights: the model has random weights (seed {cfg.seed})",
+                fix="pass --model a Hugging Face folder with safetensors to train or evaluate real weights",
             )
         )
     if cfg.mode == "train" and not cfg.data and not cfg.verify:
