@@ -73,3 +73,21 @@ def test_dropout_masks_differ_across_dp_ranks_and_agree_across_tp_ranks():
         dp_ranks, tp_ranks = out["{'dp': 2}"], out["{'tp': 2}"]
         assert dp_ranks[0] != dp_ranks[1]
         assert tp_ranks[0] == tp_ranks[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pruning_that_fails_on_rank_0_stops_the_run_with_one_line_on_every_rank(tmp_path, monkeypatch):
+    import time
+
+    from .conftest import forked_cli
+
+    monkeypatch.setenv("PLANCC_FAULT", "prune:readonly@0")
+    started = time.monotonic()
+    code, out, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 3, "--save", tmp_path / "ck",
+                                "--save-every", 1, "--keep", 1)
+    assert time.monotonic() - started < 120  # one run of 3 steps; a hang would wait the 300 s timeout
+    assert code == 1, err
+    (line,) = [x for x in err.splitlines() if "[checkpoint]" in x]
+    assert "removing checkpoints beyond --keep 1 failed: rank 0: OSError" in line and "Traceback" not in err
+    assert (tmp_path / "ck" / "step-000002" / "plancc.json").is_file()  # the new checkpoint is complete

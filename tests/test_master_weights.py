@@ -48,9 +48,13 @@ def _nll(lp, mb, norm):
     return -(lp * mask).sum() / norm.tokens
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA where a GPU is (docs/gpu.md)
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
-def test_a_bf16_config_trains_fp32_masters_and_fp32_adamw_state(one_rank, tmp_path, param_dtype):
+def test_a_bf16_config_trains_fp32_masters_and_fp32_adamw_state(one_rank, tmp_path, param_dtype, device):
     from plancc import Policy
 
     config = bf16_qwen3()
@@ -59,7 +63,7 @@ def test_a_bf16_config_trains_fp32_masters_and_fp32_adamw_state(one_rank, tmp_pa
         config,
         optimizer={"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-6}},
         param_dtype=param_dtype,
-        device="cpu",
+        device=device,
     )
     assert {_local(p).dtype for p in policy.model.parameters()} == {torch.float32}
     assert policy.config.dtype == torch.bfloat16, "the user's config keeps its dtype (the export writes it)"
@@ -83,3 +87,26 @@ def test_a_bf16_config_trains_fp32_masters_and_fp32_adamw_state(one_rank, tmp_pa
 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
+
+
+@pytest.mark.timeout(240)
+def test_an_export_is_written_shard_by_shard_and_loads_as_the_one_file_export(one_rank, tmp_path):
+    """Rank 0 holds one shard at a time (engine.export): a small shard size gives transformers'
+    sharded layout (model-0000i-of-0000n.safetensors and the index), which loads as the same
+    model as the one-file export, in the config's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from plancc import Policy
+    from plancc.weights import export_hf
+
+    policy = Policy(PLANS / "qwen3.yaml", bf16_qwen3(), device="cpu")
+    export_hf(policy.model, policy.config, tmp_path / "one")
+    export_hf(policy.model, policy.config, tmp_path / "sharded", shard_bytes=16 * 1024)
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    one = AutoModelForCausalLM.from_pretrained(tmp_path / "one").state_dict()
+    sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").state_dict()
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)
+    assert {v.dtype for v in one.values() if v.is_floating_point()} == {torch.bfloat16}

@@ -45,7 +45,6 @@ from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group
 from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
 from ..runtime.token_loss import evaluated_positions, model_token_loss
-from ..runtime.weights import export_hf
 from . import checkpoint, shards
 from .agreement import first_problem
 from .batches import (
@@ -61,6 +60,7 @@ from .batches import (
 )
 from .build import build_parallel_model
 from .channel import WeightChannel
+from .export import export_hf
 from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_mesh
 from .resume import load_state, save_state
@@ -682,9 +682,9 @@ class Policy:
         reduced) -- and of the metric names' fingerprint (``agreed_names``); then one all-reduce
         of the loss and each metric by name, sorted, 0 where a rank's loss gave no such metric."""
         names = sorted(metrics)
-        header = torch.tensor([float(bool(refused)), 0.0, *name_fingerprint(names)], dtype=torch.float64)
-        header[1] = float((~torch.stack(finite)).any())
-        header = header.to(self.device)
+        verdicts = [torch.tensor(float(bool(refused)), device=self.device), (~torch.stack(finite)).any()]
+        prints = torch.tensor(name_fingerprint(names), dtype=torch.float64, device=self.device)
+        header = torch.cat([torch.stack(verdicts).to(torch.float64), prints])  # no read of the device
         dist.all_reduce(header)
         out = header.tolist()
         if out[0]:

@@ -6,7 +6,8 @@ rank 0 sends each rank exactly that slice, point to point, instead of the whole 
 ``set_model_state_dict(broadcast_from_rank0=True)`` broadcasts. ``bench/loading.py``
 measures the bytes.
 
-Export: the full state dict gathered on rank 0 and written with ``save_pretrained``.
+Export (``plancc.engine.export``, written from the weights stream shard by shard) uses this
+module's file work: the target checked, the folder published file by file, the companions.
 """
 
 from __future__ import annotations
@@ -15,25 +16,20 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
-from ..errors import Diagnostic, PlanError, SourceLoc, quiet_logger
-from ..models import build_model
-from . import faults
-from .agreement import on_rank0
-from .hf_folder import check_export_target, check_folder, has_weights, read_folder
-from .lora import Adapters, adapter_tensors, adapters_of, merge_into
+from ..errors import Diagnostic, PlanError, SourceLoc
+from .hf_folder import check_folder, has_weights, read_folder
+from .lora import Adapters
 from .non_finite import first_non_finite
 
 
@@ -153,81 +149,8 @@ _COMPANIONS = (
 EXPORT_MANIFEST = ".plancc-export.json"
 
 
-def export_hf(
-    model: torch.nn.Module,
-    config: PretrainedConfig,
-    folder: str | Path,
-    *,
-    source: str | Path | None = None,
-    adapters_only: bool = False,
-) -> None:
-    """Collective: write the model's full weights as a ``save_pretrained`` folder (rank 0),
-    with the tokenizer and generation files of ``source`` (the folder the model came from).
-    A model with LoRA adapters is written merged; with ``adapters_only`` the folder is PEFT's
-    (``adapter_model.safetensors`` and ``adapter_config.json``, what
-    ``peft.PeftModel.from_pretrained`` and vLLM's LoRA loader read).
-
-    The export is written beside the folder's files, then each of its files moved into place
-    atomically (``os.replace``), the list of them last. Nothing else in the folder is touched:
-    a user's notes, data or checkpoints there stay, and only a file that an earlier export
-    listed as its own, and this one does not write again, is removed (so no shard or index of
-    an earlier export is mixed with this one). Refused when any weight is not finite.
-    """
-    problems = check_export_target(folder, source)
-    if problems:
-        raise PlanError(problems)
-    adapters = adapters_of(model)
-    if adapters_only and adapters is None:
-        raise ValueError("adapters_only=True, but this model has no LoRA adapters (construct it with lora=)")
-    refuse_non_finite_weights(model, what=f"exporting to {folder}")
-    # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning per
-    # tensor on every rank: an accepted cost of a one-off export, not news for the user
-    with quiet_logger("torch.distributed.tensor"):
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def write() -> None:
-        target = Path(folder)
-        target.mkdir(parents=True, exist_ok=True)
-        for leftover in target.glob(".plancc-partial-*"):  # an export that died mid-way: its own folder
-            shutil.rmtree(leftover, ignore_errors=True)
-        partial = Path(tempfile.mkdtemp(prefix=".plancc-partial-", dir=target))
-        try:
-            faults.inject("export", rank=0)
-            if adapters_only and adapters is not None:
-                _write_adapters(partial, state, adapters, config, source)
-            else:
-                plain: Any = build_model(config, device="cpu")  # a transformers PreTrainedModel
-                plain.load_state_dict(merge_into(state, adapters) if adapters is not None else state, strict=False)
-                with _no_progress_bars():  # the CLI says what was exported, in one line
-                    plain.save_pretrained(str(partial))
-                _copy_companions(source, partial)
-            _publish_export(partial, target)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)  # a folder of this export's own making
-
-    def failed(why: str) -> PlanError:
-        return PlanError(
-            [
-                Diagnostic(
-                    rule="export",
-                    loc=SourceLoc(path=str(folder)),
-                    message=f"exporting to {folder} failed: {why}; the folder's earlier files are as they were",
-                    fix="free disk space or pass a writable --export-hf folder",
-                )
-            ]
-        )
-
-    # rank 0 writes; its failure is every rank's, at once (runtime.agreement), not a barrier's hang
-    on_rank0(write, fail=failed)
-
-
-def _write_adapters(
-    folder: Path, state: dict[str, Any], adapters: Adapters, config: PretrainedConfig, source: str | Path | None
-) -> None:
-    """PEFT's adapter folder: the adapters' tensors and their config."""
-    from safetensors.torch import save_file
-
-    save_file(adapter_tensors(state, adapters), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+def write_adapter_config(folder: Path, adapters: Adapters, config: PretrainedConfig, source: str | Path | None) -> None:
+    """PEFT's adapter_config.json for ``adapters`` (their tensors are written beside it)."""
     settings = adapters.spec.peft_config(adapters.modules)
     settings["base_model_name_or_path"] = str(source) if source is not None else config.name_or_path or None
     (folder / "adapter_config.json").write_text(json.dumps(settings, indent=2) + "\n")
@@ -238,7 +161,7 @@ def _write_adapters(
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
-def _publish_export(partial: Path, target: Path) -> None:
+def publish_export(partial: Path, target: Path) -> None:
     """Move every file of ``partial`` into ``target`` (each atomically), then list them.
 
     A file the previous export listed and this one does not write again is removed (it was
@@ -309,20 +232,7 @@ def refuse_non_finite_weights(model: torch.nn.Module, *, what: str) -> None:
     )
 
 
-@contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
-def _copy_companions(source: str | Path | None, destination: Path) -> None:
+def copy_companions(source: str | Path | None, destination: Path) -> None:
     if source is None or not Path(source).is_dir():
         return
     for name in _COMPANIONS:
