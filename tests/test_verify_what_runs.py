@@ -71,3 +71,23 @@ def test_verify_with_resume_compares_the_checkpoints_weights_moments_and_next_ba
 def test_what_verify_cannot_check_is_refused_not_dropped(cli, flags, said):
     code, out, err = cli("apply", QWEN3, "--verify", *flags)
     assert code == 2 and said in out + err and "[usage]" in out + err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_apply_on_a_bf16_folder_trains_and_saves_fp32_masters_and_exports_bf16(bf16_folder, tmp_path):
+    import json
+
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemReader
+
+    code, out, err = forked_cli("apply", QWEN3, "--model", bf16_folder, "--steps", 1, "--save", tmp_path / "ck",
+                                "--export-hf", tmp_path / "out", "--lr", "1e-6")
+    assert code == 0, err
+    metadata = FileSystemReader(str(tmp_path / "ck" / "step-000001")).read_metadata()
+    saved = {name: entry.properties.dtype for name, entry in metadata.state_dict_metadata.items()
+             if hasattr(entry, "properties") and ("weight" in name or "exp_avg" in name)}
+    assert saved and set(saved.values()) == {torch.float32}, saved  # masters and AdamW moments
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118

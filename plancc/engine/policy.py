@@ -103,7 +103,11 @@ class Policy:
     shorthand; shorthand that disagrees with a given layout is a ``LayoutError``.
     ``optimizer``: ``params -> Optimizer`` or ``{"name": "torch.optim.AdamW", "kwargs": {...}}``
     (default AdamW); ``lr_scheduler``: ``optimizer -> scheduler`` or name + kwargs (default
-    constant). ``reference=True`` keeps the initial weights for ``reference_logprobs``.
+    constant). ``param_dtype``: the compute dtype (FSDP2's mixed precision, e.g. ``"bfloat16"``);
+    None computes in fp32. Whatever it is, and whatever the model's config says (every real
+    checkpoint says bfloat16), the parameters -- the master weights --, their gradients, AdamW's
+    state and the checkpoints are fp32 (``models.MASTER_DTYPE``); ``export_hf`` writes the
+    config's dtype. ``reference=True`` keeps the initial weights for ``reference_logprobs``.
     ``lora={"r": 16, "alpha": 32, "targets": [globs], "dropout": 0.0}``: low-rank adapters on
     the targets (``runtime.lora``), laid out with each base layer's style; only they train
     (and hold optimizer state), the base is frozen and is the reference (adapters disabled:
