@@ -95,6 +95,7 @@ def failures_agreed(plan, model_name, root):
     before = policy.logprobs(mine)
     cases = {
         "save: rank 0's folder read-only while publishing": ("meta:readonly@0", lambda: policy.save(Path(root) / "ck")),
+        "save: rank 1's shard folder read-only": ("save:readonly@1", lambda: policy.save(Path(root) / "ck")),
         "export: rank 0's folder read-only": ("export:readonly@0", lambda: policy.export_hf(Path(root) / "out")),
         "weights(): the consumer raises on rank 0": ("", lambda: _consume_failing_on(0)(policy)),
         "weights(): the consumer raises on rank 1": ("", lambda: _consume_failing_on(1)(policy)),

@@ -44,6 +44,8 @@ def test_one_ranks_failure_is_every_ranks_within_seconds_and_the_policy_goes_on(
         saving = out["save: rank 0's folder read-only while publishing"]
         assert saving["outcome"].startswith("CheckpointError") and "rank 0: OSError" in saving["outcome"], rank
         assert "Read-only file system" in saving["outcome"]
+        shards = out["save: rank 1's shard folder read-only"]
+        assert shards["outcome"].startswith("CheckpointError") and "rank 1: OSError" in shards["outcome"], rank
         exporting = out["export: rank 0's folder read-only"]
         assert exporting["outcome"].startswith("PlanError") and "Read-only file system" in exporting["outcome"], rank
         for failing in (0, 1):

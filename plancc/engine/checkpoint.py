@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import faults
-from ..runtime.agreement import on_rank0
+from ..runtime.agreement import first_problem, on_rank0, said
 from .checkpoint_error import CheckpointError
 from .checkpoint_error import is_int as _is_int
 from .checkpoint_error import refusal as _error
@@ -246,8 +246,18 @@ def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise _error(final, f"saving step {info.step} failed: {_first_line(exc)}", intact) from None
-    faults.inject("save", rank=dist.get_rank())
-    dist.barrier()
+    # every rank's shards are written (DCP agreed on its own failures); what follows on any rank
+    # before publishing is agreed too, where a barrier would leave the others waiting
+    problem = ""
+    try:
+        faults.inject("save", rank=dist.get_rank())
+    except Exception as exc:
+        problem = said(exc)
+    found = first_problem(problem)
+    if found is not None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise _error(final, f"saving step {info.step} failed: rank {found[0]}: {found[1]}", intact)
 
     def publish() -> None:
         try:
