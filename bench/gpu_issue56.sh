@@ -4,18 +4,7 @@
 # on a bf16 folder's own weights and on a resumed checkpoint, a resume that continues the same
 # schedule, and a failure of rank 0's file work agreed through nccl. Wheels of the pinned
 # transformers (and jsonschema) travel in .whl, as for bench/gpu_session.sh.
-set -uo pipefail
-OUT=${OUT:-/tmp/plancc-gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-python3 -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split('.')[:2])) >= (2, 13) else 1)" \
-  || sed -i '/--shutdown-timeout=/d' plancc/job/launch.py
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_setup.sh"
 timeout 240 torchrun --nproc-per-node 1 bench/masters_gpu.py --out "$OUT/masters_gpu.json" 2>&1 | grep -v "^\[W" | tail -30
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py 2>&1 | tail -2
 A="timeout 100 python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"

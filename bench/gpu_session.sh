@@ -5,19 +5,7 @@
 # RESUME=1 save / resume / export, SUGGEST_PEAK=1 the real step's peak against the fake world's
 # (bench/suggest_real_peak.py); FAKE_CASES names the fake-world cases (default: all). Wheels of the
 # pinned transformers (and jsonschema) travel in .whl: see docs/gpu.md.
-set -uo pipefail
-OUT=${OUT:-/tmp/plancc-gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-# torch < 2.13's torchrun has no --shutdown-timeout
-python3 -c "import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.split('.')[:2])) >= (2, 13) else 1)" \
-  || sed -i '/--shutdown-timeout=/d' plancc/job/launch.py
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_setup.sh"
 [ -n "${SUGGEST_PEAK:-}" ] && timeout 240 torchrun --nproc-per-node 1 bench/suggest_real_peak.py --out "$OUT/suggest_real_peak.json" \
   2>&1 | grep -v "^\[W" | tee "$OUT/suggest_real_peak.txt" | grep -v Warning
 # Policy.train against a hand-written transformers + Liger loop (issue 40; liger travels in .whl)
