@@ -659,8 +659,14 @@ def apply(
         typer.Option("--batch-size", min=1, help="global batch, split over dp (default: 4, or dp if larger)"),
     ] = None,
     seq_len: Annotated[
-        int, typer.Option("--seq-len", min=2, help="tokens per synthetic sequence (without --data)")
-    ] = 32,
+        int | None,
+        typer.Option(
+            "--seq-len",
+            min=2,
+            help="tokens per row: synthetic rows are this long (default 32); --data rows are cut to it "
+            "(default: as they are, none past the model's max_position_embeddings)",
+        ),
+    ] = None,
     lr: Annotated[float, typer.Option("--lr", help="peak learning rate (AdamW, warmup then cosine)")] = 1e-3,
     schedule_steps: Annotated[
         int | None,
@@ -703,12 +709,18 @@ def apply(
 
     The loss is the mean next-token NLL over the global batch's tokens, however the batch is cut
     (over dp ranks, into microbatches): one step equals the unsharded model on the whole batch."""
-    from .job.config import RunConfig
+    from .job.config import SYNTHETIC_SEQ_LEN, RunConfig
 
     nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
     opts = _launcher_checked(launch, nproc_per_node, worker.device, fmt)
     model, chosen, report = _prelaunch(
-        plan_path, model, nproc_per_node, launch.nnodes, layout, fmt, seq_len=None if data else seq_len
+        plan_path,
+        model,
+        nproc_per_node,
+        launch.nnodes,
+        layout,
+        fmt,
+        seq_len=None if data else (seq_len or SYNTHETIC_SEQ_LEN),
     )
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
         batch_size = chosen.dp * -(-4 // chosen.dp)
@@ -883,7 +895,7 @@ def _preflight(cfg: RunConfig, report: ValidationReport, fmt: Format, local_rank
     if checked.problems:
         _emit(checked.problems, fmt)
         raise typer.Exit(EXIT_USAGE if any(d.rule in USAGE_RULES for d in checked.problems) else EXIT_PLAN)
-    warnings = (*report.diagnostics, *notices(cfg))
+    warnings = (*report.diagnostics, *notices(cfg, checked.dataset))
     if fmt is Format.text:  # on stderr: stdout may carry data; json: into the one final document
         for warning in warnings:
             print(warning.format(), file=sys.stderr)

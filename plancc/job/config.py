@@ -29,6 +29,7 @@ PARAM_DTYPES = {
 # the launcher's copies of what it read and checked (in ``RunConfig.inputs``)
 PLAN_COPY = "plan.yaml"
 DATA_COPY = "data.tokens"
+SYNTHETIC_SEQ_LEN = 32  # tokens per synthetic row when --seq-len is not given
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,7 +40,9 @@ class RunConfig:
     steps: int = 5
     data: str | None = None
     batch_size: int = 4  # global, split over dp
-    seq_len: int = 32
+    # synthetic rows' length (SYNTHETIC_SEQ_LEN when None); with --data the length rows are cut
+    # to (None: as they are, the model's max_position_embeddings the bound, checked before launch)
+    seq_len: int | None = None
     lr: float = 1e-3
     warmup_steps: int = 1
     schedule_steps: int | None = None  # LR schedule horizon; default: steps (the run's total)
@@ -69,6 +72,11 @@ class RunConfig:
     # those copies, never the user's paths again (a pipe reads once; a file may change)
     inputs: str | None = None
     log_dir: str | None = None  # where a failing rank writes its full traceback (rank-N.log)
+
+    @property
+    def synthetic_seq_len(self) -> int:
+        """The length of a synthetic row (no --data)."""
+        return self.seq_len or SYNTHETIC_SEQ_LEN
 
     @property
     def log_to_stderr(self) -> bool:

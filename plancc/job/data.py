@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import Diagnostic, PlanError, SourceLoc
+from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..inputs import InputKind, read_lines
 
 
@@ -25,10 +25,17 @@ class DataError(PlanError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenDataset:
-    """Pre-tokenized sequences, each a list of ids, with where each came from."""
+    """Pre-tokenized sequences, each a list of ids, with where each came from.
+
+    ``masks``: per sequence, which tokens the loss counts (1) -- from a line's ``labels``
+    (-100: not counted, transformers' convention) or ``loss_mask`` -- or None where every token
+    counts; None for the whole dataset when no line has one. ``unused``: fields the lines hold
+    that the run does not read (said once, in a warning)."""
 
     sequences: tuple[tuple[int, ...], ...]
     path: str = "<synthetic>"
+    masks: tuple[tuple[int, ...] | None, ...] | None = None
+    unused: tuple[str, ...] = ()
 
 
 _EXAMPLE = 'write {"input_ids": [1, 2, 3]}'
@@ -47,7 +54,40 @@ class _BadLine(Exception):
         self.rule, self.message, self.fix = rule, message, fix
 
 
-def _parse_line(line: str, vocab_size: int, min_tokens: int, max_tokens: int | None) -> tuple[int, ...]:
+# The fields a line of pre-tokenized data may hold; any other is named in one warning.
+KNOWN_FIELDS = ("input_ids", "labels", "loss_mask", "attention_mask")
+IGNORE_INDEX = -100  # transformers' label of a token the loss does not count
+
+
+def _loss_mask(record: dict, ids: list[int]) -> tuple[int, ...] | None:
+    """Which tokens of ``ids`` the loss counts, from ``labels`` or ``loss_mask`` (None: all)."""
+    if "labels" in record and "loss_mask" in record:
+        raise _BadLine("data-mask", "the line has both 'labels' and 'loss_mask': give one", "keep one of them")
+    if "labels" in record:
+        labels = record["labels"]
+        if not isinstance(labels, list) or len(labels) != len(ids):
+            raise _BadLine("data-mask", "'labels' must be a list as long as 'input_ids'")
+        wrong = [i for i, (t, label) in enumerate(zip(ids, labels, strict=True)) if label not in (t, IGNORE_INDEX)]
+        if wrong:
+            raise _BadLine(
+                "data-mask",
+                f"labels[{wrong[0]}] is {labels[wrong[0]]!r}: a label is the token itself or {IGNORE_INDEX} "
+                "(transformers shifts them; the loss predicts input_ids)",
+                f"write input_ids[i] or {IGNORE_INDEX} at every position",
+            )
+        return tuple(int(label != IGNORE_INDEX) for label in labels)
+    if "loss_mask" in record:
+        mask = record["loss_mask"]
+        if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) or m is True for m in mask):
+            raise _BadLine("data-mask", "'loss_mask' must be a list of 0 and 1 as long as 'input_ids'")
+        return tuple(int(m) for m in mask)
+    return None
+
+
+def _parse_line(
+    line: str, vocab_size: int, min_tokens: int, max_tokens: int | None
+) -> tuple[tuple[int, ...], tuple[int, ...] | None, list[str]]:
+    """(token ids, loss mask or None, the line's fields the run does not read)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -82,7 +122,14 @@ def _parse_line(line: str, vocab_size: int, min_tokens: int, max_tokens: int | N
             f"token id {out_of_range[0]} is outside the vocabulary [0, {vocab_size})",
             "tokenize with the model's own tokenizer",
         )
-    return tuple(ids)
+    mask = _loss_mask(record, ids)
+    if mask is not None and min_tokens > 1 and not any(mask[1:]):  # position 0 predicts nothing
+        raise _BadLine(
+            "data-mask",
+            "the loss counts no token of this line (every label -100, or loss_mask 0, after the first)",
+            "drop the line, or count its completion",
+        )
+    return tuple(ids), mask, [key for key in record if key not in KNOWN_FIELDS]
 
 
 def read_jsonl(
@@ -100,12 +147,14 @@ def read_jsonl(
     shown = str(path)
     problems: list[Diagnostic] = []
     sequences: list[tuple[int, ...]] = []
+    masks: list[tuple[int, ...] | None] = []
+    unused: dict[str, None] = {}
     try:
         _parse_lines(
             read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
             shown,
             problems,
-            sequences,
+            (sequences, masks, unused),
             vocab_size=vocab_size,
             min_tokens=min_tokens,
             max_tokens=max_tokens,
@@ -124,14 +173,34 @@ def read_jsonl(
         )
     if problems:
         raise DataError(problems)
-    return TokenDataset(sequences=tuple(sequences), path=shown)
+    return TokenDataset(
+        sequences=tuple(sequences),
+        path=shown,
+        masks=tuple(masks) if any(m is not None for m in masks) else None,
+        unused=tuple(unused),
+    )
+
+
+def unused_fields_warning(data: TokenDataset) -> Diagnostic | None:
+    """The fields of the data the run does not read, named once (a ``text`` or ``mask`` field a
+    user expected to matter trains without a word otherwise)."""
+    if not data.unused:
+        return None
+    names = ", ".join(repr(name) for name in data.unused)
+    return Diagnostic(
+        rule="data-unused-field",
+        loc=SourceLoc(path=data.path),
+        severity=Severity.WARNING,
+        message=f"field(s) {names} of the data are not used: the run reads {', '.join(KNOWN_FIELDS[:3])}",
+        fix="labels (-100: not counted) or loss_mask (0/1) say which tokens the loss counts",
+    )
 
 
 def _parse_lines(
     lines: Iterator[bytes],
     shown: str,
     problems: list[Diagnostic],
-    sequences: list[tuple[int, ...]],
+    found: tuple[list[tuple[int, ...]], list[tuple[int, ...] | None], dict[str, None]],
     *,
     vocab_size: int,
     min_tokens: int,
@@ -142,7 +211,10 @@ def _parse_lines(
             line = raw.decode("utf-8")
             if not line.strip():
                 continue
-            sequences.append(_parse_line(line, vocab_size, min_tokens, max_tokens))
+            ids, mask, unused = _parse_line(line, vocab_size, min_tokens, max_tokens)
+            found[0].append(ids)
+            found[1].append(mask)
+            found[2].update(dict.fromkeys(unused))
         except UnicodeDecodeError as exc:
             problems.append(_bad(shown, line_no, "data-json", f"byte {exc.start + 1} is not valid UTF-8", _UTF8))
         except _BadLine as bad:
@@ -169,9 +241,13 @@ def write_tokens(data: TokenDataset, path: str | Path) -> None:
     pipe can be read once only, a file can change in between)."""
     lengths = array("q", map(len, data.sequences))
     tokens = array("q", (t for seq in data.sequences for t in seq))
+    head = {"path": data.path, "count": len(lengths), "masked": data.masks is not None, "unused": list(data.unused)}
     with open(path, "wb") as f:
-        f.write(json.dumps({"path": data.path, "count": len(lengths)}).encode() + b"\n")
+        f.write(json.dumps(head).encode() + b"\n")
         lengths.tofile(f)
+        if data.masks is not None:  # one byte a token, 1 where every token of an unmasked line is
+            pairs = zip(data.sequences, data.masks, strict=True)
+            array("b", (m for seq, mask in pairs for m in (mask if mask is not None else (1,) * len(seq)))).tofile(f)
         tokens.tofile(f)
 
 
@@ -181,13 +257,22 @@ def read_tokens(path: str | Path) -> TokenDataset:
         head = json.loads(f.readline())
         lengths = array("q")
         lengths.fromfile(f, head["count"])
+        flags = array("b")
+        if head.get("masked"):
+            flags.fromfile(f, sum(lengths))
         tokens = array("q")
         tokens.frombytes(f.read())
-    sequences, at = [], 0
+    sequences, masks, at = [], [], 0
     for n in lengths:
         sequences.append(tuple(tokens[at : at + n]))
+        masks.append(tuple(flags[at : at + n]) if flags else None)
         at += n
-    return TokenDataset(sequences=tuple(sequences), path=head["path"])
+    return TokenDataset(
+        sequences=tuple(sequences),
+        path=head["path"],
+        masks=tuple(masks) if head.get("masked") else None,
+        unused=tuple(head.get("unused", ())),
+    )
 
 
 def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -200,13 +285,31 @@ def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, voca
 
 
 def dataset_batch(
-    data: TokenDataset, step: int, *, batch_size: int, seq_len: int, pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``step*batch_size ...`` (cycling), each cut or right-padded to ``seq_len``.
-    Returns (input_ids, attention_mask)."""
+    data: TokenDataset, step: int, *, batch_size: int, seq_len: int | None, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """Rows ``step*batch_size ...`` (cycling), each cut to ``seq_len`` (None: as they are) and
+    right-padded to the longest: ``input_ids``, ``attention_mask`` and, for data with loss
+    masks, ``token_mask`` (the tokens the loss counts; never position 0, which nothing predicts).
+    The engine pads further to the layout's multiple, or packs."""
     n = len(data.sequences)
-    rows = [data.sequences[(step * batch_size + row) % n][:seq_len] for row in range(batch_size)]
-    return padded_rows(rows, width=seq_len, pad_id=pad_id)
+    picked = [(step * batch_size + row) % n for row in range(batch_size)]
+    rows = [data.sequences[i][:seq_len] for i in picked]
+    ids, attention = padded_rows(rows, pad_id=pad_id)
+    batch = {"input_ids": ids, "attention_mask": attention}
+    if data.masks is not None:
+        token_mask = torch.zeros_like(ids)
+        for row, i in enumerate(picked):
+            mask = data.masks[i]
+            counted = mask[:seq_len] if mask is not None else (1,) * len(rows[row])
+            token_mask[row, : len(counted)] = torch.tensor(counted, dtype=torch.long)
+        token_mask[:, 0] = 0
+        batch["token_mask"] = token_mask
+    return batch
+
+
+def truncated(data: TokenDataset, seq_len: int | None) -> int:
+    """How many sequences ``--seq-len`` cuts (said in the run's log)."""
+    return 0 if seq_len is None else sum(len(s) > seq_len for s in data.sequences)
 
 
 def padded_rows(

@@ -78,7 +78,9 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
     dp = max(1, layout.dp)
     if cfg.mode == "train":
         rows = cfg.micro_batch_size or max(1, cfg.batch_size // dp)
-        tokens = rows * (longest or cfg.seq_len)
+        # a data row is as long as it is, cut to --seq-len when given; a synthetic row is --seq-len
+        length = longest if longest is not None else cfg.synthetic_seq_len
+        tokens = rows * (min(length, cfg.seq_len) if cfg.seq_len else length)
         if cfg.max_tokens:
             tokens = min(tokens, max(cfg.max_tokens, longest or 0))
         copies = 2  # the logits and their gradient

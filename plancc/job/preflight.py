@@ -28,7 +28,7 @@ from ..paths import RunPath, is_stdout, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from ..runtime.mesh import default_device_type
 from .config import PARAM_DTYPES, RunConfig
-from .data import TokenDataset, read_jsonl
+from .data import TokenDataset, read_jsonl, unused_fields_warning
 from .memory import memory_problems
 
 if TYPE_CHECKING:  # the launcher checks flags without importing transformers' modeling stack
@@ -273,10 +273,14 @@ class Preflight:
 def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagnostic]:
     """A row longer than ``--max-tokens``: a row is never split across microbatches, so the run
     would stop at the first batch holding it (perhaps hours in); said before launch instead.
-    Training rows are cut to ``--seq-len``; synthetic rows are that long."""
+    Training rows are cut to ``--seq-len`` (when given); synthetic rows are that long."""
     if cfg.mode != "train" or cfg.max_tokens is None or (cfg.data and dataset is None):
         return []  # (data that could not be read has its own diagnostics)
-    lengths = [min(len(s), cfg.seq_len) for s in dataset.sequences] if dataset is not None else [cfg.seq_len]
+    cut = cfg.seq_len
+    if dataset is not None:
+        lengths = [min(len(s), cut) if cut else len(s) for s in dataset.sequences]
+    else:
+        lengths = [cfg.synthetic_seq_len]
     longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
     if longest is None or lengths[longest] <= cfg.max_tokens:
         return []
@@ -285,7 +289,7 @@ def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagn
         Diagnostic(
             rule="data",
             loc=SourceLoc(path=dataset.path if dataset is not None else "--max-tokens"),
-            message=f"{row} has {lengths[longest]} tokens (after --seq-len {cfg.seq_len}), "
+            message=f"{row} has {lengths[longest]} tokens" + (f" (after --seq-len {cut})" if cut else "") + ", "
             f"more than max_tokens={cfg.max_tokens}: a row is never split across microbatches",
             fix=f"pass --max-tokens {lengths[longest]} or more, or a smaller --seq-len",
         )
@@ -305,7 +309,9 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
     dataset = None
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
     longest = max_positions(config)
-    if cfg.mode == "train" and not cfg.data and longest is not None and cfg.seq_len > longest:
+    # --seq-len means one thing with and without --data: a row's length (synthetic rows are that
+    # long, data rows are cut to it); beyond the model's positions either way is refused here
+    if cfg.mode == "train" and cfg.seq_len is not None and longest is not None and cfg.seq_len > longest:
         problems.append(
             Diagnostic(
                 rule="usage",
@@ -335,7 +341,9 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
                 cfg.data,
                 vocab_size=config.vocab_size,
                 min_tokens=2 if cfg.mode == "train" else 1,
-                max_tokens=longest if cfg.mode == "logprobs" else None,
+                # a row longer than the model takes is refused, by apply as by logprobs, unless
+                # --seq-len cuts it (to no more than the model takes: checked above)
+                max_tokens=longest if cfg.mode == "logprobs" or cfg.seq_len is None else None,
             )
         except PlanError as exc:
             problems += exc.diagnostics
@@ -362,9 +370,12 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
     return Preflight(problems=problems, dataset=dataset)
 
 
-def notices(cfg: RunConfig) -> list[Diagnostic]:
+def notices(cfg: RunConfig, dataset: TokenDataset | None = None) -> list[Diagnostic]:
     """What the run will do that a user may not expect (warnings, the run still starts)."""
     found = []
+    unused = unused_fields_warning(dataset) if dataset is not None else None
+    if unused is not None:
+        found.append(unused)
     folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
     if folder is not None and not has_weights(folder) and not other_weight_files(folder):
         found.append(

@@ -43,7 +43,7 @@ from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from . import reporting
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
-from .data import TokenDataset, dataset_batch, padded_rows, read_jsonl, read_tokens, synthetic_batch
+from .data import TokenDataset, dataset_batch, padded_rows, read_jsonl, read_tokens, synthetic_batch, truncated
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .reporting import MetricsFile, RunProgress, log
 from .verify import (
@@ -65,13 +65,15 @@ def lr_lambda(step: int, *, warmup: int, total: int) -> float:
 
 def _batches(
     cfg: RunConfig, dataset: TokenDataset | None, vocab_size: int, start: int, count: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The global batch of each step: ``input_ids``, ``attention_mask`` and, for data with
+    loss masks, ``token_mask``."""
     for step in range(start, start + count):
         if dataset is None:
             ids = synthetic_batch(
-                step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.seq_len, vocab_size=vocab_size
+                step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.synthetic_seq_len, vocab_size=vocab_size
             )
-            yield ids, torch.ones_like(ids)
+            yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         else:
             yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
 
@@ -180,7 +182,7 @@ class _Trainer:
     def remaining(self) -> int:
         return max(0, self.total - self.start)
 
-    def step(self, step: int, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    def step(self, step: int, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step on this rank's slice of the global batch; its metrics."""
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
         poisoned = faults.poisoned("loss", rank=dist.get_rank(), step=step + 1)
@@ -192,7 +194,7 @@ class _Trainer:
         cfg = self.cfg
         try:
             row = self.policy.train(
-                {"input_ids": ids, "attention_mask": mask},
+                batch,
                 token_loss=loss_fn,  # the NLL is a sum of per-token terms: the 3-matmul lm_head
                 micro_batch_size=cfg.micro_batch_size,
                 max_tokens=cfg.max_tokens,
@@ -216,12 +218,12 @@ class _Trainer:
         metrics = MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard)
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
         try:
-            for step, (ids, mask) in enumerate(batches, start=self.start):
+            for step, batch in enumerate(batches, start=self.start):
                 self.interrupted = StopRequest.agreed(device)
                 if self.interrupted:
                     break
-                mine = self.policy.balanced_slices(mask.sum(1))  # even tokens per dp rank
-                row = self.step(step, ids[mine].to(device), mask[mine].to(device))
+                mine = self.policy.balanced_slices(batch["attention_mask"].sum(1))  # even tokens per dp rank
+                row = self.step(step, {name: value[mine].to(device) for name, value in batch.items()})
                 self.done = step + 1
                 history.append(row)
                 metrics.write(row)
@@ -374,6 +376,21 @@ def _lora_note(policy: Policy) -> str:
     return f" | LoRA r={adapters.spec.r} on {len(adapters.modules)} modules ({trained / total:.2%} of parameters train)"
 
 
+def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
+    """What each step trains on: its rows, their length, what the loss counts."""
+    if dataset is None:
+        return f"data: synthetic, {cfg.batch_size} rows of {cfg.synthetic_seq_len} tokens a step"
+    longest = max(map(len, dataset.sequences))
+    cut = truncated(dataset, cfg.seq_len)
+    length = (
+        f"rows cut to --seq-len {cfg.seq_len} ({cut} of {len(dataset.sequences)} longer)"
+        if cfg.seq_len is not None
+        else f"rows as they are (the longest {longest} tokens; --seq-len cuts them)"
+    )
+    counted = "the tokens its labels / loss_mask count" if dataset.masks is not None else "every token after the first"
+    return f"data: {dataset.path}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}"
+
+
 def train(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
     policy = _policy(cfg, job)
@@ -381,6 +398,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
         f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{_lora_note(policy)}"
     )
+    log(_data_note(cfg, job.dataset))
     warnings = _weight_warnings(policy.model, cfg, job)
     trainer = _Trainer(cfg=cfg, job=job, policy=policy)
     lock = _lock_save_folder(cfg)

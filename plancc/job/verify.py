@@ -47,7 +47,7 @@ from ..runtime.mesh import MeshLike, parallel_mesh
 from ..runtime.parallelize import parallelize
 from ..runtime.weights import load_hf_weights
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = dict[str, torch.Tensor]  # input_ids, attention_mask and, for masked data, token_mask
 
 
 @dataclass(kw_only=True, slots=True)
@@ -176,14 +176,15 @@ def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[st
 
 
 def _fp64_run(
-    reference64: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_grad_norm: float
+    reference64: torch.nn.Module, batch: Batch, max_grad_norm: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
     """(logits, clipped gradients) of the reference in fp64 on the same batch: what fp32 rounds
     away."""
     try:
         with batched_experts(reference64):
+            ids, mask = batch["input_ids"], batch["attention_mask"]
             logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            token_mean_loss(logits64, ids, mask).backward()
+            token_mean_loss(logits64, ids, mask, batch.get("token_mask")).backward()
     except RuntimeError:
         # a modeling file that computes in fp32 on purpose (a router casting its input) cannot
         # run in fp64: no floor measured, the fixed fp32 bars apply
@@ -192,12 +193,15 @@ def _fp64_run(
     return logits64.detach(), {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
 
 
-def token_mean_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_mean_loss(
+    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The mean next-token NLL of the whole batch over the positions ``Policy`` counts
-    (``default_token_mask``): what ``token_nll`` sums to over every microbatch and rank."""
+    (``token_mask``, else ``default_token_mask``): what ``token_nll`` sums to over every
+    microbatch and rank."""
     lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    counted = default_token_mask(mask)[:, 1:].to(lp.dtype)
+    counted = (token_mask if token_mask is not None else default_token_mask(mask))[:, 1:].to(lp.dtype)
     return -(lp * counted).sum() / counted.sum()
 
 
@@ -228,7 +232,7 @@ def _random_batches(config: PretrainedConfig, *, count: int, global_batch: int, 
     out = []
     for _ in range(count):
         ids = torch.randint(0, config.vocab_size, (global_batch, seq_len), generator=gen)
-        out.append((ids, torch.ones_like(ids)))
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return out
 
 
@@ -269,13 +273,13 @@ class _FirstGradients:
             self.handle.remove()
 
 
-def _global_loss(policy: Policy, ids: torch.Tensor, mask: torch.Tensor) -> float:
+def _global_loss(policy: Policy, whole: Batch) -> float:
     """The global batch's mean token NLL under the policy's current weights, without a step."""
-    mine = policy.slice_of(ids.shape[0])
-    batch = {"input_ids": ids[mine], "attention_mask": mask[mine]}
+    mine = policy.slice_of(whole["input_ids"].shape[0])
+    batch = {name: value[mine] for name, value in whole.items()}
     lp = policy.logprobs(batch)
     assert isinstance(lp, torch.Tensor), "log-probs without entropy are one tensor"
-    counted = default_token_mask(batch["attention_mask"]).to(lp.dtype)
+    counted = batch.get("token_mask", default_token_mask(batch["attention_mask"])).to(lp.dtype)
     sums = torch.stack([-(lp * counted).sum().double(), counted.sum().double()])
     dist.all_reduce(sums, group=policy.mesh["dp"].get_group())
     return float(sums[0] / sums[1])
@@ -369,10 +373,12 @@ def verify_against_unsharded(
     reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
     if batches is None:
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)
-    mine = policy.slice_of(batches[0][0].shape[0])
+    mine = policy.slice_of(batches[0]["input_ids"].shape[0])
     cp = mesh["cp"].size()
     local_index = (
-        load_balanced_indices(batches[0][0].shape[1], cp, mesh["cp"].get_local_rank()).to(device) if cp > 1 else None
+        load_balanced_indices(batches[0]["input_ids"].shape[1], cp, mesh["cp"].get_local_rank()).to(device)
+        if cp > 1
+        else None
     )
     report = VerifyReport(dropout_off=dropped, weights=source)
     first = _FirstGradients(policy)
@@ -385,10 +391,11 @@ def verify_against_unsharded(
         )
         for group in ref_opt.param_groups:  # this run's rate, as Policy.load keeps it
             group["lr"] = lr
-    for step, (ids, mask) in enumerate(batches[: steps + 1]):
-        ids, mask = ids.to(device), mask.to(device)
+    for step, whole in enumerate(batches[: steps + 1]):
+        whole = {name: value.to(device) for name, value in whole.items()}
+        ids, mask = whole["input_ids"], whole["attention_mask"]
         ref_full = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        ref_loss = token_mean_loss(ref_full, ids, mask)
+        ref_loss = token_mean_loss(ref_full, ids, mask, whole.get("token_mask"))
         if step == 0:
             # this rank's rows and (under cp) positions
             ref_logits = (ref_full if local_index is None else ref_full.index_select(1, local_index))[mine].detach()
@@ -398,9 +405,9 @@ def verify_against_unsharded(
             report.logits_max_abs = (logits - ref_logits).abs().max().item()
             report.logits_max_rel = _rel(logits, ref_logits)
         if step == steps:  # the loss after the last step, without another
-            report.step_loss_abs.append(abs(_global_loss(policy, ids, mask) - ref_loss.item()))
+            report.step_loss_abs.append(abs(_global_loss(policy, whole) - ref_loss.item()))
             break
-        batch = {"input_ids": ids[mine], "attention_mask": mask[mine]}
+        batch = {name: value[mine] for name, value in whole.items()}
         # as plancc apply trains: the NLL's per-token terms through the 3-matmul lm_head
         row = policy.train(
             batch, token_loss=token_nll, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack
@@ -413,7 +420,7 @@ def verify_against_unsharded(
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
         if step == 0:
-            exact = _fp64_run(reference64, ids, mask, max_grad_norm)
+            exact = _fp64_run(reference64, whole, max_grad_norm)
             del reference64
             if exact is not None:
                 report.logits_floor = _rel(ref_full.detach().double(), exact[0])
