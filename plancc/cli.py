@@ -211,6 +211,32 @@ TensorboardOpt = Annotated[
 ]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataFieldFlags:
+    """Where --data lines keep their text, when they hold text rather than input_ids: tokenized
+    with the model folder's tokenizer (chat with its template; the loss counts the assistant's
+    turns, or the completion)."""
+
+    text_field: Annotated[str, typer.Option("--text-field", help="field of plain text (every token counts)")] = "text"
+    messages_field: Annotated[
+        str, typer.Option("--messages-field", help="field of a chat [{role, content}] (the assistant's turns count)")
+    ] = "messages"
+    prompt_field: Annotated[str, typer.Option("--prompt-field", help="field of a prompt (not counted)")] = "prompt"
+    completion_field: Annotated[
+        str, typer.Option("--completion-field", help="field of the prompt's completion (counted)")
+    ] = "completion"
+
+    def run_config(self) -> dict[str, Any]:
+        names = {
+            "text": self.text_field,
+            "messages": self.messages_field,
+            "prompt": self.prompt_field,
+            "completion": self.completion_field,
+        }
+        changed = {k: v for k, v in names.items() if v != k}
+        return {"data_fields": changed or None}
+
+
 def _path(value: Path | None) -> str | None:
     return str(value) if value else None
 
@@ -641,19 +667,27 @@ def models(fmt: FormatOpt = Format.text) -> None:
 
 
 @app.command()
-@grouped(layout=LayoutFlags, launch=LaunchFlags, worker=WorkerFlags, output=OutputFlags)
+@grouped(layout=LayoutFlags, launch=LaunchFlags, worker=WorkerFlags, output=OutputFlags, fields=DataFieldFlags)
 def apply(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     layout: LayoutFlags,
     launch: LaunchFlags,
     worker: WorkerFlags,
     output: OutputFlags,
+    fields: DataFieldFlags,
     model: ModelOpt = None,
     steps: Annotated[
         int,
         typer.Option("--steps", min=0, help="the run's total optimizer steps (with --resume: trains on to this step)"),
     ] = 5,
-    data: Annotated[Path | None, typer.Option("--data", help='pre-tokenized JSONL: {"input_ids": [...]}')] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help='JSONL: {"input_ids": [...]} (with labels or loss_mask), or text, messages, prompt + completion '
+            "tokenized with the model folder's tokenizer",
+        ),
+    ] = None,
     batch_size: Annotated[
         int | None,
         typer.Option("--batch-size", min=1, help="global batch, split over dp (default: 4, or dp if larger)"),
@@ -752,6 +786,7 @@ def apply(
         json_output=fmt is Format.json,
         **worker.run_config(),
         **output.run_config(),
+        **fields.run_config(),
     )
     _launch_and_report(opts, _preflight(cfg, report, fmt, nproc_per_node), fmt)
 

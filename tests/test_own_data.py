@@ -86,3 +86,106 @@ def test_a_line_longer_than_the_model_takes_is_refused_by_apply_unless_seq_len_c
     assert code == 1 and f"{data}:1:1: error: the line has 600 tokens" in err and "[data-too-long]" in err
     code, out, err = cli("apply", QWEN3, "--data", data, "--seq-len", 1000)
     assert code == 2 and "--seq-len 1000 is beyond the model's max_position_embeddings (512)" in err
+
+
+CHAT_TEMPLATE = (  # ChatML, with transformers' generation markers around the assistant's turns
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = ["hello world, how are you today?", "the quick brown fox jumps over the lazy dog", "user assistant system"]
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """A model folder as a user brings one, made here without a hub: a byte-level BPE of 300
+    tokens trained in the test (``tokenizers``), a ChatML template, and a tiny Qwen3 of that
+    vocabulary with weights of its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from plancc.models import build_model, load_config
+
+    folder = tmp_path_factory.mktemp("chat-model")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(CORPUS * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    config = load_config("tiny-qwen3")
+    config.vocab_size = 320  # the tokenizer's 300, rounded up as real vocabularies are
+    torch.manual_seed(5)
+    build_model(config, device="cpu").save_pretrained(folder)
+    return folder
+
+
+CHATS = [
+    [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick fox"},
+     {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "lazy dog today"}],
+    [{"role": "system", "content": "user assistant"}, {"role": "user", "content": "world"},
+     {"role": "assistant", "content": "hello world"}],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_chat_data_trains_on_the_assistants_tokens_only(chat_folder, tmp_path):
+    """A chat rendered with the folder's template; the step's loss equals transformers' own loss
+    with labels from the template's assistant mask (its {% generation %} markers), which plancc
+    does not read: it finds each assistant turn as what the turn adds to the prompt before it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat, "id": i}) + "\n" for i, chat in enumerate(CHATS)))
+    code, out, err = forked_cli("apply", QWEN3, "--model", chat_folder, "--data", data, "--steps", 1,
+                                "--batch-size", 2, "--metrics", tmp_path / "m.jsonl")
+    assert code == 0, err
+    (step,) = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert "'id'" in [x for x in err.splitlines() if "[data-unused-field]" in x][0]
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    rendered = [tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True) for chat in CHATS]
+    width = max(len(r["input_ids"]) for r in rendered)
+    ids = torch.zeros(len(CHATS), width, dtype=torch.long)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for row, r in enumerate(rendered):
+        n = len(r["input_ids"])
+        ids[row, :n] = torch.tensor(r["input_ids"])
+        mask[row, :n] = 1
+        keep = torch.tensor(r["assistant_masks"]).bool()
+        labels[row, :n] = torch.where(keep, ids[row, :n], torch.full_like(ids[row, :n], -100))
+    model = AutoModelForCausalLM.from_pretrained(chat_folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    assert step["loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_prompt_and_completion_count_the_completion_and_text_counts_everything(chat_folder, tmp_path):
+    from plancc.job.data import DataFields, Tokenizer, read_jsonl
+
+    data = tmp_path / "pc.jsonl"
+    data.write_text(json.dumps({"question": "how are you", "answer": "lazy dog"}) + "\n"
+                    + json.dumps({"body": "hello world"}) + "\n")
+    fields = DataFields(prompt="question", completion="answer", text="body")
+    ds = read_jsonl(data, vocab_size=320, min_tokens=2, fields=fields, tokenizer=Tokenizer(str(chat_folder)))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_folder)
+    prompt, completion = tok("how are you")["input_ids"], tok("lazy dog", add_special_tokens=False)["input_ids"]
+    assert ds.sequences[0] == (*prompt, *completion, tok.eos_token_id)
+    assert ds.masks[0] == (0,) * len(prompt) + (1,) * (len(completion) + 1)
+    assert ds.sequences[1] == (*tok("hello world")["input_ids"], tok.eos_token_id) and ds.masks[1] is None
+    assert ds.unused == ()
+
+
+def test_text_without_a_tokenizer_is_refused_at_its_line(cli, tmp_path):
+    data = tmp_path / "text.jsonl"
+    data.write_text(json.dumps({"text": "hello"}) + "\n")
+    code, out, err = cli("apply", QWEN3, "--data", data)
+    assert code == 1 and f"{data}:1:1: error:" in err and "[data-tokenizer]" in err and "no tokenizer" in err

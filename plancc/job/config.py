@@ -39,6 +39,8 @@ class RunConfig:
     model: str | None = None
     steps: int = 5
     data: str | None = None
+    # where --data lines keep their text (DataFields' names: text, messages, prompt, completion)
+    data_fields: dict[str, str] | None = None
     batch_size: int = 4  # global, split over dp
     # synthetic rows' length (SYNTHETIC_SEQ_LEN when None); with --data the length rows are cut
     # to (None: as they are, the model's max_position_embeddings the bound, checked before launch)

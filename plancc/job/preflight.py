@@ -28,7 +28,7 @@ from ..paths import RunPath, is_stdout, overlaps
 from ..runtime.hf_folder import check_export_target, check_folder, has_weights, other_weight_files
 from ..runtime.mesh import default_device_type
 from .config import PARAM_DTYPES, RunConfig
-from .data import TokenDataset, read_jsonl, unused_fields_warning
+from .data import DataFields, TokenDataset, Tokenizer, read_jsonl, unused_fields_warning
 from .memory import memory_problems
 
 if TYPE_CHECKING:  # the launcher checks flags without importing transformers' modeling stack
@@ -339,6 +339,8 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
         try:
             dataset = read_jsonl(
                 cfg.data,
+                fields=DataFields.of(cfg.data_fields),
+                tokenizer=Tokenizer(str(folder) if folder is not None else None),
                 vocab_size=config.vocab_size,
                 min_tokens=2 if cfg.mode == "train" else 1,
                 # a row longer than the model takes is refused, by apply as by logprobs, unless

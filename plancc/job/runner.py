@@ -43,7 +43,17 @@ from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from . import reporting
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
-from .data import TokenDataset, dataset_batch, padded_rows, read_jsonl, read_tokens, synthetic_batch, truncated
+from .data import (
+    DataFields,
+    TokenDataset,
+    Tokenizer,
+    dataset_batch,
+    padded_rows,
+    read_jsonl,
+    read_tokens,
+    synthetic_batch,
+    truncated,
+)
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .reporting import MetricsFile, RunProgress, log
 from .verify import (
@@ -123,7 +133,13 @@ def _setup(cfg: RunConfig) -> _Job:
     assert model_name is not None, "the CLI resolves the model before launching"
     config = load_config(model_name)
     if cfg.data and dataset is None:  # a runner started by hand: validate the whole file before any step
-        dataset = read_jsonl(cfg.data, vocab_size=config.vocab_size, min_tokens=2 if cfg.mode == "train" else 1)
+        dataset = read_jsonl(
+            cfg.data,
+            vocab_size=config.vocab_size,
+            min_tokens=2 if cfg.mode == "train" else 1,
+            fields=DataFields.of(cfg.data_fields),
+            tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
+        )
     return _Job(
         device=device,
         mesh=mesh,
