@@ -189,3 +189,35 @@ def test_text_without_a_tokenizer_is_refused_at_its_line(cli, tmp_path):
     data.write_text(json.dumps({"text": "hello"}) + "\n")
     code, out, err = cli("apply", QWEN3, "--data", data)
     assert code == 1 and f"{data}:1:1: error:" in err and "[data-tokenizer]" in err and "no tokenizer" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_parquet_dataset_of_chats_trains_as_the_same_jsonl(chat_folder, tmp_path):
+    """The same chats as a parquet file (read streaming by Hugging Face datasets) and as a
+    dataset saved with save_to_disk give the JSONL run's step loss."""
+    import datasets
+
+    rows = [{"messages": chat} for chat in CHATS]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "chats.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    losses = []
+    for data in ("chats.jsonl", "chats.parquet", "saved"):
+        code, out, err = forked_cli("apply", QWEN3, "--model", chat_folder, "--data", tmp_path / data, "--steps", 1,
+                                    "--batch-size", 2, "--nproc-per-node", 1, "--metrics", tmp_path / f"{data}.m")
+        assert code == 0, err
+        losses.append(json.loads((tmp_path / f"{data}.m").read_text())["loss"])
+    assert losses[0] == losses[1] == losses[2]
+
+
+def test_a_bad_row_of_a_parquet_file_is_named_by_its_row(tmp_path):
+    import datasets
+
+    from plancc.job.data import DataError, read_jsonl
+
+    datasets.Dataset.from_list([{"input_ids": [1, 2, 3]}, {"input_ids": [1, 999]}]).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(DataError) as caught:
+        read_jsonl(tmp_path / "d.parquet", vocab_size=256)
+    (found,) = caught.value.diagnostics
+    assert found.rule == "data-token-range" and found.loc.line == 2 and "999" in found.message

@@ -12,12 +12,13 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..inputs import InputKind, read_lines
+from .hf_datasets import DatasetProblem, dataset_rows, is_dataset
+from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record
 
 
 class DataError(PlanError):
@@ -39,178 +40,11 @@ class TokenDataset:
     unused: tuple[str, ...] = ()
 
 
-_EXAMPLE = 'write {"input_ids": [1, 2, 3]}'
 _UTF8 = 'pass a UTF-8 JSONL file with one {"input_ids": [...]} per line'
 DATA_INPUT = InputKind(what="data", fix=_UTF8)
 MAX_REPORTED = 20  # bad lines reported before the read stops
 # The longest line read: 8M token ids of up to 7 digits. A longer "line" is another kind of file.
 MAX_LINE_BYTES = 64 << 20
-
-
-class _BadLine(Exception):
-    """Why one line of a data file is not a sequence (rule, message, fix)."""
-
-    def __init__(self, rule: str, message: str, fix: str = _EXAMPLE):
-        super().__init__(message)
-        self.rule, self.message, self.fix = rule, message, fix
-
-
-# The fields a line of pre-tokenized data may hold; any other is named in one warning.
-KNOWN_FIELDS = ("input_ids", "labels", "loss_mask", "attention_mask")
-IGNORE_INDEX = -100  # transformers' label of a token the loss does not count
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DataFields:
-    """Where a line keeps its text, as TRL names them: ``text`` (every token counts),
-    ``messages`` (a chat: the assistant's turns count), or ``prompt`` + ``completion`` (the
-    completion counts). Renamed with ``--text-field`` and the like."""
-
-    text: str = "text"
-    messages: str = "messages"
-    prompt: str = "prompt"
-    completion: str = "completion"
-
-    @classmethod
-    def of(cls, names: dict[str, str] | None) -> DataFields:
-        return cls(**(names or {}))
-
-    def used(self) -> tuple[str, ...]:
-        return (self.text, self.messages, self.prompt, self.completion)
-
-
-class Tokenizer:
-    """The model folder's tokenizer, loaded the first time a line needs it (pre-tokenized data
-    needs none), or the reason there is none."""
-
-    def __init__(self, folder: str | None) -> None:
-        self.folder, self._loaded, self._problem = folder, None, ""
-
-    def get(self) -> Any:
-        if self._loaded is None and not self._problem:
-            self._loaded, self._problem = _load_tokenizer(self.folder)
-        if self._problem:
-            raise _BadLine(
-                "data-tokenizer", self._problem, "pass --model a Hugging Face folder with its tokenizer files"
-            )
-        return self._loaded
-
-
-def _load_tokenizer(folder: str | None) -> tuple[Any, str]:
-    has_files = folder is not None and any(
-        (Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    )
-    if not has_files:
-        where = f"the model folder {folder}" if folder else "--model (a preset, no folder)"
-        return None, f"the line holds text, and {where} has no tokenizer to tokenize it with"
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder), ""
-    except Exception as exc:  # whatever a broken tokenizer folder raises
-        return None, f"the tokenizer of {folder} could not be loaded: {type(exc).__name__}: {str(exc)[:200]}"
-
-
-def _token_ids(encoded: Any) -> list[int]:
-    """``input_ids`` of what a tokenizer returned (a list, or a BatchEncoding: transformers 5)."""
-    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-    return [int(t) for t in ids]
-
-
-def _with_eos(ids: list[int], tokenizer: Any) -> list[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return ids + [eos] if isinstance(eos, int) and (not ids or ids[-1] != eos) else ids
-
-
-def _tokenized(record: dict, fields: DataFields, tokenizer: Tokenizer) -> tuple[list[int], tuple[int, ...] | None]:
-    """(ids, loss mask or None) of a line that holds text rather than token ids."""
-    if fields.text in record:
-        text = record[fields.text]
-        if not isinstance(text, str):
-            raise _BadLine("data-text", f"{fields.text!r} must be a string")
-        tok = tokenizer.get()
-        return _with_eos(_token_ids(tok(text)), tok), None
-    if fields.messages in record:
-        return _chat(record[fields.messages], fields.messages, tokenizer.get())
-    if fields.prompt in record and fields.completion in record:
-        prompt, completion = record[fields.prompt], record[fields.completion]
-        if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise _BadLine("data-text", f"{fields.prompt!r} and {fields.completion!r} must be strings")
-        tok = tokenizer.get()
-        head = _token_ids(tok(prompt))
-        tail = _with_eos(_token_ids(tok(completion, add_special_tokens=False)), tok)
-        return head + tail, (0,) * len(head) + (1,) * len(tail)  # completion-only loss
-    raise _BadLine(
-        "data-input-ids",
-        f"the line has none of 'input_ids', {fields.text!r}, {fields.messages!r}, {fields.prompt!r} + "
-        f"{fields.completion!r}",
-    )
-
-
-def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...]]:
-    """A chat rendered with the tokenizer's template; the loss counts the assistant's turns:
-    each turn's tokens are those its rendering adds to the conversation before it rendered with
-    the generation prompt (the prefix each reply is sampled after, as TRL masks them)."""
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
-        raise _BadLine("data-messages", f"{name!r} must be a list of {{'role': ..., 'content': ...}} with strings")
-    if not getattr(tok, "chat_template", None):
-        raise _BadLine("data-messages", "the tokenizer has no chat template to render messages with")
-
-    def render(part: list[dict], prompt: bool) -> list[int]:
-        try:
-            return _token_ids(tok.apply_chat_template(part, tokenize=True, add_generation_prompt=prompt))
-        except Exception as exc:  # the template's own refusal (a role it does not know)
-            raise _BadLine(
-                "data-messages", f"the chat template failed: {type(exc).__name__}: {str(exc)[:200]}"
-            ) from None
-
-    ids = render(messages, False)
-    mask = [0] * len(ids)
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = render(messages[:turn], True), render(messages[: turn + 1], False)
-        if through[: len(before)] != before or ids[: len(through)] != through:
-            raise _BadLine(
-                "data-messages",
-                f"the chat template does not render message {turn} as an extension of the ones before it: "
-                "the assistant's tokens cannot be told apart",
-                "use a template that renders a conversation turn by turn, or tokenize with labels yourself",
-            )
-        mask[len(before) : len(through)] = [1] * (len(through) - len(before))
-    return ids, tuple(mask)
-
-
-def _loss_mask(record: dict, ids: list[int]) -> tuple[int, ...] | None:
-    """Which tokens of ``ids`` the loss counts, from ``labels`` or ``loss_mask`` (None: all)."""
-    if "labels" in record and "loss_mask" in record:
-        raise _BadLine("data-mask", "the line has both 'labels' and 'loss_mask': give one", "keep one of them")
-    if "labels" in record:
-        labels = record["labels"]
-        if not isinstance(labels, list) or len(labels) != len(ids):
-            raise _BadLine("data-mask", "'labels' must be a list as long as 'input_ids'")
-        wrong = [i for i, (t, label) in enumerate(zip(ids, labels, strict=True)) if label not in (t, IGNORE_INDEX)]
-        if wrong:
-            raise _BadLine(
-                "data-mask",
-                f"labels[{wrong[0]}] is {labels[wrong[0]]!r}: a label is the token itself or {IGNORE_INDEX} "
-                "(transformers shifts them; the loss predicts input_ids)",
-                f"write input_ids[i] or {IGNORE_INDEX} at every position",
-            )
-        return tuple(int(label != IGNORE_INDEX) for label in labels)
-    if "loss_mask" in record:
-        mask = record["loss_mask"]
-        if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) or m is True for m in mask):
-            raise _BadLine("data-mask", "'loss_mask' must be a list of 0 and 1 as long as 'input_ids'")
-        return tuple(int(m) for m in mask)
-    return None
 
 
 def _parse_line(
@@ -221,55 +55,17 @@ def _parse_line(
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None, list[str]]:
-    """(token ids, loss mask or None, the line's fields the run does not read)."""
-    fields = fields or DataFields()
+    """A JSONL line's (token ids, loss mask or None, fields the run does not read)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise _BadLine(
+        raise BadRecord(
             "data-json", f"not valid JSON: {exc.msg} (column {exc.colno})", "write one JSON object per line"
         ) from None
     except (ValueError, RecursionError) as exc:  # a number of thousands of digits; nesting past the stack
         why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
-        raise _BadLine("data-json", f"not readable as JSON: {why}") from None
-    if not isinstance(record, dict):
-        raise _BadLine("data-input-ids", "the line is not a JSON object")
-    text_mask: tuple[int, ...] | None = None
-    if "input_ids" in record:
-        ids = record["input_ids"]
-    else:  # text, a chat, or a prompt and its completion: the model folder's tokenizer
-        ids, text_mask = _tokenized(record, fields, tokenizer or Tokenizer(None))
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise _BadLine("data-input-ids", "'input_ids' must be a non-empty list of integers")
-    if len(ids) < min_tokens:  # a lone token predicts nothing: training on it would report a loss of 0
-        raise _BadLine(
-            "data-too-short",
-            f"the line has {len(ids)} token; training needs at least {min_tokens} "
-            "(one to predict from, one to predict)",
-            "drop lines of one token or join them to others",
-        )
-    if max_tokens is not None and len(ids) > max_tokens:  # a batch pads every line to its longest one
-        raise _BadLine(
-            "data-too-long",
-            f"the line has {len(ids)} tokens; the model takes at most {max_tokens} (max_position_embeddings)",
-            "split or truncate the line",
-        )
-    out_of_range = [t for t in ids if t < 0 or t >= vocab_size]
-    if out_of_range:
-        raise _BadLine(
-            "data-token-range",
-            f"token id {out_of_range[0]} is outside the vocabulary [0, {vocab_size})",
-            "tokenize with the model's own tokenizer",
-        )
-    mask = _loss_mask(record, ids) if "input_ids" in record else text_mask
-    if mask is not None and min_tokens > 1 and not any(mask[1:]):  # position 0 predicts nothing
-        raise _BadLine(
-            "data-mask",
-            "the loss counts no token of this line (every label -100, or loss_mask 0, after the first)",
-            "drop the line, or count its completion",
-        )
-    read = (*KNOWN_FIELDS, *fields.used())
-    return tuple(ids), mask, [key for key in record if key not in read]
+        raise BadRecord("data-json", f"not readable as JSON: {why}") from None
+    return parse_record(record, vocab_size, min_tokens, max_tokens, fields, tokenizer)
 
 
 def read_jsonl(
@@ -282,18 +78,22 @@ def read_jsonl(
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> TokenDataset:
-    """Read ``{"input_ids": [...]}`` per line; report every bad line (the first
-    ``MAX_REPORTED`` of them: the read stops there), then raise. Training reads with
-    ``min_tokens=2``: a sequence of one token has nothing to predict. ``path`` may be a pipe
-    (``--data <(...)``, ``/dev/stdin``): it is read once, as it arrives (``plancc.inputs``)."""
+    """Read one record per line (``job.records``: ``{"input_ids": [...]}``, or text for the
+    model folder's ``tokenizer``) -- or per row, where ``path`` is what Hugging Face ``datasets``
+    reads (parquet, arrow, JSON, a folder of them, a saved dataset: ``job.hf_datasets``); report
+    every bad one (the first ``MAX_REPORTED`` of them: the read stops there), then raise.
+    Training reads with ``min_tokens=2``: a sequence of one token has nothing to predict.
+    ``path`` may be a pipe (``--data <(...)``, ``/dev/stdin``): it is read once, as it arrives
+    (``plancc.inputs``)."""
     shown = str(path)
     problems: list[Diagnostic] = []
     sequences: list[tuple[int, ...]] = []
     masks: list[tuple[int, ...] | None] = []
     unused: dict[str, None] = {}
+    dataset = is_dataset(path)
     try:
         _parse_lines(
-            read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
+            dataset_rows(path) if dataset else read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
             shown,
             problems,
             (sequences, masks, unused),
@@ -302,7 +102,10 @@ def read_jsonl(
             max_tokens=max_tokens,
             fields=fields,
             tokenizer=tokenizer,
+            records=dataset,
         )
+    except DatasetProblem as exc:  # the dataset as a whole
+        problems.append(exc.diagnostic(shown))
     except PlanError as exc:  # the path itself: missing, a folder, a silent pipe, an endless device
         # a data problem (exit 1), as every other problem of the data file
         raise DataError([*problems, *(replace(d, rule="data-file") for d in exc.diagnostics)]) from None
@@ -351,26 +154,32 @@ def _parse_lines(
     max_tokens: int | None,
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
+    records: bool = False,
 ) -> None:
+    """Each line (or, with ``records``, each row of a dataset) parsed into ``found``; the
+    problems of the first ``MAX_REPORTED`` bad ones into ``problems``, each at its line."""
     for line_no, raw in enumerate(lines, start=1):
         try:
-            line = raw.decode("utf-8")
-            if not line.strip():
-                continue
-            ids, mask, unused = _parse_line(line, vocab_size, min_tokens, max_tokens, fields, tokenizer)
-            found[0].append(ids)
-            found[1].append(mask)
-            found[2].update(dict.fromkeys(unused))
+            if records:
+                parsed = parse_record(raw, vocab_size, min_tokens, max_tokens, fields, tokenizer)
+            else:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                parsed = _parse_line(line, vocab_size, min_tokens, max_tokens, fields, tokenizer)
+            found[0].append(parsed[0])
+            found[1].append(parsed[1])
+            found[2].update(dict.fromkeys(parsed[2]))
         except UnicodeDecodeError as exc:
             problems.append(_bad(shown, line_no, "data-json", f"byte {exc.start + 1} is not valid UTF-8", _UTF8))
-        except _BadLine as bad:
+        except BadRecord as bad:
             problems.append(_bad(shown, line_no, bad.rule, bad.message, bad.fix))
         if len(problems) >= MAX_REPORTED:  # a binary file or a device: stop reading, not one line per byte
             problems.append(
                 Diagnostic(
                     rule="data-file",
                     loc=SourceLoc(path=shown),
-                    message=f"{MAX_REPORTED} bad lines: the rest of the file was not read",
+                    message=f"{MAX_REPORTED} bad {'rows' if records else 'lines'}: the rest was not read",
                     fix=_UTF8,
                 )
             )

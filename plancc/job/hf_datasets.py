@@ -1,0 +1,78 @@
+"""``--data`` as Hugging Face ``datasets`` read it: a parquet, arrow or JSON file, a folder of
+them, or a dataset saved with ``save_to_disk``.
+
+Files are read streaming (``load_dataset(..., streaming=True)``: rows come as they are read, the
+file is never loaded whole); a saved dataset is memory-mapped (``load_from_disk``). Each row is a
+record (``job.records``): its problems are reported at ``PATH:ROW``, the first ``MAX_REPORTED``
+of them, as a JSONL file's are at its lines. Needs the ``datasets`` package (``pip install
+'plancc[data]'``); a plain ``.jsonl`` file does not (``job.data.read_jsonl``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import Diagnostic, SourceLoc
+
+# the builder of each kind of file (a folder: the one kind its files share)
+KINDS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}
+
+
+def is_dataset(path: str | Path) -> bool:
+    """Whether ``--data`` names what ``datasets`` reads (a plain ``.jsonl`` file, a pipe or any
+    other file is read line by line as before)."""
+    p = Path(path)
+    return p.is_dir() or (p.is_file() and p.suffix.lower() in (".parquet", ".arrow", ".json"))
+
+
+def dataset_rows(path: str | Path) -> Iterator[Any]:
+    """The rows of the dataset at ``path``, one dict each, or a ``DatasetProblem``."""
+    try:
+        import datasets  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    except ImportError:
+        raise DatasetProblem(
+            f"{path} is a dataset (parquet, arrow, JSON or a saved one); reading it needs the datasets package",
+            "pip install 'plancc[data]' (or pip install datasets), or pass a .jsonl file",
+        ) from None
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local path: never the hub
+    datasets.disable_progress_bars()
+    p = Path(path)
+    try:
+        if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
+            loaded = datasets.load_from_disk(str(p))
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+            yield from loaded
+            return
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in KINDS)
+        kinds = {KINDS[f.suffix.lower()] for f in files}
+        if len(kinds) != 1:
+            found = ", ".join(sorted(kinds)) or "none"
+            raise DatasetProblem(
+                f"{path} holds {len(files)} data files of kinds: {found}; a dataset is files of one kind",
+                "put parquet, arrow or JSON files of one kind in the folder (or save_to_disk a dataset)",
+            )
+        stream = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train", streaming=True)
+        yield from stream
+    except DatasetProblem:
+        raise
+    except Exception as exc:  # whatever a damaged file or an unreadable folder raises inside datasets
+        text = str(exc).strip().splitlines()
+        raise DatasetProblem(
+            f"datasets could not read {path}: {type(exc).__name__}: {text[0][:200] if text else ''}",
+            "check the file (a damaged parquet footer, a JSON that is not one record per row)",
+        ) from None
+
+
+class DatasetProblem(Exception):
+    """The dataset as a whole cannot be read (``data-file``)."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.message, self.fix = message, fix
+
+    def diagnostic(self, path: str) -> Diagnostic:
+        return Diagnostic(rule="data-file", loc=SourceLoc(path=path), message=self.message, fix=self.fix)
