@@ -179,7 +179,7 @@ def _parse_lines(
                 Diagnostic(
                     rule="data-file",
                     loc=SourceLoc(path=shown),
-                    message=f"{MAX_REPORTED} bad {'rows' if records else 'lines'}: the rest was not read",
+                    message=f"{MAX_REPORTED} bad {'rows' if records else 'lines'}: the rest of the file was not read",
                     fix=_UTF8,
                 )
             )
