@@ -680,6 +680,9 @@ def apply(
         int,
         typer.Option("--steps", min=0, help="the run's total optimizer steps (with --resume: trains on to this step)"),
     ] = 5,
+    log_every: Annotated[
+        int, typer.Option("--log-every", min=1, help="a step line every N steps (the first and last always)")
+    ] = 1,
     data: Annotated[
         Path | None,
         typer.Option(
@@ -773,6 +776,7 @@ def apply(
         layout=chosen,
         model=model,
         steps=steps,
+        log_every=log_every,
         data=_path(data),
         batch_size=batch_size,
         seq_len=seq_len,

@@ -97,3 +97,4 @@ def test_a_run_on_a_presets_random_weights_says_so():
         cfg = RunConfig(plan=str(QWEN3), layout=Layout(dp=1), model=model, mode="logprobs")
         (found,) = [d for d in notices(cfg) if d.rule == "random-init"]
         assert "random weights" in found.message and found.format().count("warning:") == 1
+

@@ -38,6 +38,7 @@ class RunConfig:
     layout: Layout = Layout()
     model: str | None = None
     steps: int = 5
+    log_every: int = 1  # train: a step line every N steps (the first and the last always)
     data: str | None = None
     # where --data lines keep their text (DataFields' names: text, messages, prompt, completion)
     data_fields: dict[str, str] | None = None

@@ -42,6 +42,11 @@ class RunProgress:
         else:
             log(line)
 
+    def advance(self) -> None:
+        """A step whose line is not shown (``--log-every``): the bar moves on."""
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()

@@ -233,6 +233,7 @@ class _Trainer:
         progress = RunProgress(self.remaining)
         metrics = MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard)
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
+        started = time.perf_counter()
         try:
             for step, batch in enumerate(batches, start=self.start):
                 self.interrupted = StopRequest.agreed(device)
@@ -243,10 +244,16 @@ class _Trainer:
                 self.done = step + 1
                 history.append(row)
                 metrics.write(row)
-                progress.step(
-                    f"step {step + 1:>4}/{self.total}  loss {row['loss']:.6f}  "
-                    f"grad_norm {row['grad_norm']:.4f}  lr {row['lr']:.2e}  tok/s {row['tokens_per_s']:,.0f}"
-                )
+                shown = len(history) == 1 or self.done % self.cfg.log_every == 0 or self.done == self.total
+                if shown:  # --log-every N: every N-th step's line (the first and the last always)
+                    eta = eta_of(time.perf_counter() - started, len(history), self.total - self.done)
+                    progress.step(
+                        f"step {step + 1:>4}/{self.total}  loss {row['loss']:.6f}  "
+                        f"grad_norm {row['grad_norm']:.4f}  lr {row['lr']:.2e}  tok/s {row['tokens_per_s']:,.0f}  "
+                        f"eta {eta}"
+                    )
+                else:
+                    progress.advance()
                 every = self.cfg.save_every
                 if every and self.done % every == 0 and self.done < self.total:
                     self.save_checkpoint()
@@ -390,6 +397,12 @@ def _lora_note(policy: Policy) -> str:
     trained = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in policy.model.parameters())
     return f" | LoRA r={adapters.spec.r} on {len(adapters.modules)} modules ({trained / total:.2%} of parameters train)"
+
+
+def eta_of(elapsed: float, done: int, left: int) -> str:
+    """The time the ``left`` steps will take at this run's mean step so far, as ``H:MM:SS``."""
+    seconds = round(elapsed / max(1, done) * left)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
