@@ -5,6 +5,7 @@ Exit codes: 0 ok (warnings allowed), 1 plan/config problems, 2 usage errors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -15,7 +16,7 @@ from dataclasses import fields as dataclass_fields
 from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, get_args, get_origin, get_type_hints
 
 import typer
 
@@ -272,14 +273,21 @@ def grouped(**groups: type) -> Callable[[Callable[..., None]], Callable[..., Non
             for name, cls in groups.items()
             for f in dataclass_fields(cls)
         ]
-        kept = [p for name, p in own.parameters.items() if name not in groups]
+        # ``resolved``: every option's value as the command runs with it (a run file's and the flags')
+        kept = [p for name, p in own.parameters.items() if name not in groups and name != "resolved"]
         required = [p for p in kept if p.default is p.empty]
         optional = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in kept if p.default is not p.empty]
+        takes_resolved = "resolved" in own.parameters
 
         @functools.wraps(command)
         def run(**given: Any) -> None:
+            if given.get("config") is not None:  # a run file: its values where no flag was given
+                _take_run_file(given, {p.name: p.annotation for p in params})
+            options = {k: v for k, v in given.items() if k not in ("ctx", "config", "fmt")}
             for name, cls in groups.items():
                 given[name] = cls(**{f.name: given.pop(f.name) for f in dataclass_fields(cls)})
+            if takes_resolved:
+                given["resolved"] = options
             command(**given)
 
         params = [*required, *flat, *optional]
@@ -291,6 +299,32 @@ def grouped(**groups: type) -> Callable[[Callable[..., None]], Callable[..., Non
     return decorate
 
 
+def _take_run_file(given: dict[str, Any], annotations: dict[str, Any]) -> None:
+    """The run file's settings (``--config``, read and checked: ``job.run_file``) into
+    ``given``, for every option whose value is the default, not the command line's."""
+    from .job.run_file import read_run_file
+
+    ctx, fmt = given["ctx"], given.get("fmt", Format.text)
+    try:
+        values = read_run_file(given["config"])
+    except PlanError as exc:
+        raise _fail(exc, fmt) from None
+    values["plan_path"] = values.pop("plan")
+    for name, value in values.items():
+        if name not in given:  # the schema names only the command's options (a test holds them equal)
+            continue
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            continue  # the flag given on the command line wins
+        kind = get_args(annotations[name])[0] if get_origin(annotations[name]) is Annotated else annotations[name]
+        kinds = (kind, *get_args(kind))
+        if value is not None and Path in kinds:
+            value = Path(value)
+        elif value is not None and str in kinds and not isinstance(value, str):
+            value = str(value)  # nnodes: 1 in YAML is the flag's "1"
+        given[name] = value
+
+
 def _emit(diagnostics: list[Diagnostic], fmt: Format, summary: dict | None = None) -> None:
     if fmt is Format.json:
         payload = json.loads(format_json(diagnostics))
@@ -300,6 +334,12 @@ def _emit(diagnostics: list[Diagnostic], fmt: Format, summary: dict | None = Non
         return
     for diag in diagnostics:
         print(diag.format(), file=sys.stderr if diag.is_error else sys.stdout)
+
+
+def _given_sizes(layout: LayoutFlags) -> dict[str, Any]:
+    """The layout flags that differ from their defaults (given on the command line)."""
+    defaults = LayoutFlags().sizes()
+    return {k: v for k, v in layout.sizes().items() if v != defaults[k]}
 
 
 def _exit_code(exc: PlanError) -> int:
@@ -343,16 +383,22 @@ def validate(
     error, else 0.
     """
     from .checks.report import validate_plan  # imports in commands keep `plancc --help` fast
+    from .job.run_file import is_run_file, plan_of_run_file
 
     worst, diagnostics, summaries, texts = 0, [], [], []
     for plan_path in plan_paths:
         try:
+            # a run file: checked itself, then its plan for its model and layout (flags win)
+            plan_path, settings = plan_of_run_file(plan_path) if is_run_file(plan_path) else (plan_path, {})
+            flags = (("dp", "dp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"), ("sp", "sequence_parallel"))
+            from_file = {size: settings[flag] for flag, size in flags if settings.get(flag) is not None}
+            sizes = {**from_file, **_given_sizes(layout)}
             report = validate_plan(
                 plan_path,
-                model=model,
+                model=model or settings.get("model"),
                 world_size=world_size,
                 seq_len=seq_len,
-                **layout.sizes(),
+                **{**layout.sizes(), **sizes},
                 skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
             )
         except PlanError as exc:
@@ -669,12 +715,22 @@ def models(fmt: FormatOpt = Format.text) -> None:
 @app.command()
 @grouped(layout=LayoutFlags, launch=LaunchFlags, worker=WorkerFlags, output=OutputFlags, fields=DataFieldFlags)
 def apply(
-    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
+    ctx: typer.Context,
     layout: LayoutFlags,
     launch: LaunchFlags,
     worker: WorkerFlags,
     output: OutputFlags,
     fields: DataFieldFlags,
+    resolved: dict[str, Any],
+    plan_path: Annotated[
+        Path | None, typer.Argument(metavar="PLAN", help="plan YAML file (or the run file's plan)")
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", help="a run file (YAML: apply's flags as keys, schemas/run.schema.json); flags override it"
+        ),
+    ] = None,
     model: ModelOpt = None,
     steps: Annotated[
         int,
@@ -748,6 +804,11 @@ def apply(
     (over dp ranks, into microbatches): one step equals the unsharded model on the whole batch."""
     from .job.config import SYNTHETIC_SEQ_LEN, RunConfig
 
+    if plan_path is None:
+        _usage_error(
+            "apply needs a PLAN, or --config RUN.yaml that names one", fmt, fix="plancc apply plans/qwen3.yaml"
+        )
+    assert plan_path is not None
     nproc_per_node = _default_nproc(launch.nproc_per_node, worker.device)
     opts = _launcher_checked(launch, nproc_per_node, worker.device, fmt)
     model, chosen, report = _prelaunch(
@@ -792,6 +853,11 @@ def apply(
         **output.run_config(),
         **fields.run_config(),
     )
+    if output.save:  # the settings it runs with, in each checkpoint: --config SAVE/step-N/run.yaml
+        from .job.run_file import run_file_text
+
+        ran = {"plan": str(plan_path), **resolved, "model": model}
+        cfg = dataclasses.replace(cfg, run_file=run_file_text({k: v for k, v in ran.items() if k != "plan_path"}))
     _launch_and_report(opts, _preflight(cfg, report, fmt, nproc_per_node), fmt)
 
 

@@ -37,6 +37,7 @@ import shutil
 import stat
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,9 +219,16 @@ def _shared_token() -> str:
     return str(token[0])
 
 
-def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, info: CheckpointInfo) -> Path:
+def save(
+    root: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    info: CheckpointInfo,
+    files: Mapping[str, str] | None = None,
+) -> Path:
     """Collective: every rank calls it. Returns the finished step directory. Weights that are
-    not finite are refused (a ``PlanError`` on every rank): no checkpoint ever holds them."""
+    not finite are refused (a ``PlanError`` on every rank): no checkpoint ever holds them.
+    ``files``: text files of the caller's (a run file) written into the step, published with it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -261,6 +269,8 @@ def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
     def publish() -> None:
         try:
+            for name, text in (files or {}).items():
+                _write_file_atomically(partial / Path(name).name, text)
             _write_file_atomically(partial / META, json.dumps(asdict(info), indent=2))
             aside = _publish(root, partial, final, partial.name.rsplit("-", 1)[1])
         except BaseException:

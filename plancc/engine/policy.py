@@ -517,10 +517,13 @@ class Policy:
         self._memory.onload()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None) -> Path:
+    def save(
+        self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Mapping[str, str] | None = None
+    ) -> Path:
         """A DCP checkpoint of the model, optimizer and schedule (atomic; loadable at another
         layout). Returns the step folder. ``run``: JSON settings of the caller's run kept beside
-        it (``load``'s ``CheckpointInfo.run``), e.g. the total steps a resume must reach."""
+        it (``load``'s ``CheckpointInfo.run``), e.g. the total steps a resume must reach;
+        ``files``: text files written into the step folder with it (``plancc apply``'s run file)."""
         self._require_onloaded("save")
         shards.reshard(self.model)
         return save_state(
@@ -533,6 +536,7 @@ class Policy:
             plan=self.plan.name,
             layout=self.layout,
             run=run,
+            files=files,
         )
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:

@@ -27,6 +27,7 @@ def save_state(
     plan: str,
     layout: Layout,
     run: Mapping[str, Any] | None = None,
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """A DCP checkpoint of the model, optimizer and schedule at ``step`` (atomic; loadable at
     another layout). Returns the step folder. The caller reshards the model first."""
@@ -43,7 +44,7 @@ def save_state(
         schedule=schedule_state(scheduler),
         run=dict(run or {}),
     )
-    return checkpoint.save(folder, model, optimizer, info)
+    return checkpoint.save(folder, model, optimizer, info, files)
 
 
 def load_state(

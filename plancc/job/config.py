@@ -39,6 +39,8 @@ class RunConfig:
     model: str | None = None
     steps: int = 5
     log_every: int = 1  # train: a step line every N steps (the first and the last always)
+    # train: the settings it runs with as a run file's text (job.run_file), saved in each checkpoint
+    run_file: str | None = None
     data: str | None = None
     # where --data lines keep their text (DataFields' names: text, messages, prompt, completion)
     data_fields: dict[str, str] | None = None

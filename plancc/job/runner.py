@@ -56,6 +56,7 @@ from .data import (
 )
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .reporting import MetricsFile, RunProgress, log
+from .run_file import RUN_FILE
 from .verify import (
     EXACT_FACTOR,
     TOLERANCES,
@@ -267,7 +268,8 @@ class _Trainer:
         schedule included), then the oldest beyond --keep removed. Collective."""
         if not self.cfg.save or self.last_checkpoint == self.done:
             return
-        path = self.policy.save(self.cfg.save, run=run_settings(self.cfg))
+        files = {RUN_FILE: self.cfg.run_file} if self.cfg.run_file else None
+        path = self.policy.save(self.cfg.save, run=run_settings(self.cfg), files=files)
         self.last_checkpoint = self.done
         keep, folder = self.cfg.keep, self.cfg.save
         if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.agreement)
