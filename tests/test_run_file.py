@@ -1,0 +1,64 @@
+"""One file that reproduces a run: ``plancc apply --config run.yaml`` takes every flag of apply
+as a key (flags on the command line override it), is checked with the plans' ``file:line:col``
+diagnostics, and every checkpoint holds the settings its run ran with, so ``--config
+SAVE/step-N/run.yaml --resume SAVE`` continues that run."""
+
+import inspect
+import json
+import shutil
+
+import pytest
+
+from .conftest import PLANS, forked_cli
+
+
+def test_the_schema_names_every_flag_of_apply():
+    from plancc.cli import apply
+    from plancc.job.run_file import run_schema
+
+    options = set(inspect.signature(apply).parameters) - {"plan_path", "fmt", "ctx", "config"}
+    keys = set(run_schema()["properties"]) - {"plancc_run", "plan"}
+    assert keys == options, "a flag of apply without a key (or a key without a flag): regenerate schemas/run.schema.json"
+
+
+def test_a_bad_run_file_is_told_at_its_lines_before_anything_starts(cli, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text(f"plancc_run: 1\nplan: {PLANS / 'qwen3.yaml'}\nstep: 4\ntp: two\n")
+    code, out, err = cli("apply", "--config", run)
+    assert code == 1 and "plancc apply:" not in out
+    assert f"{run}:3:1: error: unknown key 'step'" in err and "did you mean 'steps'?" in err
+    assert f"{run}:4:5: error: tp is 'two'; allowed: integer [run-file]" in err
+    code, out, err = cli("validate", run)
+    assert code == 1 and "[run-file]" in err
+
+
+def test_validate_checks_a_run_files_plan_at_its_model_and_layout(cli, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text(f"plancc_run: 1\nplan: {PLANS / 'qwen3.yaml'}\nmodel: qwen3-0.6b\ntp: 3\n")
+    code, out, err = cli("validate", run)
+    assert code == 1 and "tp=3 does not divide" in err  # the file's layout, the file's model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_checkpoints_run_file_resumes_the_run_it_was_saved_by(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the file's relative paths, from where the command runs
+    (tmp_path / "run.yaml").write_text(
+        f"plancc_run: 1\nplan: {PLANS / 'qwen3.yaml'}\nsteps: 9\nlr: 0.002\ntp: 2\nnproc_per_node: 2\n"
+        "save: ck\nsave_every: 2\nmetrics: straight.jsonl\n"
+    )
+    code, out, err = forked_cli("apply", "--config", "run.yaml", "--steps", 4)  # the flag wins over the file
+    assert code == 0, err
+    straight = [json.loads(line) for line in (tmp_path / "straight.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in straight] == [1, 2, 3, 4]
+    saved = (tmp_path / "ck" / "step-000002" / "run.yaml").read_text()
+    assert "steps: 4" in saved and "lr: 0.002" in saved and "tp: 2" in saved
+    shutil.rmtree(tmp_path / "ck" / "step-000004")  # stopped after step 2
+    (tmp_path / "ck" / "latest").unlink()
+    code, out, err = forked_cli("apply", "--config", "ck/step-000002/run.yaml", "--resume", "ck",
+                                "--metrics", "resumed.jsonl")
+    assert code == 0, err
+    assert "resumed from step 2" in out and "note:" not in out  # the same settings: nothing changed
+    resumed = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in straight[2:]]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[2:]], abs=1e-6)
