@@ -34,9 +34,14 @@ def run_schema() -> dict[str, Any]:
 
 
 def is_run_file(path: str | Path) -> bool:
-    """Whether a YAML file is a run file (its top level names ``plancc_run``), not a plan."""
+    """Whether a YAML file is a run file (its top level names ``plancc_run``), not a plan. Only a
+    regular file is looked at, and only its first 64 KiB: a FIFO without a writer or an endless
+    device given as a plan is the plan reader's to refuse (``plancc.inputs``), never waited on here."""
     try:
-        head = Path(path).read_text(errors="replace")[:65536]
+        if not Path(path).is_file():
+            return False
+        with open(path, "rb") as f:
+            head = f.read(65536).decode("utf-8", errors="replace")
     except OSError:
         return False
     return any(line.split(":", 1)[0].strip() == VERSION_KEY for line in head.splitlines())
