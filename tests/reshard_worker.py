@@ -20,10 +20,12 @@ def _batch(vocab):
     return global_batch(4, vocab, seed=21)
 
 
-def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None):
+def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, then=None):
     """The policy's rank: trains a step, sends its weights resharded (in ``dtype`` when given),
     and reports what it sent, the peak bytes the send made (tests/live_bytes.py), and for the
-    bound: the largest parameter and all the strided ones (FSDP x TP) together, full size."""
+    bound: the largest parameter and all the strided ones (FSDP x TP) together, full size.
+    With ``fault`` the refit fails; ``then`` (port, manifest path): a second refit after it, on a
+    new channel to a new engine, and the policy's log-probs for that engine's to equal."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -39,11 +41,14 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None):
     batch = _batch(load_config(MODEL).vocab_size)
     mine = policy.slice_of(batch["input_ids"].shape[0])
     policy.train({k: v[mine] for k, v in batch.items()}, nll)
-    if torch.distributed.get_rank() == 0:
-        with open(manifest_path + ".tmp", "w") as f:
-            manifest = policy.weights_manifest(dtype=getattr(torch, dtype) if dtype else None)
-            json.dump({**manifest, "policy_ranks": torch.distributed.get_world_size()}, f)
-        os.replace(manifest_path + ".tmp", manifest_path)
+    def publish_manifest(path):
+        if torch.distributed.get_rank() == 0:
+            with open(path + ".tmp", "w") as f:
+                manifest = policy.weights_manifest(dtype=getattr(torch, dtype) if dtype else None)
+                json.dump({**manifest, "policy_ranks": torch.distributed.get_world_size()}, f)
+            os.replace(path + ".tmp", path)
+
+    publish_manifest(manifest_path)
     world = torch.distributed.get_world_size() + 2
     channel = plancc.weight_channel(
         "127.0.0.1", port, rank=torch.distributed.get_rank(), world_size=world, backend="gloo", timeout=60
@@ -53,14 +58,23 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None):
         os.environ["PLANCC_FAULT"] = fault
         try:
             policy.send_weights(channel, reshard=True)
-            return {"error": None}
+            out = {"error": None}
         except Exception as exc:  # the channel is left broken: closing it does not wait for the dead engine
-            return {"type": type(exc).__name__, "error": str(exc), "broken": channel.broken}
+            out = {"type": type(exc).__name__, "error": str(exc), "broken": channel.broken}
         finally:
             os.environ["PLANCC_FAULT"] = ""
             torch.distributed.barrier()  # no rank left inside a collective
             channel.close()
-            torch.distributed.destroy_process_group()
+        if then is not None:  # the next refit, to a new engine: exact
+            publish_manifest(then[1])
+            again = plancc.weight_channel(
+                "127.0.0.1", then[0], rank=torch.distributed.get_rank(), world_size=world, backend="gloo", timeout=60
+            )
+            out["sent"] = policy.send_weights(again, reshard=True)
+            again.close()
+            out.update(start=mine.start, logprobs=policy.logprobs({k: v[mine] for k, v in batch.items()}))
+        torch.distributed.destroy_process_group()
+        return out
     with LiveBytes(held) as counter:
         sent = policy.send_weights(channel, reshard=True, dtype=getattr(torch, dtype) if dtype else None)
     channel.close()

@@ -63,16 +63,19 @@ def test_a_policy_rank_failing_mid_resharded_refit_is_one_error_on_every_policy_
     """Policy rank 1 raises at its first send: both policy ranks raise the same error naming rank 1
     and its transfer (not rank 0's broken connection that follows from it) and close their broken
     channel without waiting for the engine; the engine, left waiting for rank 1's piece, fails
-    within its channel's timeout instead of hanging."""
+    within its channel's timeout instead of hanging. The next refit, to a new engine, is exact."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .distributed import free_port, launch, launch_beside
     from .reshard_worker import policy_side, receiver_rank
 
-    port = free_port()
+    import torch
+
+    port, then = free_port(), (free_port(), str(tmp_path / "then.json"))
     manifest = tmp_path / "manifest.json"
     engine = launch_beside(receiver_rank, 2, port, str(manifest), 5)
-    policy = launch(policy_side, 2, port, str(manifest), {"dp": 2}, None, "send:raise@1")
+    next_engine = launch_beside(receiver_rank, 2, *then)
+    policy = launch(policy_side, 2, port, str(manifest), {"dp": 2}, None, "send:raise@1", None, then)
     assert len({got["error"] for got in policy.values()}) == 1, policy  # the same error on every rank
     error = policy[0]
     assert error["type"] == "AgreedRefitError" and "rank 1, transfer " in error["error"], error
@@ -82,3 +85,28 @@ def test_a_policy_rank_failing_mid_resharded_refit_is_one_error_on_every_policy_
     assert all(got["broken"] for got in policy.values()), policy
     with pytest.raises(ChildFailedError):  # an engine rank failed: its channel's timeout, not a hang
         engine.result(timeout=300)
+    # the next refit after the failed one, on a new channel to a new engine, is exact
+    want = torch.cat([got["logprobs"] for got in sorted(policy.values(), key=lambda got: got["start"])])
+    for rank, got in next_engine.result(timeout=300).items():
+        assert (got["logprobs"] - want).abs().max() <= 1e-5, rank
+
+
+def test_a_refits_layouts_are_its_own_and_the_previous_refits_are_deleted():
+    """Each resharded refit publishes its layouts under its own keys of the channel's store and
+    deletes the previous refit's: no refit reads another's boxes (an engine that changed its
+    layout between refits, or a refit that failed half-published)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from plancc.engine.channel import WeightChannel
+    from plancc.engine.reshard import _publish, _read
+
+    store = dist.HashStore()
+    channel = WeightChannel(group=None, store=store, rank=0, world_size=1, device="cpu", timeout=timedelta(seconds=1))
+    channel.refits = 1
+    _publish(channel, {"w": {"box": [[0], [4]], "owner": True}})
+    channel.refits = 2
+    _publish(channel, {"w": {"box": [[0], [2]], "owner": True}})
+    assert _read(channel, 0) == {"w": {"box": [[0], [2]], "owner": True}}
+    assert not store.check(["boxes/1/0"]) and store.check(["boxes/2/0"])
