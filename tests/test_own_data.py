@@ -68,7 +68,7 @@ def test_the_step_loss_counts_exactly_the_tokens_labels_and_loss_mask_say(tmp_pa
     # the field the run does not read, named once
     (warning,) = [x for x in err.splitlines() if "[data-unused-field]" in x]
     assert "'source'" in warning
-    assert "the loss counts the tokens its labels / loss_mask count" in out
+    assert "the loss counts the tokens its masks count" in out
     assert "rows as they are (the longest 12 tokens" in out
 
 

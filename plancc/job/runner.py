@@ -418,7 +418,11 @@ def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
         if cfg.seq_len is not None
         else f"rows as they are (the longest {longest} tokens; --seq-len cuts them)"
     )
-    counted = "the tokens its labels / loss_mask count" if dataset.masks is not None else "every token after the first"
+    counted = (
+        "the tokens its masks count (labels / loss_mask, a chat's assistant turns, a completion)"
+        if dataset.masks is not None
+        else "every token after the first"
+    )
     return f"data: {dataset.path}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}"
 
 
