@@ -221,3 +221,21 @@ def test_a_bad_row_of_a_parquet_file_is_named_by_its_row(tmp_path):
         read_jsonl(tmp_path / "d.parquet", vocab_size=256)
     (found,) = caught.value.diagnostics
     assert found.rule == "data-token-range" and found.loc.line == 2 and "999" in found.message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_packed_rows_keep_their_masks_and_document_boundaries(tmp_path):
+    """--pack puts a microbatch's records into one row with their boundaries (each attends to
+    itself alone): the step's loss with prompt masks is the unpacked step's."""
+    lines = _lines()
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    losses = []
+    for packing in ([], ["--pack", "--micro-batch-size", 2]):
+        code, out, err = forked_cli("apply", QWEN3, "--data", data, "--steps", 1, "--batch-size", 4, *packing,
+                                    "--metrics", tmp_path / f"m{len(packing)}.jsonl")
+        assert code == 0, err
+        losses.append(json.loads((tmp_path / f"m{len(packing)}.jsonl").read_text())["loss"])
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5)
+    assert losses[0] == pytest.approx(_expected_loss(lines), abs=1e-5)
