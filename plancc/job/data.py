@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,17 +48,10 @@ MAX_REPORTED = 20  # bad lines reported before the read stops
 MAX_LINE_BYTES = 64 << 20
 
 
-def _parse_line(
-    line: str,
-    vocab_size: int,
-    min_tokens: int,
-    max_tokens: int | None,
-    fields: DataFields | None = None,
-    tokenizer: Tokenizer | None = None,
-) -> tuple[tuple[int, ...], tuple[int, ...] | None, list[str]]:
-    """A JSONL line's (token ids, loss mask or None, fields the run does not read)."""
+def _decoded(line: str) -> Any:
+    """A JSONL line's record (its problems as a ``BadRecord``)."""
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as exc:
         raise BadRecord(
             "data-json", f"not valid JSON: {exc.msg} (column {exc.colno})", "write one JSON object per line"
@@ -65,7 +59,6 @@ def _parse_line(
     except (ValueError, RecursionError) as exc:  # a number of thousands of digits; nesting past the stack
         why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
         raise BadRecord("data-json", f"not readable as JSON: {why}") from None
-    return parse_record(record, vocab_size, min_tokens, max_tokens, fields, tokenizer)
 
 
 def read_jsonl(
@@ -161,12 +154,13 @@ def _parse_lines(
     for line_no, raw in enumerate(lines, start=1):
         try:
             if records:
-                parsed = parse_record(raw, vocab_size, min_tokens, max_tokens, fields, tokenizer)
+                record = raw
             else:
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                parsed = _parse_line(line, vocab_size, min_tokens, max_tokens, fields, tokenizer)
+                record = _decoded(line)
+            parsed = parse_record(record, vocab_size, min_tokens, max_tokens, fields, tokenizer)
             found[0].append(parsed[0])
             found[1].append(parsed[1])
             found[2].update(dict.fromkeys(parsed[2]))
