@@ -239,3 +239,30 @@ def test_packed_rows_keep_their_masks_and_document_boundaries(tmp_path):
         losses.append(json.loads((tmp_path / f"m{len(packing)}.jsonl").read_text())["loss"])
     assert losses[1] == pytest.approx(losses[0], abs=1e-5)
     assert losses[0] == pytest.approx(_expected_loss(lines), abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_the_data_read_holds_row_offsets_not_the_tokens(tmp_path):
+    """A dataset larger than memory: the rows go to a file as they are read (and the workers map
+    the launcher's copy), so reading 4M token ids -- ~140 MB as Python tuples of ints -- raises
+    the reader's peak memory by the rows' offsets and a buffer, not by the tokens."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "big.jsonl"
+    ids = list(range(100_000, 101_000))  # ids above the small-int cache: 28 bytes each in a tuple
+    line = json.dumps({"input_ids": ids}) + "\n"
+    data.write_text(line * 4000)
+    probe = f"""
+import resource
+from plancc.job.data import read_jsonl, read_tokens, write_tokens
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = peak()
+ds = read_jsonl({str(data)!r}, vocab_size=150_000)
+write_tokens(ds, {str(tmp_path / 'copy')!r})
+back = read_tokens({str(tmp_path / 'copy')!r})
+assert len(back.sequences) == 4000 and back.sequences[3999] == tuple(range(100_000, 101_000))
+print(peak() - before)
+"""
+    grown = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    assert grown < 48 * 2**20, f"{grown / 2**20:.0f} MiB"

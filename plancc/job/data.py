@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..inputs import InputKind, read_lines
 from .hf_datasets import DatasetProblem, dataset_rows, is_dataset
 from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record
+from .token_rows import RowsWriter, TokenRows
 
 
 class DataError(PlanError):
@@ -35,10 +36,19 @@ class TokenDataset:
     counts; None for the whole dataset when no line has one. ``unused``: fields the lines hold
     that the run does not read (said once, in a warning)."""
 
-    sequences: tuple[tuple[int, ...], ...]
+    sequences: Sequence[tuple[int, ...]]  # a TokenRows: in a file, mapped, row by row
     path: str = "<synthetic>"
-    masks: tuple[tuple[int, ...] | None, ...] | None = None
+    masks: Sequence[tuple[int, ...] | None] | None = None
     unused: tuple[str, ...] = ()
+
+    def lengths(self) -> list[int]:
+        """Every row's length (from the rows' offsets: no row is read)."""
+        rows = self.sequences
+        return list(rows.lengths()) if isinstance(rows, TokenRows) else [len(s) for s in rows]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths(), default=0)
 
 
 _UTF8 = 'pass a UTF-8 JSONL file with one {"input_ids": [...]} per line'
@@ -80,8 +90,8 @@ def read_jsonl(
     (``plancc.inputs``)."""
     shown = str(path)
     problems: list[Diagnostic] = []
-    sequences: list[tuple[int, ...]] = []
-    masks: list[tuple[int, ...] | None] = []
+    # the rows go to files as they are read (token_rows): only their offsets stay in memory
+    sequences, masks = RowsWriter("q"), RowsWriter("b")
     unused: dict[str, None] = {}
     dataset = is_dataset(path)
     try:
@@ -101,8 +111,11 @@ def read_jsonl(
         problems.append(exc.diagnostic(shown))
     except PlanError as exc:  # the path itself: missing, a folder, a silent pipe, an endless device
         # a data problem (exit 1), as every other problem of the data file
+        sequences.discard()
+        masks.discard()
         raise DataError([*problems, *(replace(d, rule="data-file") for d in exc.diagnostics)]) from None
-    if not problems and not sequences:
+    rows, masked = sequences.finish(), masks.finish(keep_absent=True)
+    if not problems and not len(rows):
         problems.append(
             Diagnostic(
                 rule="data-empty",
@@ -114,10 +127,7 @@ def read_jsonl(
     if problems:
         raise DataError(problems)
     return TokenDataset(
-        sequences=tuple(sequences),
-        path=shown,
-        masks=tuple(masks) if any(m is not None for m in masks) else None,
-        unused=tuple(unused),
+        sequences=rows, path=shown, masks=masked if any(masked.present or ()) else None, unused=tuple(unused)
     )
 
 
@@ -140,7 +150,7 @@ def _parse_lines(
     lines: Iterator[bytes],
     shown: str,
     problems: list[Diagnostic],
-    found: tuple[list[tuple[int, ...]], list[tuple[int, ...] | None], dict[str, None]],
+    found: tuple[RowsWriter, RowsWriter, dict[str, None]],
     *,
     vocab_size: int,
     min_tokens: int,
@@ -186,42 +196,50 @@ def _bad(shown: str, line_no: int, rule: str, message: str, fix: str) -> Diagnos
 
 def write_tokens(data: TokenDataset, path: str | Path) -> None:
     """The checked dataset in a compact form for the workers: the launcher read (and checked)
-    ``--data`` once; its workers load this copy instead of reading the user's path again (a
-    pipe can be read once only, a file can change in between)."""
-    lengths = array("q", map(len, data.sequences))
-    tokens = array("q", (t for seq in data.sequences for t in seq))
-    head = {"path": data.path, "count": len(lengths), "masked": data.masks is not None, "unused": list(data.unused)}
+    ``--data`` once; its workers map this copy instead of reading the user's path again (a
+    pipe can be read once only, a file can change in between). A header line (padded to 8
+    bytes), then every row's offset, whether it has a mask, the masks and the tokens, each
+    written from its own file in pieces: a dataset larger than memory passes through."""
+    rows = data.sequences if isinstance(data.sequences, TokenRows) else _rows_of(data.sequences, "q")
+    masks = data.masks if data.masks is None or isinstance(data.masks, TokenRows) else _rows_of(data.masks, "b")
+    head = {"path": data.path, "count": len(rows), "masked": masks is not None, "unused": list(data.unused)}
+    line = json.dumps(head).encode()
     with open(path, "wb") as f:
-        f.write(json.dumps(head).encode() + b"\n")
-        lengths.tofile(f)
-        if data.masks is not None:  # one byte a token, 1 where every token of an unmasked line is
-            pairs = zip(data.sequences, data.masks, strict=True)
-            array("b", (m for seq, mask in pairs for m in (mask if mask is not None else (1,) * len(seq)))).tofile(f)
-        tokens.tofile(f)
+        f.write(line + b" " * (-(len(line) + 1) % 8) + b"\n")
+        rows.offsets.tofile(f)
+        rows.copy_to(f)
+        if masks is not None:
+            masks.offsets.tofile(f)
+            (masks.present or array("b", [1] * len(masks))).tofile(f)
+            f.write(b"\0" * (-len(masks) % 8))
+            masks.copy_to(f)
+
+
+def _rows_of(values: Sequence[tuple[int, ...] | None], code: str) -> TokenRows:
+    writer = RowsWriter(code)
+    for row in values:
+        writer.append(row)
+    return writer.finish(keep_absent=code == "b")
 
 
 def read_tokens(path: str | Path) -> TokenDataset:
-    """What ``write_tokens`` wrote."""
+    """What ``write_tokens`` wrote, mapped in place (the rows read as they are used)."""
+    path = Path(path)
     with open(path, "rb") as f:
         head = json.loads(f.readline())
-        lengths = array("q")
-        lengths.fromfile(f, head["count"])
-        flags = array("b")
+        count = head["count"]
+        offsets = array("q")
+        offsets.fromfile(f, count + 1)
+        rows = TokenRows(path, offsets, "q", start=f.tell())
+        masks = None
         if head.get("masked"):
-            flags.fromfile(f, sum(lengths))
-        tokens = array("q")
-        tokens.frombytes(f.read())
-    sequences, masks, at = [], [], 0
-    for n in lengths:
-        sequences.append(tuple(tokens[at : at + n]))
-        masks.append(tuple(flags[at : at + n]) if flags else None)
-        at += n
-    return TokenDataset(
-        sequences=tuple(sequences),
-        path=head["path"],
-        masks=tuple(masks) if head.get("masked") else None,
-        unused=tuple(head.get("unused", ())),
-    )
+            f.seek(rows.start + rows.nbytes)
+            mask_offsets, present = array("q"), array("b")
+            mask_offsets.fromfile(f, count + 1)
+            present.fromfile(f, count)
+            f.seek(f.tell() + (-count % 8))
+            masks = TokenRows(path, mask_offsets, "b", start=f.tell(), present=present)
+    return TokenDataset(sequences=rows, path=head["path"], masks=masks, unused=tuple(head.get("unused", ())))
 
 
 def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -258,7 +276,7 @@ def dataset_batch(
 
 def truncated(data: TokenDataset, seq_len: int | None) -> int:
     """How many sequences ``--seq-len`` cuts (said in the run's log)."""
-    return 0 if seq_len is None else sum(len(s) > seq_len for s in data.sequences)
+    return 0 if seq_len is None else sum(n > seq_len for n in data.lengths())
 
 
 def padded_rows(

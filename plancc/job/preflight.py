@@ -278,7 +278,7 @@ def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagn
         return []  # (data that could not be read has its own diagnostics)
     cut = cfg.seq_len
     if dataset is not None:
-        lengths = [min(len(s), cut) if cut else len(s) for s in dataset.sequences]
+        lengths = [min(n, cut) if cut else n for n in dataset.lengths()]
     else:
         lengths = [cfg.synthetic_seq_len]
     longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
@@ -365,7 +365,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
             model,
             config,
             local_ranks=local_ranks,
-            longest=max(map(len, dataset.sequences)) if dataset else None,
+            longest=dataset.longest if dataset else None,
             from_folder=folder is not None and has_weights(folder),
             device=cfg.device or default_device_type(),
         )

@@ -411,7 +411,7 @@ def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
     """What each step trains on: its rows, their length, what the loss counts."""
     if dataset is None:
         return f"data: synthetic, {cfg.batch_size} rows of {cfg.synthetic_seq_len} tokens a step"
-    longest = max(map(len, dataset.sequences))
+    longest = dataset.longest
     cut = truncated(dataset, cfg.seq_len)
     length = (
         f"rows cut to --seq-len {cfg.seq_len} ({cut} of {len(dataset.sequences)} longer)"
