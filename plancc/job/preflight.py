@@ -409,7 +409,8 @@ def notices(cfg: RunConfig, dataset: TokenDataset | None = None) -> list[Diagnos
                 loc=SourceLoc(path=cfg.plan),
                 severity=Severity.WARNING,
                 message="no --data: training on synthetic token sequences",
-                fix='pass --data FILE.jsonl with one {"input_ids": [...]} per line',
+                fix="pass --data: JSONL, parquet, arrow or a saved dataset of input_ids, text, messages or "
+                "prompt + completion (README: Your model, your data)",
             )
         )
     return found
