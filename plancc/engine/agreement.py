@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..runtime.agreement import first_problem
+from ..runtime.agreement import first_problem, said
 from .channel import WeightChannelError
 
 __all__ = ["AgreedRefitError", "RefitAgreement", "first_problem"]
@@ -38,27 +38,21 @@ class RefitAgreement:
     unit: str = "bucket"  # what ``bucket`` counts: a plain refit's buckets, a resharded one's transfers
     problem: str = ""
     at: int = 0  # the bucket the problem was noted at
-    failed: bool = False  # a settle raised: every rank has left
+    settled: bool = False  # a settle raised: every rank has left together, nothing more to agree
 
     def note(self, exc: BaseException) -> None:
         """This rank's problem at the current bucket (the first one counts)."""
         if isinstance(exc, AgreedRefitError):
             raise exc  # already every rank's: nothing left to agree on
         if not self.problem:
-            cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
             where = f"{self.unit} {self.bucket}" if self.bucket else f"before the first {self.unit}"
-            self.problem = f"rank {dist.get_rank()}, {where}: {type(exc).__name__}" + (f": {cause}" if cause else "")
+            self.problem = f"rank {dist.get_rank()}, {where}: {said(exc)}"
             self.at = self.bucket
-
-    @property
-    def settled(self) -> bool:
-        """Whether a settle already raised (every rank left together: nothing more to agree)."""
-        return self.failed
 
     def settle(self) -> None:
         """Collective: every rank raises the first rank's problem when any rank noted one."""
         # the earliest problem is the cause; later ones (a peer's broken connection) follow from it
         found = first_problem(self.problem, self.device, at=self.at)
         if found is not None:
-            self.failed = True
+            self.settled = True
             raise AgreedRefitError(f"refit failed on {found[1]}")

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import faults
-from ..runtime.agreement import first_problem, on_rank0, said
+from ..runtime.agreement import agreed, on_rank0
 from .checkpoint_error import CheckpointError
 from .checkpoint_error import is_int as _is_int
 from .checkpoint_error import refusal as _error
@@ -256,16 +256,12 @@ def save(
         raise _error(final, f"saving step {info.step} failed: {_first_line(exc)}", intact) from None
     # every rank's shards are written (DCP agreed on its own failures); what follows on any rank
     # before publishing is agreed too, where a barrier would leave the others waiting
-    problem = ""
-    try:
-        faults.inject("save", rank=dist.get_rank())
-    except Exception as exc:
-        problem = said(exc)
-    found = first_problem(problem)
-    if found is not None:
+    def refused(why: str) -> CheckpointError:
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise _error(final, f"saving step {info.step} failed: rank {found[0]}: {found[1]}", intact)
+        return _error(final, f"saving step {info.step} failed: {why}", intact)
+
+    agreed(lambda: faults.inject("save", rank=dist.get_rank()), fail=refused)
 
     def publish() -> None:
         try:

@@ -47,19 +47,23 @@ def said(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
-def on_rank0(action: Callable[[], T], *, fail: Callable[[str], BaseException]) -> T | None:
-    """Collective: ``action()`` on rank 0 alone (file work: publishing, pruning, writing an
-    export), then every rank learns whether it raised; when it did, every rank raises
-    ``fail("rank 0: <what it raised>")``. Replaces the barrier that would follow such work:
-    the agreement is one. Returns rank 0's result there, None elsewhere."""
+def agreed(action: Callable[[], T], *, fail: Callable[[str], BaseException]) -> T:
+    """Collective: ``action()`` on this rank, then every rank learns whether any rank's raised;
+    when one did, every rank raises ``fail("rank R: <what it raised>")`` (the lowest such rank).
+    Replaces the barrier that would follow such work: the agreement is one."""
     result: T | None = None
     problem = ""
-    if dist.get_rank() == 0:
-        try:
-            result = action()
-        except Exception as exc:  # any failure of the file system or of the caller's work
-            problem = said(exc)
+    try:
+        result = action()
+    except Exception as exc:  # any failure of the file system or of the caller's work
+        problem = said(exc)
     found = first_problem(problem)
     if found is not None:
         raise fail(f"rank {found[0]}: {found[1]}")
-    return result
+    return result  # type: ignore[return-value]  # set: the action raised on no rank
+
+
+def on_rank0(action: Callable[[], T], *, fail: Callable[[str], BaseException]) -> T | None:
+    """``agreed`` with ``action()`` on rank 0 alone (file work: publishing, pruning, writing an
+    export). Returns rank 0's result there, None elsewhere."""
+    return agreed(action if dist.get_rank() == 0 else lambda: None, fail=fail)
