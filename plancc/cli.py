@@ -5,7 +5,6 @@ Exit codes: 0 ok (warnings allowed), 1 plan/config problems, 2 usage errors.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import json
@@ -857,7 +856,7 @@ def apply(
         from .job.run_file import run_file_text
 
         ran = {"plan": str(plan_path), **resolved, "model": model}
-        cfg = dataclasses.replace(cfg, run_file=run_file_text({k: v for k, v in ran.items() if k != "plan_path"}))
+        cfg = replace(cfg, run_file=run_file_text(ran))  # (it keeps the run file's keys only: no plan_path)
     _launch_and_report(opts, _preflight(cfg, report, fmt, nproc_per_node), fmt)
 
 

@@ -254,6 +254,7 @@ def save(
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise _error(final, f"saving step {info.step} failed: {_first_line(exc)}", intact) from None
+
     # every rank's shards are written (DCP agreed on its own failures); what follows on any rank
     # before publishing is agreed too, where a barrier would leave the others waiting
     def refused(why: str) -> CheckpointError:

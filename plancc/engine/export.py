@@ -34,7 +34,7 @@ from ..runtime.hf_folder import check_export_target
 from ..runtime.lora import adapters_of
 from ..runtime.weights import copy_companions, publish_export, refuse_non_finite_weights, write_adapter_config
 from .agreement import RefitAgreement
-from .streaming import manifest_buckets, weight_buckets
+from .streaming import bucket_count, weight_buckets
 
 # A shard of the export: what rank 0 holds at once (and safetensors' serialized copy of it).
 # transformers' own default shard is far larger (it holds the whole model anyway).
@@ -76,8 +76,8 @@ def export_hf(
     refuse_non_finite_weights(model, what=f"exporting to {folder}")
     target = Path(folder)
     dtype = None if adapters_only else export_dtype(config)
-    plan = manifest_buckets(model, bucket_bytes=shard_bytes, dtype=dtype, adapters_only=adapters_only)
-    names = ["adapter_model.safetensors"] if adapters_only else shard_names(len(plan))
+    count = bucket_count(model, bucket_bytes=shard_bytes, dtype=dtype, adapters_only=adapters_only)
+    names = ["adapter_model.safetensors"] if adapters_only else shard_names(count)
 
     def failed(why: str) -> PlanError:
         return PlanError(

@@ -601,19 +601,16 @@ class Policy:
             # fingerprint), kept below 2^52 so that float64 holds them exactly, each converted
             # on its own -- stacked with a float mask's sum they would be promoted to float32
             # and the "different rows" check below would stop seeing differences
-            mine[1:] = torch.stack(
-                [
-                    torch.tensor(ids.shape[0], device=self.device, dtype=torch.float64),
-                    ((ids.long() * weights).sum() % FINGERPRINT_MODULUS).to(torch.float64),
-                    ((mask.long() * weights).sum() % FINGERPRINT_MODULUS).to(torch.float64),
-                    torch.tensor(ids.shape[1], device=self.device, dtype=torch.float64),
-                    (token_mask if token_mask is not None else default_token_mask(mask)).sum().to(torch.float64),
-                    sample_mask.sum().to(torch.float64)
-                    if sample_mask is not None
-                    else torch.tensor(ids.shape[0], device=self.device, dtype=torch.float64),
-                    torch.tensor(len(plan), device=self.device, dtype=torch.float64),
-                ]
-            )
+            counts = [
+                torch.tensor(ids.shape[0], device=self.device),
+                (ids.long() * weights).sum() % FINGERPRINT_MODULUS,
+                (mask.long() * weights).sum() % FINGERPRINT_MODULUS,
+                torch.tensor(ids.shape[1], device=self.device),
+                (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
+                sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=self.device),
+                torch.tensor(len(plan), device=self.device),
+            ]
+            mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         verdicts = torch.stack(every).tolist()

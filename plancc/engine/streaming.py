@@ -83,6 +83,13 @@ def _plan(
     return state, buckets([(name, nbytes(state[name])) for name in names], bucket_bytes), adapters
 
 
+def bucket_count(
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, adapters_only: bool = False
+) -> int:
+    """How many buckets ``weight_buckets`` yields (local: nothing is gathered or converted)."""
+    return len(_plan(model, bucket_bytes, dtype, adapters_only)[1])
+
+
 def weight_buckets(
     model: nn.Module,
     *,

@@ -1,15 +1,16 @@
 """Token batches for `plancc apply` / `plancc logprobs`.
 
-Synthetic batches are a pure function of (seed, step), and a JSONL file is read whole and
-validated before any step runs, so every layout (and a resumed run) sees the same global
-batch at the same step: that is what lets a resumed loss curve continue exactly.
+Synthetic batches are a pure function of (seed, step), and ``--data`` is read through once and
+validated before any step runs (its rows kept in a file, ``job.token_rows``), so every layout
+(and a resumed run) sees the same global batch at the same step: that is what lets a resumed
+loss curve continue exactly.
 """
 
 from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,15 +37,14 @@ class TokenDataset:
     counts; None for the whole dataset when no line has one. ``unused``: fields the lines hold
     that the run does not read (said once, in a warning)."""
 
-    sequences: Sequence[tuple[int, ...]]  # a TokenRows: in a file, mapped, row by row
+    sequences: TokenRows  # in a file, mapped, read row by row
     path: str = "<synthetic>"
-    masks: Sequence[tuple[int, ...] | None] | None = None
+    masks: TokenRows | None = None
     unused: tuple[str, ...] = ()
 
     def lengths(self) -> list[int]:
         """Every row's length (from the rows' offsets: no row is read)."""
-        rows = self.sequences
-        return list(rows.lengths()) if isinstance(rows, TokenRows) else [len(s) for s in rows]
+        return list(self.sequences.lengths())
 
     @property
     def longest(self) -> int:
@@ -200,8 +200,7 @@ def write_tokens(data: TokenDataset, path: str | Path) -> None:
     pipe can be read once only, a file can change in between). A header line (padded to 8
     bytes), then every row's offset, whether it has a mask, the masks and the tokens, each
     written from its own file in pieces: a dataset larger than memory passes through."""
-    rows = data.sequences if isinstance(data.sequences, TokenRows) else _rows_of(data.sequences, "q")
-    masks = data.masks if data.masks is None or isinstance(data.masks, TokenRows) else _rows_of(data.masks, "b")
+    rows, masks = data.sequences, data.masks
     head = {"path": data.path, "count": len(rows), "masked": masks is not None, "unused": list(data.unused)}
     line = json.dumps(head).encode()
     with open(path, "wb") as f:
@@ -213,13 +212,6 @@ def write_tokens(data: TokenDataset, path: str | Path) -> None:
             (masks.present or array("b", [1] * len(masks))).tofile(f)
             f.write(b"\0" * (-len(masks) % 8))
             masks.copy_to(f)
-
-
-def _rows_of(values: Sequence[tuple[int, ...] | None], code: str) -> TokenRows:
-    writer = RowsWriter(code)
-    for row in values:
-        writer.append(row)
-    return writer.finish(keep_absent=code == "b")
 
 
 def read_tokens(path: str | Path) -> TokenDataset:

@@ -411,12 +411,10 @@ def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
     """What each step trains on: its rows, their length, what the loss counts."""
     if dataset is None:
         return f"data: synthetic, {cfg.batch_size} rows of {cfg.synthetic_seq_len} tokens a step"
-    longest = dataset.longest
-    cut = truncated(dataset, cfg.seq_len)
     length = (
-        f"rows cut to --seq-len {cfg.seq_len} ({cut} of {len(dataset.sequences)} longer)"
+        f"rows cut to --seq-len {cfg.seq_len} ({truncated(dataset, cfg.seq_len)} of {len(dataset.sequences)} longer)"
         if cfg.seq_len is not None
-        else f"rows as they are (the longest {longest} tokens; --seq-len cuts them)"
+        else f"rows as they are (the longest {dataset.longest} tokens; --seq-len cuts them)"
     )
     counted = (
         "the tokens its masks count (labels / loss_mask, a chat's assistant turns, a completion)"
@@ -471,14 +469,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def _cutting(cfg: RunConfig) -> list[tuple[str, Any]]:
-    return [("--micro-batch-size", cfg.micro_batch_size), ("--max-tokens", cfg.max_tokens), ("--pack", cfg.pack)]
-
-
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
-    # a resumed run's next batches are those after its checkpoint's step
-    start = checkpoint.read_info(checkpoint.agreed_find(cfg.resume)).step if cfg.resume else 0
+    # a resumed run's next batches are those after its checkpoint's step: the step found once, and
+    # handed on (a newer checkpoint appearing meanwhile must not be the one verify loads)
+    step_dir = checkpoint.agreed_find(cfg.resume) if cfg.resume else None
+    start = checkpoint.read_info(step_dir).step if step_dir is not None else 0
     batches = list(_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.steps + 1))
     with diagnosed("verify", fallback=SourceLoc(path=cfg.plan)):
         report = verify_against_unsharded(
@@ -495,13 +491,14 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
             max_tokens=cfg.max_tokens,
             pack=cfg.pack,
             weights=cfg.model if from_folder(cfg.model) else None,
-            resume=cfg.resume,
+            resume=str(step_dir) if step_dir is not None else None,
         )
     flags = torch.tensor([int(within_tolerance(report))], device=job.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     ok = bool(flags.item())
     log(f"verify {job.plan.name} on {job.model_name} ({job.layout.describe()}) against the unsharded model:")
-    cuts = [flag if value is True else f"{flag} {value}" for flag, value in _cutting(cfg) if value]
+    cutting = [("--micro-batch-size", cfg.micro_batch_size), ("--max-tokens", cfg.max_tokens), ("--pack", cfg.pack)]
+    cuts = [flag if value is True else f"{flag} {value}" for flag, value in cutting if value]
     log(
         f"  both from {report.weights} (the unsharded loss on the first batch {report.first_loss:.6f}); "
         f"the sharded run cut as apply cuts it ({', '.join(cuts) or 'one pass'})"

@@ -4,7 +4,7 @@ each row's offset (8 bytes) stays in memory.
 
 ``RowsWriter`` appends rows to a file of its own (in a temporary folder removed with the rows);
 ``TokenRows`` is the read-only sequence of them: ``rows[i]`` is a tuple, ``len(rows)`` the count,
-``rows.length(i)`` a row's length without reading it. The same layout, with a header, is the file
+``rows.lengths()`` every row's length without reading one. The same layout, with a header, is the file
 a launcher hands its workers (``job.data.write_tokens``), which they map in place.
 """
 
@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import weakref
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -60,9 +60,6 @@ class TokenRows(Sequence[Any]):
 
     __hash__ = None  # type: ignore[assignment]  # a view of a file, compared by value: not a key
 
-    def length(self, index: int) -> int:
-        return self.offsets[index + 1] - self.offsets[index]
-
     def lengths(self) -> Iterator[int]:
         return (self.offsets[i + 1] - self.offsets[i] for i in range(len(self)))
 
@@ -104,13 +101,12 @@ class RowsWriter:
         self.present = array("b")
         self._count = 0  # values appended
 
-    def append(self, values: Iterable[int] | None) -> None:
+    def append(self, values: Sequence[int] | None) -> None:
         """One row (None: a row that is not there, as a record without a mask)."""
         self.present.append(values is not None)
         if values is not None:
-            before = len(self._buffer)
             self._buffer.extend(values)
-            self._count += len(self._buffer) - before
+            self._count += len(values)
         self.offsets.append(self._count)
         if len(self._buffer) >= FLUSH:
             self._flush()

@@ -279,7 +279,8 @@ def _global_loss(policy: Policy, whole: Batch) -> float:
     batch = {name: value[mine] for name, value in whole.items()}
     lp = policy.logprobs(batch)
     assert isinstance(lp, torch.Tensor), "log-probs without entropy are one tensor"
-    counted = batch.get("token_mask", default_token_mask(batch["attention_mask"])).to(lp.dtype)
+    counted = batch["token_mask"] if "token_mask" in batch else default_token_mask(batch["attention_mask"])
+    counted = counted.to(lp.dtype)
     sums = torch.stack([-(lp * counted).sum().double(), counted.sum().double()])
     dist.all_reduce(sums, group=policy.mesh["dp"].get_group())
     return float(sums[0] / sums[1])
