@@ -95,8 +95,13 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
             except ValueError as exc:
                 misuse = str(exc)
             alone = token_logprobs(reference, ids[1:, pads:])
+            # each document by itself: the ground truth where the reference's own packing detection
+            # fails (transformers' eager sliding-window mask lets gpt-oss's documents see each other)
+            documents = torch.cat([token_logprobs(reference, packed[:, s:e])
+                                   for s, e in zip(cu.tolist(), cu.tolist()[1:])], dim=1)
         return {"padding": (got_pad - want_pad).abs().max().item(),
                 "packed": (got_packed - want_packed).abs().max().item(),
+                "packed_vs_alone": (got_packed - documents).abs().max().item(),
                 "left_padding_vs_alone": (got_left[1:, pads:] - alone).abs().max().item(),
                 "left_pad_and_first_zero": bool((got_left[1, :pads + 1] == 0).all()),
                 "cp_recognized": bool(torch.equal(got_auto, got_pad)),

@@ -177,7 +177,7 @@ def qwen3_0_6b_small_vocab(tmp_path_factory):
     # the peak: the lm_head's gradient, the gathered embeddings, the layers' inputs
     ({"dp": 2}, "full", True, "short_qwen3_0_6b"),
     ({"dp": 2}, "none", True, "short_qwen3_0_6b"),  # every layer's activations
-    ({"cp": 2}, "none", True, "short_qwen3_0_6b"),  # the keys and values gathered over the sequence, the mask
+    ({"cp": 2}, "none", True, "short_qwen3_0_6b"),  # the keys and values gathered over the sequence (no mask)
     # every layer's unit kept gathered from its forward to its backward: 15% more here
     ({"dp": 2}, "full", False, "qwen3_0_6b_small_vocab"),
 ], ids=["dp2-full", "dp2-none", "cp2-none", "dp2-full-kept-gathered"])

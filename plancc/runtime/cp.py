@@ -7,27 +7,36 @@ chunks ``r`` and ``2*cp - 1 - r`` (the head-tail layout of Megatron, the referen
 the same causal work. Packed documents are laid out the same way one document at a time.
 
 Attention. Each rank keeps its query shard, all-gathers keys and values over the cp group
-(GQA keeps them small: the Llama 3 paper's approach), and attends under a causal mask built
-from *global* positions, with key padding and document boundaries. It is registered as a
+(GQA keeps them small: the Llama 3 paper's approach, and they stay at their own head count),
+and attends block by block (``runtime.block_attention``): each local query chunk sees its
+segment's keys before it unmasked and its own diagonal causally, merged by log-sum-exp, so no
+``[S/cp, S]`` mask exists and memory grows linearly with the length. Segments are the row's
+documents (packed rows, restarting positions) and its padding. It is registered as a
 transformers attention implementation ("plancc_cp") and uses only all-gather and
 reduce-scatter, so it runs on gloo/CPU as well as nccl/CUDA, with masks and packing, where
-torch's experimental ``context_parallel`` does neither.
+torch's experimental ``context_parallel`` does neither. Rows whose mask has holes (a real
+token after padding after a real token) and attention dropout keep the dense reference: the
+``[S/cp, S]`` mask from global positions (``PLANCC_CP_ATTENTION=dense`` chooses it always).
 """
 
 from __future__ import annotations
 
+import bisect
 import inspect
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..sequence_mixing import is_cp_attention
+from .block_attention import Block, Span, block_attention, span_blocks
 from .document_attention import (
     attend_per_document,
     attention_with_sinks,
@@ -203,6 +212,9 @@ class CPBatch:
     local_doc_ids: torch.Tensor  # [B, S_local]
     cu_seqlens: torch.Tensor | None = None  # packed layout, or None
     bounds: list[int] | None = None  # cu_seqlens on the host: the attention goes document by document
+    # per group of rows alike, (first row, end row, first position of every segment): the block
+    # attention's plan; None when the rows need the dense mask (holes in the padding)
+    segments: list[tuple[int, int, list[int]]] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,12 +226,31 @@ class CPContext:
     rank: int
     batch: CPBatch | None = None
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window (0: none)
+    blocks: dict[int, list[Block]] = field(default_factory=dict)  # the same, for the block attention
     # packed rows attend document by document (PLANCC_DOCUMENT_MASK, read once, not per layer)
     per_document: bool = field(default_factory=enabled_by_default)
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:
         return self.batch.cu_seqlens if self.batch is not None else None
+
+    def plan(self, window: int | None) -> list[Block] | None:
+        """The block attention's blocks for this batch and window (None: the dense mask)."""
+        b = self.batch
+        assert b is not None, "the input hook sets the batch before attention runs"
+        if b.segments is None:
+            return None
+        key = window or 0
+        if key not in self.blocks:
+            total = b.key_positions.shape[1]
+            bounds = b.bounds if b.bounds is not None else [0, total]
+            self.blocks[key] = [
+                blk
+                for first, end, starts in b.segments
+                for span in query_spans(bounds, starts, self.size, self.rank)
+                for blk in span_blocks(span, (first, end), window)
+            ]
+        return self.blocks[key]
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, S_local, S] bool: causal on global positions, same document, real keys."""
@@ -272,13 +303,17 @@ def cp_attention_forward(
     documents = ctx.batch.bounds if ctx.batch is not None and ctx.batch.bounds is not None else ctx.cu_seqlens
     key = all_gather(key, ctx.group, dim=2, cu_seqlens=documents)
     value = all_gather(value, ctx.group, dim=2, cu_seqlens=documents)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # gather the few KV heads first, repeat after: less to communicate
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
     window = sliding_window(module, kwargs)
+    blocks = ctx.plan(window) if dropout_p == 0.0 and not _DENSE else None
+    if blocks is not None:
+        out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # the dense reference: gather the few KV heads, repeat after
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
     if ctx.per_document and ctx.batch is not None and ctx.batch.bounds is not None:
         out = _per_document(ctx.batch, ctx.size, query, key, value, window, sinks, dropout_p, scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -288,6 +323,64 @@ def cp_attention_forward(
     else:
         out = attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+_DENSE = os.environ.get("PLANCC_CP_ATTENTION", "blocks") == "dense"
+
+
+def query_spans(bounds: list[int], segments: list[int], cp: int, rank: int) -> list[Span]:
+    """This rank's queries (head and tail chunk of every document of the layout) cut where a
+    segment of the row begins: each span attends to its segment's keys up to itself."""
+    spans = []
+    local = 0
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        chunk = (end - start) // (2 * cp)
+        for first in (start + rank * chunk, start + (2 * cp - 1 - rank) * chunk):
+            p = first
+            while p < first + chunk:
+                i = bisect.bisect_right(segments, p) - 1
+                stop = min(first + chunk, segments[i + 1] if i + 1 < len(segments) else end)
+                spans.append(Span(local=local + p - first, start=p, n=stop - p, segment=segments[i]))
+                p = stop
+            local += chunk
+    return spans
+
+
+def row_segments(
+    positions: torch.Tensor, mask: torch.Tensor | None, bounds: list[int] | None, *, known: bool = False
+) -> list[tuple[int, int, list[int]]] | None:
+    """Where each row's segments begin (a document -- the layout's or restarting positions --
+    or a run of padding), grouped into runs of rows alike; None when a row's mask has a hole
+    (real, padding, real), which only the dense mask describes. One read of the device, none
+    when the positions are ``known`` to restart only at ``bounds`` and there is no mask (and
+    none in a dry run's fake world, which has no values: its rows are taken as unpadded)."""
+    batch, seq = positions.shape
+    if (known and mask is None) or _without_values(positions):
+        return [(0, batch, sorted({0, *(bounds[:-1] if bounds else ())}))]
+    change = torch.zeros((batch, seq + 1), dtype=torch.bool, device=positions.device)
+    change[:, 1:seq] = positions[:, 1:] != positions[:, :-1] + 1
+    if mask is not None:
+        valid = mask.bool()
+        change[:, 1:seq] |= valid[:, 1:] != valid[:, :-1]
+        rises = (valid[:, 1:] & ~valid[:, :-1]).sum(1)
+        change[:, seq] = (rises > 1) | ((rises == 1) & valid[:, 0])  # a hole: the last column says so
+    starts: list[list[int]] = [[0] for _ in range(batch)]
+    for row, col in change.nonzero().tolist():
+        if col == seq:
+            return None
+        starts[row].append(col)
+    groups: list[tuple[int, int, list[int]]] = []
+    for row, own in enumerate(starts):
+        merged = sorted(set(own) | set(bounds[:-1] if bounds else ()))
+        if groups and groups[-1][2] == merged:
+            groups[-1] = (groups[-1][0], row + 1, merged)
+        else:
+            groups.append((row, row + 1, merged))
+    return groups
+
+
+def _without_values(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" or isinstance(t, FakeTensor)
 
 
 def _per_document(
@@ -356,6 +449,8 @@ class ShardSequenceInputs:
                 f"pad by {pad_amount(seq, ctx.size)} (plancc.cp.pad_to_multiple)"
             )
         positions = values.get("position_ids")
+        # positions made here, or a packed row's (they restart at its documents): nothing to read
+        known = positions is None or cu is not None
         if positions is None:
             positions = torch.arange(seq, device=ids.device).unsqueeze(0)
         positions = positions.expand(batch, -1)
@@ -377,8 +472,9 @@ class ShardSequenceInputs:
             local_doc_ids=doc_ids.index_select(1, index),
             cu_seqlens=cu,
             bounds=bounds,
+            segments=None if _DENSE else row_segments(positions, mask, bounds, known=known),
         )
-        ctx.masks = {}
+        ctx.masks, ctx.blocks = {}, {}
         values["input_ids"] = ids.index_select(1, index)
         values["position_ids"] = ctx.batch.q_positions
         values["attention_mask"] = None  # the cp attention masks from global positions

@@ -327,12 +327,12 @@ def activation_bytes(
     )
     replicated, attention, mlp = replicated / sequence, attention / tp, mlp / tp
     if layout.cp > 1:
-        # plancc's CP attention (runtime.cp) keeps the keys and values gathered over the whole
-        # sequence and repeated to every query head in place of the local ones, and SDPA keeps the
-        # bool [s/cp, s] mask converted to bf16, per layer (measured; the mask is not sharded by tp)
+        # plancc's CP attention (runtime.cp, runtime.block_attention) keeps the keys and values
+        # gathered over the whole sequence, at their own head count, in place of the local ones;
+        # no mask: nothing grows with seq_len squared (bench/cp_long.py)
         local_kv = BF16 * 2 * shape.kv_heads * shape.head_dim / tp
-        gathered_kv = BF16 * 2 * shape.heads * shape.head_dim / tp * layout.cp
-        attention += gathered_kv - local_kv + BF16 * seq_len
+        gathered_kv = local_kv * layout.cp
+        attention += gathered_kv - local_kv
     per_layer = tokens * (replicated + attention + mlp + routed)
     layer_input = BF16 * tokens * shape.hidden / sequence
     if checkpointing == "none":

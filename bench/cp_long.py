@@ -1,0 +1,132 @@
+"""Context parallelism at long lengths: one decoder layer's forward+backward peak memory per rank.
+
+    python bench/cp_long.py [--lengths 4096 16384 65536] [--cp 2] [--dense-up-to 16384]
+
+A one-layer Qwen3 (hidden 256, 4 query / 2 KV heads of 64, fp32, vocabulary 256) on ``cp``
+gloo ranks of this CPU, one fresh set of processes per measurement. Per rank: the peak resident
+memory of one forward+backward over a ``[1, S]`` row minus the peak after a warm-up at 256
+tokens (``ru_maxrss``: the process's own peak; the model, the libraries and the warm-up are
+the baseline). Rows:
+- ``blocks``: the cp attention as it runs (``runtime.block_attention``: no mask);
+- ``dense``: ``PLANCC_CP_ATTENTION=dense``, the ``[S/cp, S]`` mask it replaced (run up to
+  ``--dense-up-to``: at 64k it is ~10 GiB a rank);
+- ``unsharded S/cp``: the same layer in one process on ``S/cp`` tokens with SDPA's own causal
+  kernel (no mask): what a rank's share of the work costs without cp.
+The growth ratio of the longest two lengths shows the order: 4 for linear in S, 16 for
+quadratic. Results go in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tests.distributed import init_gloo, launch  # noqa: E402
+
+WARMUP = 256
+
+
+def _config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=256,
+        max_position_embeddings=1 << 18,
+        attn_implementation="sdpa",
+    )
+
+
+def _peak_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _step(model, length: int) -> None:
+    import torch
+
+    ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+    out = model(input_ids=ids, use_cache=False)
+    out.logits.float().square().mean().backward()
+
+
+def cp_worker(length: int, dense: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from plancc.runtime.cp import enable_context_parallel
+    from plancc.runtime.mesh import build_mesh
+
+    os.environ["PLANCC_CP_ATTENTION"] = "dense" if dense else "blocks"
+    init_gloo(timeout_s=3600)
+    torch.set_num_threads(1)
+    try:
+        mesh = build_mesh(cp=dist.get_world_size(), device_type="cpu")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config())
+        enable_context_parallel(model, mesh["cp"])
+        _step(model, WARMUP)
+        model.zero_grad(set_to_none=True)
+        base = _peak_mib()
+        _step(model, length)
+        return {"extra_mib": _peak_mib() - base}
+    finally:
+        dist.destroy_process_group()
+
+
+def unsharded_worker(length: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config())
+    _step(model, WARMUP)
+    model.zero_grad(set_to_none=True)
+    base = _peak_mib()
+    _step(model, length)
+    return {"extra_mib": _peak_mib() - base}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--dense-up-to", type=int, default=16384)
+    args = parser.parse_args()
+    rows = {"blocks": {}, "dense": {}, "unsharded S/cp": {}}
+    for length in args.lengths:
+        got = launch(cp_worker, args.cp, length, False)
+        rows["blocks"][length] = max(r["extra_mib"] for r in got.values())
+        if length <= args.dense_up_to:
+            got = launch(cp_worker, args.cp, length, True)
+            rows["dense"][length] = max(r["extra_mib"] for r in got.values())
+        rows["unsharded S/cp"][length] = launch(unsharded_worker, 1, length // args.cp)[0]["extra_mib"]
+        print(
+            f"S={length}: " + ", ".join(f"{k} {v.get(length, float('nan')):.0f} MiB" for k, v in rows.items()),
+            flush=True,
+        )
+    header = "| per rank, one layer fwd+bwd (MiB above baseline) | " + " | ".join(f"S={n}" for n in args.lengths)
+    print(f"\n{header} | growth {args.lengths[-1]}/{args.lengths[-2]} |")
+    print("|---" * (len(args.lengths) + 2) + "|")
+    for name, values in rows.items():
+        cells = [f"{values[n]:.0f}" if n in values else "not run" for n in args.lengths]
+        a, b = values.get(args.lengths[-2]), values.get(args.lengths[-1])
+        growth = f"{b / a:.1f}x" if a and b else "-"
+        print(f"| {name} (cp={args.cp}) | " + " | ".join(cells) + f" | {growth} |")
+    ratio = [rows["blocks"][n] / rows["unsharded S/cp"][n] for n in args.lengths if rows["unsharded S/cp"][n] > 0]
+    print("\nblocks / unsharded at the same local length: " + ", ".join(f"{r:.2f}x" for r in ratio))
+
+
+if __name__ == "__main__":
+    main()

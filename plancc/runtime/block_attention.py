@@ -1,0 +1,324 @@
+"""Attention as a few unmasked kernel calls merged by their log-sum-exp: no ``S x S`` mask.
+
+Under context parallelism a rank's queries are two chunks of the sequence (head-tail layout)
+and its keys are the whole gathered sequence. Causal attention of a query chunk starting at
+``g`` inside a document starting at ``s`` is then two blocks: the keys ``[s, g)`` that every
+query sees (no mask) and the keys ``[g, g + n)`` on the diagonal (the square causal mask the
+kernels build themselves). Each block runs through a flash kernel that also returns the
+row's log-sum-exp; the blocks' outputs are combined exactly as the kernels combine their own
+tiles (``out = sum_b exp(lse_b - lse) * out_b``, ``lse = logsumexp_b lse_b``), and the
+backward hands every block the merged output and log-sum-exp (the ring-attention identity),
+so gradients are those of one softmax over all the keys.
+
+What else a layer needs, without a dense mask:
+- a sliding window of ``w``: queries go in tiles of ``T < w``; a tile's keys are its own
+  diagonal (causal) and the ``T x (w - 1)`` band before it (a small additive mask, bounded
+  by the window, never by the sequence);
+- documents (packed rows, restarting position ids), left and right padding: segments of a
+  row; a query attends only to keys of its segment, so padding never reaches a real token;
+- learned sinks (gpt-oss): one more logit per head that takes probability mass and gives no
+  value, added to the merged log-sum-exp (``out * exp(lse) / (exp(lse) + exp(sink))``);
+- grouped-query attention: the CPU kernel takes fewer key heads as they are (no repeat).
+
+Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
+flash kernel SDPA uses there); on CUDA ``aten._scaled_dot_product_efficient_attention`` and its
+backward (any dtype; key heads are matched by folding the query groups into the query length
+for the unmasked and band blocks, and by expanding the local diagonal block's keys). Memory is
+linear in the sequence length: ``bench/cp_long.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+# Queries per window tile: the band mask is T x (w - 1) elements, so T caps its size.
+MAX_TILE = 512
+
+
+class Kind(Enum):
+    FULL = "full"  # every query sees every key
+    CAUSAL = "causal"  # a square block on the diagonal: query i sees keys 0..i
+    BAND = "band"  # a sliding window's band: query at global q sees key k iff k > q - window
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Queries ``[q0, q1)`` (local indices) of rows ``[b0, b1)`` against keys ``[k0, k1)`` (indices
+    of the gathered sequence). A band block's query ``q0`` sits at global position ``g0``."""
+
+    b0: int
+    b1: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: Kind
+    g0: int = 0
+    window: int = 0
+
+    def band_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        if self.kind is not Kind.BAND:
+            return None
+        q = torch.arange(self.g0, self.g0 + self.q1 - self.q0, device=device).unsqueeze(1)
+        k = torch.arange(self.k0, self.k1, device=device).unsqueeze(0)
+        mask = torch.zeros((self.q1 - self.q0, self.k1 - self.k0), dtype=dtype, device=device)
+        return mask.masked_fill_(k <= q - self.window, float("-inf"))[None, None]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Local queries ``[local, local + n)`` at global positions ``[start, start + n)`` of a
+    segment that begins at ``segment``: they attend to keys ``[segment, own position]``."""
+
+    local: int
+    start: int
+    n: int
+    segment: int
+
+
+def span_blocks(span: Span, rows: tuple[int, int], window: int | None) -> list[Block]:
+    """The blocks of one query span: unmasked prefix and causal diagonal, or window tiles."""
+    b0, b1 = rows
+    end = span.start + span.n
+    if not window or end - span.segment <= window:  # the window never binds here
+        blocks = [Block(b0, b1, span.local, span.local + span.n, span.start, end, Kind.CAUSAL)]
+        if span.start > span.segment:
+            blocks.append(Block(b0, b1, span.local, span.local + span.n, span.segment, span.start, Kind.FULL))
+        return blocks
+    tile = max(1, min(window - 1, MAX_TILE))
+    blocks = []
+    for t0 in range(span.start, end, tile):
+        t1 = min(end, t0 + tile)
+        local = span.local + (t0 - span.start)
+        blocks.append(Block(b0, b1, local, local + t1 - t0, t0, t1, Kind.CAUSAL))
+        lo = max(span.segment, t0 - window + 1)
+        if lo < t0:  # with tile < window every query of the tile sees key t0 - 1
+            blocks.append(Block(b0, b1, local, local + t1 - t0, lo, t0, Kind.BAND, g0=t0, window=window))
+    return blocks
+
+
+# --------------------------------------------------------------------------- kernels
+# (output, log-sum-exp, what the kernel's backward needs besides them)
+_Forward = tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]
+
+
+def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> _Forward:
+    mask = block.band_mask(q.dtype, q.device)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, block.kind is Kind.CAUSAL, attn_mask=mask, scale=scale
+    )
+    return out, lse, ()
+
+
+def _cpu_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    scale: float,
+    saved: tuple[Any, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = block.band_mask(q.dtype, q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, block.kind is Kind.CAUSAL, attn_mask=mask, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv*G, t, D] -> [B, Hkv, G*t, D]: a query group shares its key head."""
+    b, h, t, d = x.shape
+    return x.reshape(b, h // groups, groups * t, d)
+
+
+def _ungrouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    b, hkv, gt = x.shape[:3]
+    return x.reshape(b, hkv * groups, gt // groups, *x.shape[3:])
+
+
+def _expanded(x: torch.Tensor, groups: int) -> torch.Tensor:
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def _cuda_bias(block: Block, dtype: torch.dtype, device: torch.device, groups: int) -> torch.Tensor | None:
+    mask = block.band_mask(dtype, device)
+    if mask is None:
+        return None
+    if groups > 1:
+        mask = mask.repeat(1, 1, groups, 1)
+    # the memory-efficient kernel reads the bias with rows aligned to 16 elements
+    rows, cols = mask.shape[-2:]
+    padded = mask.new_zeros((1, 1, rows, -(-cols // 16) * 16))
+    padded[..., :cols] = mask
+    return padded[..., :cols]
+
+
+def _cuda_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return q, k, v, 1, False
+    if block.kind is Kind.CAUSAL:  # the diagonal block's keys are local: expand them
+        return q, _expanded(k, groups), _expanded(v, groups), 1, True
+    return _grouped(q, groups), k, v, groups, False
+
+
+def _cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> _Forward:
+    t = q.shape[2]
+    qq, kk, vv, groups, _ = _cuda_inputs(q, k, v, block)
+    bias = _cuda_bias(block, q.dtype, q.device, groups)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        qq, kk, vv, bias, True, 0.0, block.kind is Kind.CAUSAL, scale=scale
+    )
+    lse = lse[..., : groups * t]
+    return _ungrouped(out, groups), _ungrouped(lse, groups), (seed, offset)
+
+
+def _cuda_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    scale: float,
+    saved: tuple[Any, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed, offset = saved
+    qq, kk, vv, groups, expanded = _cuda_inputs(q, k, v, block)
+    bias = _cuda_bias(block, q.dtype, q.device, groups)
+    g, o = (_grouped(x, groups) if groups > 1 else x for x in (grad, out))
+    lse_in = lse.reshape(lse.shape[0], kk.shape[1], -1)
+    padded = lse_in.new_zeros((*lse_in.shape[:2], -(-lse_in.shape[2] // 32) * 32))  # the kernel's row stride
+    padded[..., : lse_in.shape[2]] = lse_in
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        g.contiguous(),
+        qq,
+        kk,
+        vv,
+        bias,
+        o.contiguous(),
+        padded,
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        block.kind is Kind.CAUSAL,
+        scale=scale,
+    )
+    if groups > 1:
+        dq = _ungrouped(dq, groups)
+    if expanded:  # sum the expanded heads' gradients back onto their key head
+        shape = (k.shape[0], k.shape[1], q.shape[1] // k.shape[1], *k.shape[2:])
+        dk, dv = dk.reshape(shape).sum(2), dv.reshape(shape).sum(2)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- the merge
+def _kernels(device: torch.device) -> tuple[Any, Any]:
+    return (_cuda_forward, _cuda_backward) if device.type == "cuda" else (_cpu_forward, _cpu_backward)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        sinks: torch.Tensor | None,
+        blocks: list[Block],
+        scale: float,
+    ) -> torch.Tensor:
+        forward_kernel, _ = _kernels(query.device)
+        acc = _accumulation_dtype(query.dtype)
+        out = query.new_zeros(query.shape[:-1] + value.shape[-1:], dtype=acc)
+        lse = query.new_full(query.shape[:-1], float("-inf"), dtype=acc)
+        saved = []
+        for blk in blocks:
+            rows = slice(blk.b0, blk.b1)
+            o, block_lse, extra = forward_kernel(
+                query[rows, :, blk.q0 : blk.q1],
+                key[rows, :, blk.k0 : blk.k1],
+                value[rows, :, blk.k0 : blk.k1],
+                blk,
+                scale,
+            )
+            saved.append(extra)
+            old = lse[rows, :, blk.q0 : blk.q1]
+            block_lse = block_lse.to(acc)
+            new = torch.logaddexp(old, block_lse)
+            part = out[rows, :, blk.q0 : blk.q1]
+            part.mul_(torch.exp(old - new).unsqueeze(-1)).add_(o.to(acc) * torch.exp(block_lse - new).unsqueeze(-1))
+            old.copy_(new)
+        if sinks is not None:  # one more logit per head, with no value
+            total = torch.logaddexp(lse, sinks.to(acc).view(1, -1, 1))
+            out.mul_(torch.exp(lse - total).unsqueeze(-1))
+            lse = total
+        result = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, result, lse, sinks)
+        ctx.blocks, ctx.scale, ctx.extra, ctx.has_sinks = blocks, scale, saved, sinks is not None
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, lse, sinks = ctx.saved_tensors
+        _, backward_kernel = _kernels(query.device)
+        acc = _accumulation_dtype(query.dtype)
+        grad = grad.contiguous()
+        dq = torch.zeros_like(query, dtype=acc)
+        dk = torch.zeros_like(key, dtype=acc)
+        dv = torch.zeros_like(value, dtype=acc)
+        kernel_lse = lse.to(torch.float32) if query.dtype != torch.float64 else lse
+        for blk, extra in zip(ctx.blocks, ctx.extra, strict=True):
+            rows, qs, ks = slice(blk.b0, blk.b1), slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
+            gq, gk, gv = backward_kernel(
+                grad[rows, :, qs],
+                query[rows, :, qs],
+                key[rows, :, ks],
+                value[rows, :, ks],
+                out[rows, :, qs],
+                kernel_lse[rows, :, qs].contiguous(),
+                blk,
+                ctx.scale,
+                extra,
+            )
+            dq[rows, :, qs] += gq
+            dk[rows, :, ks] += gk
+            dv[rows, :, ks] += gv
+        dsinks = None
+        if ctx.has_sinks:  # d loss / d sink = -sum_rows p_sink * <grad, out>
+            weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+            dsinks = -(weight * (grad.to(acc) * out.to(acc)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dsinks, None, None
+
+
+def block_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: list[Block],
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[B, H, Sq, D]`` queries against ``[B, Hkv, Sk, D]`` keys and values, block by block
+    (every query must be in at least one block). ``sinks``: one learned logit per head."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    result: torch.Tensor = _BlockAttention.apply(query, key, value, sinks, blocks, scale)
+    return result

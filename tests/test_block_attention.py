@@ -1,0 +1,142 @@
+"""The CP attention's blocks equal one softmax over the dense mask: outputs and gradients.
+
+No process group is needed: a rank's queries are its head-tail shard of the full queries, its
+keys the whole sequence, exactly what the cp attention sees after the all-gather."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plancc.runtime.block_attention import MAX_TILE, Kind, block_attention, span_blocks
+from plancc.runtime.cp import load_balanced_indices, load_balanced_indices_packed, query_spans, row_segments
+from plancc.runtime.document_attention import attention_with_sinks
+
+
+def _dense(q, k, v, allowed, sinks):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    if sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return attention_with_sinks(q, k, v, allowed, sinks, dropout_p=0.0, scale=None)
+
+
+def _allowed(positions, valid, window):
+    """[B, 1, S, S]: the reference's rule -- same segment (documents restart positions), valid
+    key, key at or before the query, inside the window; a query that may see nothing sees itself."""
+    doc = torch.ones_like(positions, dtype=torch.bool)
+    doc[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    doc = doc.long().cumsum(1)
+    q, k = positions.unsqueeze(-1), positions.unsqueeze(1)
+    allowed = (k <= q) & (doc.unsqueeze(-1) == doc.unsqueeze(1)) & valid.unsqueeze(1)
+    if window:
+        allowed &= (q - k) < window
+    eye = torch.eye(positions.shape[1], dtype=torch.bool).unsqueeze(0)
+    allowed |= ~allowed.any(-1, keepdim=True) & eye
+    return allowed.unsqueeze(1)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(
+    cp=st.sampled_from([1, 2, 4]),
+    docs=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    packed=st.booleans(),
+    pad=st.tuples(st.integers(0, 5), st.integers(0, 5)),
+    window=st.sampled_from([None, 1, 3, 7, 100]),
+    groups=st.sampled_from([1, 2]),
+    sinks=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_blocks_equal_the_dense_mask_for_every_rank(cp, docs, packed, pad, window, groups, sinks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [2 * cp * n for n in docs]
+    total = sum(lengths)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()] if packed else None
+    if packed:  # one packed row; positions restart at every document
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        valid = torch.ones_like(positions, dtype=torch.bool)
+    else:  # two rows: the second left- and right-padded
+        positions = torch.arange(total).expand(2, -1)
+        valid = torch.ones((2, total), dtype=torch.bool)
+        left, right = min(pad[0], total - 1), min(pad[1], total - 1 - min(pad[0], total - 1))
+        valid[1, :left] = False
+        valid[1, total - right :] = False
+    batch, heads = positions.shape[0], 2 * groups
+    q = torch.randn(batch, heads, total, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(batch, 2, total, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    s = torch.randn(heads, generator=gen, dtype=torch.float64) if sinks else None
+    want = _dense(q, k, v, _allowed(positions, valid, window), s)
+    segments = row_segments(positions, valid, bounds)
+    assert segments is not None
+    grad = torch.randn_like(want)
+    for rank in range(cp):
+        index = (
+            load_balanced_indices(total, cp, rank) if bounds is None else load_balanced_indices_packed(bounds, cp, rank)
+        )
+        blocks = [
+            blk
+            for first, end, starts in segments
+            for span in query_spans(bounds or [0, total], starts, cp, rank)
+            for blk in span_blocks(span, (first, end), window)
+        ]
+        assert not [b for b in blocks if b.kind is Kind.BAND and b.q1 - b.q0 > MAX_TILE]
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q[:, :, index], k, v))
+        ss = None if s is None else s.clone().requires_grad_(True)
+        got = block_attention(qq, kk, vv, blocks, sinks=ss)
+        real = valid[:, index]  # padded queries' outputs are ignored
+        assert torch.allclose(
+            got[real.unsqueeze(1).expand_as(got[..., 0])],
+            want[:, :, index][real.unsqueeze(1).expand_as(got[..., 0])],
+            atol=1e-10,
+        )
+        # the gradient of this rank's real outputs, against autograd through the dense reference
+        g = grad[:, :, index] * real[:, None, :, None]
+        got.backward(g)
+        rq, rk, rv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        rs = None if s is None else s.clone().requires_grad_(True)
+        full = _dense(rq, rk, rv, _allowed(positions, valid, window), rs)
+        full[:, :, index].backward(g)
+        assert torch.allclose(qq.grad, rq.grad[:, :, index], atol=1e-10)
+        assert torch.allclose(kk.grad, rk.grad, atol=1e-10) and torch.allclose(vv.grad, rv.grad, atol=1e-10)
+        if s is not None:
+            assert torch.allclose(ss.grad, rs.grad, atol=1e-10)
+
+
+def test_a_hole_in_the_mask_is_left_to_the_dense_reference():
+    positions = torch.arange(8).expand(1, -1)
+    assert row_segments(positions, torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0]]), None) is None
+    assert row_segments(positions, torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0]]), None) == [(0, 1, [0, 2, 6])]
+
+
+def test_a_window_keeps_every_mask_the_size_of_a_tile_and_the_window():
+    """128k tokens at cp=8 under a 4096-token window: no block is longer than the window plus a
+    tile in keys, and the band masks are T x (w - 1) at most -- never S/cp x S."""
+    total, cp, window = 131072, 8, 4096
+    blocks = [blk for span in query_spans([0, total], [0], cp, 3) for blk in span_blocks(span, (0, 1), window)]
+    assert max(b.k1 - b.k0 for b in blocks) <= window - 1
+    assert max((b.q1 - b.q0) * (b.k1 - b.k0) for b in blocks if b.kind is Kind.BAND) <= MAX_TILE * (window - 1)
+    assert sum(b.q1 - b.q0 for b in blocks if b.kind is Kind.CAUSAL) == total // cp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_attention_of_a_long_chunk_is_two_unmasked_blocks(dtype):
+    """No window, no documents: a chunk is its prefix (no mask) and its diagonal (causal)."""
+    spans = query_spans([0, 64], [0], 4, 1)
+    blocks = [blk for span in spans for blk in span_blocks(span, (0, 1), None)]
+    assert sorted((b.kind.value, b.k0, b.k1) for b in blocks) == [
+        ("causal", 8, 16),
+        ("causal", 48, 56),
+        ("full", 0, 8),
+        ("full", 0, 48),
+    ]
+    q = torch.randn(1, 4, 16, 8, dtype=dtype)
+    k, v = torch.randn(1, 2, 64, 8, dtype=dtype), torch.randn(1, 2, 64, 8, dtype=dtype)
+    got = block_attention(q, k, v, blocks)
+    index = load_balanced_indices(64, 4, 1)
+    allowed = (torch.arange(64).unsqueeze(0) <= index.unsqueeze(1))[None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=allowed, enable_gqa=True
+    )
+    assert got.dtype == dtype and (got.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
