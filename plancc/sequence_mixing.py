@@ -63,6 +63,65 @@ def sequence_mixing(module: nn.Module) -> str | None:
     return None
 
 
+# The kernels through which transformers' linear-attention and state-space layers mix positions
+# (called by name from each model's module): ``runtime.cp_mixers`` gives each a cp form that
+# trades sequence shards for head blocks around the call.
+CP_KERNELS = (
+    "causal_conv1d_fn",
+    "torch_chunk_gated_delta_rule",
+    "chunk_kimi_delta_attention",
+    "mamba2_chunk_scan",
+    "mamba_selective_scan",
+    "mamba2_split_conv1d_scan_combined",
+)
+# What a module mixes positions with besides them, read from the same code: a layer that also
+# calls these is not one the kernels' cp forms cover.
+_OTHER_MIXING = ("torch_recurrent_gated_delta_rule(", "cumsum(", "F.conv1d(", "self.conv1d(", "self.conv(")
+
+
+def cp_kernels(module: nn.Module) -> tuple[str, ...]:
+    """The cp-capable kernels the module's class calls in training (its forward's code), or ()
+    -- also () when the forward mixes positions some other way too."""
+    cls = type(module)
+    if cls not in _KERNELS:
+        _KERNELS[cls] = _reads_kernels(cls)
+    return _KERNELS[cls]
+
+
+_KERNELS: dict[type, tuple[str, ...]] = {}
+
+
+def _reads_kernels(cls: type) -> tuple[str, ...]:
+    if cls.__module__.startswith("torch."):
+        return ()
+    forward = cls.__dict__.get("forward")
+    try:
+        source = inspect.getsource(forward) if forward is not None else ""
+    except (OSError, TypeError):
+        return ()
+    found = tuple(name for name in CP_KERNELS if f"{name}(" in source)
+    if not found:
+        return ()
+    # the single-token (cached decode) kernels are allowed beside them: they run only with a cache
+    training = source.replace("torch_recurrent_gated_delta_rule(", "").replace("recurrent_kimi_delta_attention(", "")
+    return () if any(mark in training for mark in _OTHER_MIXING) else found
+
+
+# MiniMax's lightning attention: a linear attention with a per-head decay whose recurrence runs
+# in the layer's own code (no kernel function); ``runtime.cp_mixers`` re-runs that code on a
+# block of heads. Known by what the layer keeps.
+_LIGHTNING = ("qkv_proj", "out_proj", "output_gate", "slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
+def is_lightning_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, name) for name in _LIGHTNING) and isinstance(getattr(module, "block_size", None), int)
+
+
+def shards_by_heads(module: nn.Module) -> bool:
+    """A linear-attention / state-space layer context parallelism runs as blocks of heads."""
+    return bool(cp_kernels(module)) or is_lightning_attention(module)
+
+
 def is_cp_attention(module: nn.Module) -> bool:
     """An attention block the context-parallel attention replaces: a layer's attention (it
     has ``layer_idx`` and ``o_proj``) that reaches its kernel through the attention interface."""

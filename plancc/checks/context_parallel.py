@@ -1,13 +1,15 @@
 """context-parallel: combinations the CP attention does not support.
 
 Under context parallelism every module sees only its rank's shard of the sequence. Attention
-is exact because the CP attention gathers the keys and values; every other module must work
-position by position. A layer that mixes positions some other way -- a linear-attention or
-state-space layer (Qwen3-Next, Jamba, Nemotron-H, MiniMax's lightning attention), a causal
-convolution, an attention whose mask is computed from the activations (Doge's dynamic mask),
-a sparse-attention indexer that picks keys over the whole sequence (DeepSeek-V3.2) -- would
-compute on its shard alone, so cp > 1 is refused for such a model. (Whether the length
-shards evenly is ``sequence-length``'s.)
+is exact because the CP attention gathers the keys and values; linear-attention and
+state-space layers (Qwen3-Next, Qwen3.5, Kimi-Linear, Nemotron-H, Granite hybrid, Jamba,
+MiniMax's lightning attention, ...) because they trade sequence shards for blocks of heads
+(``runtime.cp_mixers``), which needs their heads (and channels) divisible by cp; every other
+module must work position by position. A layer that mixes positions some other way -- a
+recurrence in code plancc does not know, an attention whose mask is computed from the
+activations (Doge's dynamic mask), a sparse-attention indexer that picks keys over the whole sequence
+(DeepSeek-V3.2) -- would compute on its shard alone, so cp > 1 is refused for such a model.
+(Whether the length shards evenly is ``sequence-length``'s.)
 
 This rule reads the layout's cp alone: ``plancc suggest`` walks the model for it once per cp
 size, not once per layout (``checks.layout_memo``).
@@ -15,11 +17,12 @@ size, not once per layout (``checks.layout_memo``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from torch import nn
 
-from ..sequence_mixing import calls_attention_interface, is_cp_attention, sequence_mixing
+from ..sequence_mixing import CP_KERNELS, calls_attention_interface, is_cp_attention, sequence_mixing, shards_by_heads
 from .context import CheckContext, Problem, text_config
 from .example import Example
 
@@ -52,17 +55,19 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             fix="use --cp 1 for this model",
         )
     attention = [m for m in ctx.model.modules() if is_cp_attention(m)]
+    mixers = [(name, m) for name, m in ctx.model.named_modules() if shards_by_heads(m)]
+    yield from _head_counts(ctx, mixers)
     mixer = next(_sequence_mixers(ctx.model), None)
-    if attention and mixer is not None:
+    if (attention or mixers) and mixer is not None:
         name, why = mixer
         yield Problem(
             loc=ctx.plan.loc,
             message=f"context parallelism is not supported for {type(ctx.model).__name__}: {name} {why}, which "
-            "would see only its rank's shard of the sequence (the CP attention gathers keys and values for "
-            "attention alone)",
+            "would see only its rank's shard of the sequence (the CP attention gathers keys and values, the "
+            "linear-attention and state-space kernels trade shards for heads; nothing else is sharded)",
             fix="use --cp 1 for this model (tensor and data parallelism still apply)",
         )
-    if not attention:
+    if not attention and not mixers:
         yield Problem(
             loc=ctx.plan.loc,
             message=f"context parallelism is not supported for {type(ctx.model).__name__}: it has no attention "
@@ -83,15 +88,71 @@ def _sequence_mixers(model: nn.Module) -> Iterator[tuple[str, str]]:
     """(module name, what it does) for each module of the decoder's layers that mixes positions
     in a way the CP attention does not shard."""
     for layer_name, layer in _decoder_layers(model):
+        mixers = [name for name, m in layer.named_modules(prefix=layer_name) if shards_by_heads(m)]
         verdicts = [calls_attention_interface(m) for m in layer.modules()]
-        if None not in verdicts and not any(verdicts):
+        if None not in verdicts and not any(verdicts) and not mixers and _mixes_positions(layer):
             kind = type(layer).__name__
             yield (
                 layer_name,
                 f"({kind}) has no attention that calls transformers' attention interface (a "
-                "linear-attention or state-space layer)",
+                "linear-attention or state-space layer) and mixes the sequence in its own code, not through "
+                f"a kernel context parallelism shards by heads ({', '.join(CP_KERNELS[:-1])})",
             )
         for name, module in layer.named_modules(prefix=layer_name):
+            if any(name.startswith(f"{m}.") for m in mixers):
+                continue  # a mixer's convolution runs through its cp kernel
             how = sequence_mixing(module)
             if how is not None:
                 yield name, how
+
+
+# Class names of the modules that mix positions (an MLP-only block -- Nemotron-H's "-" and "E"
+# layers -- has none and works token by token under any cp).
+_MIXER_NAMES = re.compile(r"Attention|Mixer|Mamba|SSM|Delta|Conv|Recurren|Lightning|Retention")
+
+
+def _mixes_positions(layer: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv1d) or _MIXER_NAMES.search(type(m).__name__) for m in layer.modules())
+
+
+# What a cp mixer splits over the cp ranks, by the attribute transformers' mixers keep it in.
+_SPLIT = {
+    "num_k_heads": "key heads",
+    "num_v_heads": "value heads",
+    "num_heads": "heads",
+    "num_attention_heads": "heads",
+    "intermediate_size": "channels",
+}
+
+
+def _head_counts(ctx: CheckContext, mixers: list[tuple[str, nn.Module]]) -> Iterator[Problem]:
+    """A cp mixer runs ``1/cp`` of its heads (and convolution channels) on every rank."""
+    cp, seen = ctx.layout.cp, set()
+    for name, module in mixers:
+        if type(module) in seen:
+            continue  # every layer of a kind has the same counts
+        seen.add(type(module))
+        counts = {
+            what: getattr(module, attr) for attr, what in _SPLIT.items() if isinstance(getattr(module, attr, None), int)
+        }
+        if "heads" in counts:  # Mamba's channels are its heads' (Mamba2): the heads decide
+            counts.pop("channels", None)
+        conv = next((c for c in module.children() if isinstance(c, nn.Conv1d)), None)
+        if conv is not None:
+            counts["convolution channels"] = conv.in_channels
+        groups = getattr(module, "n_groups", None)
+        for what, n in counts.items():
+            if n % cp:
+                yield _not_divisible(ctx, name, module, f"{n} {what}", n)
+        if isinstance(groups, int) and groups % cp and cp % groups:
+            yield _not_divisible(ctx, name, module, f"{groups} head groups (nor cp a multiple of them)", groups)
+
+
+def _not_divisible(ctx: CheckContext, name: str, module: nn.Module, found: str, n: int) -> Problem:
+    allowed = [d for d in range(1, n + 1) if n % d == 0]
+    return Problem(
+        loc=ctx.plan.loc,
+        message=f"cp={ctx.layout.cp} does not divide {name} ({type(module).__name__})'s {found}: under context "
+        "parallelism each rank runs its block of them over the whole sequence",
+        fix=f"use --cp in {{{', '.join(map(str, allowed))}}}",
+    )

@@ -28,6 +28,7 @@ from ..errors import Diagnostic, PlanError
 from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
 from .cp import enable_context_parallel
+from .cp_mixers import enable_mixer_context_parallel
 from .expert_parallel import ExpertParallel
 from .gradient_scale import fsdp_divisor
 from .hooks import GlobalSequenceInputs
@@ -204,7 +205,7 @@ def parallelize(
     if lora is not None:  # after the tp styles (they shard the base), before FSDP (it shards both)
         add_adapters(model, lora, resolved, pm["tp"])
     if pm["cp"].size() > 1:
-        enable_context_parallel(model, pm["cp"])
+        enable_mixer_context_parallel(model, enable_context_parallel(model, pm["cp"]))
     if activation_checkpointing is not False:
         if activation_checkpointing and not resolved.activation_checkpointing:
             raise PlanError(
