@@ -122,3 +122,34 @@ def test_a_direct_forward_after_a_packed_one_attends_by_its_own_mask(one_rank, m
         )  # two documents of 20: 40 positions, the direct call's length
         after = policy.model(input_ids=ids, use_cache=False).logits
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding-window-8"])
+def test_a_sink_model_packs_as_its_rows_alone(one_rank, window):
+    """gpt-oss attends eagerly (learned sinks): transformers' own packed mask lets its documents
+    see each other (0.16 in log-probs measured before this path). Packed, it goes document by
+    document through the block attention and equals the rows one by one (padded, the model's
+    own eager attention): log-probs, loss, gradient norm and the weights after a step."""
+    import plancc
+    from plancc.models import load_config
+
+    config = load_config("tiny-gpt-oss")
+    if window:
+        config.sliding_window = window
+    runs = {}
+    for pack in (True, False):
+        policy = plancc.Policy("plans/gpt_oss.yaml", config, device="cpu", max_grad_norm=None,
+                               optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}})
+        assert policy.model.config._attn_implementation == "plancc_docs_eager"
+        batch = _batch()
+        logprobs = policy.logprobs(batch, pack=pack)
+        metrics = policy.train(batch, token_loss=_nll, pack=pack)
+        runs[pack] = logprobs, metrics, [t.detach().clone() for t in policy._shards()]
+    (lp_packed, packed, w_packed), (lp_rows, rows, w_rows) = runs[True], runs[False]
+    mask = _batch()["attention_mask"].bool()
+    assert torch.allclose(lp_packed[mask], lp_rows[mask], atol=1e-5, rtol=0)
+    assert packed["microbatches"] == 1
+    for key in ("loss", "grad_norm"):
+        assert packed[key] == pytest.approx(rows[key], rel=1e-5), key
+    for a, b in zip(w_packed, w_rows, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

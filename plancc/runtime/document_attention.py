@@ -8,10 +8,13 @@ each document's slice of queries, keys and values with ``is_causal`` (the fused 
 memory-efficient on CUDA, flash on CPU), so nothing of size ``T x T`` exists: memory is that of
 the longest document's attention, and every document attends exactly as it would alone --
 the dense mask's numbers, without its work (``tests/test_document_attention.py``). A layer
-with a sliding window or learned sinks gets a per-document ``[L, L]`` mask instead.
+with a sliding window gets a per-document ``[L, L]`` mask instead; a layer with learned sinks
+(gpt-oss, an eager model) goes through the block attention (``runtime.block_attention``:
+one causal block per document, windows in tiles, the sinks in the log-sum-exp).
 
-It is a transformers attention implementation (``plancc_docs``) that is SDPA unless the
-model's document context holds the packed row's boundaries: ``set_documents`` sets them before
+It is a transformers attention implementation (``plancc_docs``; ``plancc_docs_eager`` for a
+model whose own implementation is eager, with transformers' additive mask) that is the model's
+own attention unless the model's document context holds the packed row's boundaries: ``set_documents`` sets them before
 a forward (``token_logprobs`` and the fused token loss do), from a host list, so no device read
 is needed to cut the row. They hold for that forward of the model and the recomputations of its
 backward (activation checkpointing runs a layer's attention again after the forward returned);
@@ -25,6 +28,7 @@ transformers' dense mask (the reference).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,11 +39,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..sequence_mixing import is_cp_attention
+from .block_attention import Span, block_attention, span_blocks
 
 IMPLEMENTATION = "plancc_docs"
+EAGER_IMPLEMENTATION = "plancc_docs_eager"  # the same, for models whose own attention is eager
 
 # Per-document calls see a new query length with nearly every document. On CUDA, torch >= 2.9
 # prefers cuDNN attention, which builds (and caches) an execution plan per new shape: ~60 ms
@@ -56,6 +62,7 @@ class DocumentContext:
 
     bounds: list[int] | None = None
     armed: bool = False  # set for the next forward of the model (then kept for its recomputation)
+    eager: bool = False  # the model's own attention is its eager one (sinks), not SDPA
 
 
 def enabled_by_default() -> bool:
@@ -64,15 +71,19 @@ def enabled_by_default() -> bool:
 
 def enable_document_attention(model: torch.nn.Module) -> bool:
     """Switch a model whose attention is SDPA to ``plancc_docs`` (SDPA until a packed row's
-    documents are set). Returns whether it did: a model on another implementation (eager for
-    soft-capped or sink attention, flash) keeps it, and ``PLANCC_DOCUMENT_MASK=dense`` turns it off."""
+    documents are set), or eager without soft-capping (gpt-oss's sinks) to ``plancc_docs_eager``
+    (its eager attention until then). Returns whether it did: a model on another implementation
+    (flash, eager with soft-capped logits: the blocks have no soft-cap) keeps it, and
+    ``PLANCC_DOCUMENT_MASK=dense`` turns it off."""
     config: Any = getattr(model, "config", None)
-    if not enabled_by_default() or getattr(config, "_attn_implementation", None) != "sdpa":
+    implementation = getattr(config, "_attn_implementation", None)
+    eager = implementation == "eager" and not getattr(config, "attn_logit_softcapping", None)
+    if not enabled_by_default() or (implementation != "sdpa" and not eager):
         return False
     register()
     hf_model: Any = model
-    hf_model.set_attn_implementation(IMPLEMENTATION)
-    ctx = DocumentContext()
+    hf_model.set_attn_implementation(EAGER_IMPLEMENTATION if eager else IMPLEMENTATION)
+    ctx = DocumentContext(eager=eager)
     for module in model.modules():
         if is_cp_attention(module):
             module.__dict__["_plancc_documents"] = ctx  # a plain attribute, as the cp context
@@ -188,6 +199,12 @@ def document_attention_forward(
     """transformers attention interface: SDPA, or per document when the row's are set."""
     ctx = documents_of(module)
     if ctx is None or ctx.bounds is None:
+        if ctx is not None and ctx.eager:  # the model's own eager attention (its sinks, its mask)
+            own: Any = sys.modules[type(module).__module__].__dict__["eager_attention_forward"]
+            result: tuple[torch.Tensor, None] = own(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+            return result
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -195,8 +212,19 @@ def document_attention_forward(
     bounds = ctx.bounds
     if bounds[-1] != query.shape[2]:
         raise ValueError(f"the packed documents end at {bounds[-1]}, the row has {query.shape[2]} positions")
-    spans = [(s, e, s, e) for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
     window = sliding_window(module, kwargs)
+    dropout_p = dropout if module.training else 0.0
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and dropout_p == 0.0:
+        blocks = [
+            blk
+            for s, e in zip(bounds, bounds[1:], strict=False)
+            if e > s
+            for blk in span_blocks(Span(local=s, start=s, n=e - s, segment=s), (0, query.shape[0]), window)
+        ]
+        out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None
+    spans = [(s, e, s, e) for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
 
     def mask_of(i: int) -> torch.Tensor | None:
         if not window:
@@ -211,9 +239,9 @@ def document_attention_forward(
         value,
         spans,
         mask_of,
-        dropout_p=dropout if module.training else 0.0,
+        dropout_p=dropout_p,
         scale=scaling,
-        sinks=kwargs.get("s_aux"),
+        sinks=sinks,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -267,4 +295,6 @@ def register() -> None:
     if not _REGISTERED:
         AttentionInterface.register(IMPLEMENTATION, document_attention_forward)
         AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)  # the rows' own mask otherwise
+        AttentionInterface.register(EAGER_IMPLEMENTATION, document_attention_forward)
+        AttentionMaskInterface.register(EAGER_IMPLEMENTATION, eager_mask)
         _REGISTERED = True
