@@ -140,3 +140,77 @@ def test_causal_attention_of_a_long_chunk_is_two_unmasked_blocks(dtype):
         q.double(), k.double(), v.double(), attn_mask=allowed, enable_gqa=True
     )
     assert got.dtype == dtype and (got.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+class _EfficientOnCpu:
+    """The memory-efficient kernel's contract, in plain torch, as the CUDA adapter calls it: equal
+    head counts (a GQA mistake fails here), the additive bias, causal aligned top-left, the
+    log-sum-exp padded to a multiple of 32 rows, and a backward that takes the caller's output
+    and log-sum-exp."""
+
+    @staticmethod
+    def forward(q, k, v, bias, compute_lse, dropout, causal, scale=None):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "the kernel takes equal head counts"
+        s = _scores(q, k, bias, causal, scale)
+        lse = s.logsumexp(-1)
+        padded = lse.new_full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), 123.0)  # junk past the rows
+        padded[..., : lse.shape[2]] = lse
+        return torch.softmax(s, -1) @ v, padded, torch.tensor(0), torch.tensor(0)
+
+    @staticmethod
+    def backward(grad, q, k, v, bias, out, lse, seed, offset, dropout, mask, causal, scale=None):
+        assert q.shape[1] == k.shape[1] and lse.shape[2] % 32 == 0
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        p = torch.exp(_scores(q, k, bias, causal, scale) - lse[..., : q.shape[2], None])
+        dv = p.transpose(-1, -2) @ grad
+        ds = p * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
+        return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv, None
+
+
+def _scores(q, k, bias, causal, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+@pytest.mark.parametrize("window,kinds", [(None, {Kind.CAUSAL, Kind.FULL}), (7, {Kind.CAUSAL, Kind.BAND})])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_cuda_adapter_folds_query_groups_and_pads_the_log_sum_exp_as_the_kernel_wants(
+        monkeypatch, groups, window, kinds):
+    """The CUDA path's bookkeeping (query groups folded into the length for unmasked and band
+    blocks, the local diagonal's keys expanded, the bias repeated per group, the log-sum-exp cut
+    and padded back) against the dense reference, on CPU with the kernel's contract stood in."""
+    from plancc.runtime import block_attention as ba
+
+    monkeypatch.setattr(ba, "_EFFICIENT", _EfficientOnCpu.forward)
+    monkeypatch.setattr(ba, "_EFFICIENT_BACKWARD", _EfficientOnCpu.backward)
+    monkeypatch.setattr(ba, "_kernels", lambda device: (ba._cuda_forward, ba._cuda_backward))
+    gen = torch.Generator().manual_seed(3)
+    total, cp = 48, 2
+    positions = torch.arange(total).expand(2, -1)
+    valid = torch.ones((2, total), dtype=torch.bool)
+    valid[1, 40:] = False
+    q = torch.randn(2, 2 * groups, total, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, total, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(2 * groups, generator=gen, dtype=torch.float64)
+    segments = row_segments(positions, valid, None)
+    want = _dense(q, k, v, _allowed(positions, valid, window), sinks)
+    for rank in range(cp):
+        index = load_balanced_indices(total, cp, rank)
+        blocks = [blk for first, end, starts in segments for span in query_spans([0, total], starts, cp, rank)
+                  for blk in span_blocks(span, (first, end), window)]
+        assert {b.kind for b in blocks} == kinds
+        qq, kk, vv, ss = (t.clone().requires_grad_(True) for t in (q[:, :, index], k, v, sinks))
+        got = block_attention(qq, kk, vv, blocks, sinks=ss)
+        real = valid[:, index][:, None, :, None]
+        assert torch.allclose(got * real, want[:, :, index] * real, atol=1e-10)
+        g = torch.randn(got.shape, generator=gen, dtype=torch.float64) * real
+        got.backward(g)
+        rq, rk, rv, rs = (t.clone().requires_grad_(True) for t in (q, k, v, sinks))
+        _dense(rq, rk, rv, _allowed(positions, valid, window), rs)[:, :, index].backward(g)
+        for mine, ref in ((qq.grad, rq.grad[:, :, index]), (kk.grad, rk.grad), (vv.grad, rv.grad), (ss.grad, rs.grad)):
+            assert torch.allclose(mine, ref, atol=1e-10)

@@ -173,13 +173,16 @@ def _cuda_inputs(
     return _grouped(q, groups), k, v, groups, False
 
 
+# The memory-efficient kernel's pair (module names, so a test can stand in for them on CPU).
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
+_EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+
 def _cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float) -> _Forward:
     t = q.shape[2]
     qq, kk, vv, groups, _ = _cuda_inputs(q, k, v, block)
     bias = _cuda_bias(block, q.dtype, q.device, groups)
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        qq, kk, vv, bias, True, 0.0, block.kind is Kind.CAUSAL, scale=scale
-    )
+    out, lse, seed, offset = _EFFICIENT(qq, kk, vv, bias, True, 0.0, block.kind is Kind.CAUSAL, scale=scale)
     lse = lse[..., : groups * t]
     return _ungrouped(out, groups), _ungrouped(lse, groups), (seed, offset)
 
@@ -202,7 +205,7 @@ def _cuda_backward(
     lse_in = lse.reshape(lse.shape[0], kk.shape[1], -1)
     padded = lse_in.new_zeros((*lse_in.shape[:2], -(-lse_in.shape[2] // 32) * 32))  # the kernel's row stride
     padded[..., : lse_in.shape[2]] = lse_in
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+    dq, dk, dv, _ = _EFFICIENT_BACKWARD(
         g.contiguous(),
         qq,
         kk,
