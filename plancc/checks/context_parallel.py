@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from ..compiler.placements import Shard
 from ..sequence_mixing import CP_KERNELS, calls_attention_interface, is_cp_attention, sequence_mixing, shards_by_heads
 from .context import CheckContext, Problem, text_config
 from .example import Example
@@ -125,13 +126,22 @@ _SPLIT = {
 }
 
 
+def _tp_sharded(ctx: CheckContext) -> set[str]:
+    """Modules whose output the plan leaves sharded over tp (colwise without gathering it)."""
+    return {name for name, _, _, lay in ctx.assigned() if isinstance(lay.output, Shard)}
+
+
 def _head_counts(ctx: CheckContext, mixers: list[tuple[str, nn.Module]]) -> Iterator[Problem]:
-    """A cp mixer runs ``1/cp`` of its heads (and convolution channels) on every rank."""
-    cp, seen = ctx.layout.cp, set()
+    """A cp mixer runs ``1/cp`` of its heads (and convolution channels) on every rank -- of the
+    heads its tp rank holds: transformers' plans gather the mixers' projections (every tp rank
+    runs all heads), a plan that leaves them sharded over tp gives it ``1/tp`` of them."""
+    cp, seen, sharded = ctx.layout.cp, set(), _tp_sharded(ctx)
     for name, module in mixers:
         if type(module) in seen:
             continue  # every layer of a kind has the same counts
         seen.add(type(module))
+        over_tp = ctx.tp > 1 and any(other.startswith(f"{name}.") for other in sharded)
+        split = cp * ctx.tp if over_tp else cp  # the heads split over tp first
         counts = {
             what: getattr(module, attr) for attr, what in _SPLIT.items() if isinstance(getattr(module, attr, None), int)
         }
@@ -142,17 +152,26 @@ def _head_counts(ctx: CheckContext, mixers: list[tuple[str, nn.Module]]) -> Iter
             counts["convolution channels"] = conv.in_channels
         groups = getattr(module, "n_groups", None)
         for what, n in counts.items():
-            if n % cp:
-                yield _not_divisible(ctx, name, module, f"{n} {what}", n)
-        if isinstance(groups, int) and groups % cp and cp % groups:
-            yield _not_divisible(ctx, name, module, f"{groups} head groups (nor cp a multiple of them)", groups)
+            if n % split:
+                yield _not_divisible(ctx, name, module, f"{n} {what}", n, split)
+        if isinstance(groups, int) and groups % split and split % groups:
+            yield _not_divisible(
+                ctx,
+                name,
+                module,
+                f"{groups} head groups (it neither divides them nor is a multiple of them)",
+                groups,
+                split,
+            )
 
 
-def _not_divisible(ctx: CheckContext, name: str, module: nn.Module, found: str, n: int) -> Problem:
-    allowed = [d for d in range(1, n + 1) if n % d == 0]
+def _not_divisible(ctx: CheckContext, name: str, module: nn.Module, found: str, n: int, split: int) -> Problem:
+    over_tp = split != ctx.layout.cp
+    allowed = [d for d in range(1, n + 1) if n % (d * (ctx.tp if over_tp else 1)) == 0]
+    what = f"tp x cp={split}" if over_tp else f"cp={split}"
     return Problem(
         loc=ctx.plan.loc,
-        message=f"cp={ctx.layout.cp} does not divide {name} ({type(module).__name__})'s {found}: under context "
+        message=f"{what} does not divide {name} ({type(module).__name__})'s {found}: under context "
         "parallelism each rank runs its block of them over the whole sequence",
         fix=f"use --cp in {{{', '.join(map(str, allowed))}}}",
     )
