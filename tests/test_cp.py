@@ -340,6 +340,21 @@ def test_hybrid_models_are_exact_under_cp_with_their_mixers_sharded_by_heads(tmp
         assert_matches(reports[0], f"rank {rank} {four[0]}")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h"])
+def test_hybrid_log_probs_under_cp_take_padding_as_the_unsharded_model(tmp_path, model_type):
+    """Right and left padding reach the mixers as their own masks (the cp input hook drops the
+    model's): a left-padded row equals the row alone, a right-padded one the unsharded model."""
+    from .cp_worker import compare_cp_token_logprobs
+
+    plan, folder = _hybrid(tmp_path, model_type)
+    results = launch(compare_cp_token_logprobs, 2, str(plan), str(folder), 2, 1, False)
+    for rank, r in results.items():
+        assert r["padding"] <= 1e-5 and r["packed"] <= 1e-5, (rank, r)
+        assert r["left_padding_vs_alone"] <= 1e-5 and r["left_pad_and_first_zero"], (rank, r)
+
+
 def test_cp_is_accepted_for_attention_models_with_windows_and_sinks(tmp_path):
     import plancc
     from plancc.checks import check_plan

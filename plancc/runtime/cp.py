@@ -227,6 +227,8 @@ class CPContext:
     batch: CPBatch | None = None
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window (0: none)
     blocks: dict[int, list[Block]] = field(default_factory=dict)  # the same, for the block attention
+    # the local tokens' padding for the sequence mixers ([B, S/cp], None: no padding), once a batch
+    padding: list[torch.Tensor | None] = field(default_factory=list)
     # packed rows attend document by document (PLANCC_DOCUMENT_MASK, read once, not per layer)
     per_document: bool = field(default_factory=enabled_by_default)
 
@@ -251,6 +253,24 @@ class CPContext:
                 for blk in span_blocks(span, (first, end), window)
             ]
         return self.blocks[key]
+
+    def local_padding(self) -> torch.Tensor | None:
+        """This rank's tokens' padding mask ``[B, S/cp]`` (long), or None when no row is padded:
+        one read of the device per batch, whatever the number of layers asking."""
+        if not self.padding:
+            b = self.batch
+            assert b is not None, "the input hook sets the batch before the layers run"
+            if bool(b.key_valid.all()):
+                self.padding.append(None)
+            else:
+                total = b.key_valid.shape[1]
+                index = (
+                    load_balanced_indices(total, self.size, self.rank)
+                    if b.bounds is None
+                    else load_balanced_indices_packed(b.bounds, self.size, self.rank)
+                )
+                self.padding.append(b.key_valid.index_select(1, index.to(b.key_valid.device)).long())
+        return self.padding[0]
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, S_local, S] bool: causal on global positions, same document, real keys."""
@@ -474,7 +494,7 @@ class ShardSequenceInputs:
             bounds=bounds,
             segments=None if _DENSE else row_segments(positions, mask, bounds, known=known),
         )
-        ctx.masks, ctx.blocks = {}, {}
+        ctx.masks, ctx.blocks, ctx.padding = {}, {}, []
         values["input_ids"] = ids.index_select(1, index)
         values["position_ids"] = ctx.batch.q_positions
         values["attention_mask"] = None  # the cp attention masks from global positions

@@ -40,8 +40,6 @@ from ..sequence_mixing import CP_KERNELS, cp_kernels, is_lightning_attention
 from .cp import (
     CPContext,
     all_gather,
-    load_balanced_indices,
-    load_balanced_indices_packed,
     shard,
     shard_packed,
     unshard,
@@ -346,17 +344,13 @@ class _Running:
 
     def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.tokens.append(_ACTIVE.set(self.ctx))
-        batch = self.ctx.batch
-        if batch is None or "attention_mask" not in self.signature.parameters or bool(batch.key_valid.all()):
+        if self.ctx.batch is None or "attention_mask" not in self.signature.parameters:
+            return None
+        padding = self.ctx.local_padding()
+        if padding is None:
             return None
         values = call_arguments(self.signature, args, kwargs)
-        total = batch.key_valid.shape[1]
-        index = (
-            load_balanced_indices(total, self.ctx.size, self.ctx.rank)
-            if batch.bounds is None
-            else load_balanced_indices_packed(batch.bounds, self.ctx.size, self.ctx.rank)
-        ).to(batch.key_valid.device)
-        values["attention_mask"] = batch.key_valid.index_select(1, index).long()
+        values["attention_mask"] = padding
         return (), values
 
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
