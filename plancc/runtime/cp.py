@@ -231,6 +231,8 @@ class CPContext:
     padding: list[torch.Tensor | None] = field(default_factory=list)
     # packed rows attend document by document (PLANCC_DOCUMENT_MASK, read once, not per layer)
     per_document: bool = field(default_factory=enabled_by_default)
+    # the dense [S/cp, S] mask for every batch, the reference (PLANCC_CP_ATTENTION=dense)
+    dense: bool = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION", "blocks") == "dense")
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:
@@ -326,7 +328,7 @@ def cp_attention_forward(
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
     window = sliding_window(module, kwargs)
-    blocks = ctx.plan(window) if dropout_p == 0.0 and not _DENSE else None
+    blocks = ctx.plan(window) if dropout_p == 0.0 and not ctx.dense else None
     if blocks is not None:
         out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
@@ -343,9 +345,6 @@ def cp_attention_forward(
     else:
         out = attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
-
-
-_DENSE = os.environ.get("PLANCC_CP_ATTENTION", "blocks") == "dense"
 
 
 def query_spans(bounds: list[int], segments: list[int], cp: int, rank: int) -> list[Span]:
@@ -492,7 +491,7 @@ class ShardSequenceInputs:
             local_doc_ids=doc_ids.index_select(1, index),
             cu_seqlens=cu,
             bounds=bounds,
-            segments=None if _DENSE else row_segments(positions, mask, bounds, known=known),
+            segments=None if ctx.dense else row_segments(positions, mask, bounds, known=known),
         )
         ctx.masks, ctx.blocks, ctx.padding = {}, {}, []
         values["input_ids"] = ids.index_select(1, index)
