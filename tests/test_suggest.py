@@ -221,11 +221,14 @@ def test_verify_top_prints_each_prediction_beside_its_measured_peak(cli, short_q
     assert line.split()[0].startswith("dp=") and "x;" in line, out
 
 
-def test_keeping_units_gathered_is_searched_where_fsdp_shards_and_costs_memory_not_time(qwen3_8b_on_16):
+def test_keeping_units_gathered_is_searched_where_fsdp_shards_and_costs_memory_not_time():
     """reshard_after_forward=False: one all-gather per unit a step instead of two, every layer's
-    bf16 weights held at the start of backward. A layout without FSDP ranks has nothing to keep."""
+    bf16 weights held at the start of backward. A layout without FSDP ranks has nothing to keep.
+    (In one pass each: with gradient accumulation the memory it costs is paid in passes.)"""
+    one_pass = plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=16, seq_len=8192, allow=("sp", "cp"), accumulate=False)
+    assert all(c.microbatches == 1 for c in one_pass.candidates)
     by_key = {}
-    for c in qwen3_8b_on_16.candidates:
+    for c in one_pass.candidates:
         by_key.setdefault((c.layout, c.checkpointing), {})[c.reshard_after_forward] = c
     sharded = [pair for (layout, _), pair in by_key.items() if layout.fsdp_size > 1]
     assert sharded and all(set(pair) == {True, False} for pair in sharded)
@@ -290,3 +293,28 @@ def test_a_search_of_a_70b_preset_on_512_gpus_imports_no_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     lines = out.stdout.splitlines()
     assert lines[0] == "[]" and lines[1].startswith("dp=")
+
+
+def test_a_step_no_layout_holds_in_one_pass_is_costed_with_gradient_accumulation():
+    """DeepSeek-V3 on 512 x 80 GiB at 16M tokens a step: no layout holds a rank's sequences of
+    the step at once (the answer before: "no layout of 512 GPUs fits"); in fewer sequences a pass
+    one does. From the second pass on every gradient is held beside the activations, and every
+    pass gathers FSDP's weights again: more exposed traffic than the same layout in one pass."""
+    from plancc.tools.suggest import GiB, command_line
+
+    kwargs = dict(gpus=512, gpu_memory=80 * GiB, seq_len=4096, tokens_per_step=16_777_216)
+    one_pass = plancc.suggest("plans/deepseek_v3.yaml", "deepseek-v3", accumulate=False, **kwargs)
+    assert one_pass.best is None
+    result = plancc.suggest("plans/deepseek_v3.yaml", "deepseek-v3", **kwargs)
+    best = result.best
+    assert best is not None and best.memory.total <= 80 * GiB
+    assert best.microbatches > 1 and (best.microbatches - 1) * best.micro_batch_size < best.sequences
+    assert best.sequences * best.layout.dp * 4096 >= 16_777_216
+    if best.memory.at in ("forward", "backward start"):
+        assert best.memory.gradients > 0
+    line = command_line("plans/deepseek_v3.yaml", "deepseek-v3", best)
+    assert f"--batch-size {best.sequences * best.layout.dp} --micro-batch-size {best.micro_batch_size}" in line
+    (same,) = [c for c in one_pass.candidates if (c.layout, c.checkpointing, c.reshard_after_forward)
+               == (best.layout, best.checkpointing, best.reshard_after_forward)]
+    assert same.microbatches == 1 and not same.fits and same.memory.total > best.memory.total
+    assert best.time.fsdp > same.time.fsdp and best.time.compute == pytest.approx(same.time.compute)

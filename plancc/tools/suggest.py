@@ -142,10 +142,16 @@ class Candidate:
     # False: FSDP keeps each unit gathered from its forward to its backward (one all-gather per
     # unit a step instead of two, every unit's bf16 weights held at the start of backward)
     reshard_after_forward: bool = True
+    # gradient accumulation: a rank's sequences of the step in ``microbatches`` passes of at most
+    # ``micro_batch_size`` (1 pass: the whole local batch at once, ``micro_batch_size`` its rows)
+    micro_batch_size: int = 1
+    microbatches: int = 1
+    sequences: int = 1  # a dp rank's sequences of the step
 
     def describe(self) -> str:
         kept = "" if self.reshard_after_forward else " reshard=off"
-        return f"{self.layout.describe()} ac={self.checkpointing}{kept}"
+        accumulated = f" micro={self.micro_batch_size}x{self.microbatches}" if self.microbatches > 1 else ""
+        return f"{self.layout.describe()} ac={self.checkpointing}{kept}{accumulated}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -349,6 +355,25 @@ def local_sequences(tokens: int, layout: Layout, seq_len: int) -> int:
     return max(1, -(-tokens // (layout.dp * seq_len)))
 
 
+def micro_batch_sizes(local: int) -> list[int]:
+    """The microbatch sizes worth costing for ``local`` sequences a rank: the whole batch, then
+    halves (rounded up) down to one sequence -- fewest passes first."""
+    sizes, size = [], local
+    while True:
+        if size not in sizes:
+            sizes.append(size)
+        if size == 1:
+            return sizes
+        size = -(-size // 2)
+
+
+def accumulated(ends: tuple[Memory, ...]) -> tuple[Memory, ...]:
+    """``step_ends`` of one microbatch when the step takes several: from the second microbatch on,
+    every gradient is already held while the next one's activations are kept."""
+    grads = max(e.gradients for e in ends)
+    return tuple(replace(e, gradients=grads) if e.at in ("forward", "backward start") else e for e in ends)
+
+
 def peak(ends: Iterable[Memory]) -> Memory:
     """The step's peak: the largest of ``step_ends`` (the first of equals: the end of forward)."""
     return max(ends, key=lambda m: m.total)
@@ -465,8 +490,11 @@ def time_of(
     gpus_per_node: int,
     checkpointing: str,
     reshard_after_forward: bool = True,
+    microbatches: int = 1,
 ) -> tuple[StepTime, float]:
-    """(the step's time, its model FLOPs)."""
+    """(the step's time, its model FLOPs). With ``microbatches`` passes FSDP gathers the weights
+    and reduce-scatters the gradients in every one of them (plancc syncs every microbatch); the
+    compute and the activations' traffic are the step's tokens either way."""
     recompute = {"none": 0.0, "full": 1.0, "plan": shape.checkpointed_share}[checkpointing]
     attention = 6 * seq_len * shape.heads * shape.head_dim * shape.layers  # per token, causal, fwd + bwd
     model_flops = tokens * (6 * shape.active_params + attention)
@@ -492,10 +520,10 @@ def time_of(
         share = (layout.fsdp_size - 1) / layout.fsdp_size
         gathers = 2 if reshard_after_forward else 1  # forward, and again in backward unless kept
         bandwidth = _bandwidth(hardware, layout.world_size, gpus_per_node)
-        total = params * share * (gathers * BF16 + FP32) / bandwidth
-        # the first unit's all-gather is exposed either way (nothing computes before it)
+        total = microbatches * params * share * (gathers * BF16 + FP32) / bandwidth
+        # the first unit's all-gather is exposed either way (nothing computes before it), per pass
         first_unit = params * share * (2 * BF16 + FP32) / bandwidth / max(shape.layers, 1) / 3
-        fsdp_time = max(0.0, total - compute) + first_unit
+        fsdp_time = max(0.0, total - compute) + microbatches * first_unit
     return StepTime(compute=compute, tp=tp_time, cp=cp_time, ep=ep_time, fsdp=fsdp_time), model_flops
 
 
@@ -552,10 +580,13 @@ def suggest(
     allow: Iterable[str] = ("sp", "cp", "ep"),
     checkpointing: Iterable[str] = ("plan", "none", "full"),
     reshard_after_forward: Iterable[bool] = (True, False),
+    accumulate: bool = True,
 ) -> Suggestion:
     """The legal layouts of ``plan`` (a path or a ``Plan``) for ``model`` (anything ``--model``
     takes, or a module) on ``gpus`` GPUs, costed and ranked: ``Suggestion.best`` is the fastest
-    that fits. A ``PlanError`` (one diagnostic per problem) for input no layout can serve."""
+    that fits. ``accumulate``: a layout whose step does not fit in one pass is costed with
+    gradient accumulation (the fewest microbatches that fit). A ``PlanError`` (one diagnostic per
+    problem) for input no layout can serve."""
     plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
     model = _meta_model(model)
     chosen = _hardware(hardware)
@@ -591,9 +622,16 @@ def suggest(
         # without FSDP there is nothing to reshard: one candidate, not two equal ones
         reshard_ways = [r for r in reshard_after_forward if r or layout.fsdp_size > 1] or [True]
         for ac, reshard in itertools.product(ac_ways, reshard_ways):
-            memory = peak(
-                step_ends(model, resolved, layout, shape, seq_len, ac, explained, local, reshard_after_forward=reshard)
-            )
+            # gradient accumulation: the fewest passes that fit (each pass gathers FSDP's weights
+            # again), else the smallest microbatch as the layout's closest miss
+            for micro in micro_batch_sizes(local) if accumulate else [local]:
+                passes = -(-local // micro)
+                ends = step_ends(
+                    model, resolved, layout, shape, seq_len, ac, explained, micro, reshard_after_forward=reshard
+                )
+                memory = peak(accumulated(ends) if passes > 1 else ends)
+                if memory.total <= memory_cap:
+                    break
             time, flops = time_of(
                 shape,
                 layout,
@@ -603,6 +641,7 @@ def suggest(
                 gpus_per_node=gpus_per_node,
                 checkpointing=ac,
                 reshard_after_forward=reshard,
+                microbatches=passes,
             )
             candidates.append(
                 Candidate(
@@ -614,6 +653,9 @@ def suggest(
                     fits=memory.total <= memory_cap,
                     tokens_per_s=tokens / time.total,
                     mfu=flops / time.total / (gpus * chosen.peak_flops),
+                    micro_batch_size=micro,
+                    microbatches=passes,
+                    sequences=local,
                 )
             )
     if not candidates:
@@ -846,6 +888,8 @@ def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
         flags.append(f"--ep {layout.ep}")
     if layout.sequence_parallel:
         flags.append("--sp")
+    if candidate.microbatches > 1:  # the step's sequences, a rank's rows per pass
+        flags.append(f"--batch-size {candidate.sequences * layout.dp} --micro-batch-size {candidate.micro_batch_size}")
     return f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
 
 
@@ -868,7 +912,8 @@ def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
         message=f"no layout of {suggestion.gpus} GPUs fits {suggestion.gpu_memory / GiB:.0f} GiB per GPU: the "
         f"smallest, {smallest.describe()}, needs {smallest.memory.total / GiB:.1f} GiB, most of it "
         f"{smallest.memory.largest()}",
-        fix="more GPUs, a shorter --seq-len, or activation checkpointing on every layer",
+        fix="more GPUs, a shorter --seq-len (one sequence a pass is the smallest microbatch costed), or "
+        "activation checkpointing on every layer",
     )
 
 
@@ -886,6 +931,8 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
             "layout": c.layout.to_json(),
             "activation_checkpointing": c.checkpointing,
             "reshard_after_forward": c.reshard_after_forward,
+            "micro_batch_size": c.micro_batch_size,
+            "microbatches": c.microbatches,
             "fits": c.fits,
             "memory_bytes": {
                 "parameters": c.memory.parameters,
@@ -932,6 +979,11 @@ def _reshard(c: Candidate) -> str:
     return "yes" if c.reshard_after_forward else "no"
 
 
+def _micro(c: Candidate) -> str:
+    """Gradient accumulation: "-" (one pass), or sequences per pass x passes."""
+    return f"{c.micro_batch_size}x{c.microbatches}" if c.microbatches > 1 else "-"
+
+
 def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) -> str:
     cap = suggestion.gpu_memory
     lines = [
@@ -939,13 +991,14 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
         f"sequences of {suggestion.seq_len}, {suggestion.tokens_per_step:,} tokens per step: "
         f"{len(suggestion.candidates)} costed, {len(suggestion.rejected)} refused by the plan's checks",
         "",
-        f"{'#':>3}  {'layout':<24} {'ac':<5} {'reshard':<7} {'memory/GPU':>11} {'fits':>5} {'step':>9} "
+        f"{'#':>3}  {'layout':<24} {'ac':<5} {'reshard':<7} {'micro':>7} {'memory/GPU':>11} {'fits':>5} {'step':>9} "
         f"{'compute':>9} {'exposed comm':>13} {'tokens/s':>11} {'MFU':>6}",
     ]
     for i, c in enumerate(suggestion.candidates[:top], 1):
         over = "" if c.fits else f" (+{(c.memory.total - cap) / GiB:.1f})"
         lines.append(
-            f"{i:>3}  {c.layout.describe():<24} {c.checkpointing:<5} {_reshard(c):<7} {c.memory.total / GiB:>8.1f} GiB "
+            f"{i:>3}  {c.layout.describe():<24} {c.checkpointing:<5} {_reshard(c):<7} {_micro(c):>7} "
+            f"{c.memory.total / GiB:>8.1f} GiB "
             f"{'yes' if c.fits else 'no':>5} {c.time.total:>8.3f}s {c.time.compute:>8.3f}s "
             f"{c.time.exposed_comm:>12.3f}s "
             f"{c.tokens_per_s:>11,.0f} {c.mfu:>6.1%}{over}"
