@@ -1,0 +1,162 @@
+"""Pipeline stages of a Hugging Face decoder and torch's schedules, with the step's loss normalized
+over the whole batch (the first runtime piece of pipeline parallelism; ``apply``/``Policy`` do
+not drive it yet).
+
+A stage is a module of its own built from the model: the embedding on the first stage, a
+contiguous run of decoder layers (each with the rotary embedding it needs), the final norm and
+the lm_head on the last. ``torch.distributed.pipelining``'s schedules (GPipe, 1F1B, Interleaved
+1F1B, ...) move the hidden states between stages and run forward and backward per microbatch.
+
+Exactness as plancc means it: the loss of a microbatch is its tokens' NLL summed and divided by
+the *global* batch's token count (``global_token_loss``), and the schedule is told not to scale
+gradients (``scale_grads=False``): the gradients are then those of the mean NLL over the whole
+batch in one pass, whatever the number of microbatches. Gradient norms are summed over the
+pipeline group (``pipeline_grad_norm``). Rows are unpadded and unpacked here: a stage attends
+causally by the kernel's own mask (``attention_mask=None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from .logprobs import IGNORE_INDEX
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """Decoder layers per stage, contiguous and in order; the first stages take one more where
+    they do not divide evenly (every layer once)."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"{stages} pipeline stages for {layers} decoder layers: each stage needs at least one")
+    base, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for s in range(stages):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append(range(start, end))
+        start = end
+    return bounds
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a transformers causal LM: ``input_ids`` -> hidden states on the
+    first stage, hidden states -> hidden states in between, -> logits on the last."""
+
+    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        decoder: Any = getattr(model, "model", model)
+        self.first, self.last = first, last
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleList(decoder.layers[i] for i in layers)
+        self.rotary_emb = decoder.rotary_emb
+        self.norm = decoder.norm if last else None
+        self.lm_head = getattr(model, "lm_head", None) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        rotary = self.rotary_emb(hidden, positions)
+        for layer in self.layers:
+            out = layer(
+                hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.lm_head is not None:
+            hidden = self.lm_head(hidden)
+        return hidden
+
+
+def build_stage(model: nn.Module, stage: int, stages: int) -> DecoderStage:
+    """This rank's stage of ``model`` (a transformers causal LM with ``model.layers``). Tied
+    input and output embeddings would live on two stages: refused."""
+    config: Any = getattr(model, "config", None)
+    if stages > 1 and getattr(config, "tie_word_embeddings", False):
+        raise ValueError("tied input and output embeddings across pipeline stages are not supported yet")
+    decoder: Any = getattr(model, "model", model)
+    layers = stage_layers(len(decoder.layers), stages)
+    return DecoderStage(model, layers[stage], first=stage == 0, last=stage == stages - 1)
+
+
+def global_token_loss(total_tokens: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A microbatch's share of the batch's mean next-token NLL: its tokens' NLL summed over the
+    ``total_tokens`` the whole batch predicts."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        nll = nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return nll / total_tokens
+
+    return loss
+
+
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """What each position predicts; the last predicts nothing."""
+    targets = torch.full_like(input_ids, IGNORE_INDEX)
+    targets[:, :-1] = input_ids[:, 1:]
+    return targets
+
+
+class PipelineRunner:
+    """A stage, its schedule and its group: ``step(input_ids)`` runs forward and backward of a
+    batch in ``microbatches`` and returns the batch's mean NLL on every stage's rank."""
+
+    def __init__(
+        self,
+        stage_module: DecoderStage,
+        stage: int,
+        stages: int,
+        *,
+        microbatches: int,
+        schedule: str = "1f1b",
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+        if microbatches < stages:
+            # torch's 1F1B waits for microbatches that never come (torchtitan#775)
+            raise ValueError(f"{microbatches} microbatches for {stages} stages: at least one per stage")
+        self.module, self.stage, self.stages = stage_module, stage, stages
+        self.group = group or dist.group.WORLD
+        self.microbatches, self.schedule_name = microbatches, schedule
+        self.device = device or next(stage_module.parameters()).device
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of ``input_ids`` [B, S] (the same batch on every rank; B divisible
+        by the microbatches); the gradients accumulate in the stage's parameters."""
+        if input_ids.shape[0] % self.microbatches:
+            raise ValueError(f"a batch of {input_ids.shape[0]} rows in {self.microbatches} microbatches")
+        targets = next_token_targets(input_ids)
+        total = int((targets != IGNORE_INDEX).sum())
+        pipe_stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.group)
+        schedule = SCHEDULES[self.schedule_name](
+            pipe_stage, n_microbatches=self.microbatches, loss_fn=global_token_loss(total), scale_grads=False
+        )
+        losses: list[torch.Tensor] = []
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        if first:
+            schedule.step(input_ids.to(self.device), target=targets.to(self.device) if last else None, losses=losses)
+        else:
+            schedule.step(target=targets.to(self.device) if last else None, losses=losses)
+        loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=self.device)
+        # every stage reports the step's loss: the last stage has it
+        dist.broadcast(loss, group_src=self.stages - 1, group=self.group)
+        return loss
+
+
+def pipeline_grad_norm(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of every stage's gradients together (each stage holds its own parameters)."""
+    grads = [p.grad.detach().float() for p in parameters if p.grad is not None]
+    square = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(square, group=group or dist.group.WORLD)
+    return square.sqrt()

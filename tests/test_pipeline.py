@@ -1,0 +1,43 @@
+"""Pipeline stages under torch's schedules equal the unsharded model trained on the whole batch
+(issue 59's first runtime piece): loss, every stage's gradients, the norm over every stage, and
+the loss after an AdamW step, with GPipe and 1F1B and several microbatches a stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from plancc.runtime.pipeline import stage_layers
+
+from .distributed import launch
+
+
+def test_stages_cover_every_layer_once_in_order_the_first_taking_the_remainder():
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert [i for r in stage_layers(36, 8) for i in r] == list(range(36))
+    with pytest.raises(ValueError, match="at least one"):
+        stage_layers(2, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,layers,schedule,microbatches", [
+    (2, 2, "1f1b", 2), (2, 3, "1f1b", 4), (2, 2, "gpipe", 4), (4, 4, "1f1b", 4),
+], ids=["pp2-1f1b-2mb", "pp2-1f1b-4mb-uneven-stages", "pp2-gpipe-4mb", "pp4-1f1b-4mb"])
+def test_a_pipeline_step_equals_the_unsharded_model_on_the_whole_batch(world, layers, schedule, microbatches):
+    from .pipeline_worker import compare_pipeline
+
+    results = launch(compare_pipeline, world, "tiny-qwen3", layers, schedule, microbatches, 8)
+    for rank, r in results.items():
+        assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
+        assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5, (rank, r)
+        assert r["compared"] > 0 and all(n > 0 for n in r["stage_params"]), (rank, r)
+
+
+def test_fewer_microbatches_than_stages_is_refused_before_the_schedule_hangs():
+    import torch
+    from torch import nn
+
+    from plancc.runtime.pipeline import PipelineRunner
+
+    with pytest.raises(ValueError, match="at least one per stage"):
+        PipelineRunner(nn.Linear(2, 2), 0, 4, microbatches=2, device=torch.device("cpu"))  # type: ignore[arg-type]
