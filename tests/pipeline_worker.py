@@ -5,7 +5,7 @@ from __future__ import annotations
 from .distributed import init_gloo
 
 
-def compare_pipeline(preset, layers, schedule, microbatches, rows):
+def compare_pipeline(preset, layers, schedule, microbatches, rows, virtual=1):
     """One step of a pipeline of ``world`` stages against the unsharded model on the whole batch:
     the loss, every gradient of this rank's stage, the grad norm and the loss after an AdamW step."""
     import copy
@@ -15,7 +15,7 @@ def compare_pipeline(preset, layers, schedule, microbatches, rows):
     from transformers import AutoModelForCausalLM
 
     from plancc.models import load_config
-    from plancc.runtime.pipeline import PipelineRunner, build_stage, next_token_targets, pipeline_grad_norm
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets, pipeline_grad_norm
 
     rank, world = init_gloo()
     try:
@@ -28,8 +28,9 @@ def compare_pipeline(preset, layers, schedule, microbatches, rows):
         model = AutoModelForCausalLM.from_config(config)
         reference = copy.deepcopy(model)
         names = {id(p): n for n, p in model.named_parameters()}
-        stage = build_stage(model, rank, world)
-        runner = PipelineRunner(stage, rank, world, microbatches=microbatches, schedule=schedule)
+        stages = build_rank_stages(model, rank, world, schedule=schedule, virtual=virtual)
+        runner = PipelineRunner(stages, world, microbatches=microbatches, schedule=schedule)
+        params = runner.parameters()
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, config.vocab_size, (rows, 16), generator=gen)
 
@@ -43,23 +44,23 @@ def compare_pipeline(preset, layers, schedule, microbatches, rows):
         ref.backward()
         ref_params = dict(reference.named_parameters())
         worst, compared = 0.0, 0
-        for p in stage.parameters():
+        for p in params:
             want = ref_params[names[id(p)]].grad
             scale = want.abs().max().item() or 1.0
             worst = max(worst, (p.grad - want).abs().max().item() / scale)
             compared += 1
-        norm = pipeline_grad_norm(list(stage.parameters()))
+        norm = pipeline_grad_norm(params)
         ref_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt()
         # one AdamW step on both, then the loss again
-        for params in (list(stage.parameters()), list(reference.parameters())):
-            torch.optim.AdamW(params, lr=1e-3).step()
-        for p in stage.parameters():
+        for group in (params, list(reference.parameters())):
+            torch.optim.AdamW(group, lr=1e-3).step()
+        for p in params:
             p.grad = None
         reference.zero_grad(set_to_none=True)
         after = runner.step(ids)
         ref_after = reference_loss()
         stages_seen = [None] * world
-        dist.all_gather_object(stages_seen, len(list(stage.parameters())))
+        dist.all_gather_object(stages_seen, [i for i, _ in stages])
         return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst, "compared": compared,
                 "norm": abs(norm.item() - ref_norm.item()) / ref_norm.item(),
                 "after": abs(after.item() - ref_after.item()), "stage_params": stages_seen}

@@ -20,24 +20,46 @@ def test_stages_cover_every_layer_once_in_order_the_first_taking_the_remainder()
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world,layers,schedule,microbatches", [
-    (2, 2, "1f1b", 2), (2, 3, "1f1b", 4), (2, 2, "gpipe", 4), (4, 4, "1f1b", 4),
-], ids=["pp2-1f1b-2mb", "pp2-1f1b-4mb-uneven-stages", "pp2-gpipe-4mb", "pp4-1f1b-4mb"])
-def test_a_pipeline_step_equals_the_unsharded_model_on_the_whole_batch(world, layers, schedule, microbatches):
+@pytest.mark.parametrize("world,layers,schedule,microbatches,virtual,held", [
+    (2, 2, "1f1b", 2, 1, [[0], [1]]),
+    (2, 3, "1f1b", 4, 1, [[0], [1]]),
+    (2, 2, "gpipe", 4, 1, [[0], [1]]),
+    (4, 4, "1f1b", 4, 1, [[0], [1], [2], [3]]),
+    (2, 4, "interleaved_1f1b", 4, 2, [[0, 2], [1, 3]]),
+    (2, 4, "zero_bubble", 4, 2, [[0, 2], [1, 3]]),
+    (2, 4, "zbv", 4, 2, [[0, 3], [1, 2]]),
+    (2, 4, "dualpipev", 4, 2, [[0, 3], [1, 2]]),
+], ids=["pp2-1f1b-2mb", "pp2-1f1b-4mb-uneven-stages", "pp2-gpipe-4mb", "pp4-1f1b-4mb", "pp2-interleaved-1f1b",
+        "pp2-interleaved-zero-bubble", "pp2-zbv", "pp2-dualpipev"])
+def test_a_pipeline_step_equals_the_unsharded_model_on_the_whole_batch(
+        world, layers, schedule, microbatches, virtual, held):
     from .pipeline_worker import compare_pipeline
 
-    results = launch(compare_pipeline, world, "tiny-qwen3", layers, schedule, microbatches, 8)
+    results = launch(compare_pipeline, world, "tiny-qwen3", layers, schedule, microbatches, 8, virtual)
     for rank, r in results.items():
         assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
         assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5, (rank, r)
-        assert r["compared"] > 0 and all(n > 0 for n in r["stage_params"]), (rank, r)
+        assert r["compared"] > 0 and r["stage_params"] == held, (rank, r)
 
 
-def test_fewer_microbatches_than_stages_is_refused_before_the_schedule_hangs():
+def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn
 
     from plancc.runtime.pipeline import PipelineRunner
 
-    with pytest.raises(ValueError, match="at least one per stage"):
-        PipelineRunner(nn.Linear(2, 2), 0, 4, microbatches=2, device=torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one per rank"):
+        PipelineRunner([(0, nn.Linear(2, 2))], 4, microbatches=2, device=torch.device("cpu"))  # type: ignore[list-item]
+
+
+def test_each_schedule_places_its_stages_and_v_schedules_take_exactly_two():
+    from plancc.runtime.pipeline import rank_stages
+
+    assert rank_stages(1, 4, "interleaved_1f1b", 3) == [1, 5, 9]
+    assert rank_stages(0, 4, "zbv", 2) == [0, 7]
+    with pytest.raises(ValueError, match="exactly two stages"):
+        rank_stages(0, 4, "dualpipev", 1)
+    with pytest.raises(ValueError, match="one stage a rank"):
+        rank_stages(0, 4, "1f1b", 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        rank_stages(0, 4, "1f2b", 1)

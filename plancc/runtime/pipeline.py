@@ -23,12 +23,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from .logprobs import IGNORE_INDEX
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# torch.distributed.pipelining's schedules by the plan's names, and how a rank holds its stages:
+# one ("single"), every pp-th ("looped": rank r holds r, r + pp, ...) or two meeting in a V
+# (rank r holds r and 2*pp - 1 - r: the first and the last stage share rank 0)
+SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE, V_SHAPED = ("gpipe", "1f1b"), ("zbv", "dualpipev")
+
+
+def rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> list[int]:
+    """The stage indices ``rank`` of ``pp`` holds under ``schedule`` with ``virtual`` stages a rank."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    if schedule in SINGLE and virtual != 1:
+        raise ValueError(f"{schedule} runs one stage a rank, not {virtual}")
+    if schedule in V_SHAPED:
+        if virtual != 2:
+            raise ValueError(f"{schedule} runs exactly two stages a rank (a V), not {virtual}")
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(virtual)]
 
 
 def stage_layers(layers: int, stages: int) -> list[range]:
@@ -76,14 +107,21 @@ class DecoderStage(nn.Module):
 
 
 def build_stage(model: nn.Module, stage: int, stages: int) -> DecoderStage:
-    """This rank's stage of ``model`` (a transformers causal LM with ``model.layers``). Tied
-    input and output embeddings would live on two stages: refused."""
+    """Stage ``stage`` of ``stages`` of ``model`` (a transformers causal LM with ``model.layers``).
+    Tied input and output embeddings would live on two stages: refused."""
     config: Any = getattr(model, "config", None)
     if stages > 1 and getattr(config, "tie_word_embeddings", False):
         raise ValueError("tied input and output embeddings across pipeline stages are not supported yet")
     decoder: Any = getattr(model, "model", model)
     layers = stage_layers(len(decoder.layers), stages)
     return DecoderStage(model, layers[stage], first=stage == 0, last=stage == stages - 1)
+
+
+def build_rank_stages(
+    model: nn.Module, rank: int, pp: int, *, schedule: str = "1f1b", virtual: int = 1
+) -> list[tuple[int, DecoderStage]]:
+    """(stage index, stage) for every stage ``rank`` holds under ``schedule``."""
+    return [(i, build_stage(model, i, pp * virtual)) for i in rank_stages(rank, pp, schedule, virtual)]
 
 
 def global_token_loss(total_tokens: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -107,14 +145,13 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineRunner:
-    """A stage, its schedule and its group: ``step(input_ids)`` runs forward and backward of a
-    batch in ``microbatches`` and returns the batch's mean NLL on every stage's rank."""
+    """A rank's stages, their schedule and the pipeline group: ``step(input_ids)`` runs forward
+    and backward of a batch in ``microbatches`` and returns the batch's mean NLL on every rank."""
 
     def __init__(
         self,
-        stage_module: DecoderStage,
-        stage: int,
-        stages: int,
+        stages: list[tuple[int, DecoderStage]],
+        pp: int,
         *,
         microbatches: int,
         schedule: str = "1f1b",
@@ -123,40 +160,50 @@ class PipelineRunner:
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-        if microbatches < stages:
+        if microbatches < pp:
             # torch's 1F1B waits for microbatches that never come (torchtitan#775)
-            raise ValueError(f"{microbatches} microbatches for {stages} stages: at least one per stage")
-        self.module, self.stage, self.stages = stage_module, stage, stages
+            raise ValueError(f"{microbatches} microbatches for {pp} pipeline ranks: at least one per rank")
+        self.stages, self.pp, self.total = stages, pp, pp * len(stages)
         self.group = group or dist.group.WORLD
         self.microbatches, self.schedule_name = microbatches, schedule
-        self.device = device or next(stage_module.parameters()).device
+        self.device = device or next(stages[0][1].parameters()).device
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, module in self.stages for p in module.parameters()]
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Forward and backward of ``input_ids`` [B, S] (the same batch on every rank; B divisible
-        by the microbatches); the gradients accumulate in the stage's parameters."""
+        by the microbatches); the gradients accumulate in the stages' parameters."""
         if input_ids.shape[0] % self.microbatches:
             raise ValueError(f"a batch of {input_ids.shape[0]} rows in {self.microbatches} microbatches")
         targets = next_token_targets(input_ids)
         total = int((targets != IGNORE_INDEX).sum())
-        pipe_stage = PipelineStage(self.module, self.stage, self.stages, self.device, group=self.group)
-        schedule = SCHEDULES[self.schedule_name](
-            pipe_stage, n_microbatches=self.microbatches, loss_fn=global_token_loss(total), scale_grads=False
+        pipe = [PipelineStage(m, i, self.total, self.device, group=self.group) for i, m in self.stages]
+        kind = SCHEDULES[self.schedule_name]
+        schedule = kind(
+            pipe[0] if self.schedule_name in SINGLE else pipe,
+            n_microbatches=self.microbatches,
+            loss_fn=global_token_loss(total),
+            scale_grads=False,
         )
+        held = [i for i, _ in self.stages]
+        first, last = 0 in held, self.total - 1 in held
         losses: list[torch.Tensor] = []
-        first, last = self.stage == 0, self.stage == self.stages - 1
-        if first:
-            schedule.step(input_ids.to(self.device), target=targets.to(self.device) if last else None, losses=losses)
-        else:
-            schedule.step(target=targets.to(self.device) if last else None, losses=losses)
+        args = (input_ids.to(self.device),) if first else ()
+        schedule.step(*args, target=targets.to(self.device) if last else None, losses=losses)
         loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=self.device)
-        # every stage reports the step's loss: the last stage has it
-        dist.broadcast(loss, group_src=self.stages - 1, group=self.group)
+        # every rank reports the step's loss: the last stage's rank has it
+        holder = torch.tensor([dist.get_rank(self.group) if last else -1], device=self.device)
+        dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
+        dist.broadcast(loss, group_src=int(holder.item()), group=self.group)
         return loss
 
 
 def pipeline_grad_norm(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The L2 norm of every stage's gradients together (each stage holds its own parameters)."""
     grads = [p.grad.detach().float() for p in parameters if p.grad is not None]
-    square = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    if not grads:
+        raise ValueError("no gradients on this rank's stages: run a step first")
+    square = torch.stack([g.pow(2).sum() for g in grads]).sum()
     dist.all_reduce(square, group=group or dist.group.WORLD)
     return square.sqrt()
