@@ -42,6 +42,20 @@ def test_a_pipeline_step_equals_the_unsharded_model_on_the_whole_batch(
         assert r["compared"] > 0 and r["stage_params"] == held, (rank, r)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_pipeline_stages_sharded_by_fsdp_over_data_parallel_ranks_are_exact(schedule, virtual):
+    """pp=2 x dp=2: every stage FSDP2-sharded over its dp pair (gradients summed, not averaged),
+    each dp rank half the rows in 2 microbatches, against the unsharded model on all of them."""
+    from .pipeline_worker import compare_pipeline_fsdp
+
+    results = launch(compare_pipeline_fsdp, 4, "tiny-qwen3", 4, schedule, 2, 8, 2, virtual)
+    for rank, r in results.items():
+        assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
+        assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5 and r["compared"] > 0, (rank, r)
+
+
 def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -32,6 +34,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from .logprobs import IGNORE_INDEX
 
@@ -124,15 +127,16 @@ def build_rank_stages(
     return [(i, build_stage(model, i, pp * virtual)) for i in rank_stages(rank, pp, schedule, virtual)]
 
 
-def global_token_loss(total_tokens: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def global_token_loss(total_tokens: int, scale: float = 1.0) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A microbatch's share of the batch's mean next-token NLL: its tokens' NLL summed over the
-    ``total_tokens`` the whole batch predicts."""
+    ``total_tokens`` the whole batch predicts (times ``scale``: what FSDP divides the gradients
+    by, where it averages them over data-parallel ranks)."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         nll = nn.functional.cross_entropy(
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        return nll / total_tokens
+        return nll * (scale / total_tokens)
 
     return loss
 
@@ -171,19 +175,23 @@ class PipelineRunner:
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, module in self.stages for p in module.parameters()]
 
-    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of ``input_ids`` [B, S] (the same batch on every rank; B divisible
-        by the microbatches); the gradients accumulate in the stages' parameters."""
+    def step(self, input_ids: torch.Tensor, total_tokens: int | None = None, data_parallel: int = 1) -> torch.Tensor:
+        """Forward and backward of ``input_ids`` [B, S] (the same rows on every rank of the
+        pipeline; B divisible by the microbatches); the gradients accumulate in the stages'
+        parameters. ``total_tokens``: the tokens the whole batch predicts, where this pipeline
+        runs one of ``data_parallel`` shares of it (default: these rows'); FSDP averages the
+        shares' gradients, so each share's loss is scaled by their count. Returns this share's
+        loss (unscaled)."""
         if input_ids.shape[0] % self.microbatches:
             raise ValueError(f"a batch of {input_ids.shape[0]} rows in {self.microbatches} microbatches")
         targets = next_token_targets(input_ids)
-        total = int((targets != IGNORE_INDEX).sum())
+        total = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
         pipe = [PipelineStage(m, i, self.total, self.device, group=self.group) for i, m in self.stages]
         kind = SCHEDULES[self.schedule_name]
         schedule = kind(
             pipe[0] if self.schedule_name in SINGLE else pipe,
             n_microbatches=self.microbatches,
-            loss_fn=global_token_loss(total),
+            loss_fn=global_token_loss(total, float(data_parallel)),
             scale_grads=False,
         )
         held = [i for i, _ in self.stages]
@@ -191,7 +199,7 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids.to(self.device),) if first else ()
         schedule.step(*args, target=targets.to(self.device) if last else None, losses=losses)
-        loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=self.device)
+        loss = torch.stack(losses).sum().detach() / data_parallel if last else torch.zeros((), device=self.device)
         # every rank reports the step's loss: the last stage's rank has it
         holder = torch.tensor([dist.get_rank(self.group) if last else -1], device=self.device)
         dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
@@ -199,11 +207,29 @@ class PipelineRunner:
         return loss
 
 
+def shard_stages(stages: list[tuple[int, DecoderStage]], dp_mesh: DeviceMesh) -> None:
+    """FSDP2 over the data-parallel ranks of each stage: every decoder layer a unit, the stage
+    the root. FSDP averages the ranks' gradients; ``PipelineRunner.step(data_parallel=)`` scales
+    each share's loss by their count, so the sum is the whole batch's gradient (as plancc's FSDP
+    does, ``runtime.gradient_scale``). The pipeline's stages see an FSDP module and accumulate
+    unsynced until a step's last backward."""
+    for _, module in stages:
+        for layer in module.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(module, mesh=dp_mesh)
+
+
 def pipeline_grad_norm(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The L2 norm of every stage's gradients together (each stage holds its own parameters)."""
-    grads = [p.grad.detach().float() for p in parameters if p.grad is not None]
+    """The L2 norm of every stage's gradients together: each stage holds its own parameters and,
+    under FSDP, each data-parallel rank its own shard of them, so ``group`` is every rank of the
+    pipeline and its data parallelism (the world, by default)."""
+    grads = [_local(p.grad).detach().float() for p in parameters if p.grad is not None]
     if not grads:
         raise ValueError("no gradients on this rank's stages: run a step first")
     square = torch.stack([g.pow(2).sum() for g in grads]).sum()
     dist.all_reduce(square, group=group or dist.group.WORLD)
     return square.sqrt()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
