@@ -56,6 +56,20 @@ def test_pipeline_stages_sharded_by_fsdp_over_data_parallel_ranks_are_exact(sche
         assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5 and r["compared"] > 0, (rank, r)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_pipeline_stages_of_a_tensor_parallel_model_are_exact():
+    """pp=2 x tp=2: plans/qwen3.yaml's TP styles (vocab-parallel embedding and lm_head, head-sharded
+    attention, colwise/rowwise MLP) on the model, then its stages; the last stage's vocab-sharded
+    logits go through the vocab-parallel loss. The grad norm counts tp shards once each."""
+    from .pipeline_worker import compare_pipeline_tp
+
+    results = launch(compare_pipeline_tp, 4, "plans/qwen3.yaml", "tiny-qwen3", 4, "1f1b", 2, 8, 2)
+    for rank, r in results.items():
+        assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
+        assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5 and r["sharded"] > 0, (rank, r)
+
+
 def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn

@@ -34,8 +34,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
 
+from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
 
 # torch.distributed.pipelining's schedules by the plan's names, and how a rank holds its stages:
@@ -133,9 +135,18 @@ def global_token_loss(total_tokens: int, scale: float = 1.0) -> Callable[[torch.
     by, where it averages them over data-parallel ranks)."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        nll = nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        if isinstance(logits, DTensor):  # vocab-sharded (colwise_logits): the vocab-parallel loss
+            with loss_parallel():
+                nll = nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1),
+                    DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()]),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                ).full_tensor()
+        else:
+            nll = nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
         return nll * (scale / total_tokens)
 
     return loss
@@ -219,17 +230,12 @@ def shard_stages(stages: list[tuple[int, DecoderStage]], dp_mesh: DeviceMesh) ->
         fully_shard(module, mesh=dp_mesh)
 
 
-def pipeline_grad_norm(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The L2 norm of every stage's gradients together: each stage holds its own parameters and,
-    under FSDP, each data-parallel rank its own shard of them, so ``group`` is every rank of the
-    pipeline and its data parallelism (the world, by default)."""
-    grads = [_local(p.grad).detach().float() for p in parameters if p.grad is not None]
-    if not grads:
+def pipeline_grad_norm(parameters: Sequence[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of every stage's gradients together: within a rank's stages as plancc counts
+    it over the axes each gradient is sharded on (``runtime.gradnorm``: tp and dp shards summed,
+    replicas once), then summed over the pipeline's ranks, each of which holds other parameters."""
+    if not any(p.grad is not None for p in parameters):
         raise ValueError("no gradients on this rank's stages: run a step first")
-    square = torch.stack([g.pow(2).sum() for g in grads]).sum()
-    dist.all_reduce(square, group=group or dist.group.WORLD)
+    square = global_grad_norm(parameters).pow(2)
+    dist.all_reduce(square, group=pp_group or dist.group.WORLD)
     return square.sqrt()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
