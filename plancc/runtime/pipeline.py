@@ -137,12 +137,13 @@ def global_token_loss(total_tokens: int, scale: float = 1.0) -> Callable[[torch.
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if isinstance(logits, DTensor):  # vocab-sharded (colwise_logits): the vocab-parallel loss
             with loss_parallel():
-                nll = nn.functional.cross_entropy(
+                parallel: Any = nn.functional.cross_entropy(
                     logits.float().flatten(0, 1),
                     DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()]),
                     ignore_index=IGNORE_INDEX,
                     reduction="sum",
-                ).full_tensor()
+                )
+                nll = parallel.full_tensor()  # a replicated DTensor: every tp rank's whole sum
         else:
             nll = nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
