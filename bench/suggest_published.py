@@ -108,9 +108,7 @@ def main() -> None:
         tokens = published.dp * local * seq
         plan = rest[0] if rest else PLAN
         plan = mla_plan_without_query_lora(folder) if plan == "MLA" else plan
-        result = plancc.suggest(
-            plan,
-            config,
+        costing = dict(
             gpus=gpus,
             seq_len=seq,
             tokens_per_step=tokens,
@@ -118,19 +116,10 @@ def main() -> None:
             # torchtitan's benchmark H100s have 96 GB; a configuration is costed on the table's 80 GiB
             gpu_memory=96 * 10**9 if tps else None,
             allow=("sp", "cp") if plan == PLAN else ("sp", "cp", "ep"),
-            # like for like: each published run is one pass over its local batch
-            accumulate=False,
         )
-        accumulating = plancc.suggest(
-            plan,
-            config,
-            gpus=gpus,
-            seq_len=seq,
-            tokens_per_step=tokens,
-            hardware=hardware,
-            gpu_memory=96 * 10**9 if tps else None,
-            allow=("sp", "cp") if plan == PLAN else ("sp", "cp", "ep"),
-        ).best
+        # like for like: each published run is one pass over its local batch
+        result = plancc.suggest(plan, config, accumulate=False, **costing)
+        accumulating = plancc.suggest(plan, config, **costing).best
         # torchtitan reshards after forward (its default for runs without pipeline parallelism)
         theirs = [
             c

@@ -5,65 +5,86 @@ from __future__ import annotations
 from .distributed import init_gloo
 
 
-def compare_pipeline(preset, layers, schedule, microbatches, rows, virtual=1):
-    """One step of a pipeline of ``world`` stages against the unsharded model on the whole batch:
-    the loss, every gradient of this rank's stage, the grad norm and the loss after an AdamW step."""
+def _model_pair(preset, layers):
+    """A tiny model of ``layers`` full-attention layers (the same on every rank) and its copy,
+    the unsharded reference."""
     import copy
 
     import torch
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from plancc.models import load_config
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets, pipeline_grad_norm
+
+    config = load_config(preset)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * layers
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    return model, copy.deepcopy(model)
+
+
+def _against_reference(runner, names, reference, ids, step, pp_group):
+    """One pipeline step (``step()``: this pipeline's share of the loss summed over dp) against
+    the reference on all of ``ids``: the loss, every gradient of this rank's stages, the grad norm
+    over all stages, and the loss after an AdamW step on both."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from plancc.runtime.pipeline import next_token_targets, pipeline_grad_norm
+
+    def reference_loss():
+        logits = reference(input_ids=ids, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten())
+
+    params = runner.parameters()
+    loss = step()
+    ref = reference_loss()
+    ref.backward()
+    ref_params = dict(reference.named_parameters())
+    worst, sharded = 0.0, 0
+    for p in params:
+        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        sharded += isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        want = ref_params[names[id(p)]].grad
+        worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() or 1.0))
+    norm = pipeline_grad_norm(params, pp_group)
+    ref_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt()
+    torch.optim.AdamW(params, lr=1e-3).step()
+    torch.optim.AdamW(list(reference.parameters()), lr=1e-3).step()
+    for p in params:
+        p.grad = None
+    reference.zero_grad(set_to_none=True)
+    after = step()
+    ref_after = reference_loss()
+    return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst, "compared": len(params), "sharded": sharded,
+            "norm": abs(norm.item() - ref_norm.item()) / ref_norm.item(), "after": abs(after.item() - ref_after.item())}
+
+
+def _rows(config_vocab, rows):
+    import torch
+
+    return torch.randint(0, config_vocab, (rows, 16), generator=torch.Generator().manual_seed(1))
+
+
+def compare_pipeline(preset, layers, schedule, microbatches, rows, virtual=1):
+    """One step of a pipeline of ``world`` stages against the unsharded model on the whole batch."""
+    import torch.distributed as dist
+
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages
 
     rank, world = init_gloo()
     try:
-        config = load_config(preset)
-        config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = ["full_attention"] * layers
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        reference = copy.deepcopy(model)
+        model, reference = _model_pair(preset, layers)
         names = {id(p): n for n, p in model.named_parameters()}
         stages = build_rank_stages(model, rank, world, schedule=schedule, virtual=virtual)
         runner = PipelineRunner(stages, world, microbatches=microbatches, schedule=schedule)
-        params = runner.parameters()
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, config.vocab_size, (rows, 16), generator=gen)
-
-        def reference_loss():
-            logits = reference(input_ids=ids, use_cache=False).logits
-            targets = next_token_targets(ids)
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-        loss = runner.step(ids)
-        ref = reference_loss()
-        ref.backward()
-        ref_params = dict(reference.named_parameters())
-        worst, compared = 0.0, 0
-        for p in params:
-            want = ref_params[names[id(p)]].grad
-            scale = want.abs().max().item() or 1.0
-            worst = max(worst, (p.grad - want).abs().max().item() / scale)
-            compared += 1
-        norm = pipeline_grad_norm(params)
-        ref_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt()
-        # one AdamW step on both, then the loss again
-        for group in (params, list(reference.parameters())):
-            torch.optim.AdamW(group, lr=1e-3).step()
-        for p in params:
-            p.grad = None
-        reference.zero_grad(set_to_none=True)
-        after = runner.step(ids)
-        ref_after = reference_loss()
-        stages_seen = [None] * world
-        dist.all_gather_object(stages_seen, [i for i, _ in stages])
-        return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst, "compared": compared,
-                "norm": abs(norm.item() - ref_norm.item()) / ref_norm.item(),
-                "after": abs(after.item() - ref_after.item()), "stage_params": stages_seen}
+        ids = _rows(model.config.vocab_size, rows)
+        result = _against_reference(runner, names, reference, ids, lambda: runner.step(ids), None)
+        held = [None] * world
+        dist.all_gather_object(held, [i for i, _ in stages])
+        return {**result, "stage_params": held}
     finally:
         dist.destroy_process_group()
 
@@ -71,76 +92,33 @@ def compare_pipeline(preset, layers, schedule, microbatches, rows, virtual=1):
 def compare_pipeline_fsdp(preset, layers, schedule, microbatches, rows, pp, virtual=1):
     """pp x dp: each stage FSDP2-sharded over the dp ranks, each dp rank a share of the rows;
     against the unsharded model on all of them."""
-    import copy
-
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
 
-    from plancc.models import load_config
-    from plancc.runtime.pipeline import (
-        PipelineRunner,
-        build_rank_stages,
-        next_token_targets,
-        pipeline_grad_norm,
-        shard_stages,
-    )
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets, shard_stages
 
     rank, world = init_gloo()
     try:
         dp = world // pp
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-        config = load_config(preset)
-        config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = ["full_attention"] * layers
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        reference = copy.deepcopy(model)
+        model, reference = _model_pair(preset, layers)
         names = {id(p): n for n, p in model.named_parameters()}
         stages = build_rank_stages(model, mesh["pp"].get_local_rank(), pp, schedule=schedule, virtual=virtual)
         # FSDP replaces the parameters: name them by their place in the stages first
         origin = {(i, n): names[id(p)] for i, m in stages for n, p in m.named_parameters()}
         shard_stages(stages, mesh["dp"])
-        runner = PipelineRunner(stages, pp, microbatches=microbatches, schedule=schedule, group=mesh["pp"].get_group())
-        params = runner.parameters()
         names = {id(p): origin[(i, n)] for i, m in stages for n, p in m.named_parameters()}
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, config.vocab_size, (rows, 16), generator=gen)
+        runner = PipelineRunner(stages, pp, microbatches=microbatches, schedule=schedule, group=mesh["pp"].get_group())
+        ids = _rows(model.config.vocab_size, rows)
         mine = ids.chunk(dp)[mesh["dp"].get_local_rank()]
         total = int((next_token_targets(ids) != -100).sum())
 
-        def reference_loss():
-            logits = reference(input_ids=ids, use_cache=False).logits
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten())
-
-        def global_loss(share):
+        def step():
+            share = runner.step(mine, total_tokens=total, data_parallel=dp)
             dist.all_reduce(share, group=mesh["dp"].get_group())
             return share
 
-        loss = global_loss(runner.step(mine, total_tokens=total, data_parallel=dp))
-        ref = reference_loss()
-        ref.backward()
-        ref_params = dict(reference.named_parameters())
-        worst = 0.0
-        for p in params:
-            got = p.grad.full_tensor()
-            want = ref_params[names[id(p)]].grad
-            worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() or 1.0))
-        norm = pipeline_grad_norm(params, mesh["pp"].get_group())
-        ref_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt()
-        torch.optim.AdamW(params, lr=1e-3).step()
-        torch.optim.AdamW(list(reference.parameters()), lr=1e-3).step()
-        for p in params:
-            p.grad = None
-        reference.zero_grad(set_to_none=True)
-        after = global_loss(runner.step(mine, total_tokens=total, data_parallel=dp))
-        ref_after = reference_loss()
-        return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst,
-                "norm": abs(norm.item() - ref_norm.item()) / ref_norm.item(),
-                "after": abs(after.item() - ref_after.item()), "compared": len(params)}
+        return _against_reference(runner, names, reference, ids, step, mesh["pp"].get_group())
     finally:
         dist.destroy_process_group()
 
@@ -148,65 +126,23 @@ def compare_pipeline_fsdp(preset, layers, schedule, microbatches, rows, pp, virt
 def compare_pipeline_tp(plan_path, preset, layers, schedule, microbatches, rows, pp, virtual=1):
     """pp x tp: the plan's TP styles applied to the model (plancc's own), then the stages cut
     from it; against the unsharded model on the whole batch."""
-    import copy
-
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
 
     import plancc
     from plancc.compiler.resolve import resolve_plan
-    from plancc.models import load_config
     from plancc.runtime.parallelize import apply_tensor_parallel
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets, pipeline_grad_norm
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages
 
     rank, world = init_gloo()
     try:
-        tp = world // pp
-        mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
-        config = load_config(preset)
-        config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = ["full_attention"] * layers
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
-        reference = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "tp"))
+        model, reference = _model_pair(preset, layers)
         apply_tensor_parallel(model, resolve_plan(plancc.load_plan(plan_path), model), mesh["tp"])
         names = {id(p): n for n, p in model.named_parameters()}
         stages = build_rank_stages(model, mesh["pp"].get_local_rank(), pp, schedule=schedule, virtual=virtual)
         runner = PipelineRunner(stages, pp, microbatches=microbatches, schedule=schedule, group=mesh["pp"].get_group())
-        params = runner.parameters()
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, config.vocab_size, (rows, 16), generator=gen)
-
-        def reference_loss():
-            logits = reference(input_ids=ids, use_cache=False).logits
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten())
-
-        loss = runner.step(ids)
-        ref = reference_loss()
-        ref.backward()
-        ref_params = dict(reference.named_parameters())
-        worst, sharded = 0.0, 0
-        for p in params:
-            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            sharded += isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
-            want = ref_params[names[id(p)]].grad
-            worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() or 1.0))
-        norm = pipeline_grad_norm(params, mesh["pp"].get_group())
-        ref_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt()
-        torch.optim.AdamW(params, lr=1e-3).step()
-        torch.optim.AdamW(list(reference.parameters()), lr=1e-3).step()
-        for p in params:
-            p.grad = None
-        reference.zero_grad(set_to_none=True)
-        after = runner.step(ids)
-        ref_after = reference_loss()
-        return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst, "sharded": sharded,
-                "norm": abs(norm.item() - ref_norm.item()) / ref_norm.item(),
-                "after": abs(after.item() - ref_after.item())}
+        ids = _rows(model.config.vocab_size, rows)
+        return _against_reference(runner, names, reference, ids, lambda: runner.step(ids), mesh["pp"].get_group())
     finally:
         dist.destroy_process_group()
