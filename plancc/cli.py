@@ -367,6 +367,12 @@ def validate(
     model: ModelOpt = None,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="total ranks")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="training sequence length")] = None,
+    pp: Annotated[
+        int,
+        typer.Option(
+            "--pp", min=1, help="pipeline-parallel degree: the plan's pipeline: section checked (apply runs no pp yet)"
+        ),
+    ] = 1,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -399,6 +405,7 @@ def validate(
                 seq_len=seq_len,
                 **{**layout.sizes(), **sizes},
                 skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
+                pp=pp,
             )
         except PlanError as exc:
             diagnostics += exc.diagnostics

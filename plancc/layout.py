@@ -11,6 +11,11 @@ The axes, outermost first, are ``dp`` (data parallel: FSDP2 shards parameters ov
 parameters) and ``tp`` (tensor parallel, innermost so its collectives stay on one node).
 Sequence parallelism is not an axis: it reuses the tp ranks, so it is a flag.
 
+Pipeline parallelism (``pp``) is the outermost axis: each pipeline rank holds its stages of the
+model and a whole (dp, cp, tp) layout of them. The plan's checks and ``suggest``'s world sizes
+count it; the runtime (``plancc.runtime.pipeline``) is not yet driven by ``apply``/``Policy``, so
+``build_mesh`` refuses pp > 1 with that reason.
+
 Expert parallelism (``ep``) is not an axis of its own either: like torchtitan and NeMo
 Automodel, it borrows ranks from data parallelism. ``ep`` data-parallel ranks (which hold
 different tokens) share one layer's experts and exchange tokens by all-to-all; the tp ranks
@@ -47,9 +52,10 @@ class Layout:
     tp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for axis in (*AXES, "ep"):
+        for axis in (*AXES, "ep", "pp"):
             size = getattr(self, axis)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise LayoutError(
@@ -68,11 +74,20 @@ class Layout:
 
     def to_json(self) -> dict[str, int | bool]:
         """The serialised form: a ``Layout(**layout.to_json())`` on the other side is this one."""
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "sequence_parallel": self.sequence_parallel}
+        found: dict[str, int | bool] = {
+            "dp": self.dp,
+            "cp": self.cp,
+            "tp": self.tp,
+            "ep": self.ep,
+            "sequence_parallel": self.sequence_parallel,
+        }
+        if self.pp > 1:  # written only where it says something: older readers take the rest
+            found["pp"] = self.pp
+        return found
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def fsdp_size(self) -> int:
@@ -102,7 +117,8 @@ class Layout:
 
     def describe(self) -> str:
         experts = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"dp={self.dp} cp={self.cp} tp={self.tp}{experts}" + (" +sp" if self.sequence_parallel else "")
+        stages = f"pp={self.pp} " if self.pp > 1 else ""
+        return f"{stages}dp={self.dp} cp={self.cp} tp={self.tp}{experts}" + (" +sp" if self.sequence_parallel else "")
 
     @classmethod
     def infer(
@@ -115,11 +131,12 @@ class Layout:
         ep: int = 1,
         sequence_parallel: bool = False,
         loc: SourceLoc | None = None,
+        pp: int = 1,
     ) -> Layout:
         """The layout of ``world_size`` ranks with ``dp`` inferred when omitted; raises
         ``LayoutError`` (rule ``mesh-sizes``) when the sizes cannot fit."""
         layout, problems = cls.diagnose(
-            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=loc
+            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=loc, pp=pp
         )
         if problems:
             raise LayoutError(problems)
@@ -136,6 +153,7 @@ class Layout:
         ep: int = 1,
         sequence_parallel: bool = False,
         loc: SourceLoc | None = None,
+        pp: int = 1,
     ) -> tuple[Layout, list[Diagnostic]]:
         """(layout, problems): the best layout these sizes describe and why they do not fit.
 
@@ -145,7 +163,7 @@ class Layout:
         where = loc or SourceLoc(path="<layout>")
         bad = [
             (axis, size)
-            for axis, size in (("cp", cp), ("tp", tp), ("ep", ep), ("dp", dp), ("world size", world_size))
+            for axis, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep), ("dp", dp), ("world size", world_size))
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
         ]
         if bad:
@@ -161,34 +179,39 @@ class Layout:
         if world_size is None:
             # no world size: dp as given, or the least that holds ep
             size = dp if dp is not None else ep
-            return cls._with_experts(dp=size, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where)
-        inner = cp * tp
+            return cls._with_experts(
+                dp=size, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where, pp=pp
+            )
+        inner = pp * cp * tp
         inferred = dp if dp is not None else (world_size // inner if world_size % inner == 0 else None)
         if inferred is not None and inferred * inner == world_size:
-            return cls._with_experts(dp=inferred, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where)
+            return cls._with_experts(
+                dp=inferred, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where, pp=pp
+            )
         divisors = divisors_of(world_size)
         shown = f"dp={dp} x " if dp is not None else ""
-        why = "" if dp is not None else f" ({world_size} is not a multiple of cp*tp={inner})"
+        axes, named = ("pp*cp*tp", f"pp={pp} x ") if pp > 1 else ("cp*tp", "")
+        why = "" if dp is not None else f" ({world_size} is not a multiple of {axes}={inner})"
         problem = Diagnostic(
             rule=RULE,
             loc=where,
-            message=f"{shown}cp={cp} x tp={tp} does not fit world size {world_size}{why}",
-            fix=f"choose cp*tp among the divisors of {world_size}: {listed(divisors)}"
+            message=f"{shown}{named}cp={cp} x tp={tp} does not fit world size {world_size}{why}",
+            fix=f"choose {axes} among the divisors of {world_size}: {listed(divisors)}"
             + (", or drop --dp to infer it" if dp is not None else ""),
             # what a caller that knows where the world size came from can rephrase the fix with
             suggestion={"world_size": world_size, "divisors": divisors},
         )
-        return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel), [problem]
+        return cls(dp=dp or 1, cp=cp, tp=tp, sequence_parallel=sequence_parallel, pp=pp), [problem]
 
     @classmethod
     def _with_experts(
-        cls, *, dp: int, cp: int, tp: int, ep: int, sequence_parallel: bool, loc: SourceLoc
+        cls, *, dp: int, cp: int, tp: int, ep: int, sequence_parallel: bool, loc: SourceLoc, pp: int = 1
     ) -> tuple[Layout, list[Diagnostic]]:
         """The layout, or (without ep) the layout and why ep does not fit it."""
         problem = _expert_parallel_problem(dp, cp, ep, loc)
         if problem is not None:
-            return cls(dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel), [problem]
-        return cls(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel), []
+            return cls(dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel, pp=pp), [problem]
+        return cls(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp), []
 
 
 def _expert_parallel_problem(dp: int, cp: int, ep: int, loc: SourceLoc) -> Diagnostic | None:

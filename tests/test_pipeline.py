@@ -8,6 +8,7 @@ import pytest
 
 from plancc.runtime.pipeline import stage_layers
 
+from .conftest import PLANS as PLANS_DIR
 from .distributed import launch
 
 
@@ -91,3 +92,84 @@ def test_each_schedule_places_its_stages_and_v_schedules_take_exactly_two():
         rank_stages(0, 4, "1f1b", 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         rank_stages(0, 4, "1f2b", 1)
+
+
+PIPELINE_PLAN = """plancc: 1
+name: qwen3-pp
+architectures: [Qwen3ForCausalLM]
+tensor_parallel:
+  model.layers.*.mlp: shared_input
+  model.layers.*.mlp.gate_proj: colwise
+  model.layers.*.mlp.up_proj: colwise
+  model.layers.*.mlp.down_proj: rowwise
+pipeline:
+  schedule: SCHEDULE
+  microbatches: MICRO
+  virtual_stages_per_rank: VIRTUAL
+  stages:
+    - [model.embed_tokens, "model.layers.[0-17]"]
+    - ["model.layers.[18-35]", model.norm, lm_head]
+"""
+
+
+def _pipeline_problems(tmp_path, model="qwen3-8b", schedule="1f1b", micro=4, virtual=1, replace=(), **layout):
+    import plancc
+
+    text = PIPELINE_PLAN.replace("SCHEDULE", schedule).replace("MICRO", str(micro)).replace("VIRTUAL", str(virtual))
+    for old, new in replace:
+        text = text.replace(old, new)
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    return [d for d in plancc.check_plan(plancc.load_plan(path), model, **layout) if d.rule == "pipeline"]
+
+
+def test_a_pipeline_section_whose_stages_cover_every_layer_in_order_passes(tmp_path):
+    assert _pipeline_problems(tmp_path, pp=2, tp=2, world_size=8) == []
+    assert _pipeline_problems(tmp_path, pp=1, world_size=8) == []  # read only with --pp
+
+
+@pytest.mark.parametrize("kwargs,found", [
+    (dict(replace=[("[18-35]", "[18-34]")]), "1 decoder layers in no stage, the first model.layers.35"),
+    (dict(replace=[("[18-35]", "[17-35]")]), "model.layers.17 is in stage 0 and stage 1"),
+    (dict(replace=[('["model.layers.[18-35]", model.norm, lm_head]', '["model.layers.[18-35]", lm_head]'),
+                   ('[model.embed_tokens, "model.layers.[0-17]"]', '["model.layers.[0-17]", model.norm]')]),
+     "model.norm in stage 0"),
+    (dict(replace=[("model.embed_tokens, ", ""), ("model.norm, lm_head", "model.norm, lm_head, model.embed_tokens")]),
+     "model.embed_tokens in stage 1"),
+    (dict(micro=2, pp=4, world_size=8), "2 microbatches for pp=4"),
+    (dict(virtual=2), "1f1b runs one stage a rank, not 2"),
+    (dict(schedule="zbv"), "zbv runs exactly two stages a rank (a V), not 1"),
+    (dict(schedule="interleaved_1f1b", virtual=2), "2 stages listed for pp=2 x 2 a rank = 4"),
+    (dict(cp=2, world_size=8), "pp=2 with cp=2"),
+    (dict(model="qwen3-0.6b"), "share one weight (tie_word_embeddings)"),
+], ids=["layer-missing", "layer-twice", "norm-first", "embedding-last", "microbatches", "v-on-1f1b", "zbv-one",
+        "stage-count", "with-cp", "tied"])
+def test_the_pipeline_check_names_what_cannot_run(tmp_path, kwargs, found):
+    layout = {k: kwargs.pop(k) for k in ("pp", "cp", "tp", "world_size") if k in kwargs}
+    layout.setdefault("pp", 2)
+    layout.setdefault("world_size", 4)
+    problems = _pipeline_problems(tmp_path, **kwargs, **layout)
+    assert any(found in p.message for p in problems), [p.message for p in problems]
+    assert all(p.is_error and p.line > 0 and p.fix for p in problems)
+
+
+def test_too_few_layers_for_the_stages_is_refused_without_stage_globs(tmp_path):
+    import plancc
+
+    path = tmp_path / "plan.yaml"
+    path.write_text((PLANS_DIR / "qwen3.yaml").read_text() + "pipeline:\n  schedule: 1f1b\n  microbatches: 4\n")
+    problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", pp=4, world_size=4)
+                if d.rule == "pipeline"]
+    assert problems and "2 decoder layers for 4 stages" in problems[0].message
+
+
+def test_the_layout_counts_pipeline_ranks_and_apply_has_no_pp_yet(cli):
+    from plancc.layout import Layout
+
+    layout = Layout.infer(world_size=16, pp=2, tp=2)
+    assert (layout.dp, layout.world_size, layout.to_json()["pp"]) == (4, 16, 2)
+    assert layout.describe().startswith("pp=2 dp=4") and "pp" not in Layout(dp=2).to_json()
+    code, out, err = cli("validate", "plans/qwen3.yaml", "--model", "tiny-qwen3", "--pp", 4, "--world-size", 4)
+    assert code == 1 and "2 decoder layers for 4 stages" in out + err
+    code, _, err = cli("apply", "plans/qwen3.yaml", "--pp", 2)
+    assert code == 2  # a usage error: apply does not take --pp yet

@@ -29,6 +29,7 @@ from . import (
     packed_projections,
     pairing,
     per_head_outputs,
+    pipeline,
     sequence_length,
     sequence_parallel,
     shapes,
@@ -59,6 +60,7 @@ RULES: tuple[ModuleType, ...] = (
     fsdp_units,
     checkpointing,
     lora_targets,
+    pipeline,
 )
 
 if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan
@@ -108,6 +110,7 @@ def check_plan(
     dp: int | None = None,
     world_size: int | None = None,
     sequence_parallel: bool = False,
+    pp: int = 1,
 ) -> list[Diagnostic]:
     """Every problem of ``plan`` on this model at ``layout``, errors and warnings.
 
@@ -118,7 +121,14 @@ def check_plan(
     """
     if layout is None:
         layout, layout_problems = Layout.diagnose(
-            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=plan.loc
+            world_size=world_size,
+            dp=dp,
+            cp=cp,
+            tp=tp,
+            ep=ep,
+            sequence_parallel=sequence_parallel,
+            loc=plan.loc,
+            pp=pp,
         )
     else:
         layout_problems = []

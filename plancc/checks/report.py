@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ..compiler.plan import Plan, load_plan
+from ..compiler.plan import PipelineSpec, Plan, load_plan
 from ..compiler.resolve import ResolvedPlan, outside_users, resolve_sections
 from ..errors import Diagnostic
 from ..layout import Layout
@@ -79,8 +79,10 @@ class ValidationReport:
             "model": self.model_name,
             "tp": self.tp,
             "ep": self.layout.ep,
+            "pp": self.layout.pp,
             "sequence_parallel": self.sequence_parallel,
             "rules": self.rule_rows(),
+            "pipeline": None if self.plan.pipeline is None else _pipeline_summary(self.plan.pipeline),
             # None when the globs could not be bound (a typo): a count of 0 would read as "no units"
             "fsdp_units": len(self.resolved[0].fsdp_units) - left if self.resolved else None,
             "fsdp_units_left_to_root": left,
@@ -96,6 +98,7 @@ class ValidationReport:
         lines = [
             f"plan {s['plan']} ({s['path']}) on {s['model']}, tp={s['tp']}"
             + (f" ep={s['ep']}" if s["ep"] > 1 else "")
+            + (f" pp={s['pp']}" if s["pp"] > 1 else "")
             + (" +sp" if s["sequence_parallel"] else "")
         ]
         rows = s["rules"]
@@ -160,6 +163,7 @@ def validate_plan(
     sequence_parallel: bool = False,
     seq_len: int | None = None,
     skeleton: bool = True,
+    pp: int = 1,
 ) -> ValidationReport:
     """Everything ``plancc validate`` reports: schema, globs and every model-aware check at
     ``layout`` (or at the sizes given). Raises ``PlanError`` when the plan file itself cannot
@@ -181,7 +185,14 @@ def validate_plan(
     layout_problems: list[Diagnostic] = []
     if layout is None:  # diagnosed here, once: the report shows this layout and why the sizes did not fit
         layout, layout_problems = Layout.diagnose(
-            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=plan.loc
+            world_size=world_size,
+            dp=dp,
+            cp=cp,
+            tp=tp,
+            ep=ep,
+            sequence_parallel=sequence_parallel,
+            loc=plan.loc,
+            pp=pp,
         )
     problems += check_at(plan, meta, layout, layout_problems, seq_len=seq_len, resolved=resolved)
     problems.sort(key=lambda d: (not d.is_error, d.path, d.line, d.column))
@@ -195,3 +206,12 @@ def validate_plan(
         meta_model=meta,
         config=config,
     )
+
+
+def _pipeline_summary(spec: PipelineSpec) -> dict[str, Any]:
+    return {
+        "schedule": spec.schedule,
+        "microbatches": spec.microbatches,
+        "virtual_stages_per_rank": spec.virtual_stages_per_rank,
+        "stages": [list(globs) for globs in spec.stages],
+    }

@@ -67,6 +67,19 @@ class ShardPlacement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineSpec:
+    """The plan's ``pipeline:`` section: the schedule, the microbatches a step, the stages each
+    rank holds, and (optionally) the module globs of every stage in order."""
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None  # None: one per pipeline rank
+    virtual_stages_per_rank: int = 1
+    stages: tuple[tuple[str, ...], ...] = ()
+    stage_locs: tuple[SourceLoc, ...] = ()
+    loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     name: str
     version: int
@@ -79,6 +92,7 @@ class Plan:
     fsdp_shard_placement: tuple[ShardPlacement, ...] = ()
     activation_checkpointing: TargetList = TargetList()
     lora: LoraSpec | None = None
+    pipeline: PipelineSpec | None = None
     description: str = ""
     path: str = "<plan>"
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
@@ -210,6 +224,21 @@ def _lora(doc: SourceDoc) -> LoraSpec | None:
     )
 
 
+def _pipeline(doc: SourceDoc) -> PipelineSpec | None:
+    data = doc.data.get("pipeline")
+    if data is None:
+        return None
+    stages = data.get("stages") or []
+    return PipelineSpec(
+        schedule=data.get("schedule", "1f1b"),
+        microbatches=data.get("microbatches"),
+        virtual_stages_per_rank=data.get("virtual_stages_per_rank", 1),
+        stages=tuple(tuple(globs) for globs in stages),
+        stage_locs=tuple(doc.loc(("pipeline", "stages", i)) for i in range(len(stages))),
+        loc=doc.loc(("pipeline",), key=True),
+    )
+
+
 def plan_from_doc(doc: SourceDoc) -> Plan:
     """Build a ``Plan`` from a parsed document; raise ``PlanError`` with every problem."""
     raise_if_errors(validate_doc(doc))
@@ -227,6 +256,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         fsdp_shard_placement=_shard_placements(doc),
         activation_checkpointing=_checkpoint_targets(doc),
         lora=_lora(doc),
+        pipeline=_pipeline(doc),
         path=doc.path,
         loc=doc.loc(()),
         text=doc.text,

@@ -153,6 +153,12 @@ def build_mesh(
             f"the layout {layout.describe()} has {layout.world_size} ranks, the process group {world}",
             "build the layout with Layout.infer",
         )
+    if layout.pp > 1:
+        raise LayoutError.from_message(
+            f"pp={layout.pp}: pipeline stages run through plancc.runtime.pipeline, which apply and Policy "
+            "do not drive yet",
+            "drop --pp (docs/pipeline.md says what runs)",
+        )
     device_type = device_type or default_device_type()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))

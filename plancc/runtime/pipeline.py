@@ -37,12 +37,12 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..schedules import SCHEDULE_NAMES, SINGLE, rank_stages
 from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
 
-# torch.distributed.pipelining's schedules by the plan's names, and how a rank holds its stages:
-# one ("single"), every pp-th ("looped": rank r holds r, r + pp, ...) or two meeting in a V
-# (rank r holds r and 2*pp - 1 - r: the first and the last stage share rank 0)
+# torch.distributed.pipelining's schedules by the plan's names (``plancc.schedules`` says where
+# each puts a rank's stages)
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -51,20 +51,7 @@ SCHEDULES: dict[str, Any] = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-SINGLE, V_SHAPED = ("gpipe", "1f1b"), ("zbv", "dualpipev")
-
-
-def rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> list[int]:
-    """The stage indices ``rank`` of ``pp`` holds under ``schedule`` with ``virtual`` stages a rank."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-    if schedule in SINGLE and virtual != 1:
-        raise ValueError(f"{schedule} runs one stage a rank, not {virtual}")
-    if schedule in V_SHAPED:
-        if virtual != 2:
-            raise ValueError(f"{schedule} runs exactly two stages a rank (a V), not {virtual}")
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + i * pp for i in range(virtual)]
+assert tuple(SCHEDULES) == SCHEDULE_NAMES, "every schedule the plan names runs"
 
 
 def stage_layers(layers: int, stages: int) -> list[range]:

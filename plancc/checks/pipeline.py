@@ -1,0 +1,163 @@
+"""pipeline: a pipeline-parallel layout (``--pp``) that torch's schedules can run on this model.
+
+With pp > 1 the plan's ``pipeline:`` section says the schedule, the microbatches a step, the
+stages each rank holds and, optionally, the module globs of every stage (without it the decoder
+layers split evenly, the first stages taking the remainder; without the section, 1F1B with one
+microbatch a rank). Checked before launch: the schedule runs that many stages a rank (V schedules
+exactly two); there are at least as many decoder layers as stages; the stages' globs cover every
+decoder layer once and in order, the embedding in the first stage and the final norm and lm_head
+in the last; at least one microbatch per pipeline rank (fewer hang 1F1B: torchtitan#775); and
+what the pipeline runtime does not run yet is refused with the reason: tied input and output
+embeddings (one weight on two stages), pp with ep, cp or sequence parallelism.
+
+A stage glob's segment ``[a-b]`` of two numbers is the numeric range a..b (``model.layers.[0-13]``
+is layers 0 to 13), not a character class.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from ..compiler.globs import ModuleTree
+from ..compiler.plan import PipelineSpec
+from ..schedules import schedule_problem
+from .context import CheckContext, Problem, text_config
+from .example import Example
+
+ID = "pipeline"
+
+EXAMPLES = (
+    Example(
+        verdict="PASS",
+        text="--pp 4 on qwen3-8b (36 layers) with 1f1b and 8 microbatches",
+        edits=(("pipeline", None, {"schedule": "1f1b", "microbatches": 8}),),
+        args={"pp": 4, "world_size": 8},
+    ),
+    Example(
+        verdict="FAIL",
+        text="--pp 4 with 2 microbatches: 1F1B waits for microbatches that never come",
+        edits=(("pipeline", None, {"schedule": "1f1b", "microbatches": 2}),),
+        args={"pp": 4, "world_size": 8},
+    ),
+)
+
+_RANGE = re.compile(r"^\[(\d+)-(\d+)\]$")
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
+    layout = ctx.layout
+    if layout.pp == 1:
+        return
+    spec = ctx.plan.pipeline or PipelineSpec(loc=ctx.plan.loc)
+    loc = spec.loc
+    virtual = spec.virtual_stages_per_rank
+    why = schedule_problem(spec.schedule, virtual)
+    if why is not None:
+        yield Problem(loc=loc, message=why, fix="set virtual_stages_per_rank: 2 for zbv/dualpipev, 1 for gpipe/1f1b")
+        return
+    stages = layout.pp * virtual
+    microbatches = spec.microbatches or layout.pp
+    if microbatches < layout.pp:
+        yield Problem(
+            loc=loc,
+            message=f"{microbatches} microbatches for pp={layout.pp}: a schedule needs at least one per pipeline "
+            "rank (1F1B waits for microbatches that never come)",
+            fix=f"microbatches: {layout.pp} or more",
+        )
+    unsupported = [f"{axis}={size}" for axis, size in (("ep", layout.ep), ("cp", layout.cp)) if size > 1]
+    if layout.sequence_parallel:
+        unsupported.append("sequence parallelism")
+    if unsupported:
+        yield Problem(
+            loc=loc,
+            message=f"pp={layout.pp} with {' and '.join(unsupported)}: the pipeline runtime runs stages under "
+            "tp and dp (FSDP) only for now",
+            fix="drop --pp, or the other axis",
+        )
+    if getattr(text_config(ctx.config), "tie_word_embeddings", False):
+        yield Problem(
+            loc=loc,
+            message="the input and output embeddings share one weight (tie_word_embeddings), which would live on "
+            "the first and the last stage: not supported yet",
+            fix="use --pp 1 for this model",
+        )
+    layers = _decoder_layers(ctx)
+    if spec.stages:
+        yield from _stage_globs(ctx, spec, stages, layers)
+    elif len(layers) < stages:
+        yield Problem(
+            loc=loc,
+            message=f"{len(layers)} decoder layers for {stages} stages (pp={layout.pp} x {virtual} a rank): each "
+            "stage needs at least one",
+            fix=f"a pp whose stages are at most {len(layers)}",
+        )
+
+
+def _decoder_layers(ctx: CheckContext) -> list[str]:
+    """The decoder layers' module names, in order: the children of the model's ``layers`` list."""
+    for name in ctx.modules:
+        if name.rsplit(".", 1)[-1] == "layers" and len(list(ctx.modules[name].children())):
+            return [f"{name}.{child}" for child, _ in ctx.modules[name].named_children()]
+    return []
+
+
+def _matches(tree: ModuleTree, pattern: str) -> tuple[str, ...]:
+    """``tree.match`` with whole-segment numeric ranges ``[a-b]`` read as a..b."""
+    segments = pattern.split(".")
+    ranges = {i: (int(m[1]), int(m[2])) for i, s in enumerate(segments) if (m := _RANGE.match(s))}
+    if not ranges:
+        return tree.match(pattern)
+    wild = ".".join("*" if i in ranges else s for i, s in enumerate(segments))
+    found = []
+    for name in tree.match(wild):
+        parts = name.split(".")
+        if all(parts[i].isdigit() and low <= int(parts[i]) <= high for i, (low, high) in ranges.items()):
+            found.append(name)
+    return tuple(found)
+
+
+def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: list[str]) -> Iterator[Problem]:
+    if len(spec.stages) != stages:
+        yield Problem(
+            loc=spec.loc,
+            message=f"{len(spec.stages)} stages listed for pp={ctx.layout.pp} x {spec.virtual_stages_per_rank} a "
+            f"rank = {stages}",
+            fix=f"list {stages} stages, or drop 'stages' to split the layers evenly",
+        )
+        return
+    tree = ModuleTree(ctx.modules)
+    position = {name: i for i, name in enumerate(layers)}
+    owner: dict[str, int] = {}
+    last_seen = -1
+    for stage, (globs, loc) in enumerate(zip(spec.stages, spec.stage_locs, strict=True)):
+        names = [n for pattern in globs for n in _matches(tree, pattern)]
+        mine = sorted({position[n] for n in names if n in position})
+        for index in mine:
+            if layers[index] in owner:
+                yield Problem(
+                    loc=loc,
+                    message=f"{layers[index]} is in stage {owner[layers[index]]} and stage {stage}",
+                    fix="every decoder layer in one stage",
+                )
+            owner[layers[index]] = stage
+        if mine and mine[0] < last_seen:
+            yield Problem(
+                loc=loc,
+                message=f"stage {stage} starts at {layers[mine[0]]}, before the layers of the stage before it",
+                fix="list the stages in the order of their layers",
+            )
+        last_seen = max([last_seen, *mine])
+        for name in names:
+            tail = name.rsplit(".", 1)[-1]
+            if tail == "embed_tokens" and stage != 0:
+                yield Problem(loc=loc, message=f"{name} in stage {stage}", fix="the embedding goes in the first stage")
+            if tail in ("norm", "lm_head") and name not in position and stage != stages - 1 and "layers" not in name:
+                yield Problem(loc=loc, message=f"{name} in stage {stage}", fix=f"{tail} goes in the last stage")
+    missing = [name for name in layers if name not in owner]
+    if missing:
+        yield Problem(
+            loc=spec.loc,
+            message=f"{len(missing)} decoder layers in no stage, the first {missing[0]}",
+            fix="every decoder layer in one stage (a segment [a-b] is the range of layers a..b)",
+        )
