@@ -538,7 +538,7 @@ def suggest(
     ] = None,
     hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, a100 or b200 (docs/suggest.md)")] = "h100",
     allow: Annotated[
-        str, typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep")
+        str, typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep,pp (pp: not yet run)")
     ] = "sp,cp,ep",
     top: Annotated[int, typer.Option("--top", min=1, help="candidates to print")] = 10,
     verify_top: Annotated[
@@ -558,10 +558,10 @@ def suggest(
     from .tools.suggest import verify_top as verify
 
     axes = [a.strip() for a in allow.split(",") if a.strip()]
-    unknown = [a for a in axes if a not in ("sp", "cp", "ep")]
+    unknown = [a for a in axes if a not in ("sp", "cp", "ep", "pp")]
     memory = _bytes_of(gpu_memory) if gpu_memory is not None else None
     if unknown:
-        _usage_error(f"--allow {allow!r}: unknown axis {unknown[0]!r}", fmt, fix="--allow takes any of sp,cp,ep")
+        _usage_error(f"--allow {allow!r}: unknown axis {unknown[0]!r}", fmt, fix="--allow takes any of sp,cp,ep,pp")
     if gpu_memory is not None and not memory:
         _usage_error(f"--gpu-memory {gpu_memory!r} is not a size", fmt, fix="write it like 80GiB or 141GB")
     from .compiler.plan import load_plan

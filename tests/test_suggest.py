@@ -94,7 +94,7 @@ def test_the_cli_prints_the_table_and_the_command_of_the_best(cli):
         (["--gpus", "8", "--hardware", "tpu9"], 1, ["unknown hardware 'tpu9'", "h100"]),
         (["--gpus", "8", "--gpu-memory", "4GiB"], 1, ["no layout of 8 GPUs fits 4 GiB", "needs"]),
         (["--gpus", "8", "--gpu-memory", "lots"], 2, ["not a size"]),
-        (["--gpus", "8", "--allow", "pp"], 2, ["unknown axis 'pp'"]),
+        (["--gpus", "8", "--allow", "zz"], 2, ["unknown axis 'zz'", "sp,cp,ep,pp"]),
         (["--gpus", "8", "--model", "llama-3.1-8b"], 1, ["no layout of 8 GPUs passes the plan's checks"]),
     ],
     ids=["not-whole-nodes", "unknown-hardware", "too-little-memory", "bad-memory", "unknown-axis", "other-model"],
@@ -318,3 +318,31 @@ def test_a_step_no_layout_holds_in_one_pass_is_costed_with_gradient_accumulation
                == (best.layout, best.checkpointing, best.reshard_after_forward)]
     assert same.microbatches == 1 and not same.fits and same.memory.total > best.memory.total
     assert best.time.fsdp > same.time.fsdp and best.time.compute == pytest.approx(same.time.compute)
+
+
+def test_pipeline_layouts_are_costed_with_their_schedules_bubble_against_torchtitans_405b(cli):
+    """torchtitan's Llama 3.1 405B on 512 H100s as FSDP 8 x TP 8 x PP 8 (published: 1F1B 100 and
+    Interleaved 1F1B 128 tokens/s/GPU): with pp allowed, that layout fits under both schedules, is
+    estimated no faster than suggest's first choice, and the interleaved schedule (its bubble
+    (pp-1)/(v*m) of the compute, 1F1B's (pp-1)/m) faster than 1F1B."""
+    from plancc.layout import Layout
+    from plancc.tools.suggest import command_line, plan_edits
+
+    result = plancc.suggest("plans/llama.yaml", "llama-3.1-405b", gpus=512, seq_len=8192,
+                            tokens_per_step=1_048_576, allow=("pp",))
+    published = Layout(dp=8, tp=8, pp=8)
+    by = {c.schedule: c for c in result.candidates
+          if c.layout == published and c.checkpointing == "full" and c.reshard_after_forward}
+    assert set(by) == {"1f1b", "interleaved_1f1b"} and all(c.fits for c in by.values())
+    one, two = by["1f1b"], by["interleaved_1f1b"]
+    assert one.microbatches == two.microbatches == 16  # a dp rank's 16 sequences, one a microbatch
+    assert one.time.pipeline > 7 / 16 * one.time.compute > two.time.pipeline > 7 / 32 * two.time.compute
+    assert two.tokens_per_s > one.tokens_per_s and result.best.tokens_per_s >= two.tokens_per_s
+    assert "--pp 8" in command_line("plans/llama.yaml", "llama-3.1-405b", one)
+    assert any("pipeline: {schedule: 1f1b, microbatches: 16" in edit for edit in plan_edits(one))
+    # pipeline parallelism is searched only when asked for
+    assert all(c.layout.pp == 1 for c in plancc.suggest("plans/llama.yaml", "llama-3.1-405b", gpus=512,
+                                                           seq_len=8192).candidates)
+    code, out, err = cli("suggest", "plans/llama.yaml", "--model", "llama-3.1-405b", "--gpus", 512, "--seq-len", 8192,
+                         "--tokens-per-step", 1_048_576, "--allow", "pp", "--top", 40)
+    assert code == 0 and "pp=8 dp=8 cp=1 tp=8 interleaved_1f1b" in out, err

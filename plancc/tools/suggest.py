@@ -44,90 +44,18 @@ from ..models import build_meta_model, load_config
 from ..runtime.vocab_stats import default_chunk
 from ..skeleton import load_skeleton
 from .explain import explain, tensor_parallel_rows
+from .suggest_model import BF16, FP32, HARDWARE, GiB, Hardware, Memory, StepTime
+from .suggest_model import bandwidth as _bandwidth
+from .suggest_pipeline import costed_schedules, stage_memory, stage_time
 
 if TYPE_CHECKING:  # the search itself never measures: see verify_top
     from .measured_memory import MeasuredMemory
 
-GiB = 2**30
-BF16, FP32 = 2, 4
 # per element, what transformers' RMSNorm keeps for backward: its input in fp32 and the normalized
 # bf16 tensor (its weight's gradient); a norm over the hidden states also hands its bf16 output to
 # the projections that follow, which keep it (measured: tools.measured_memory, docs/suggest.md)
 HEAD_NORM = FP32 + BF16
 HIDDEN_NORM = FP32 + 2 * BF16
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Hardware:
-    """One accelerator's figures: dense bf16 peak, memory, and the bandwidth one GPU gets in one
-    direction inside a node (NVLink / NVSwitch) and across nodes (its NIC)."""
-
-    name: str
-    peak_flops: float  # bf16 dense, FLOP/s
-    memory: int  # bytes
-    intra_node: float  # bytes/s per GPU
-    inter_node: float  # bytes/s per GPU
-    # the fraction of peak large matmuls reach in training (what MFU tops out near in published
-    # runs of dense models); the step's compute time is FLOPs / (peak * this)
-    achievable: float = 0.5
-
-
-# Vendor datasheets (dense bf16, no sparsity); NVLink per GPU and direction; one 400 Gb/s NIC
-# per GPU (50 GB/s) for H100/H200/B200, 200 Gb/s for A100. docs/suggest.md cites them.
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware(name="H100 SXM", peak_flops=989e12, memory=80 * GiB, intra_node=450e9, inter_node=50e9),
-    "h200": Hardware(name="H200 SXM", peak_flops=989e12, memory=141 * GiB, intra_node=450e9, inter_node=50e9),
-    "a100": Hardware(name="A100 SXM 80GB", peak_flops=312e12, memory=80 * GiB, intra_node=300e9, inter_node=25e9),
-    "b200": Hardware(name="B200", peak_flops=2250e12, memory=180 * GiB, intra_node=900e9, inter_node=50e9),
-}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Memory:
-    """Bytes per rank at the step's peak, by kind, and which moment of the step that is (``at``,
-    one of ``step_ends``': "forward", "backward start", "backward end", "optimizer step")."""
-
-    parameters: int
-    gradients: int
-    optimizer: int  # AdamW's state, and at the optimizer step its temporaries
-    fsdp_buffers: int
-    activations: int
-    logits: int
-    at: str = "forward"
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations + self.logits
-
-    def largest(self) -> str:
-        parts = {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "AdamW state": self.optimizer,
-            "FSDP buffers": self.fsdp_buffers,
-            "activations": self.activations,
-            "logit buffers": self.logits,
-        }
-        return max(parts, key=lambda k: parts[k])
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepTime:
-    """Seconds per step: the compute, and the communication not hidden behind it (per kind)."""
-
-    compute: float
-    tp: float = 0.0
-    cp: float = 0.0
-    ep: float = 0.0
-    fsdp: float = 0.0  # FSDP's exposed part only
-
-    @property
-    def exposed_comm(self) -> float:
-        return self.tp + self.cp + self.ep + self.fsdp
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.exposed_comm
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,11 +75,15 @@ class Candidate:
     micro_batch_size: int = 1
     microbatches: int = 1
     sequences: int = 1  # a dp rank's sequences of the step
+    # pipeline parallelism (layout.pp > 1): the schedule and the stages a rank holds
+    schedule: str = ""
+    virtual_stages: int = 1
 
     def describe(self) -> str:
         kept = "" if self.reshard_after_forward else " reshard=off"
         accumulated = f" micro={self.micro_batch_size}x{self.microbatches}" if self.microbatches > 1 else ""
-        return f"{self.layout.describe()} ac={self.checkpointing}{kept}{accumulated}"
+        staged = f" {self.schedule}" if self.schedule else ""
+        return f"{self.layout.describe()}{staged} ac={self.checkpointing}{kept}{accumulated}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -475,11 +407,6 @@ def _all_units_params(shape: _Shape, layout: Layout) -> float:
     return (shape.layers_params - experts) / layout.tp + experts / (layout.tp * layout.ep)
 
 
-def _bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
-    """A group of ``span`` consecutive-stride ranks stays inside a node when it fits one."""
-    return hardware.intra_node if span <= gpus_per_node else hardware.inter_node
-
-
 def time_of(
     shape: _Shape,
     layout: Layout,
@@ -531,17 +458,19 @@ def layouts_for(gpus: int, *, allow: Iterable[str], max_tp: int) -> list[Layout]
     """Every layout of ``gpus`` ranks with the allowed axes (tp always; sp, cp, ep when allowed)."""
     allowed = set(allow)
     found = []
-    for tp in divisors_of(gpus):
-        if tp > max_tp:
-            continue
-        for cp in divisors_of(gpus // tp) if "cp" in allowed else [1]:
-            dp = gpus // (tp * cp)
-            for ep in divisors_of(dp) if "ep" in allowed else [1]:
-                for sp in (False, True) if "sp" in allowed and tp > 1 else (False,):
-                    try:
-                        found.append(Layout(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp))
-                    except LayoutError:  # sizes plancc has no mesh for (ep with cp)
-                        continue
+    for pp in divisors_of(gpus) if "pp" in allowed else [1]:
+        ranks = gpus // pp  # each pipeline rank's (dp, cp, tp) layout
+        for tp in divisors_of(ranks):
+            if tp > max_tp:
+                continue
+            for cp in divisors_of(ranks // tp) if "cp" in allowed else [1]:
+                dp = ranks // (tp * cp)
+                for ep in divisors_of(dp) if "ep" in allowed else [1]:
+                    for sp in (False, True) if "sp" in allowed and tp > 1 else (False,):
+                        try:
+                            found.append(Layout(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp, pp=pp))
+                        except LayoutError:  # sizes plancc has no mesh for (ep with cp)
+                            continue
     return found
 
 
@@ -565,6 +494,72 @@ def _by_sequence_parallel(
 def _section(by_sp: dict[bool, ResolvedPlan], layout: Layout) -> ResolvedPlan | None:
     """The section a layout runs: its SP overlay, or the plan without SP."""
     return by_sp.get(layout.sequence_parallel) or by_sp.get(False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Costing:
+    """What costing one layout of a search reads (the search's model, hardware and step)."""
+
+    model: nn.Module
+    resolved: ResolvedPlan | None
+    shape: _Shape
+    hardware: Hardware
+    seq_len: int
+    tokens: int
+    gpus_per_node: int
+    explained: dict[tuple[Any, ...], Any]
+    memory_cap: int
+
+
+def _pipeline_candidate(
+    c: _Costing, layout: Layout, ac: str, reshard: bool, local: int, schedule: str, virtual: int
+) -> Candidate:
+    """A pp layout with ``schedule``: one sequence a microbatch, ``local`` of them a step
+    (``tools.suggest_pipeline`` states the model)."""
+    shape = c.shape
+    ends = step_ends(c.model, c.resolved, layout, shape, c.seq_len, ac, c.explained, 1, reshard_after_forward=reshard)
+    layers_params = shape.layers_params or shape.layer_params * shape.layers
+    root_share = shape.root_params / max(1, shape.root_params + layers_params)
+    held = accumulated(ends) if local > 1 else ends
+    memory = peak(stage_memory(end, layout, root_share, local, kept_gathered=not reshard) for end in held)
+    one_pass, flops = time_of(
+        shape,
+        layout,
+        c.hardware,
+        seq_len=c.seq_len,
+        tokens=c.tokens,
+        gpus_per_node=c.gpus_per_node,
+        checkpointing=ac,
+        reshard_after_forward=reshard,
+    )
+    time = stage_time(
+        one_pass,
+        layout,
+        c.hardware,
+        layers=shape.layers,
+        layers_params=_all_units_params(shape, layout),
+        hidden=shape.hidden,
+        seq_len=c.seq_len,
+        schedule=schedule,
+        microbatches=local,
+        virtual=virtual,
+        gpus_per_node=c.gpus_per_node,
+    )
+    return Candidate(
+        layout=layout,
+        checkpointing=ac,
+        reshard_after_forward=reshard,
+        memory=memory,
+        time=time,
+        fits=memory.total <= c.memory_cap,
+        tokens_per_s=c.tokens / time.total,
+        mfu=flops / time.total / (layout.world_size * c.hardware.peak_flops),
+        micro_batch_size=1,
+        microbatches=local,
+        sequences=local,
+        schedule=schedule,
+        virtual_stages=virtual,
+    )
 
 
 def suggest(
@@ -621,6 +616,18 @@ def suggest(
         local = local_sequences(tokens, layout, seq_len)
         # without FSDP there is nothing to reshard: one candidate, not two equal ones
         reshard_ways = [r for r in reshard_after_forward if r or layout.fsdp_size > 1] or [True]
+        if layout.pp > 1:
+            costing = _Costing(model, resolved, shape, chosen, seq_len, tokens, gpus_per_node, explained, memory_cap)
+            staged = [
+                _pipeline_candidate(costing, layout, ac, reshard, local, schedule, virtual)
+                for ac, reshard in itertools.product(ac_ways, reshard_ways)
+                for schedule, virtual in costed_schedules(shape.layers, layout, local)
+            ]
+            if not staged:
+                why = f"pipeline: {local} sequences a dp rank for pp={layout.pp}: fewer than one a pipeline rank"
+                rejected.append((layout, why))
+            candidates += staged
+            continue
         for ac, reshard in itertools.product(ac_ways, reshard_ways):
             # gradient accumulation: the fewest passes that fit (each pass gathers FSDP's weights
             # again), else the smallest microbatch as the layout's closest miss
@@ -888,7 +895,9 @@ def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
         flags.append(f"--ep {layout.ep}")
     if layout.sequence_parallel:
         flags.append("--sp")
-    if candidate.microbatches > 1:  # the step's sequences, a rank's rows per pass
+    if layout.pp > 1:
+        flags.append(f"--pp {layout.pp}")
+    if candidate.microbatches > 1 and layout.pp == 1:  # the step's sequences, a rank's rows per pass
         flags.append(f"--batch-size {candidate.sequences * layout.dp} --micro-batch-size {candidate.micro_batch_size}")
     return f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
 
@@ -898,6 +907,11 @@ def plan_edits(candidate: Candidate) -> list[str]:
     edits = [] if candidate.checkpointing == "plan" else [f"activation checkpointing: {candidate.checkpointing}"]
     if not candidate.reshard_after_forward:
         edits.append("fsdp: {reshard_after_forward: false}")
+    if candidate.layout.pp > 1:
+        edits.append(
+            f"pipeline: {{schedule: {candidate.schedule}, microbatches: {candidate.microbatches}, "
+            f"virtual_stages_per_rank: {candidate.virtual_stages}}} (apply runs no pp yet: docs/pipeline.md)"
+        )
     return edits
 
 
@@ -933,6 +947,8 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
             "reshard_after_forward": c.reshard_after_forward,
             "micro_batch_size": c.micro_batch_size,
             "microbatches": c.microbatches,
+            "schedule": c.schedule or None,
+            "virtual_stages_per_rank": c.virtual_stages,
             "fits": c.fits,
             "memory_bytes": {
                 "parameters": c.memory.parameters,
@@ -950,6 +966,7 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
                 "cp": c.time.cp,
                 "ep": c.time.ep,
                 "fsdp_exposed": c.time.fsdp,
+                "pipeline": c.time.pipeline,
                 "total": c.time.total,
             },
             "tokens_per_s": c.tokens_per_s,
@@ -979,6 +996,11 @@ def _reshard(c: Candidate) -> str:
     return "yes" if c.reshard_after_forward else "no"
 
 
+def _staged(c: Candidate) -> str:
+    """The layout, and the schedule of a pipeline's."""
+    return c.layout.describe() + (f" {c.schedule}" if c.schedule else "")
+
+
 def _micro(c: Candidate) -> str:
     """Gradient accumulation: "-" (one pass), or sequences per pass x passes."""
     return f"{c.micro_batch_size}x{c.microbatches}" if c.microbatches > 1 else "-"
@@ -986,18 +1008,19 @@ def _micro(c: Candidate) -> str:
 
 def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) -> str:
     cap = suggestion.gpu_memory
+    width = max([24, *(len(_staged(c)) for c in suggestion.candidates[:top])])
     lines = [
         f"{suggestion.gpus} x {suggestion.hardware.name} ({cap / GiB:.0f} GiB, {suggestion.gpus_per_node} per node), "
         f"sequences of {suggestion.seq_len}, {suggestion.tokens_per_step:,} tokens per step: "
         f"{len(suggestion.candidates)} costed, {len(suggestion.rejected)} refused by the plan's checks",
         "",
-        f"{'#':>3}  {'layout':<24} {'ac':<5} {'reshard':<7} {'micro':>7} {'memory/GPU':>11} {'fits':>5} {'step':>9} "
-        f"{'compute':>9} {'exposed comm':>13} {'tokens/s':>11} {'MFU':>6}",
+        f"{'#':>3}  {'layout':<{width}} {'ac':<5} {'reshard':<7} {'micro':>7} {'memory/GPU':>11} {'fits':>5} "
+        f"{'step':>9} {'compute':>9} {'exposed comm':>13} {'tokens/s':>11} {'MFU':>6}",
     ]
     for i, c in enumerate(suggestion.candidates[:top], 1):
         over = "" if c.fits else f" (+{(c.memory.total - cap) / GiB:.1f})"
         lines.append(
-            f"{i:>3}  {c.layout.describe():<24} {c.checkpointing:<5} {_reshard(c):<7} {_micro(c):>7} "
+            f"{i:>3}  {_staged(c):<{width}} {c.checkpointing:<5} {_reshard(c):<7} {_micro(c):>7} "
             f"{c.memory.total / GiB:>8.1f} GiB "
             f"{'yes' if c.fits else 'no':>5} {c.time.total:>8.3f}s {c.time.compute:>8.3f}s "
             f"{c.time.exposed_comm:>12.3f}s "
