@@ -146,3 +146,41 @@ def compare_pipeline_tp(plan_path, preset, layers, schedule, microbatches, rows,
         return _against_reference(runner, names, reference, ids, lambda: runner.step(ids), mesh["pp"].get_group())
     finally:
         dist.destroy_process_group()
+
+
+def compare_pipeline_rows(preset, layers, schedule, lengths, virtual=1):
+    """RL's uneven rows through ``step_rows`` (no padding) against the unsharded model on each
+    row alone, summed over all rows' tokens."""
+    import torch
+    import torch.distributed as dist
+
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets
+
+    rank, world = init_gloo()
+    try:
+        model, reference = _model_pair(preset, layers)
+        names = {id(p): n for n, p in model.named_parameters()}
+        stages = build_rank_stages(model, rank, world, schedule=schedule, virtual=virtual)
+        runner = PipelineRunner(stages, world, microbatches=world, schedule=schedule)
+        gen = torch.Generator().manual_seed(2)
+        rows = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+        total = sum(n - 1 for n in lengths)
+        loss = runner.step_rows(rows)
+
+        ref = sum(
+            torch.nn.functional.cross_entropy(
+                reference(input_ids=r[None], use_cache=False).logits[0], next_token_targets(r[None])[0], reduction="sum"
+            )
+            for r in rows
+        ) / total
+        ref.backward()
+        ref_params = dict(reference.named_parameters())
+        worst = max(
+            (p.grad - ref_params[names[id(p)]].grad).abs().max().item()
+            / (ref_params[names[id(p)]].grad.abs().max().item() or 1.0)
+            for p in runner.parameters()
+        )
+        dist.barrier()
+        return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst}
+    finally:
+        dist.destroy_process_group()

@@ -71,6 +71,22 @@ def test_pipeline_stages_of_a_tensor_parallel_model_are_exact():
         assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5 and r["sharded"] > 0, (rank, r)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_uneven_rows_go_through_the_pipeline_without_padding_exactly(schedule, virtual):
+    """RL's long-tailed rows (lengths 5 to 23, three of one length, single ones of others): each
+    length one schedule step, one row a microbatch; a length with fewer rows than pipeline ranks
+    breadth first (GPipe / looped BFS). Loss and every gradient equal the unsharded model on the
+    rows alone, normalized over all their tokens."""
+    from .pipeline_worker import compare_pipeline_rows
+
+    lengths = [9, 5, 9, 23, 9, 12, 5]
+    results = launch(compare_pipeline_rows, 2, "tiny-qwen3", 4, schedule, lengths, virtual)
+    for rank, r in results.items():
+        assert r["loss"] <= 1e-5 and r["grad_rel"] <= 1e-5, (rank, r)
+
+
 def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn

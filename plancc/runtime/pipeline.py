@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Replicate
@@ -185,11 +186,42 @@ class PipelineRunner:
             raise ValueError(f"a batch of {input_ids.shape[0]} rows in {self.microbatches} microbatches")
         targets = next_token_targets(input_ids)
         total = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
+        return self._run(input_ids, total, data_parallel, self.schedule_name, self.microbatches)
+
+    def step_rows(
+        self, rows: Sequence[torch.Tensor], total_tokens: int | None = None, data_parallel: int = 1
+    ) -> torch.Tensor:
+        """RL's uneven rows (``rows[i]`` [S_i], lengths of their own) without padding: the rows of
+        one length go through the pipeline together, one row a microbatch (a stage's shapes are
+        fixed within a schedule's step, not across steps); a length with fewer rows than pipeline
+        ranks runs breadth first (GPipe, or looped BFS for several stages a rank), which has no
+        1F1B steady state to wait in. Every row's tokens count over the total of all rows: the
+        gradients are the whole batch's. Each length costs one pipeline fill and drain (its
+        bubble) where padding to the longest would cost the padding's tokens."""
+        if not rows:
+            raise ValueError("no rows to train on")
+        total = sum(len(r) - 1 for r in rows) if total_tokens is None else total_tokens
+        by_length: dict[int, list[torch.Tensor]] = {}
+        for row in rows:
+            by_length.setdefault(len(row), []).append(row)
+        loss = torch.zeros((), device=self.device)
+        for length in sorted(by_length):
+            same = by_length[length]
+            schedule = self.schedule_name
+            if len(same) < self.pp:  # too few for a 1F1B steady state: breadth first
+                schedule = "gpipe" if self.schedule_name in SINGLE else "looped_bfs"
+            loss = loss + self._run(torch.stack(same), total, data_parallel, schedule, len(same))
+        return loss
+
+    def _run(
+        self, input_ids: torch.Tensor, total: int, data_parallel: int, name: str, microbatches: int
+    ) -> torch.Tensor:
+        targets = next_token_targets(input_ids)
         pipe = [PipelineStage(m, i, self.total, self.device, group=self.group) for i, m in self.stages]
-        kind = SCHEDULES[self.schedule_name]
+        kind = SCHEDULES.get(name, ScheduleLoopedBFS)  # looped_bfs: few rows for several stages a rank
         schedule = kind(
-            pipe[0] if self.schedule_name in SINGLE else pipe,
-            n_microbatches=self.microbatches,
+            pipe[0] if name in SINGLE else pipe,
+            n_microbatches=microbatches,
             loss_fn=global_token_loss(total, float(data_parallel)),
             scale_grads=False,
         )
