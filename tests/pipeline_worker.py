@@ -184,3 +184,49 @@ def compare_pipeline_rows(preset, layers, schedule, lengths, virtual=1):
         return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst}
     finally:
         dist.destroy_process_group()
+
+
+def checkpoint_across_pp(folder):
+    """A pp=2 step saved by stages loads into the whole model (pp=1) and equals the unsharded
+    model after the same step; a whole model's checkpoint loads into pp=2 stages."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, load_stages, next_token_targets, save_stages
+
+    rank, world = init_gloo()
+    try:
+        model, reference = _model_pair("tiny-qwen3", 4)
+        stages = build_rank_stages(model, rank, world)
+        runner = PipelineRunner(stages, world, microbatches=2)
+        ids = _rows(model.config.vocab_size, 4)
+        runner.step(ids)
+        torch.optim.SGD(runner.parameters(), lr=0.5).step()
+        logits = reference(input_ids=ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten()).backward()
+        torch.optim.SGD(reference.parameters(), lr=0.5).step()
+        save_stages(f"{folder}/pp2", stages)
+        # pp=1: every rank loads the whole model from the stages' checkpoint
+        whole, _ = _model_pair("tiny-qwen3", 4)
+        with torch.no_grad():
+            for p in whole.parameters():
+                p.zero_()
+        state = dict(whole.named_parameters())
+        dcp.load(state, checkpoint_id=f"{folder}/pp2")
+        ref = dict(reference.named_parameters())
+        to_whole = max((state[n] - ref[n]).abs().max().item() for n in ref)
+        # and back: the reference's whole state into fresh pp=2 stages
+        dcp.save(dict(reference.named_parameters()), checkpoint_id=f"{folder}/whole")
+        fresh, _ = _model_pair("tiny-qwen3", 4)
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.zero_()
+        fresh_stages = build_rank_stages(fresh, rank, world)
+        load_stages(f"{folder}/whole", fresh_stages)
+        to_stages = max((p - ref[module.model_names[n]]).abs().max().item()
+                        for _, module in fresh_stages for n, p in module.named_parameters())
+        dist.barrier()
+        return {"to_whole": to_whole, "to_stages": to_stages, "params": len(ref)}
+    finally:
+        dist.destroy_process_group()

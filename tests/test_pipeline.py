@@ -87,6 +87,19 @@ def test_uneven_rows_go_through_the_pipeline_without_padding_exactly(schedule, v
         assert r["loss"] <= 1e-5 and r["grad_rel"] <= 1e-5, (rank, r)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pipeline_checkpoint_resumes_without_stages_and_a_whole_one_into_stages(tmp_path):
+    """DCP keyed by the model's names: after a pp=2 step the stages' checkpoint loads into the
+    whole model and equals the unsharded model after the same step; the whole model's loads into
+    pp=2 stages."""
+    from .pipeline_worker import checkpoint_across_pp
+
+    results = launch(checkpoint_across_pp, 2, str(tmp_path))
+    for rank, r in results.items():
+        assert r["to_whole"] <= 1e-6 and r["to_stages"] == 0.0 and r["params"] > 20, (rank, r)
+
+
 def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn

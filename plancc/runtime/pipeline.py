@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -82,6 +83,10 @@ class DecoderStage(nn.Module):
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm if last else None
         self.lm_head = getattr(model, "lm_head", None) if last else None
+        # the model's name of each of the stage's parameters: checkpoints are keyed by them, so a
+        # run resumes at another pp (or none)
+        named = {id(p): n for n, p in model.named_parameters()}
+        self.model_names = {n: named[id(p)] for n, p in self.named_parameters()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
@@ -236,6 +241,24 @@ class PipelineRunner:
         dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
         dist.broadcast(loss, group_src=int(holder.item()), group=self.group)
         return loss
+
+
+def stage_state_dict(stages: list[tuple[int, DecoderStage]]) -> dict[str, torch.Tensor]:
+    """The rank's stages' parameters by the model's names (TP and FSDP shards as DTensors)."""
+    return {module.model_names[n]: p for _, module in stages for n, p in module.named_parameters()}
+
+
+def save_stages(checkpoint: str, stages: list[tuple[int, DecoderStage]]) -> None:
+    """A DCP checkpoint of every rank's stages, keyed by the model's parameter names: it loads at
+    another pp, or into the whole model (``torch.distributed.checkpoint.load`` of its state dict)."""
+    dcp.save(stage_state_dict(stages), checkpoint_id=checkpoint)
+
+
+def load_stages(checkpoint: str, stages: list[tuple[int, DecoderStage]]) -> None:
+    """The rank's stages' parameters from a DCP checkpoint keyed by the model's names (written
+    by ``save_stages`` at any pp, or from a whole model's state dict), in place."""
+    with torch.no_grad():
+        dcp.load(stage_state_dict(stages), checkpoint_id=checkpoint)
 
 
 def shard_stages(stages: list[tuple[int, DecoderStage]], dp_mesh: DeviceMesh) -> None:
