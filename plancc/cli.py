@@ -487,6 +487,9 @@ def explain(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     layout: LayoutFlags,
     model: ModelOpt = None,
+    pp: Annotated[
+        int, typer.Option("--pp", min=1, help="pipeline-parallel degree: each stage's parameters and bytes")
+    ] = 1,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Every parameter's global shape, its per-rank shard and placements, and per-rank bytes."""
@@ -495,7 +498,7 @@ def explain(
     from .tools.explain import render
 
     try:
-        report = validate_plan(plan_path, model=model, skeleton=False, **layout.sizes())
+        report = validate_plan(plan_path, model=model, skeleton=False, pp=pp, **layout.sizes())
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or report.meta_model is None:
@@ -503,11 +506,44 @@ def explain(
         raise typer.Exit(EXIT_PLAN)
     # the model and resolution validate built: nothing is built twice
     exp = explain_plan(report.meta_model, report.resolved_for(layout.sp), report.layout, lora=report.plan.lora)
+    stages = _pipeline_stages(report, exp) if pp > 1 else None
     if fmt is Format.json:
-        print(json.dumps({"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}, indent=2))
+        found = {"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}
+        if stages is not None:
+            found["stages"] = [
+                {
+                    "stage": s.stage,
+                    "pp_rank": ranks[s.stage],
+                    "layers": list(s.layers),
+                    "parameters": s.parameters,
+                    "parameter_bytes": s.param_bytes,
+                    "gradient_bytes": s.grad_bytes,
+                }  # fmt: skip
+                for s, ranks in ((s, stages[1]) for s in stages[0])
+            ]
+        print(json.dumps(found, indent=2))
         return
     print(f"plan {report.plan.name} on {report.model_name}: {report.layout.describe()}")
     print(render(exp))
+    if stages is not None:
+        from .tools.explain_stages import render_stages
+
+        print(render_stages(*stages))
+
+
+def _pipeline_stages(report: ValidationReport, exp: Any) -> tuple[list[Any], dict[int, int]]:
+    """Each pipeline stage's parameters and bytes (``tools.explain_stages``) and its pp rank."""
+    from .checks.pipeline import layers_of_stages
+    from .tools.explain_stages import rank_of_stage, stage_bytes, stages_of
+
+    assert report.meta_model is not None, "explain runs on a plan validate passed"
+    spec, pp = report.plan.pipeline, report.layout.pp
+    modules = dict(report.meta_model.named_modules())
+    matched = layers_of_stages(modules, spec) if spec is not None and spec.stages else None
+    layers = len(getattr(getattr(report.meta_model, "model", report.meta_model), "layers", []))
+    of_layer = stages_of(spec, layers, pp, matched)
+    virtual = spec.virtual_stages_per_rank if spec is not None else 1
+    return stage_bytes(report.meta_model, exp, of_layer, pp * virtual), rank_of_stage(spec, pp)
 
 
 def _bytes_of(text: str) -> int | None:

@@ -36,3 +36,17 @@ def rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> list[int]:
     if schedule in V_SHAPED:
         return [rank, 2 * pp - 1 - rank]
     return [rank + i * pp for i in range(virtual)]
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """Decoder layers per stage, contiguous and in order; the first stages take one more where
+    they do not divide evenly (every layer once)."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"{stages} pipeline stages for {layers} decoder layers: each stage needs at least one")
+    base, extra = divmod(layers, stages)
+    bounds, start = [], 0
+    for s in range(stages):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append(range(start, end))
+        start = end
+    return bounds

@@ -202,3 +202,21 @@ def test_the_layout_counts_pipeline_ranks_and_apply_has_no_pp_yet(cli):
     assert code == 1 and "2 decoder layers for 4 stages" in out + err
     code, _, err = cli("apply", "plans/qwen3.yaml", "--pp", 2)
     assert code == 2  # a usage error: apply does not take --pp yet
+
+
+def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli, tmp_path):
+    """The plan's stage globs decide the layers; every parameter is in one stage, so the stages'
+    per-rank bytes add up to the whole model's at the same tp and dp; without globs the layers
+    split evenly, the first stages taking the remainder."""
+    import json
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(PIPELINE_PLAN.replace("SCHEDULE", "1f1b").replace("MICRO", "4").replace("VIRTUAL", "1"))
+    code, out, err = cli("explain", str(path), "--model", "qwen3-8b", "--pp", 2, "--tp", 2, "--format", "json")
+    assert code == 0, err
+    found = json.loads(out)
+    stages = found["stages"]
+    assert [s["layers"] for s in stages] == [list(range(18)), list(range(18, 36))]
+    assert sum(s["parameter_bytes"] for s in stages) == found["per_rank_bytes"]["parameters"]
+    code, out, err = cli("explain", "plans/qwen3.yaml", "--model", "qwen3-8b", "--pp", 8)
+    assert code == 0 and "stage 7 (pp rank 7): layers 32-35" in out and "stage 0 (pp rank 0): layers 0-4" in out, err

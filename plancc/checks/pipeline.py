@@ -17,7 +17,9 @@ is layers 0 to 13), not a character class.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+from torch import nn
 
 from ..compiler.globs import ModuleTree
 from ..compiler.plan import PipelineSpec
@@ -95,10 +97,14 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
 
 
 def _decoder_layers(ctx: CheckContext) -> list[str]:
+    return _layer_names(ctx.modules)
+
+
+def _layer_names(modules: Mapping[str, nn.Module]) -> list[str]:
     """The decoder layers' module names, in order: the children of the model's ``layers`` list."""
-    for name in ctx.modules:
-        if name.rsplit(".", 1)[-1] == "layers" and len(list(ctx.modules[name].children())):
-            return [f"{name}.{child}" for child, _ in ctx.modules[name].named_children()]
+    for name, module in modules.items():
+        if name.rsplit(".", 1)[-1] == "layers" and len(list(module.children())):
+            return [f"{name}.{child}" for child, _ in module.named_children()]
     return []
 
 
@@ -161,3 +167,14 @@ def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: lis
             message=f"{len(missing)} decoder layers in no stage, the first {missing[0]}",
             fix="every decoder layer in one stage (a segment [a-b] is the range of layers a..b)",
         )
+
+
+def layers_of_stages(modules: Mapping[str, nn.Module], spec: PipelineSpec) -> list[list[int]]:
+    """The decoder layer indices each of the plan's stage globs matches, in stage order."""
+    tree = ModuleTree(modules)
+    names = _layer_names(modules)
+    position = {name: i for i, name in enumerate(names)}
+    return [
+        sorted({position[n] for pattern in globs for n in _matches(tree, pattern) if n in position})
+        for globs in spec.stages
+    ]

@@ -39,7 +39,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..schedules import SCHEDULE_NAMES, SINGLE, rank_stages
+from ..schedules import SCHEDULE_NAMES, SINGLE, rank_stages, stage_layers
 from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
 
@@ -54,20 +54,6 @@ SCHEDULES: dict[str, Any] = {
     "dualpipev": ScheduleDualPipeV,
 }
 assert tuple(SCHEDULES) == SCHEDULE_NAMES, "every schedule the plan names runs"
-
-
-def stage_layers(layers: int, stages: int) -> list[range]:
-    """Decoder layers per stage, contiguous and in order; the first stages take one more where
-    they do not divide evenly (every layer once)."""
-    if not 1 <= stages <= layers:
-        raise ValueError(f"{stages} pipeline stages for {layers} decoder layers: each stage needs at least one")
-    base, extra = divmod(layers, stages)
-    bounds, start = [], 0
-    for s in range(stages):
-        end = start + base + (1 if s < extra else 0)
-        bounds.append(range(start, end))
-        start = end
-    return bounds
 
 
 class DecoderStage(nn.Module):
