@@ -230,3 +230,43 @@ def checkpoint_across_pp(folder):
         return {"to_whole": to_whole, "to_stages": to_stages, "params": len(ref)}
     finally:
         dist.destroy_process_group()
+
+
+def resume_across_steps(folder):
+    """Two AdamW steps in a row against one step, a save (parameters and AdamW's state), fresh
+    stages and a fresh optimizer loaded from it, and the second step: the same parameters."""
+    import torch
+    import torch.distributed as dist
+
+    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, load_stages, save_stages
+
+    rank, world = init_gloo()
+    try:
+        model, _ = _model_pair("tiny-qwen3", 4)
+        ids = _rows(model.config.vocab_size, 4)
+
+        def trained(stages, optimizer):
+            runner = PipelineRunner(stages, world, microbatches=2)
+            runner.step(ids)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        straight = build_rank_stages(model, rank, world)
+        params = [p for _, m in straight for p in m.parameters()]
+        adamw = torch.optim.AdamW(params, lr=1e-2)
+        trained(straight, adamw)
+        save_stages(f"{folder}/step1", straight, adamw)
+        trained(straight, adamw)
+        fresh_model, _ = _model_pair("tiny-qwen3", 4)
+        with torch.no_grad():
+            for p in fresh_model.parameters():
+                p.add_(1.0)  # not the saved weights
+        resumed = build_rank_stages(fresh_model, rank, world)
+        fresh_adamw = torch.optim.AdamW([p for _, m in resumed for p in m.parameters()], lr=1e-2)
+        load_stages(f"{folder}/step1", resumed, fresh_adamw)
+        trained(resumed, fresh_adamw)
+        diff = max((a - b).abs().max().item() for a, b in zip(params, [p for _, m in resumed for p in m.parameters()]))
+        dist.barrier()
+        return {"diff": diff, "state": len(fresh_adamw.state)}
+    finally:
+        dist.destroy_process_group()

@@ -100,6 +100,18 @@ def test_a_pipeline_checkpoint_resumes_without_stages_and_a_whole_one_into_stage
         assert r["to_whole"] <= 1e-6 and r["to_stages"] == 0.0 and r["params"] > 20, (rank, r)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_pipeline_resumes_with_its_optimizer_state_as_if_never_stopped(tmp_path):
+    """AdamW's moments and step go in the stages' checkpoint by the model's names: a second step
+    after loading equals the second step of the run that went straight on."""
+    from .pipeline_worker import resume_across_steps
+
+    results = launch(resume_across_steps, 2, str(tmp_path))
+    for rank, r in results.items():
+        assert r["diff"] == 0.0 and r["state"] > 0, (rank, r)
+
+
 def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
@@ -229,22 +230,41 @@ class PipelineRunner:
         return loss
 
 
-def stage_state_dict(stages: list[tuple[int, DecoderStage]]) -> dict[str, torch.Tensor]:
-    """The rank's stages' parameters by the model's names (TP and FSDP shards as DTensors)."""
-    return {module.model_names[n]: p for _, module in stages for n, p in module.named_parameters()}
+def stage_state_dict(
+    stages: list[tuple[int, DecoderStage]], optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """The rank's stages' parameters by the model's names (TP and FSDP shards as DTensors), and
+    with an ``optimizer`` its state per parameter under ``optimizer.{name}.{key}`` (AdamW's
+    moments and step): keys that mean the same at any pp."""
+    params = {module.model_names[n]: p for _, module in stages for n, p in module.named_parameters()}
+    state: dict[str, Any] = dict(params)
+    if optimizer is not None:
+        for name, p in params.items():
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    state[f"optimizer.{name}.{key}"] = value
+    return state
 
 
-def save_stages(checkpoint: str, stages: list[tuple[int, DecoderStage]]) -> None:
-    """A DCP checkpoint of every rank's stages, keyed by the model's parameter names: it loads at
-    another pp, or into the whole model (``torch.distributed.checkpoint.load`` of its state dict)."""
-    dcp.save(stage_state_dict(stages), checkpoint_id=checkpoint)
+def save_stages(
+    checkpoint: str, stages: list[tuple[int, DecoderStage]], optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """A DCP checkpoint of every rank's stages (and their optimizer state), keyed by the model's
+    parameter names: it loads at another pp, or into the whole model (its parameters under their
+    names: ``torch.distributed.checkpoint.load`` of its state dict)."""
+    dcp.save(stage_state_dict(stages, optimizer), checkpoint_id=checkpoint)
 
 
-def load_stages(checkpoint: str, stages: list[tuple[int, DecoderStage]]) -> None:
-    """The rank's stages' parameters from a DCP checkpoint keyed by the model's names (written
-    by ``save_stages`` at any pp, or from a whole model's state dict), in place."""
+def load_stages(
+    checkpoint: str, stages: list[tuple[int, DecoderStage]], optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """The rank's stages' parameters (and ``optimizer``'s state, created first where the optimizer
+    has none: torch's zero-gradient, zero-lr step) from a DCP checkpoint keyed by the model's
+    names, written by ``save_stages`` at any pp or from a whole model's state dict; in place."""
+    if optimizer is not None:
+        _init_optim_state(optimizer)
     with torch.no_grad():
-        dcp.load(stage_state_dict(stages), checkpoint_id=checkpoint)
+        dcp.load(stage_state_dict(stages, optimizer), checkpoint_id=checkpoint)
 
 
 def shard_stages(stages: list[tuple[int, DecoderStage]], dp_mesh: DeviceMesh) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from ..compiler.globs import generalize
 from ..compiler.plan import PipelineSpec
 from ..schedules import rank_stages, stage_layers
-from .explain import Explanation
+from .explain import Explanation, human_bytes
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -70,8 +70,6 @@ def rank_of_stage(spec: PipelineSpec | None, pp: int) -> dict[int, int]:
 
 
 def render_stages(found: list[StageBytes], ranks: dict[int, int]) -> str:
-    from .explain import human_bytes
-
     lines = ["", "pipeline stages (per rank: fp32 masters; gradients; AdamW state twice the gradients):"]
     for s in found:
         span = f"layers {s.layers[0]}-{s.layers[-1]}" if s.layers else "no layers"
