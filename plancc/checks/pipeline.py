@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
-from ..compiler.globs import ModuleTree
+from ..compiler.globs import ModuleTree, glob_problem
 from ..compiler.plan import PipelineSpec
 from ..schedules import schedule_problem
 from .context import CheckContext, Problem, text_config
@@ -137,6 +137,15 @@ def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: lis
     owner: dict[str, int] = {}
     last_seen = -1
     for stage, (globs, loc) in enumerate(zip(spec.stages, spec.stage_locs, strict=True)):
+        for pattern in globs:
+            why = glob_problem(pattern)
+            if why is not None or not _matches(tree, pattern):
+                shapes = ", ".join(tree.suggest(pattern)) or "model.layers.[0-13]"
+                yield Problem(
+                    loc=loc,
+                    message=f"stage {stage}'s glob {pattern!r} " + (why or "matches no module of this model"),
+                    fix=f"a module glob, e.g. {shapes}",
+                )
         names = [n for pattern in globs for n in _matches(tree, pattern)]
         mine = sorted({position[n] for n in names if n in position})
         for index in mine:
