@@ -137,16 +137,17 @@ def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: lis
     owner: dict[str, int] = {}
     last_seen = -1
     for stage, (globs, loc) in enumerate(zip(spec.stages, spec.stage_locs, strict=True)):
+        names: list[str] = []
         for pattern in globs:
-            why = glob_problem(pattern)
-            if why is not None or not _matches(tree, pattern):
+            why, found = glob_problem(pattern), _matches(tree, pattern)
+            if why is not None or not found:
                 shapes = ", ".join(tree.suggest(pattern)) or "model.layers.[0-13]"
                 yield Problem(
                     loc=loc,
                     message=f"stage {stage}'s glob {pattern!r} " + (why or "matches no module of this model"),
                     fix=f"a module glob, e.g. {shapes}",
                 )
-        names = [n for pattern in globs for n in _matches(tree, pattern)]
+            names += found
         mine = sorted({position[n] for n in names if n in position})
         for index in mine:
             if layers[index] in owner:
