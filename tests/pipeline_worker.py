@@ -270,3 +270,105 @@ def resume_across_steps(folder):
         return {"diff": diff, "state": len(fresh_adamw.state)}
     finally:
         dist.destroy_process_group()
+
+
+def policy_calls(folder):
+    """``Policy`` with pipeline stages beyond ``train``: log-probs against the unsharded model,
+    the reference's after a step (the initial weights'), weights out, and a save loaded at pp=2
+    and at pp=1."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.engine.build import seeded_model
+    from plancc.engine.losses import token_nll
+    from plancc.models import load_config
+    from plancc.runtime.logprobs import token_logprobs
+
+    from .policy_worker import global_batch, nll
+
+    init_gloo()
+    try:
+        adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", pp=2, reference=True, optimizer=adamw)
+        config = load_config("tiny-qwen3")
+        batch = global_batch(4, config.vocab_size)
+        mask = batch["attention_mask"].bool()
+        whole = seeded_model(config, 0)
+        with torch.no_grad():
+            want = token_logprobs(whole, batch["input_ids"], attention_mask=batch["attention_mask"])
+        before = policy.logprobs(batch)
+        lp_diff = (before - want)[mask].abs().max().item()
+        outside = before[~mask].abs().max().item()  # padding: 0
+        policy.train(batch, nll)
+        after = policy.logprobs(batch)
+        reference = policy.reference_logprobs(batch)
+        names = [name for name, _ in whole.named_parameters()]
+        out = dict(policy.weights())
+        mine = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in policy.model.named_parameters()}
+        weights_diff = max((out[n] - t).abs().max().item() for n, t in mine.items())
+        path = policy.save(folder)
+        again = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", pp=2, seed=1, optimizer=adamw)
+        again.load(folder)
+        resumed = again.logprobs(batch)
+        flat = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, seed=1, optimizer=adamw)
+        info = flat.load(folder)
+        at_pp1 = flat.logprobs(batch)
+        # and a second step on both: the same loss (the optimizer's state came along)
+        second = again.train(batch, token_loss=token_nll)["loss"]
+        second_flat = flat.train({k: v[flat.slice_of(4)] for k, v in batch.items()}, token_loss=token_nll)["loss"]
+        dist.barrier()
+        return {
+            "lp_diff": lp_diff,
+            "outside": outside,
+            "moved": (after - before)[mask].abs().max().item(),
+            "reference": (reference - before).abs().max().item(),
+            "names": list(out) == names,
+            "weights_diff": weights_diff,
+            "saved": path.name,
+            "resumed": (resumed - after).abs().max().item(),
+            "at_pp1": (at_pp1 - after)[mask].abs().max().item(),
+            "step": info.step,
+            "second": abs(second - second_flat),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def legacy_checkpoint(folder):
+    """A checkpoint whose optimizer groups are numbered (as plancc wrote them before keying the
+    optimizer's state by parameter name, for pipeline ranks) still loads: weights and AdamW's
+    moments as saved."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import plancc
+
+    from .policy_worker import global_batch, nll
+
+    init_gloo()
+    try:
+        adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, optimizer=adamw)
+        batch = global_batch(4, 256)
+        policy.train({k: v[policy.slice_of(4)] for k, v in batch.items()}, nll)
+        path = policy.save(folder)
+        model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)  # the numbered form
+        for stale in path.glob("*.distcp"):
+            stale.unlink()
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        numbered = any(k.startswith("optim.param_groups.0.") for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        fresh = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, seed=3, optimizer=adamw)
+        fresh.load(folder)
+        weights = max((a - b).abs().max().item() for a, b in zip(policy._shards(), fresh._shards(), strict=True))
+        moments = max(
+            (policy.optimizer.state[p]["exp_avg"] - fresh.optimizer.state[q]["exp_avg"]).abs().max().item()
+            for p, q in zip(policy.model.parameters(), fresh.model.parameters(), strict=True)
+        )
+        lr = fresh.optimizer.param_groups[0]["betas"]
+        dist.barrier()
+        return {"numbered": numbered, "weights": weights, "moments": moments, "betas": list(lr)}
+    finally:
+        dist.destroy_process_group()

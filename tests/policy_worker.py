@@ -146,7 +146,11 @@ def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=N
 def _update_error(before, after, want):
     """(worst difference of the sharded and the exact update of one parameter relative to the
     norm of the whole exact update, that parameter, and the same relative to its own update)."""
-    deltas = {name: (after[name] - before[name], w - before[name]) for name, w in want.items() if name in after}
+    deltas = {
+        name: (after[name] - before[name], w - before[name])
+        for name, w in want.items()
+        if name in after and name in before
+    }
     whole = max(sum(float(ref.norm()) ** 2 for _, ref in deltas.values()) ** 0.5, 1e-12)
     worst, where, own = 0.0, "", 0.0
     for name, (got, ref) in deltas.items():
@@ -162,7 +166,7 @@ def _own_errors(before, after, want):
         name: float(((after[name] - before[name]) - (w - before[name])).norm())
         / max(float((w - before[name]).norm()), 1e-12)
         for name, w in want.items()
-        if name in after
+        if name in after and name in before
     }
 
 
@@ -187,12 +191,15 @@ def _recording_sgd(params):
     return RecordingSGD(params, lr=LR)
 
 
-def _gradient_verdict(got, exact, fp32):
+def _gradient_verdict(got, exact, fp32, owned=None):
     """Every parameter's gradient against the exact one, relative to its own size: within 1e-5,
     or where the unsharded fp32 model on the same microbatches misses that itself, within 4x its
-    distance. Returns (worst error / its bar, that parameter, its error, its bar, parameters)."""
+    distance. Returns (worst error / its bar, that parameter, its error, its bar, parameters).
+    ``owned``: the parameters this rank holds (a pipeline rank: its stages'), default all."""
     worst = (0.0, "", 0.0, 0.0)
     for name, want in exact.items():
+        if owned is not None and name not in owned:  # a parameter of another pipeline rank's stages
+            continue
         want = want.double()
         scale = max(float(want.norm()), 1e-30)
         error = float((got[name].double() - want).norm()) / scale
@@ -262,7 +269,9 @@ def train_cases(plan, model_name, layout_kwargs, cases):
                 "cutting": cutting,
                 "loss_diff": abs(metrics["loss"] - want_loss) / max(1.0, abs(want_loss)),
                 "grad_norm_diff": abs(metrics["grad_norm"] - want_norm) / want_norm,
-                "gradient": _gradient_verdict(policy.optimizer.gradients, exact_grads, fp32_grads),
+                "gradient": _gradient_verdict(
+                    policy.optimizer.gradients, exact_grads, fp32_grads, set(policy.optimizer.names)
+                ),
                 "update_diff": error,
                 "worst_parameter": where,
                 "worst_parameter_own": own,

@@ -234,3 +234,32 @@ def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli,
     assert sum(s["parameter_bytes"] for s in stages) == found["per_rank_bytes"]["parameters"]
     code, out, err = cli("explain", "plans/qwen3.yaml", "--model", "qwen3-8b", "--pp", 8)
     assert code == 0 and "stage 7 (pp rank 7): layers 32-35" in out and "stage 0 (pp rank 0): layers 0-4" in out, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_the_whole_model(tmp_path):
+    """``Policy(pp=2)``: log-probs equal the unsharded model's (0 at padding); after a step the
+    reference's are the initial weights' bit for bit; ``weights()`` yields every parameter of the
+    whole model in its order; a save loads at pp=2 bit for bit and at pp=1 (dp=2) within fp32,
+    and the next step's loss agrees (the optimizer's state came along)."""
+    from .distributed import launch
+    from .pipeline_worker import policy_calls
+
+    results = launch(policy_calls, 2, str(tmp_path / "ckpt"))
+    for rank, r in results.items():
+        assert r["lp_diff"] <= 1e-5 and r["outside"] == 0.0, (rank, r)
+        assert r["moved"] > 1e-3 and r["reference"] == 0.0, (rank, r)
+        assert r["names"] and r["weights_diff"] == 0.0, (rank, r)
+        assert r["step"] == 1 and r["resumed"] == 0.0 and r["at_pp1"] <= 1e-5, (rank, r)
+        assert r["second"] <= 1e-5, (rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_checkpoint_with_numbered_optimizer_groups_still_loads(tmp_path):
+    from .pipeline_worker import legacy_checkpoint
+
+    for rank, r in launch(legacy_checkpoint, 2, str(tmp_path / "ckpt")).items():
+        assert r["numbered"] and r["weights"] == 0.0 and r["moments"] == 0.0, (rank, r)
+        assert r["betas"] == [0.9, 0.999], (rank, r)

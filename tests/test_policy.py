@@ -59,6 +59,22 @@ LAYOUTS = [
     pytest.param(
         2, "plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, _cases([ONE, BUDGET], ["grpo", "grpo_tokens"]), id="ep2"
     ),
+    # pipeline stages (engine.pipelined): rows of every length unpadded, one schedule step a
+    # length, each rank comparing the parameters of its own stages
+    pytest.param(
+        2,
+        "plans/qwen3.yaml",
+        "tiny-qwen3",
+        {"pp": 2},
+        _cases([ONE, UNEVEN, BUDGET]) + _cases([ONE], ["grpo_tokens"]),
+        id="pp2",
+    ),
+    pytest.param(
+        4, "plans/qwen3.yaml", "tiny-qwen3", {"pp": 2, "tp": 2}, _cases([BUDGET], ["grpo", "grpo_tokens"]), id="pp2xtp2"
+    ),
+    pytest.param(
+        4, "plans/qwen3.yaml", "tiny-qwen3", {"pp": 2, "dp": 2}, _cases([UNEVEN], ["grpo", "nll_tokens"]), id="pp2xdp2"
+    ),
 ]
 
 

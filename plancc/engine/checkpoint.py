@@ -57,6 +57,8 @@ from .checkpoint_error import refusal as _error
 
 META = "plancc.json"
 LATEST = "latest"
+# checkpoints written before the optimizer state went by parameter name number its groups
+_NUMBERED_GROUPS = re.compile(r"^optim\.param_groups\.\d+\.")
 LOCK = ".lock"
 _STEP_NAME = re.compile(r"^step-\d{6,}$")
 
@@ -231,7 +233,7 @@ def save(
     ``files``: text files of the caller's (a run file) written into the step, published with it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from ..runtime.weights import refuse_non_finite_weights
 
@@ -247,7 +249,9 @@ def save(
 
     # rank 0's file work ends in an agreement, not a barrier: its failure is every rank's at once
     on_rank0(make_folders, fail=lambda why: _error(final, f"saving step {info.step} failed: {why}", intact))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # the optimizer's state and groups keyed by parameter name: a pipeline rank's groups hold
+    # other parameters than another's, and groups numbered 0.. on every rank would collide
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -478,25 +482,33 @@ def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shape
 
 
 def load(
-    root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, architecture: str, plan: str
+    root: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    architecture: str,
+    plan: str,
+    shapes: dict[str, list[int]] | None = None,
 ) -> CheckpointInfo:
-    """Collective: load model and optimizer state saved at any layout into this one."""
+    """Collective: load model and optimizer state saved at any layout into this one. ``shapes``:
+    the whole model's parameter shapes, where ``model`` holds only some of them (a pipeline
+    rank's stages); default ``model``'s own."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from .checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
 
     step_dir = agreed_find(root)
     info = read_info(step_dir)
-    compatible(info, step_dir, architecture=architecture, shapes=parameter_shapes(model))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    compatible(info, step_dir, architecture=architecture, shapes=shapes or parameter_shapes(model))
+    reader = SafeFileSystemReader(str(step_dir))
+    # checkpoints before the optimizer state went by name number its groups (optim.param_groups.0...)
+    numbered = any(_NUMBERED_GROUPS.match(key) for key in reader.read_metadata().state_dict_metadata)
+    options = StateDictOptions(flatten_optimizer_state_dict=not numbered)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     try:  # DCP loads in place, into the tensors of these two state dicts
-        dcp.load(
-            {"model": model_sd, "optim": optim_sd},
-            storage_reader=SafeFileSystemReader(str(step_dir)),
-            planner=SafeLoadPlanner(),
-        )
+        dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP reports mismatches deep inside; say what it means
@@ -508,7 +520,7 @@ def load(
             f"checkpoint does not fit this model/plan or is damaged: {_first_line(exc)}",
             f"resume with the plan the checkpoint was saved with ({info.plan}), or from another step",
         ) from None
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     return info
 
 

@@ -24,7 +24,6 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,35 +60,23 @@ from .batches import (
 from .build import build_parallel_model
 from .channel import WeightChannel
 from .export import export_hf
+from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_temperature: public here too
+    MIN_TEMPERATURE,
+    LossFn,
+    NonFiniteError,
+    Norm,
+    TokenLoss,
+    call_loss,
+    check_temperature,
+)
 from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_mesh
+from .pipelined import PipelinePolicy
 from .resume import load_state, save_state
 from .transport import WeightTransport
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
-# (log-probs [n], every field at those n tokens, norm) -> loss, or (loss, metrics)
-TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], Any]
-
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-# the coldest temperature whose log-probs are finite: fp32 logits of ~1e3 times 1/t stay far
-# below fp32's 3e38 (at 1e-40, 1/t itself is inf in fp32 and every log-prob NaN)
-MIN_TEMPERATURE = 1e-6
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
-
-
-@dataclass(frozen=True, slots=True)
-class Norm:
-    """The normalizers of one global batch, the same on every rank: ``tokens`` is the sum of
-    ``token_mask`` (default: every attended position after the first) and ``sequences`` the
-    rows with ``sample_mask`` (default: every row), over every data-parallel rank's slice.
-
-    Why global: a loss normalized per microbatch or per rank (``mean`` over what it sees) weighs
-    a token by how many tokens happen to share its microbatch, so gradient accumulation and data
-    parallelism change the gradient. Divide by ``norm.tokens`` (or ``norm.sequences``) and every
-    microbatch's loss is its exact share of the global batch's loss."""
-
-    tokens: float
-    sequences: float
 
 
 class Policy:
@@ -113,6 +100,20 @@ class Policy:
     (and hold optimizer state), the base is frozen and is the reference (adapters disabled:
     no second copy); weights go out merged, or as the adapters alone (``adapters_only=True``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # a layout with pipeline stages: the same calls over a rank's stages (engine.pipelined)
+        layout, pp = kwargs.get("layout"), kwargs.pop("pp", 1)
+        if cls is Policy and pp > 1 and layout is None:  # the shorthand: Policy(..., pp=2, tp=2)
+            init_process_group(kwargs.get("device") or default_device_type(), kwargs.get("timeout_s", 600.0))
+            sizes = {k: kwargs.pop(k) for k in ("dp", "cp", "tp", "ep") if k in kwargs}
+            sp = kwargs.pop("sp", False)
+            layout = kwargs["layout"] = Layout.infer(
+                world_size=dist.get_world_size(), pp=pp, sequence_parallel=sp, **sizes
+            )
+        if cls is Policy and isinstance(layout, Layout) and layout.pp > 1:
+            return PipelinePolicy(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -327,7 +328,7 @@ class Policy:
             fields["entropy"] = ent
         problem = ""
         try:
-            loss, metrics = _call_loss(loss_fn, lp, fields, norm, index)
+            loss, metrics = call_loss(loss_fn, lp, fields, norm, index)
         except BatchError as exc:  # the step is refused after the loop, on every rank
             problem = str(exc)
             loss, metrics = (lp * 0).sum(), {}  # the passes every rank runs; its gradient is dropped
@@ -732,26 +733,6 @@ class Policy:
                     param.copy_(value)
 
 
-def _call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:
-    """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails or is not a
-    scalar (a non-finite one is backpropagated first, then refused: ``_raise_non_finite``)."""
-    try:
-        result = loss_fn(lp, fields, norm)
-    except KeyError as exc:
-        raise BatchError(
-            f"microbatch {index}: the loss reads field {exc} that the batch lacks (fields: {sorted(fields)})"
-        ) from None
-    except Exception as exc:  # the caller's code: say where it failed, on every rank
-        raise BatchError(f"microbatch {index}: the loss raised {type(exc).__name__}: {exc}") from None
-    loss, metrics = result if isinstance(result, tuple) else (result, {})
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
-    # a tensor metric stays where it is (summed there, read once per step)
-    kept = {k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v) for k, v in dict(metrics).items()}
-    return loss.reshape(()), kept
-
-
 class _TokenTerms:
     """A ``token_loss`` as the fused evaluator calls it, once per chunk of tokens: each chunk's
     fields sliced out, its metrics summed, and a refusal (the caller's function failed) noted
@@ -767,7 +748,7 @@ class _TokenTerms:
         if not self.problem:
             fields = {name: value[index] for name, value in self.tokens.items()}
             try:
-                loss, metrics = _call_loss(self.fn, lp, fields, self.norm, self.microbatch)
+                loss, metrics = call_loss(self.fn, lp, fields, self.norm, self.microbatch)
             except BatchError as exc:
                 self.problem = str(exc)
             else:
@@ -806,32 +787,3 @@ def agreed_names(names: list[str], summed: Sequence[float]) -> list[str]:
 def _raise_if(problem: str) -> None:
     if problem:
         raise BatchError(problem)
-
-
-def check_temperature(temperature: float) -> None:
-    """The one rule for a sampling temperature, in ``train``, ``logprobs`` and
-    ``reference_logprobs`` alike: a finite number above 0 (0 is greedy decoding, which has no
-    log-probs; an infinite one makes every token equally likely)."""
-    if not isinstance(temperature, int | float) or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature {temperature!r} is not a sampling temperature: it must be finite and > 0")
-    if temperature < MIN_TEMPERATURE:
-        raise ValueError(
-            f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: fp32 logits divided by it overflow "
-            "(log-probs NaN); a sampler that cold is greedy decoding, which has no log-probs"
-        )
-
-
-class NonFiniteError(ArithmeticError):
-    """A training step whose loss or gradient norm is not finite: the optimizer did not step.
-
-    Divergence, not bad input: not a ``BatchError`` (it used to be one), so a caller
-    catching bad batches does not swallow it. ``except (BatchError, NonFiniteError)`` catches
-    both."""
-
-    def __init__(self, *, loss: float, grad_norm: float, microbatch: int | None, parameter: str | None) -> None:
-        self.loss, self.grad_norm, self.microbatch, self.parameter = loss, grad_norm, microbatch, parameter
-        where = f" (from microbatch {microbatch} on this rank)" if microbatch is not None else ""
-        first = f"; first non-finite gradient: {parameter}" if parameter else ""
-        super().__init__(
-            f"not finite: loss {loss:.6g}, gradient norm {grad_norm:.6g}{where}{first}; the optimizer did not step"
-        )

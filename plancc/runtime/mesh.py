@@ -153,16 +153,16 @@ def build_mesh(
             f"the layout {layout.describe()} has {layout.world_size} ranks, the process group {world}",
             "build the layout with Layout.infer",
         )
-    if layout.pp > 1:
-        raise LayoutError.from_message(
-            f"pp={layout.pp}: pipeline stages run through plancc.runtime.pipeline, which apply and Policy "
-            "do not drive yet",
-            "drop --pp (docs/pipeline.md says what runs)",
-        )
     device_type = device_type or default_device_type()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-    mesh = init_device_mesh(device_type, (layout.dp, layout.cp, layout.tp), mesh_dim_names=AXES)
+    # pipeline ranks outermost (their traffic is the lightest: one activation a microbatch);
+    # within a stage the (dp, cp, tp) mesh every other part of plancc slices by name
+    sizes: tuple[int, ...] = (layout.dp, layout.cp, layout.tp)
+    names: tuple[str, ...] = AXES
+    if layout.pp > 1:
+        sizes, names = (layout.pp, *sizes), ("pp", *names)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
     dp_cp_mesh(mesh)  # create the flattened axis on every rank now: it is collective
     return _with_experts(layout, mesh)
 

@@ -57,38 +57,73 @@ SCHEDULES: dict[str, Any] = {
 assert tuple(SCHEDULES) == SCHEDULE_NAMES, "every schedule the plan names runs"
 
 
-class DecoderStage(nn.Module):
-    """One pipeline stage of a transformers causal LM: ``input_ids`` -> hidden states on the
-    first stage, hidden states -> hidden states in between, -> logits on the last."""
+class _DecoderPart(nn.Module):
+    """The modules of a transformers decoder (``model.model``) that a stage holds, under their
+    own names: ``layers`` keyed by the model's layer index, so a stage's parameter names are the
+    model's (``model.layers.7.mlp.up_proj.weight`` on whichever stage holds layer 7)."""
 
-    def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool) -> None:
+    def __init__(self, decoder: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        decoder: Any = getattr(model, "model", model)
-        self.first, self.last = first, last
         self.embed_tokens = decoder.embed_tokens if first else None
-        self.layers = nn.ModuleList(decoder.layers[i] for i in layers)
+        self.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
         self.rotary_emb = decoder.rotary_emb
         self.norm = decoder.norm if last else None
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a transformers causal LM: ``input_ids`` -> hidden states on the
+    first stage, hidden states -> hidden states in between, -> logits on the last. Its modules
+    sit at the model's names (``model.layers.N``, ``lm_head``): checkpoints, Hugging Face folders
+    and the plan's globs name a stage's parameters as they name the whole model's."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.model = _DecoderPart(getattr(model, "model", model), layers, first=first, last=last)
         self.lm_head = getattr(model, "lm_head", None) if last else None
-        # the model's name of each of the stage's parameters: checkpoints are keyed by them, so a
-        # run resumes at another pp (or none)
+        # the model's name of each of the stage's parameters (the same names, by construction)
         named = {id(p): n for n, p in model.named_parameters()}
         self.model_names = {n: named[id(p)] for n, p in self.named_parameters()}
 
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.model.layers.values())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        part = self.model
+        hidden = part.embed_tokens(x) if part.embed_tokens is not None else x
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        rotary = self.rotary_emb(hidden, positions)
-        for layer in self.layers:
+        rotary = part.rotary_emb(hidden, positions)
+        for layer in part.layers.values():
             out = layer(
                 hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False
             )
             hidden = out[0] if isinstance(out, tuple) else out
-        if self.norm is not None:
-            hidden = self.norm(hidden)
+        if part.norm is not None:
+            hidden = part.norm(hidden)
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
         return hidden
+
+
+class RankStages(nn.Module):
+    """Every stage a rank holds as one module at the model's names (for a V schedule the first
+    and the last stage together): what its checkpoints, weights and optimizer state are keyed
+    by, the same keys a whole model's state dict has."""
+
+    def __init__(self, stages: Sequence[DecoderStage]) -> None:
+        super().__init__()
+        first = next((s for s in stages if s.first), None)
+        last = next((s for s in stages if s.last), None)
+        layers = {name: layer for s in stages for name, layer in s.model.layers.items()}
+        part = _DecoderPart.__new__(_DecoderPart)
+        nn.Module.__init__(part)
+        part.embed_tokens = first.model.embed_tokens if first is not None else None
+        part.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
+        part.rotary_emb = stages[0].model.rotary_emb
+        part.norm = last.model.norm if last is not None else None
+        self.model = part
+        self.lm_head = last.lm_head if last is not None else None
 
 
 def build_stage(model: nn.Module, stage: int, stages: int) -> DecoderStage:
@@ -163,6 +198,7 @@ class PipelineRunner:
         self.group = group or dist.group.WORLD
         self.microbatches, self.schedule_name = microbatches, schedule
         self.device = device or next(stages[0][1].parameters()).device
+        self.inferring = False  # inside torch's shape inference (``run``'s loss wrapper says why)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, module in self.stages for p in module.parameters()]
@@ -199,9 +235,7 @@ class PipelineRunner:
         loss = torch.zeros((), device=self.device)
         for length in sorted(by_length):
             same = by_length[length]
-            schedule = self.schedule_name
-            if len(same) < self.pp:  # too few for a 1F1B steady state: breadth first
-                schedule = "gpipe" if self.schedule_name in SINGLE else "looped_bfs"
+            schedule = self.breadth_first(len(same))  # too few for a 1F1B steady state: breadth first
             loss = loss + self._run(torch.stack(same), total, data_parallel, schedule, len(same))
         return loss
 
@@ -209,25 +243,96 @@ class PipelineRunner:
         self, input_ids: torch.Tensor, total: int, data_parallel: int, name: str, microbatches: int
     ) -> torch.Tensor:
         targets = next_token_targets(input_ids)
+        loss_fn = global_token_loss(total, float(data_parallel))
+        losses = self.run(input_ids, targets, loss_fn, schedule=name, microbatches=microbatches)
+        loss = torch.stack(losses).sum().detach() / data_parallel if losses else None
+        return self.from_last_stage(loss)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(i == self.total - 1 for i, _ in self.stages)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        schedule: str,
+        microbatches: int,
+        forward_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """One schedule step over ``input_ids`` [B, S] cut into ``microbatches`` along B, with
+        ``loss_fn(last stage's output, target's rows of the microbatch)``; ``schedule`` one of
+        the plan's, or ``looped_bfs`` (breadth first, several stages a rank). ``forward_only``:
+        no backward (the loss function still sees every microbatch's output). Returns the last
+        stage's losses, one per microbatch, on the rank that holds it ([] elsewhere)."""
         pipe = [PipelineStage(m, i, self.total, self.device, group=self.group) for i, m in self.stages]
-        kind = SCHEDULES.get(name, ScheduleLoopedBFS)  # looped_bfs: few rows for several stages a rank
-        schedule = kind(
-            pipe[0] if name in SINGLE else pipe,
-            n_microbatches=microbatches,
-            loss_fn=global_token_loss(total, float(data_parallel)),
-            scale_grads=False,
+        kind = SCHEDULES.get(schedule, ScheduleLoopedBFS)
+        runner: Any = None
+
+        def real(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # torch infers a new stage's shapes by one dry forward on empty activations and calls
+            # the loss on its output (for the input gradients' shapes only): that call is marked,
+            # so that a loss which records what it saw skips it
+            self.inferring = not _initialized(runner, forward_only)
+            try:
+                return loss_fn(output, target)
+            finally:
+                self.inferring = False
+
+        runner = kind(
+            pipe[0] if schedule in SINGLE else pipe, n_microbatches=microbatches, loss_fn=real, scale_grads=False
         )
         held = [i for i, _ in self.stages]
-        first, last = 0 in held, self.total - 1 in held
         losses: list[torch.Tensor] = []
-        args = (input_ids.to(self.device),) if first else ()
-        schedule.step(*args, target=targets.to(self.device) if last else None, losses=losses)
-        loss = torch.stack(losses).sum().detach() / data_parallel if last else torch.zeros((), device=self.device)
-        # every rank reports the step's loss: the last stage's rank has it
-        holder = torch.tensor([dist.get_rank(self.group) if last else -1], device=self.device)
+        args = (input_ids.to(self.device),) if 0 in held else ()
+        last_target = target.to(self.device) if self.holds_last else None
+        if forward_only:
+            runner.eval(*args, target=last_target, losses=losses)
+            return losses
+        # torch clears the FSDP stages' gradients after a new stage's shape inference (its dry
+        # backward accumulates into them): a step of several schedule steps (one per length of
+        # RL's rows) keeps what the earlier ones accumulated aside, and adds it back after
+        params = self.parameters()
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        runner.step(*args, target=last_target, losses=losses)
+        for p, earlier in zip(params, kept, strict=True):
+            if earlier is not None:
+                p.grad = earlier if p.grad is None else earlier.add_(p.grad)
+        return losses
+
+    def breadth_first(self, microbatches: int) -> str:
+        """The schedule a step of ``microbatches`` runs: the plan's, or breadth first where there
+        are too few for its steady state (GPipe, or looped BFS for several stages a rank)."""
+        if microbatches >= self.pp:
+            return self.schedule_name
+        return "gpipe" if self.schedule_name in SINGLE else "looped_bfs"
+
+    def from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
+        """``value`` (a tensor the last stage's rank computed; None elsewhere) on every rank of
+        the pipeline: that rank is found by an all-reduce, then broadcasts it."""
+        holder = torch.tensor([dist.get_rank(self.group) if self.holds_last else -1], device=self.device)
         dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
-        dist.broadcast(loss, group_src=int(holder.item()), group=self.group)
-        return loss
+        meta = torch.tensor(list(value.shape) if value is not None else [], dtype=torch.int64, device=self.device)
+        dims = torch.tensor([meta.numel()], device=self.device)
+        dist.broadcast(dims, group_src=int(holder.item()), group=self.group)
+        shape = torch.zeros(int(dims.item()), dtype=torch.int64, device=self.device) if value is None else meta
+        dist.broadcast(shape, group_src=int(holder.item()), group=self.group)
+        out = value if value is not None else torch.zeros(shape.tolist(), device=self.device)
+        out = out.float().contiguous()
+        dist.broadcast(out, group_src=int(holder.item()), group=self.group)
+        return out
+
+
+def _initialized(schedule: Any, forward_only: bool) -> bool:
+    """Whether torch's schedule has inferred its stages' shapes (its own flags: the single-stage
+    schedules name them ``_stage_*``, the multi-stage ones ``_stages_*``)."""
+    forward = getattr(schedule, "_stage_forward_initialized", getattr(schedule, "_stages_forward_initialized", True))
+    backward = getattr(schedule, "_stage_backward_initialized", getattr(schedule, "_stages_backward_initialized", True))
+    return bool(forward) and (forward_only or bool(backward))
 
 
 def stage_state_dict(

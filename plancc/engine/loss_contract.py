@@ -1,0 +1,86 @@
+"""The contract between ``Policy.train`` and a caller's loss, shared by the engine with and
+without pipeline stages: the global batch's normalizers (``Norm``), how a loss is called and
+refused (``call_loss``), the sampling temperature's rule, and the error of a diverged step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .batches import BatchError
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
+# (log-probs [n], every field at those n tokens, norm) -> loss, or (loss, metrics)
+TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], Any]
+
+# the coldest temperature whose log-probs are finite: fp32 logits of ~1e3 times 1/t stay far
+# below fp32's 3e38 (at 1e-40, 1/t itself is inf in fp32 and every log-prob NaN)
+MIN_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Norm:
+    """The normalizers of one global batch, the same on every rank: ``tokens`` is the sum of
+    ``token_mask`` (default: every attended position after the first) and ``sequences`` the
+    rows with ``sample_mask`` (default: every row), over every data-parallel rank's slice.
+
+    Why global: a loss normalized per microbatch or per rank (``mean`` over what it sees) weighs
+    a token by how many tokens happen to share its microbatch, so gradient accumulation and data
+    parallelism change the gradient. Divide by ``norm.tokens`` (or ``norm.sequences``) and every
+    microbatch's loss is its exact share of the global batch's loss."""
+
+    tokens: float
+    sequences: float
+
+
+def call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:
+    """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails or is not a
+    scalar (a non-finite one is backpropagated first, then refused: ``_raise_non_finite``)."""
+    try:
+        result = loss_fn(lp, fields, norm)
+    except KeyError as exc:
+        raise BatchError(
+            f"microbatch {index}: the loss reads field {exc} that the batch lacks (fields: {sorted(fields)})"
+        ) from None
+    except Exception as exc:  # the caller's code: say where it failed, on every rank
+        raise BatchError(f"microbatch {index}: the loss raised {type(exc).__name__}: {exc}") from None
+    loss, metrics = result if isinstance(result, tuple) else (result, {})
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
+    # a tensor metric stays where it is (summed there, read once per step)
+    kept = {k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v) for k, v in dict(metrics).items()}
+    return loss.reshape(()), kept
+
+
+def check_temperature(temperature: float) -> None:
+    """The one rule for a sampling temperature, in ``train``, ``logprobs`` and
+    ``reference_logprobs`` alike: a finite number above 0 (0 is greedy decoding, which has no
+    log-probs; an infinite one makes every token equally likely)."""
+    if not isinstance(temperature, int | float) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature {temperature!r} is not a sampling temperature: it must be finite and > 0")
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature {temperature!r} is below {MIN_TEMPERATURE:g}: fp32 logits divided by it overflow "
+            "(log-probs NaN); a sampler that cold is greedy decoding, which has no log-probs"
+        )
+
+
+class NonFiniteError(ArithmeticError):
+    """A training step whose loss or gradient norm is not finite: the optimizer did not step.
+
+    Divergence, not bad input: not a ``BatchError`` (it used to be one), so a caller
+    catching bad batches does not swallow it. ``except (BatchError, NonFiniteError)`` catches
+    both."""
+
+    def __init__(self, *, loss: float, grad_norm: float, microbatch: int | None, parameter: str | None) -> None:
+        self.loss, self.grad_norm, self.microbatch, self.parameter = loss, grad_norm, microbatch, parameter
+        where = f" (from microbatch {microbatch} on this rank)" if microbatch is not None else ""
+        first = f"; first non-finite gradient: {parameter}" if parameter else ""
+        super().__init__(
+            f"not finite: loss {loss:.6g}, gradient norm {grad_norm:.6g}{where}{first}; the optimizer did not step"
+        )

@@ -1,0 +1,693 @@
+"""``plancc.Policy`` with pipeline stages (``Layout(pp=N)``): the same calls -- ``train`` with any
+loss at global normalization, ``logprobs``, ``reference_logprobs``, ``weights``, ``save`` /
+``load`` -- over a rank's stages and torch's schedules (``runtime.pipeline``).
+
+How a step runs. Each rank holds the stages its schedule gives it (``plancc.schedules``), cut
+from the model after the plan's TP styles and before FSDP2, which shards each stage over the
+data-parallel ranks with the plan's units. The rows of this rank's slice are unpadded and
+grouped by length: one schedule step per length, its rows cut into microbatches of equal shape
+(a stage's shapes are fixed within a step, pytorch#159942, not across steps). RL's long-tailed
+rows therefore cost one pipeline fill and drain per distinct length, never padding
+(``bench/pipeline_uneven.py`` measures it). The loss function runs on the last stage, on the
+log-probs of its microbatch's rows, and its value is the microbatch's share of the *global*
+batch's loss (``Norm``, as ``Policy``): the schedule does not scale gradients, so the gradients
+are the whole batch's in one pass. The last stage's results (losses, metrics, log-probs) reach
+every rank of the pipeline by one broadcast.
+
+Not yet (refused with the reason): context and sequence parallelism, expert parallelism, LoRA
+and packing under pp.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+from transformers import PretrainedConfig
+
+from ..compiler.plan import PipelineSpec, Plan, load_plan
+from ..compiler.resolve import resolve_plan
+from ..layout import Layout, LayoutError
+from ..models import MASTER_DTYPE, architecture_of, build_model, load_config
+from ..runtime.activation_checkpointing import apply_activation_checkpointing
+from ..runtime.gradient_scale import fsdp_divisor, loss_scale
+from ..runtime.materialize import materialize
+from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
+from ..runtime.parallelize import apply_fsdp, apply_tensor_parallel
+from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, pipeline_grad_norm
+from ..runtime.weights import load_hf_weights
+from ..schedules import rank_stages, stage_layers
+from . import checkpoint
+from .batches import Batch, BatchError, balanced_partition, check_batch, default_token_mask
+from .build import from_folder, seeded_model
+from .loss_contract import NonFiniteError, Norm, call_loss
+from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler
+from .resume import restore_schedule, schedule_state
+
+Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
+
+
+def stage_plan(plan: Plan, layers: int, pp: int) -> tuple[PipelineSpec, list[list[int]]]:
+    """The plan's pipeline section (its defaults without one) and the decoder layers of every
+    stage: the plan's stage globs where it names them (``checks.pipeline`` checked them), else
+    an even split (the first stages one more where the count does not divide)."""
+    spec = plan.pipeline or PipelineSpec()
+    total = pp * spec.virtual_stages_per_rank
+    return spec, [list(r) for r in stage_layers(layers, total)]
+
+
+class PipelinePolicy:
+    """``plancc.Policy`` for a layout with ``pp > 1`` (``Policy(...)`` returns one): see the
+    module's docstring. Its methods are ``Policy``'s, with the limits stated there."""
+
+    def __init__(
+        self,
+        plan: str | Path | Plan,
+        model: str | Path | PretrainedConfig,
+        *,
+        layout: Layout,
+        optimizer: OptimizerSpec = None,
+        lr_scheduler: SchedulerSpec = None,
+        max_grad_norm: float | None = 1.0,
+        param_dtype: torch.dtype | str | None = None,
+        reference: bool = False,
+        lora: Any = None,
+        seed: int = 0,
+        device: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.device = device or default_device_type()
+        init_process_group(self.device, timeout_s)
+        unsupported = [
+            what
+            for what, on in (
+                (f"cp={layout.cp}", layout.cp > 1),
+                (f"ep={layout.ep}", layout.ep > 1),
+                ("sequence parallelism", layout.sequence_parallel),
+                ("LoRA", lora is not None),
+            )
+            if on
+        ]
+        if unsupported:
+            raise LayoutError.from_message(
+                f"pp={layout.pp} with {', '.join(unsupported)}: not supported yet",
+                "drop it, or train without --pp (docs/pipeline.md says what runs)",
+            )
+        self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
+        if self.plan.lora is not None:
+            raise LayoutError.from_message(
+                f"pp={layout.pp} with the plan's lora: section: not supported yet", "train without --pp"
+            )
+        self.source = None if isinstance(model, PretrainedConfig) else str(model)
+        self.config = load_config(model)
+        self.mesh: ParallelMesh = build_mesh(layout, device_type=self.device)
+        self.lora = None
+        dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
+        self._whole, stages = self._build_stages(dtype)
+        self.stages = stages
+        self.model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
+        self.weight_source = self._fill(seed)
+        torch.manual_seed(seed * 1_000_003 + 0x5EED + self.dp_rank)
+        self.optimizer = make_optimizer(optimizer, list(self.model.parameters()))
+        self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
+        self.max_grad_norm = max_grad_norm
+        self.step = 0
+        self._reference = [t.detach().clone() for t in self._shards()] if reference else None
+        spec = self.plan.pipeline or PipelineSpec()
+        self.runner = PipelineRunner(
+            stages,
+            layout.pp,
+            microbatches=spec.microbatches or layout.pp,
+            schedule=spec.schedule,
+            group=self.mesh["pp"].get_group(),
+            device=torch.device(self.device),
+        )
+
+    # ------------------------------------------------------------------ building
+    def _build_stages(self, dtype: torch.dtype | None) -> tuple[nn.Module, list[tuple[int, DecoderStage]]]:
+        """The whole model on meta with the plan's TP styles and activation checkpointing, and
+        this rank's stages cut from it, each FSDP2-sharded over dp with the plan's units."""
+        layout = self.layout
+        whole = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
+        if getattr(self.config, "tie_word_embeddings", False):
+            raise LayoutError.from_message(
+                f"pp={layout.pp}: {type(whole).__name__} ties its input and output embeddings, which would live on "
+                "the first and the last stage; not supported yet",
+                "train without --pp",
+            )
+        resolved = resolve_plan(self.plan, whole, sequence_parallel=False)
+        apply_tensor_parallel(whole, resolved, self.mesh["tp"])
+        apply_activation_checkpointing(whole, resolved.activation_checkpointing, resolved.checkpoint_saves)
+        decoder: Any = getattr(whole, "model", whole)
+        spec, layers = stage_plan(self.plan, len(decoder.layers), layout.pp)
+        total = len(layers)
+        pp_rank = self.mesh["pp"].get_local_rank()
+        stages = [
+            (i, DecoderStage(whole, layers[i], first=i == 0, last=i == total - 1))
+            for i in rank_stages(pp_rank, layout.pp, spec.schedule, spec.virtual_stages_per_rank)
+        ]
+        modules = {id(m): n for n, m in whole.named_modules()}
+        wanted = {modules[id(whole.get_submodule(u))] for u in resolved.fsdp_units}
+        for _, stage in stages:
+            units = [n for n, m in stage.named_modules() if n and modules.get(id(m)) in wanted]
+            apply_fsdp(
+                stage,
+                units,
+                self.mesh.dp_cp,
+                mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                offload_policy=OffloadPolicy(),
+                reshard_after_forward=self.plan.fsdp_reshard_after_forward,
+                gradient_divide_factor=fsdp_divisor(layout),
+            )
+        return whole, stages
+
+    def _fill(self, seed: int) -> str:
+        """The stages' weights: a model folder's safetensors, or the seeded initial weights of
+        the whole model (each rank keeps its stages' shards)."""
+        if self.source is not None and from_folder(self.source):
+            for _, stage in self.stages:
+                materialize(stage, self.device)
+            load_hf_weights(self.model, self.source)
+            return f"safetensors from {self.source}"
+        full = seeded_model(self.config, seed).state_dict()
+        for _, stage in self.stages:
+            materialize(stage, self.device, full_state_dict={k: full[k].to(self.device) for k in stage.state_dict()})
+        return f"random init (seed {seed})"
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def layout(self) -> Layout:
+        return self.mesh.layout
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    def slice_of(self, global_rows: int) -> slice:
+        if global_rows % self.dp_size:
+            raise BatchError(f"a global batch of {global_rows} rows does not split over dp={self.dp_size}")
+        per = global_rows // self.dp_size
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def balanced_slices(self, lengths: list[int] | torch.Tensor) -> list[int]:
+        counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+        self.slice_of(len(counts))
+        return balanced_partition([int(c) for c in counts], self.dp_size)[self.dp_rank]
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        batch: Batch,
+        loss_fn: Loss | None = None,
+        *,
+        token_loss: Loss | None = None,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pack: bool = False,
+        entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """``Policy.train`` over the pipeline: one optimizer step on this rank's slice, the loss
+        normalized over the global batch. ``loss_fn(logprobs [rows, L], fields, norm)`` sees a
+        microbatch of rows of one length ``L`` (their padding removed, every field cut alike);
+        ``token_loss(logprobs [n], tokens, norm)`` its predicted tokens flat."""
+        if (loss_fn is None) == (token_loss is None):
+            raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
+        started = time.perf_counter()
+        rows, norm = self._prepared(batch, micro_batch_size, max_tokens, pack)
+        self.model.train()
+        recorded = _Recorded()
+        fn = _per_token(token_loss) if token_loss is not None else loss_fn
+        assert fn is not None, "one loss is given (checked above)"
+        scale = loss_scale(self.layout)
+        try:
+            for group in rows.groups():
+                self.runner.run(
+                    group.input_ids,
+                    group.index,
+                    _LastStageLoss(self.runner, fn, group, norm, scale, temperature, entropy, recorded),
+                    schedule=self.runner.breadth_first(group.microbatches),
+                    microbatches=group.microbatches,
+                )
+            loss, metrics, problem = self._settle(recorded)
+            if problem:
+                raise BatchError(problem)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm_value = pipeline_grad_norm(params, self.mesh["pp"].get_group())
+            grad_norm = float(norm_value)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=None, parameter=None)
+            limit = self.max_grad_norm or math.inf
+            coef = min(1.0, limit / (grad_norm + 1e-6)) if math.isfinite(limit) and limit > 0 else 1.0
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": norm.tokens,
+            "sequences": norm.sequences,
+            "microbatches": float(sum(g.microbatches for g in rows.groups())),
+            "seconds": time.perf_counter() - started,
+            **metrics,
+        }
+
+    def _settle(self, recorded: _Recorded) -> tuple[float, dict[str, float], str]:
+        """The loss and metrics summed over the microbatches of the last stage and over dp; a
+        refusal of the loss function, on every rank (one broadcast over the pipeline)."""
+        values = {"": recorded.loss, **recorded.metrics} if self.runner.holds_last else None
+        problem = recorded.problem if self.runner.holds_last else None
+        box: list[Any] = [values and {k: float(v) for k, v in values.items()}, problem]
+        last = self._last_stage_rank()
+        dist.broadcast_object_list(box, group_src=last, group=self.mesh["pp"].get_group())
+        found, why = box
+        names = sorted(found)
+        summed = torch.tensor([found[n] for n in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, group=self.mesh["dp"].get_group())
+        reduced = dict(zip(names, summed.tolist(), strict=True))
+        loss = reduced.pop("")
+        return loss, reduced, why or ""
+
+    def _last_stage_rank(self) -> int:
+        spec = self.plan.pipeline or PipelineSpec()
+        pp, total = self.layout.pp, self.runner.total
+        return next(
+            r for r in range(pp) if total - 1 in rank_stages(r, pp, spec.schedule, spec.virtual_stages_per_rank)
+        )
+
+    def _prepared(
+        self, batch: Batch, micro_batch_size: int | None, max_tokens: int | None, pack: bool
+    ) -> tuple[_Rows, Any]:
+        """This rank's rows unpadded and grouped by length, and the global batch's ``Norm``;
+        the same ``BatchError`` on every rank when any rank's batch is refused."""
+        problem, rows = "", None
+        fingerprint: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        try:
+            if pack:
+                raise BatchError("packing rows (--pack) under pipeline parallelism is not supported yet")
+            vocab = getattr(self.config.get_text_config(), "vocab_size", None)
+            check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
+            on_device = {name: value.to(self.device) for name, value in batch.items()}
+            rows = _Rows.of(on_device, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+            fingerprint = _fingerprint(on_device["input_ids"], on_device["attention_mask"])
+        except BatchError as exc:
+            problem = str(exc)
+        # one gather of every rank's verdict, rows' fingerprint, counts and schedule steps
+        mine = {
+            "problem": problem,
+            "print": fingerprint,
+            "counts": (rows.tokens, rows.sequences) if rows is not None else (0.0, 0.0),
+            "steps": [g.microbatches for g in rows.groups()] if rows is not None else [],
+        }
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        refused = [(r, e["problem"]) for r, e in enumerate(every) if e["problem"]]
+        if refused:
+            raise BatchError(f"rank {refused[0][0]}: {refused[0][1]}")
+        assert rows is not None, "no rank refused, so this rank built its rows"
+        grid = self.mesh.device_mesh.mesh  # (pp, dp, cp, tp): a rank's dp share is its index on dim 1
+        share = {int(r): int(d) for d in range(grid.shape[1]) for r in grid[:, d].flatten()}
+        shares: dict[int, list[int]] = {}
+        for r in range(len(every)):
+            shares.setdefault(share[r], []).append(r)
+        for ranks in shares.values():
+            if any(every[r]["print"] != every[ranks[0]]["print"] for r in ranks):
+                raise BatchError(
+                    f"the ranks {ranks} of one pipeline / tp group were given different rows: they must pass the "
+                    "same rows (pass rows policy.slice_of(global_rows) on each rank)"
+                )
+        heads = [every[ranks[0]] for ranks in shares.values()]
+        tokens, sequences = (sum(h["counts"][i] for h in heads) for i in (0, 1))
+        # FSDP gathers a stage's weights over dp for every microbatch: every dp rank runs as many
+        # schedule steps, each of as many microbatches (fillers, computed and not counted, where
+        # a rank has fewer rows of that length, or no such step)
+        rows.align([h["steps"] for h in heads])
+        return rows, Norm(tokens=float(tokens), sequences=float(sequences))
+
+    # ------------------------------------------------------------------ log-probs
+    def logprobs(
+        self,
+        batch: Batch,
+        *,
+        entropy: bool = False,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pack: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``[rows, s]`` fp32 log-probs of this rank's rows (0 at position 0 and padding) on
+        every rank of the pipeline; with ``entropy=True`` a pair."""
+        rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
+        shape = tuple(batch["input_ids"].shape)
+        out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for group in rows.groups():
+                    self.runner.run(
+                        group.input_ids,
+                        group.index,
+                        _LastStageLogprobs(group, out, temperature, entropy),
+                        schedule=self.runner.breadth_first(group.microbatches),
+                        microbatches=group.microbatches,
+                        forward_only=True,
+                    )
+        finally:
+            self.model.train(was_training)
+        out = self.runner.from_last_stage(out if self.runner.holds_last else None)
+        return (out[0], out[1]) if entropy else out[0]
+
+    def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``logprobs`` under the initial weights (``reference=True``), kept on the device as this
+        rank's shards; the policy's weights are put back bitwise."""
+        if self._reference is None:
+            raise ValueError("this Policy keeps no reference: construct it with reference=True")
+        with self._weights_swapped(self._reference):
+            return self.logprobs(batch, **options)
+
+    def _shards(self) -> list[torch.Tensor]:
+        return [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+
+    def _weights_swapped(self, weights: list[torch.Tensor]) -> Any:
+        policy = self
+
+        class _Swap:
+            def __enter__(self) -> None:
+                self.kept = [t.detach().clone() for t in policy._shards()]
+                with torch.no_grad():
+                    torch._foreach_copy_(policy._shards(), weights)
+
+            def __exit__(self, *_: Any) -> None:
+                with torch.no_grad():
+                    torch._foreach_copy_(policy._shards(), self.kept)
+
+        return _Swap()
+
+    # ------------------------------------------------------------------ weights out
+    def weights(self, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter of the whole model as ``(name, full tensor)``, in the model's order, on
+        every rank: the stage's ranks gather it (over tp and dp) and its pipeline rank
+        broadcasts it. One tensor at a time is held beyond the shards."""
+        mine = dict(self.model.named_parameters())
+        group = self.mesh["pp"].get_group()
+        for name, meta in self._whole.named_parameters():
+            held = torch.tensor([float(name in mine)], device=self.device)
+            owners = [torch.zeros_like(held) for _ in range(self.layout.pp)]
+            dist.all_gather(owners, held, group=group)
+            owner = next(i for i, o in enumerate(owners) if o.item())
+            if name in mine:
+                param = mine[name]
+                tensor = param.full_tensor() if isinstance(param, DTensor) else param
+                tensor = tensor.detach().to(dtype or tensor.dtype).contiguous()
+            else:
+                tensor = torch.empty(meta.shape, dtype=dtype or MASTER_DTYPE, device=self.device)
+            dist.broadcast(tensor, group_src=owner, group=group)
+            yield name, tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Any = None) -> Path:
+        """A DCP checkpoint keyed by the model's names (loads at another pp, or none)."""
+        info = checkpoint.CheckpointInfo(
+            step=self.step,
+            architecture=architecture_of(self.config),
+            model_signature=checkpoint.model_signature(self._whole),
+            plan=self.plan.name,
+            dp=self.layout.dp,
+            cp=self.layout.cp,
+            tp=self.layout.tp,
+            ep=self.layout.ep,
+            parameters=checkpoint.parameter_shapes(self._whole),
+            schedule=schedule_state(self.scheduler),
+            run=dict(run or {}),
+        )
+        return checkpoint.save(folder, self.model, self.optimizer, info, files)
+
+    def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
+        """``save``'s newest checkpoint (any layout, any pp) into this rank's stages."""
+        configured = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
+        info = checkpoint.load(
+            folder,
+            self.model,
+            self.optimizer,
+            architecture=architecture_of(self.config),
+            plan=self.plan.name,
+            shapes=checkpoint.parameter_shapes(self._whole),
+        )
+        restore_schedule(self.optimizer, self.scheduler, info.schedule, configured, step=info.step)
+        self.step = info.step
+        return info
+
+
+class _Recorded:
+    """What the last stage's loss function saw over a step: the loss and metrics (device
+    scalars, read once at the end) and the first refusal of the caller's function."""
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | float = 0.0
+        self.metrics: dict[str, torch.Tensor | float] = {}
+        self.problem = ""
+
+
+class _Group:
+    """Rows of one length: their tokens [n, L], their index into the batch, every field cut to
+    their span, and the microbatches they go through the pipeline in."""
+
+    def __init__(self, batch: dict[str, torch.Tensor], rows: list[int], start: list[int], length: int, per: int):
+        device = batch["input_ids"].device
+        self.rows, self.start, self.length = rows, start, length
+        self.microbatches = len(rows) // per
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        cols = torch.tensor(start, dtype=torch.long, device=device)[:, None] + torch.arange(length, device=device)
+        width = batch["input_ids"].shape[1]
+        self.fields: dict[str, torch.Tensor] = {}
+        for name, value in batch.items():
+            if value.dim() >= 2 and value.shape[1] == width:
+                taken = value[idx[:, None], cols]
+                self.fields[name] = taken
+            else:
+                self.fields[name] = value[idx]
+        self.per, self.real = per, len(rows)  # rows beyond ``real`` are fillers (``pad_to``)
+        self.input_ids = self.fields["input_ids"]
+        self.index = torch.arange(len(rows), device=device)[:, None]  # the target: which rows a microbatch holds
+
+    @classmethod
+    def filler(cls, like: dict[str, torch.Tensor], microbatches: int) -> _Group:
+        """A step of ``microbatches`` one-row microbatches of two tokens that count nothing: a dp
+        rank's turn in a schedule step it has no rows for."""
+        ids = torch.zeros((microbatches, 2), dtype=like["input_ids"].dtype, device=like["input_ids"].device)
+        group = cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [], [], 2, 1)
+        group.input_ids = ids
+        group.fields = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        group.index = torch.arange(microbatches, device=ids.device)[:, None]
+        group.microbatches = microbatches
+        return group
+
+    def pad_to(self, microbatches: int) -> None:
+        """Grow to ``microbatches`` by fillers: copies of the first row, never counted."""
+        extra = (microbatches - self.microbatches) * self.per
+        if extra <= 0:
+            return
+        self.fields = {
+            name: torch.cat([value, value[:1].expand(extra, *value.shape[1:])]) for name, value in self.fields.items()
+        }
+        self.input_ids = self.fields["input_ids"]
+        self.index = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)[:, None]
+        self.microbatches = microbatches
+
+    def is_filler(self, index: torch.Tensor) -> bool:
+        """Whether a microbatch (its rows' ``index``) is a filler: fillers are whole microbatches
+        after the real rows."""
+        return int(index.min()) >= self.real
+
+
+class _Rows:
+    """This rank's rows unpadded, grouped by length (each group one schedule step)."""
+
+    def __init__(self, groups: list[_Group], tokens: float, sequences: float) -> None:
+        self._groups, self.tokens, self.sequences = groups, tokens, sequences
+
+    def groups(self) -> list[_Group]:
+        return self._groups
+
+    def align(self, steps: list[list[int]]) -> None:
+        """As many schedule steps as the dp rank with the most, step ``j`` of as many
+        microbatches as the most any dp rank runs in its step ``j`` (``steps``: every dp rank's
+        microbatches per step)."""
+        longest = max(len(s) for s in steps)
+        wanted = [max(s[j] if j < len(s) else 0 for s in steps) for j in range(longest)]
+        like = self._groups[0].fields
+        for j, count in enumerate(wanted):
+            if j < len(self._groups):
+                self._groups[j].pad_to(count)
+            else:
+                self._groups.append(_Group.filler(like, count))
+
+    @classmethod
+    def of(cls, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None, max_tokens: int | None) -> _Rows:
+        mask = batch["attention_mask"].bool()
+        counted = batch.get("token_mask")
+        token_mask = counted if counted is not None else default_token_mask(batch["attention_mask"])
+        sample = batch.get("sample_mask")
+        spans: dict[int, list[tuple[int, int]]] = {}
+        lengths = mask.sum(1).tolist()
+        firsts = mask.float().argmax(1).tolist()
+        for row, (n, first) in enumerate(zip(lengths, firsts, strict=True)):
+            if n == 0:
+                raise BatchError(f"row {row} attends to no token")
+            if not bool(mask[row, first : first + n].all()):
+                raise BatchError(
+                    f"row {row}'s attention_mask has a hole: under pipeline parallelism a row is one span "
+                    "(left or right padding)"
+                )
+            spans.setdefault(n, []).append((row, first))
+        groups = []
+        for length in sorted(spans):
+            members = spans[length]
+            per = _rows_per_microbatch(len(members), length, micro_batch_size, max_tokens)
+            groups.append(_Group(batch, [r for r, _ in members], [s for _, s in members], length, per))
+        sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
+        return cls(groups, float(token_mask.sum()), sequences)
+
+
+def _fingerprint(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """Rows' identity in three numbers (the same rows give the same; wrapping is fine)."""
+    weights = torch.arange(1, ids.numel() + 1, device=ids.device).reshape(ids.shape)
+    sums = torch.stack([(ids.long() * weights).sum(), (mask.long() * weights).sum()]) % 2**52
+    first, second = sums.tolist()
+    return int(first), int(second), tuple(ids.shape)
+
+
+def _rows_per_microbatch(rows: int, length: int, micro_batch_size: int | None, max_tokens: int | None) -> int:
+    """The most rows a microbatch of this length takes within --micro-batch-size and
+    --max-tokens that divides the group (the schedule cuts a step's rows evenly); 1 at least."""
+    cap = rows
+    if micro_batch_size:
+        cap = min(cap, micro_batch_size)
+    if max_tokens:
+        cap = min(cap, max(1, max_tokens // length))
+    return next(d for d in range(cap, 0, -1) if rows % d == 0)
+
+
+def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[rows, L]`` log p(ids[t] | ids[<t]) from the last stage's logits (0 at position 0);
+    vocab-sharded logits through the vocab-parallel cross entropy."""
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    targets = ids[:, 1:]
+    if isinstance(scaled, DTensor):
+        with loss_parallel():
+            nll: Any = nn.functional.cross_entropy(
+                scaled[:, :-1].flatten(0, 1),
+                DTensor.from_local(targets.flatten(), scaled.device_mesh, [Replicate()]),
+                reduction="none",
+            )
+            picked = -nll.full_tensor()
+    else:
+        picked = -nn.functional.cross_entropy(scaled[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
+    return torch.cat([torch.zeros_like(picked.view(ids.shape[0], -1)[:, :1]), picked.view(ids.shape[0], -1)], 1)
+
+
+def _entropy_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    logp = torch.log_softmax(full.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class _LastStageLoss:
+    """The schedule's loss function: the caller's loss on a microbatch's log-probs, times the
+    FSDP scale; what it returned recorded for the step's report."""
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        fn: Loss,
+        group: _Group,
+        norm: Any,
+        scale: float,
+        temperature: float,
+        entropy: bool,
+        recorded: _Recorded,
+    ) -> None:
+        self.runner, self.fn, self.group, self.norm, self.scale = runner, fn, group, norm, scale
+        self.temperature, self.entropy, self.recorded = temperature, entropy, recorded
+
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        rows = index.flatten()
+        fields = {name: value[rows] for name, value in self.group.fields.items()}
+        lp = _logprobs_of(logits, fields["input_ids"], self.temperature)
+        if self.runner.inferring or self.group.is_filler(rows):  # torch's dry call, or a filler
+            return (torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)) * 0).sum()
+        if self.entropy:
+            fields["entropy"] = _entropy_of(logits, self.temperature)
+        try:
+            loss, metrics = call_loss(self.fn, lp, fields, self.norm, 0)
+        except BatchError as exc:
+            self.recorded.problem = self.recorded.problem or str(exc)
+            return (lp * 0).sum()
+        self.recorded.loss = self.recorded.loss + loss.detach().double()
+        for key, value in metrics.items():
+            self.recorded.metrics[key] = self.recorded.metrics.get(key, 0.0) + value
+        return loss * self.scale
+
+
+class _LastStageLogprobs:
+    """The forward-only schedule's loss function: a microbatch's log-probs (and entropy) into
+    their rows and positions of ``out`` [2, rows, S]."""
+
+    def __init__(self, group: _Group, out: torch.Tensor, temperature: float, entropy: bool) -> None:
+        self.group, self.out, self.temperature, self.entropy = group, out, temperature, entropy
+
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        local = index.flatten()
+        ids = self.group.input_ids[local]
+        lp = _logprobs_of(logits, ids, self.temperature)
+        if self.group.is_filler(local):
+            return lp.sum() * 0
+        rows = torch.tensor(self.group.rows, device=lp.device)[local]
+        cols = torch.tensor(self.group.start, device=lp.device)[local][:, None] + torch.arange(
+            self.group.length, device=lp.device
+        )
+        self.out[0][rows[:, None], cols] = lp
+        if self.entropy:
+            self.out[1][rows[:, None], cols] = _entropy_of(logits, self.temperature)
+        return lp.sum() * 0
+
+
+def _per_token(token_loss: Loss) -> Loss:
+    """A ``token_loss`` as a per-microbatch loss: its predicted tokens (every position after a
+    row's first) flat, each field at those tokens (a per-row field at each token's row)."""
+
+    def loss(lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Any) -> Any:
+        rows, length = lp.shape
+        tokens = {}
+        for name, value in fields.items():
+            if value.dim() >= 2 and value.shape[:2] == (rows, length):
+                tokens[name] = value[:, 1:].flatten(0, 1)
+            else:
+                tokens[name] = value.repeat_interleave(length - 1, dim=0)
+        return token_loss(lp[:, 1:].flatten(), tokens, norm)
+
+    return loss
