@@ -119,23 +119,30 @@ MaxRestartsOpt = Annotated[
 
 
 CpOpt = Annotated[int, typer.Option("--cp", min=1, help="context-parallel degree")]
+PpOpt = Annotated[
+    int,
+    typer.Option(
+        "--pp", min=1, help="pipeline-parallel degree: stages by the plan's pipeline: section (docs/pipeline.md)"
+    ),
+]
 DpOpt = Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")]
 SpOpt = Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayoutFlags:
-    """--tp --cp --ep --dp --sp, declared once for every command that takes a layout."""
+    """--tp --cp --ep --dp --sp --pp, declared once for every command that takes a layout."""
 
     tp: TpOpt = 1
     cp: CpOpt = 1
     ep: EpOpt = 1
     dp: DpOpt = None
     sp: SpOpt = False
+    pp: PpOpt = 1
 
     def sizes(self) -> dict[str, Any]:
         """The layout keywords of ``validate_plan`` and ``Layout.infer``."""
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "sequence_parallel": self.sp}
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "sequence_parallel": self.sp, "pp": self.pp}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -367,12 +374,6 @@ def validate(
     model: ModelOpt = None,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1, help="total ranks")] = None,
     seq_len: Annotated[int | None, typer.Option("--seq-len", min=1, help="training sequence length")] = None,
-    pp: Annotated[
-        int,
-        typer.Option(
-            "--pp", min=1, help="pipeline-parallel degree: the plan's pipeline: section checked (apply runs no pp yet)"
-        ),
-    ] = 1,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -395,7 +396,7 @@ def validate(
         try:
             # a run file: checked itself, then its plan for its model and layout (flags win)
             plan_path, settings = plan_of_run_file(plan_path) if is_run_file(plan_path) else (plan_path, {})
-            flags = (("dp", "dp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"), ("sp", "sequence_parallel"))
+            flags = (("dp", "dp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"), ("sp", "sequence_parallel"), ("pp", "pp"))
             from_file = {size: settings[flag] for flag, size in flags if settings.get(flag) is not None}
             sizes = {**from_file, **_given_sizes(layout)}
             report = validate_plan(
@@ -405,7 +406,6 @@ def validate(
                 seq_len=seq_len,
                 **{**layout.sizes(), **sizes},
                 skeleton=not dry_run,  # a dry run runs the model: the real one, built from its config
-                pp=pp,
             )
         except PlanError as exc:
             diagnostics += exc.diagnostics
@@ -487,9 +487,6 @@ def explain(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan YAML file")],
     layout: LayoutFlags,
     model: ModelOpt = None,
-    pp: Annotated[
-        int, typer.Option("--pp", min=1, help="pipeline-parallel degree: each stage's parameters and bytes")
-    ] = 1,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """Every parameter's global shape, its per-rank shard and placements, and per-rank bytes."""
@@ -498,7 +495,7 @@ def explain(
     from .tools.explain import render
 
     try:
-        report = validate_plan(plan_path, model=model, skeleton=False, pp=pp, **layout.sizes())
+        report = validate_plan(plan_path, model=model, skeleton=False, **layout.sizes())
     except PlanError as exc:
         raise _fail(exc, fmt) from None
     if report.has_errors or report.meta_model is None:
@@ -506,7 +503,7 @@ def explain(
         raise typer.Exit(EXIT_PLAN)
     # the model and resolution validate built: nothing is built twice
     exp = explain_plan(report.meta_model, report.resolved_for(layout.sp), report.layout, lora=report.plan.lora)
-    stages = _pipeline_stages(report, exp) if pp > 1 else None
+    stages = _pipeline_stages(report, exp) if layout.pp > 1 else None
     if fmt is Format.json:
         found = {"plan": report.plan.name, "model": report.model_name, **exp.as_dict()}
         if stages is not None:

@@ -73,6 +73,7 @@ class CheckpointInfo:
     cp: int
     tp: int
     ep: int = 1  # expert parallelism (absent before plancc 0.3)
+    pp: int = 1  # pipeline stages (absent before pipeline parallelism)
     # name -> global shape of every parameter, to say which one differs (absent in plancc 0.1)
     parameters: dict[str, list[int]] = field(default_factory=dict)
     # the LR schedule's counters (plancc.Policy with an lr_scheduler; absent before plancc 0.4)
@@ -418,7 +419,7 @@ def _info_problem(info: CheckpointInfo) -> str | None:
     """What in a read ``plancc.json`` is not what plancc writes, or None."""
     if not _is_int(info.step, 0):
         return f"says step {info.step!r}: a step is a whole number >= 0"
-    for name in ("dp", "cp", "tp", "ep"):
+    for name in ("dp", "cp", "tp", "ep", "pp"):
         if not _is_int(getattr(info, name), 1):
             return f"says {name} {getattr(info, name)!r}: a parallel degree is a whole number >= 1"
     for name in ("architecture", "model_signature", "plan"):

@@ -24,16 +24,16 @@ def the_mesh(
     an error (a ``LayoutError`` naming both), never a silent choice."""
     shorthand = {k: v for k, v in sizes.items() if v != {"dp": None, "sp": False}.get(k, 1)}
     given = [g for g in (layout, mesh) if g is not None]
-    if len(given) == 2 and _layout_of(given[0]) != _layout_of(given[1]):
+    if len(given) == 2 and the_layout(given[0]) != the_layout(given[1]):
         raise LayoutError.from_message(
-            f"Policy got layout={_layout_of(given[0]).describe()} and mesh={_layout_of(given[1]).describe()}",
+            f"Policy got layout={the_layout(given[0]).describe()} and mesh={the_layout(given[1]).describe()}",
             "give the layout one way: layout=plancc.Layout(...) or a mesh from plancc.build_mesh",
         )
     if not given:
         infer = {k: v for k, v in sizes.items() if k != "sp"}
         built = Layout.infer(world_size=dist.get_world_size(), sequence_parallel=sizes["sp"], **infer)
         return build_mesh(built, device_type=device)
-    chosen = _layout_of(given[0])
+    chosen = the_layout(given[0])
     named = {"tp": chosen.tp, "cp": chosen.cp, "ep": chosen.ep, "dp": chosen.dp, "sp": chosen.sequence_parallel}
     conflicts = [f"{k}={v!r} (the layout has {named[k]!r})" for k, v in shorthand.items() if named[k] != v]
     if conflicts:
@@ -46,7 +46,8 @@ def the_mesh(
     return first if isinstance(first, ParallelMesh) else build_mesh(first, device_type=device)
 
 
-def _layout_of(layout_or_mesh: Layout | ParallelMesh) -> Layout:
+def the_layout(layout_or_mesh: Layout | ParallelMesh) -> Layout:
+    """The sizes of a layout given either way (a ``Layout``, or a mesh built from one)."""
     return layout_or_mesh.layout if isinstance(layout_or_mesh, ParallelMesh) else layout_or_mesh
 
 

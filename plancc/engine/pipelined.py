@@ -51,7 +51,7 @@ from . import checkpoint
 from .batches import Batch, BatchError, balanced_partition, check_batch, default_token_mask
 from .build import from_folder, seeded_model
 from .loss_contract import NonFiniteError, Norm, call_loss
-from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler
+from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
 from .resume import restore_schedule, schedule_state
 
 Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
@@ -75,7 +75,7 @@ class PipelinePolicy:
         plan: str | Path | Plan,
         model: str | Path | PretrainedConfig,
         *,
-        layout: Layout,
+        layout: Layout | ParallelMesh,
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
@@ -88,6 +88,8 @@ class PipelinePolicy:
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
+        built = layout if isinstance(layout, ParallelMesh) else None
+        layout = the_layout(layout)
         unsupported = [
             what
             for what, on in (
@@ -110,7 +112,7 @@ class PipelinePolicy:
             )
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
         self.config = load_config(model)
-        self.mesh: ParallelMesh = build_mesh(layout, device_type=self.device)
+        self.mesh: ParallelMesh = built or build_mesh(layout, device_type=self.device)
         self.lora = None
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
         self._whole, stages = self._build_stages(dtype)
@@ -177,7 +179,7 @@ class PipelinePolicy:
         if self.source is not None and from_folder(self.source):
             for _, stage in self.stages:
                 materialize(stage, self.device)
-            load_hf_weights(self.model, self.source)
+            load_hf_weights(self.model, self.source, whole=self._whole)
             return f"safetensors from {self.source}"
         full = seeded_model(self.config, seed).state_dict()
         for _, stage in self.stages:
@@ -381,6 +383,29 @@ class PipelinePolicy:
         out = self.runner.from_last_stage(out if self.runner.holds_last else None)
         return (out[0], out[1]) if entropy else out[0]
 
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """``[rows, s, vocab]`` fp32 logits of this rank's rows (0 at padding) on every rank of
+        the pipeline, the vocabulary whole: what ``--verify`` compares with the unsharded model."""
+        rows, _ = self._prepared(batch, None, None, False)
+        vocab = self.config.get_text_config().vocab_size
+        out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for group in rows.groups():
+                    self.runner.run(
+                        group.input_ids,
+                        group.index,
+                        _LastStageLogits(group, out),
+                        schedule=self.runner.breadth_first(group.microbatches),
+                        microbatches=group.microbatches,
+                        forward_only=True,
+                    )
+        finally:
+            self.model.train(was_training)
+        return self.runner.from_last_stage(out if self.runner.holds_last else None)
+
     def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``logprobs`` under the initial weights (``reference=True``), kept on the device as this
         rank's shards; the policy's weights are put back bitwise."""
@@ -440,6 +465,7 @@ class PipelinePolicy:
             cp=self.layout.cp,
             tp=self.layout.tp,
             ep=self.layout.ep,
+            pp=self.layout.pp,
             parameters=checkpoint.parameter_shapes(self._whole),
             schedule=schedule_state(self.scheduler),
             run=dict(run or {}),
@@ -674,6 +700,26 @@ class _LastStageLogprobs:
         if self.entropy:
             self.out[1][rows[:, None], cols] = _entropy_of(logits, self.temperature)
         return lp.sum() * 0
+
+
+class _LastStageLogits:
+    """The forward-only schedule's loss function that keeps a microbatch's logits (the vocabulary
+    gathered) at their rows and positions of ``out`` [rows, S, V]."""
+
+    def __init__(self, group: _Group, out: torch.Tensor) -> None:
+        self.group, self.out = group, out
+
+    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        local = index.flatten()
+        full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        if self.group.is_filler(local):
+            return full.sum() * 0
+        rows = torch.tensor(self.group.rows, device=full.device)[local]
+        cols = torch.tensor(self.group.start, device=full.device)[local][:, None] + torch.arange(
+            self.group.length, device=full.device
+        )
+        self.out[rows[:, None], cols] = full.float()
+        return full.sum() * 0
 
 
 def _per_token(token_loss: Loss) -> Loss:

@@ -70,7 +70,7 @@ from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_tempera
     check_temperature,
 )
 from .offload import Offloader
-from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_mesh
+from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout, the_mesh
 from .pipelined import PipelinePolicy
 from .resume import load_state, save_state
 from .transport import WeightTransport
@@ -111,7 +111,7 @@ class Policy:
             layout = kwargs["layout"] = Layout.infer(
                 world_size=dist.get_world_size(), pp=pp, sequence_parallel=sp, **sizes
             )
-        if cls is Policy and isinstance(layout, Layout) and layout.pp > 1:
+        if cls is Policy and isinstance(layout, Layout | ParallelMesh) and the_layout(layout).pp > 1:
             return PipelinePolicy(*args, **kwargs)
         return super().__new__(cls)
 

@@ -127,6 +127,7 @@ def _setup(cfg: RunConfig) -> _Job:
             tp=layout.tp,
             ep=layout.ep,
             sequence_parallel=layout.sequence_parallel,
+            pp=layout.pp,
         )
     mesh = build_mesh(layout, device_type=device)
     plan, dataset = _inputs(cfg)
@@ -181,8 +182,9 @@ class _Trainer:
             info = self.policy.load(self.cfg.resume)
             self.start = self.done = info.step
             experts = f" ep={info.ep}" if info.ep > 1 else ""
+            stages = f"pp={info.pp} " if info.pp > 1 else ""
             log(
-                f"resumed from step {info.step} (saved at dp={info.dp} cp={info.cp} tp={info.tp}{experts}); "
+                f"resumed from step {info.step} (saved at {stages}dp={info.dp} cp={info.cp} tp={info.tp}{experts}); "
                 f"training to step {self.total}"
             )
             changed = schedule_changes(info.run, run_settings(self.cfg))

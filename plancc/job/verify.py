@@ -37,6 +37,7 @@ from ..dataflow import batched_experts
 from ..engine.batches import default_token_mask
 from ..engine.build import seeded_model
 from ..engine.losses import token_nll
+from ..engine.pipelined import PipelinePolicy
 from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import MASTER_DTYPE, build_model, load_config
@@ -362,13 +363,10 @@ def verify_against_unsharded(
         source = f"the checkpoint of step {info.step} in {resume}"
         # a copy: a full state dict may hold the optimizer's own tensors (AdamW's step counts
         # always; a shard that is the whole tensor too), which both optimizers would then advance
-        ref_opt_state = copy.deepcopy(
-            get_optimizer_state_dict(policy.model, policy.optimizer, options=StateDictOptions(full_state_dict=True))
-        )
+        ref_opt_state = _whole_optimizer_state(policy)
     reference = unsharded_reference(config, seed=seed, device=device)
     if weights is not None or resume is not None:  # the policy's own weights, whole, on every rank
-        with quiet_logger("torch.distributed.tensor"):
-            state = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True))
+        state = _whole_state(policy)
         reference.load_state_dict({k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)})
         del state
     reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
@@ -400,9 +398,14 @@ def verify_against_unsharded(
         if step == 0:
             # this rank's rows and (under cp) positions
             ref_logits = (ref_full if local_index is None else ref_full.index_select(1, local_index))[mine].detach()
-            with torch.no_grad():  # the logits the loss never builds, for comparison
-                out = policy.model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False)
-                logits = full(out.logits)
+            if isinstance(policy, PipelinePolicy):  # the last stage's, at the attended positions
+                logits = policy.logits({"input_ids": ids[mine], "attention_mask": mask[mine]})
+                attended = mask[mine].bool()
+                logits, ref_logits = logits[attended], ref_logits[attended]
+            else:
+                with torch.no_grad():  # the logits the loss never builds, for comparison
+                    out = policy.model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False)
+                    logits = full(out.logits)
             report.logits_max_abs = (logits - ref_logits).abs().max().item()
             report.logits_max_rel = _rel(logits, ref_logits)
         if step == steps:  # the loss after the last step, without another
@@ -430,4 +433,49 @@ def verify_against_unsharded(
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     report.replicas_identical = _replicas_identical(policy.model, mesh)
+    if isinstance(policy, PipelinePolicy):  # each rank compared its own stages' gradients
+        _over_stages(report, policy)
     return report
+
+
+def _whole_state(policy: Policy) -> dict[str, Any]:
+    """The policy's weights, whole, on every rank (a pipeline's from every stage)."""
+    if isinstance(policy, PipelinePolicy):
+        return {name: tensor.clone() for name, tensor in policy.weights()}
+    with quiet_logger("torch.distributed.tensor"):
+        return get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True))
+
+
+def _whole_optimizer_state(policy: Policy) -> dict[str, Any]:
+    """The policy's optimizer state, whole (a copy: a full state dict may hold the optimizer's own
+    tensors -- AdamW's step counts always, a shard that is the whole tensor too -- which both
+    optimizers would then advance); a pipeline's merged from every stage's rank."""
+    state = copy.deepcopy(
+        get_optimizer_state_dict(policy.model, policy.optimizer, options=StateDictOptions(full_state_dict=True))
+    )
+    if not isinstance(policy, PipelinePolicy):
+        return state
+    every: list[Any] = [None] * policy.layout.pp
+    dist.all_gather_object(every, state, group=policy.mesh["pp"].get_group())
+    merged: dict[str, Any] = {"state": {}, "param_groups": []}
+    for part in every:
+        merged["state"].update(part["state"])
+        for i, group in enumerate(part["param_groups"]):
+            if i == len(merged["param_groups"]):
+                merged["param_groups"].append({**group, "params": []})
+            merged["param_groups"][i]["params"] += list(group["params"])
+    return merged
+
+
+def _over_stages(report: VerifyReport, policy: PipelinePolicy) -> None:
+    """A pipeline's report over every stage: each rank compared its own stages' gradients (the
+    worst over every rank; the parameters counted once a stage, over the pipeline's ranks)."""
+    mine = (report.grad_max_rel, report.worst_grad, report.grad_floor, report.grad_exact_rel)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    report.grad_max_rel, report.worst_grad = max(((e[0], e[1]) for e in every), key=lambda e: e[0])
+    report.grad_floor = max(e[2] for e in every)
+    report.grad_exact_rel = max(e[3] for e in every)
+    counts: list[Any] = [None] * policy.layout.pp
+    dist.all_gather_object(counts, report.params_compared, group=policy.mesh["pp"].get_group())
+    report.params_compared = sum(counts)

@@ -52,10 +52,15 @@ def _local_slice(target: torch.Tensor) -> Slice:
     return tuple(target.shape), (0,) * target.dim()
 
 
-def _send_slices(full: torch.Tensor, name: str, layouts: list[dict[str, Slice]], device: torch.device) -> torch.Tensor:
-    """Rank 0: send every other rank its slice of ``full``; return rank 0's own."""
-    mine = full
+def _send_slices(
+    full: torch.Tensor, name: str, layouts: list[dict[str, Slice]], device: torch.device
+) -> torch.Tensor | None:
+    """Rank 0: send every other rank that holds ``name`` its slice of ``full``; return rank 0's
+    own (None where it holds none: a pipeline rank holds its stages' tensors only)."""
+    mine = None
     for dst, layout in enumerate(layouts):
+        if name not in layout:
+            continue
         shape, offset = layout[name]
         piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
         if dst == 0:
@@ -72,17 +77,19 @@ def _receive_slice(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     return local
 
 
-def load_hf_weights(model: torch.nn.Module, folder: str | Path) -> None:
+def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.nn.Module | None = None) -> None:
     """Collective: fill a materialized, parallelized model from an HF folder read on rank 0.
 
     Every rank works out which slice of each tensor it holds (torch's own
     ``compute_local_shape_and_global_offset``, the rule DCP uses); rank 0 reads each tensor
-    once and sends every rank exactly its slice, point to point.
+    once and sends every rank exactly its slice, point to point. Ranks may hold different
+    tensors (pipeline stages): rank 0 sends each tensor any rank holds. ``whole``: the whole
+    model (meta will do) the folder is checked against, where ``model`` is a rank's part of it.
     """
     folder = Path(folder)
     rank, world = dist.get_rank(), dist.get_world_size()
     # rank 0 checks the folder against the model: every rank stops on one verdict, before a byte is sent
-    verdict: list[list[Diagnostic] | None] = [check_folder(folder, model) if rank == 0 else None]
+    verdict: list[list[Diagnostic] | None] = [check_folder(folder, whole or model) if rank == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise PlanError(verdict[0])
@@ -93,21 +100,36 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path) -> None:
     # tied weights (lm_head) are absent from HF files: they share the embedding's storage
     state = {k: v for k, v in model.state_dict().items() if k in available}
     mine = {name: _local_slice(target) for name, target in state.items()}
-    layouts: list[dict[str, Slice]] | None = [{} for _ in range(world)] if rank == 0 else None
-    dist.gather_object(mine, layouts, dst=0)
+    dtypes = {name: str(target.dtype).removeprefix("torch.") for name, target in state.items()}
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object((mine, dtypes), gathered if rank == 0 else None, dst=0)
+    layouts: list[dict[str, Slice]] | None = [g[0] for g in gathered] if rank == 0 else None
+    # the order every rank walks: rank 0's tensors, then those only other ranks hold (a tensor's
+    # dtype is its holders')
+    wanted: dict[str, str] = {}
+    for _, held in gathered:
+        for name, dtype in held.items():
+            wanted.setdefault(name, dtype)
+    order: list[Any] = [list(wanted)]
+    dist.broadcast_object_list(order, src=0)
     handles: dict[Path, Any] = {}
     loaded: dict[str, Any] = {}
     with torch.no_grad():
-        for name, target in state.items():
+        for name in order[0]:
+            target = state.get(name)
             local_target = target.to_local() if isinstance(target, DTensor) else target
-            device, dtype = local_target.device, local_target.dtype
             if layouts is not None:
                 path = files[name]
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt")
-                local = _send_slices(handles[path].get_tensor(name).to(dtype), name, layouts, device)
+                dtype = getattr(torch, wanted[name])
+                local = _send_slices(handles[path].get_tensor(name).to(dtype), name, layouts, _device_of(model))
+            elif local_target is not None:
+                local = _receive_slice(mine[name][0], local_target.dtype, local_target.device)
             else:
-                local = _receive_slice(mine[name][0], dtype, device)
+                continue
+            if target is None or local is None:
+                continue
             loaded[name] = (
                 DTensor.from_local(
                     local,
@@ -123,6 +145,13 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path) -> None:
     # Through load_state_dict, not a copy into to_local(): FSDP2 keeps its own padded storage
     # for sharded parameters, which a raw copy could leave stale.
     set_model_state_dict(model, dict(loaded), options=StateDictOptions(strict=False))
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    first = next(iter(model.state_dict().values()), None)
+    if isinstance(first, DTensor):
+        return first.to_local().device
+    return first.device if first is not None else torch.device("cpu")
 
 
 # What a model folder holds besides weights and config that a user of the export needs:
