@@ -206,7 +206,7 @@ def test_too_few_layers_for_the_stages_is_refused_without_stage_globs(tmp_path):
     assert problems and "2 decoder layers for 4 stages" in problems[0].message
 
 
-def test_the_layout_counts_pipeline_ranks_and_apply_has_no_pp_yet(cli):
+def test_the_layout_counts_pipeline_ranks_and_apply_checks_the_stages_before_launch(cli):
     from plancc.layout import Layout
 
     layout = Layout.infer(world_size=16, pp=2, tp=2)
@@ -214,8 +214,8 @@ def test_the_layout_counts_pipeline_ranks_and_apply_has_no_pp_yet(cli):
     assert layout.describe().startswith("pp=2 dp=4") and "pp" not in Layout(dp=2).to_json()
     code, out, err = cli("validate", "plans/qwen3.yaml", "--model", "tiny-qwen3", "--pp", 4, "--world-size", 4)
     assert code == 1 and "2 decoder layers for 4 stages" in out + err
-    code, _, err = cli("apply", "plans/qwen3.yaml", "--pp", 2)
-    assert code == 2  # a usage error: apply does not take --pp yet
+    code, out, err = cli("apply", "plans/qwen3.yaml", "--pp", 4, "--nproc-per-node", 4)
+    assert code == 1 and "2 decoder layers for 4 stages" in out + err  # no process started
 
 
 def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli, tmp_path):
@@ -327,3 +327,25 @@ def test_a_pp2_run_resumes_without_stages_and_verifies_resumed_with_them(tmp_pat
     code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--pp", 2, "--steps", 1, "--resume", ckpt,
                                 "--verify")
     assert code == 0 and "the checkpoint of step 2" in out and "verify: OK" in out, err + out
+
+
+@pytest.mark.timeout(300)
+def test_the_dry_run_lays_out_rank_zeros_stages_at_the_real_world_size():
+    """`validate --dry-run --pp`: rank 0's stages (the embedding and the first layers) built,
+    laid out and run forward and backward on fake ranks; a 405B-class layout included."""
+    import plancc
+    from plancc.layout import Layout
+    from plancc.models import load_config
+    from plancc.tools.dryrun import dry_run
+
+    plan = plancc.load_plan(PLANS_DIR / "qwen3.yaml")
+    config = load_config("tiny-qwen3")
+    whole = dry_run(plan, config, Layout(dp=1), seq_len=16)
+    staged = dry_run(plan, config, Layout(dp=1, pp=2), seq_len=16)
+    assert whole.ok and staged.ok, staged.diagnostics
+    assert 0 < staged.param_bytes < whole.param_bytes and staged.grad_bytes == staged.param_bytes
+    big = dry_run(plancc.load_plan(PLANS_DIR / "llama.yaml"), load_config("llama-3.1-405b"),
+                  Layout(pp=8, dp=8, tp=8), seq_len=16)
+    assert big.ok, big.diagnostics
+    # 16 of 126 layers and the embedding, fp32, over tp 8 x dp 8: about 3.1 GiB a rank
+    assert 2.9 * 2**30 < big.param_bytes < 3.3 * 2**30, big.param_bytes

@@ -30,40 +30,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan, load_plan
-from ..compiler.resolve import resolve_plan
 from ..layout import Layout, LayoutError
 from ..models import MASTER_DTYPE, architecture_of, build_model, load_config
-from ..runtime.activation_checkpointing import apply_activation_checkpointing
-from ..runtime.gradient_scale import fsdp_divisor, loss_scale
+from ..runtime.gradient_scale import loss_scale
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
-from ..runtime.parallelize import apply_fsdp, apply_tensor_parallel
-from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, pipeline_grad_norm
+from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
-from ..schedules import rank_stages, stage_layers
+from ..schedules import rank_stages
 from . import checkpoint
 from .batches import Batch, BatchError, balanced_partition, check_batch, default_token_mask
 from .build import from_folder, seeded_model
-from .loss_contract import NonFiniteError, Norm, call_loss
+from .loss_contract import NonFiniteError, Norm, call_loss, check_temperature
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
 from .resume import restore_schedule, schedule_state
 
 Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
-
-
-def stage_plan(plan: Plan, layers: int, pp: int) -> tuple[PipelineSpec, list[list[int]]]:
-    """The plan's pipeline section (its defaults without one) and the decoder layers of every
-    stage: the plan's stage globs where it names them (``checks.pipeline`` checked them), else
-    an even split (the first stages one more where the count does not divide)."""
-    spec = plan.pipeline or PipelineSpec()
-    total = pp * spec.virtual_stages_per_rank
-    return spec, [list(r) for r in stage_layers(layers, total)]
 
 
 class PipelinePolicy:
@@ -137,41 +124,16 @@ class PipelinePolicy:
 
     # ------------------------------------------------------------------ building
     def _build_stages(self, dtype: torch.dtype | None) -> tuple[nn.Module, list[tuple[int, DecoderStage]]]:
-        """The whole model on meta with the plan's TP styles and activation checkpointing, and
-        this rank's stages cut from it, each FSDP2-sharded over dp with the plan's units."""
-        layout = self.layout
+        """The whole model on meta (what checkpoints and weights out are shaped by) and this
+        rank's stages of it, laid out (``runtime.pipeline.parallelize_stages``)."""
         whole = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
         if getattr(self.config, "tie_word_embeddings", False):
             raise LayoutError.from_message(
-                f"pp={layout.pp}: {type(whole).__name__} ties its input and output embeddings, which would live on "
-                "the first and the last stage; not supported yet",
+                f"pp={self.layout.pp}: {type(whole).__name__} ties its input and output embeddings, which would "
+                "live on the first and the last stage; not supported yet",
                 "train without --pp",
             )
-        resolved = resolve_plan(self.plan, whole, sequence_parallel=False)
-        apply_tensor_parallel(whole, resolved, self.mesh["tp"])
-        apply_activation_checkpointing(whole, resolved.activation_checkpointing, resolved.checkpoint_saves)
-        decoder: Any = getattr(whole, "model", whole)
-        spec, layers = stage_plan(self.plan, len(decoder.layers), layout.pp)
-        total = len(layers)
-        pp_rank = self.mesh["pp"].get_local_rank()
-        stages = [
-            (i, DecoderStage(whole, layers[i], first=i == 0, last=i == total - 1))
-            for i in rank_stages(pp_rank, layout.pp, spec.schedule, spec.virtual_stages_per_rank)
-        ]
-        modules = {id(m): n for n, m in whole.named_modules()}
-        wanted = {modules[id(whole.get_submodule(u))] for u in resolved.fsdp_units}
-        for _, stage in stages:
-            units = [n for n, m in stage.named_modules() if n and modules.get(id(m)) in wanted]
-            apply_fsdp(
-                stage,
-                units,
-                self.mesh.dp_cp,
-                mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-                offload_policy=OffloadPolicy(),
-                reshard_after_forward=self.plan.fsdp_reshard_after_forward,
-                gradient_divide_factor=fsdp_divisor(layout),
-            )
-        return whole, stages
+        return whole, parallelize_stages(whole, self.plan, self.mesh, param_dtype=dtype)
 
     def _fill(self, seed: int) -> str:
         """The stages' weights: a model folder's safetensors, or the seeded initial weights of
@@ -229,6 +191,7 @@ class PipelinePolicy:
         ``token_loss(logprobs [n], tokens, norm)`` its predicted tokens flat."""
         if (loss_fn is None) == (token_loss is None):
             raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
+        check_temperature(temperature)
         started = time.perf_counter()
         rows, norm = self._prepared(batch, micro_batch_size, max_tokens, pack)
         self.model.train()
@@ -362,6 +325,7 @@ class PipelinePolicy:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows (0 at position 0 and padding) on
         every rank of the pipeline; with ``entropy=True`` a pair."""
+        check_temperature(temperature)
         rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -40,9 +40,16 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..checks.pipeline import layers_of_stages
+from ..compiler.plan import PipelineSpec, Plan
+from ..compiler.resolve import resolve_plan
 from ..schedules import SCHEDULE_NAMES, SINGLE, rank_stages, stage_layers
+from .activation_checkpointing import apply_activation_checkpointing
+from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
+from .mesh import ParallelMesh
+from .parallelize import apply_fsdp, apply_tensor_parallel
 
 # torch.distributed.pipelining's schedules by the plan's names (``plancc.schedules`` says where
 # each puts a rank's stages)
@@ -124,6 +131,48 @@ class RankStages(nn.Module):
         part.norm = last.model.norm if last is not None else None
         self.model = part
         self.lm_head = last.lm_head if last is not None else None
+
+
+def plan_stage_layers(model: nn.Module, spec: PipelineSpec, pp: int) -> list[list[int]]:
+    """The decoder layers of every stage: the plan's stage globs where it names them
+    (``checks.pipeline`` checked that they cover every layer once, in order), else an even split
+    over ``pp x virtual_stages_per_rank`` stages (the first stages one more where the count does
+    not divide)."""
+    if spec.stages:
+        return layers_of_stages(dict(model.named_modules()), spec)
+    decoder: Any = getattr(model, "model", model)
+    return [list(r) for r in stage_layers(len(decoder.layers), pp * spec.virtual_stages_per_rank)]
+
+
+def parallelize_stages(
+    model: nn.Module, plan: Plan, mesh: ParallelMesh, *, param_dtype: torch.dtype | None = None
+) -> list[tuple[int, DecoderStage]]:
+    """This rank's stages of ``model`` (on meta: materialize them after), laid out as a pipeline
+    rank of ``mesh``: the plan's TP styles and activation checkpointing on the whole model, the
+    stages its schedule gives this pipeline rank cut from it, each FSDP2-sharded over dp x cp with
+    the plan's units inside it (gradients summed and divided as ``runtime.gradient_scale`` says)."""
+    layout = mesh.layout
+    spec = plan.pipeline or PipelineSpec()
+    resolved = resolve_plan(plan, model, sequence_parallel=False)
+    apply_tensor_parallel(model, resolved, mesh["tp"])
+    apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
+    layers = plan_stage_layers(model, spec, layout.pp)
+    total = len(layers)
+    held = rank_stages(mesh["pp"].get_local_rank(), layout.pp, spec.schedule, spec.virtual_stages_per_rank)
+    stages = [(i, DecoderStage(model, layers[i], first=i == 0, last=i == total - 1)) for i in held]
+    names = {id(m): n for n, m in model.named_modules()}
+    units = {names[id(model.get_submodule(u))] for u in resolved.fsdp_units}
+    for _, stage in stages:
+        apply_fsdp(
+            stage,
+            [n for n, m in stage.named_modules() if n and names.get(id(m)) in units],
+            mesh.dp_cp,
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+            offload_policy=OffloadPolicy(),
+            reshard_after_forward=plan.fsdp_reshard_after_forward,
+            gradient_divide_factor=fsdp_divisor(layout),
+        )
+    return stages
 
 
 def build_stage(model: nn.Module, stage: int, stages: int) -> DecoderStage:

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,9 @@ from ..layout import Layout
 from ..models import build_model
 from ..runtime.collectives import CountCollectives, Traffic, mesh_axes
 from ..runtime.failures import ModuleTracker, failure_diagnostic
-from ..runtime.mesh import build_mesh
+from ..runtime.mesh import ParallelMesh, build_mesh
 from ..runtime.parallelize import parallelize
+from ..runtime.pipeline import parallelize_stages
 from .explain import human_bytes
 
 
@@ -107,6 +108,9 @@ def _forward_backward(
     ``count``, the collectives of each pass too (every op then goes through Python once more:
     the small copies of ``_one_layer`` count, the full-size run does not)."""
     mesh = build_mesh(layout, device_type="cpu")
+    if layout.pp > 1:
+        _stages_forward_backward(model, plan, mesh, config, seq_len=seq_len, batch=batch, measured=measured)
+        return
     parallelize(model, plan, mesh)  # on meta: no storage
     # the expert mesh reuses the mesh's groups where their ranks agree; a collective on none of
     # the mesh's axes is ep's
@@ -125,6 +129,41 @@ def _forward_backward(
             local.float().sum().backward()
         measured.grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters())
     measured.traffic = counter.traffic()
+
+
+def _stages_forward_backward(
+    model: torch.nn.Module,
+    plan: Plan,
+    mesh: ParallelMesh,
+    config: PretrainedConfig,
+    *,
+    seq_len: int,
+    batch: int,
+    measured: _Measured,
+) -> None:
+    """Rank 0's pipeline stages laid out as a job lays them out (``parallelize_stages``), then
+    each run forward and backward on its own: token ids into the first stage, a hidden state of
+    the model's width into the others (what the previous stage sends), the last stage's logits
+    summed. The pipeline's own sends and receives are not simulated."""
+    stages = parallelize_stages(model, plan, mesh)
+    hidden = config.get_text_config().hidden_size
+    with FakeTensorMode(allow_non_fake_inputs=True), batched_experts(model):
+        measured.stage = "materialize"
+        for _, stage in stages:
+            stage.to_empty(device="cpu")
+        params = [p for _, stage in stages for p in stage.parameters()]
+        measured.param_bytes = sum(_local_bytes(p) for p in params)
+        for index, stage in stages:
+            measured.stage = f"forward of pipeline stage {index}"
+            if stage.first:
+                x = torch.randint(0, config.vocab_size, (batch, seq_len))
+            else:
+                x = torch.randn(batch, seq_len, hidden, requires_grad=True)
+            out = stage(x)
+            local = out.to_local() if isinstance(out, DTensor) else out
+            measured.stage = f"backward of pipeline stage {index}"
+            local.float().sum().backward()
+        measured.grad_bytes = sum(_local_bytes(p.grad) for p in params)
 
 
 def _layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
@@ -256,8 +295,10 @@ def dry_run(
                 )
         layers = len(found[2]) if (found := _layers(model)) is not None else 0
         traffic = LayerTraffic()
-        if not diagnostics:
+        if not diagnostics and layout.pp == 1:
             traffic = _one_layer(cuts, plan, layout, config, seq_len=seq_len, batch=batch)
+    if not diagnostics and layout.pp > 1:  # a layer's collectives within its stage: those of (dp, cp, tp)
+        traffic = layer_traffic(plan, config, replace(layout, pp=1), seq_len=seq_len, batch=batch)
     if not diagnostics and measured.grad_bytes == 0:
         diagnostics.append(
             Diagnostic(
