@@ -200,7 +200,7 @@ def test_too_few_layers_for_the_stages_is_refused_without_stage_globs(tmp_path):
     import plancc
 
     path = tmp_path / "plan.yaml"
-    path.write_text((PLANS_DIR / "qwen3.yaml").read_text() + "pipeline:\n  schedule: 1f1b\n  microbatches: 4\n")
+    path.write_text((PLANS_DIR / "qwen3.yaml").read_text().replace("schedule: 1f1b\n", "schedule: 1f1b\n  microbatches: 4\n"))
     problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", pp=4, world_size=4)
                 if d.rule == "pipeline"]
     assert problems and "2 decoder layers for 4 stages" in problems[0].message

@@ -276,7 +276,13 @@ class PipelinePolicy:
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
             on_device = {name: value.to(self.device) for name, value in batch.items()}
-            rows = _Rows.of(on_device, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+            spec = self.plan.pipeline or PipelineSpec()
+            rows = _Rows.of(
+                on_device,
+                micro_batch_size=micro_batch_size,
+                max_tokens=max_tokens,
+                microbatches=spec.microbatches or self.layout.pp,
+            )
             fingerprint = _fingerprint(on_device["input_ids"], on_device["attention_mask"])
         except BatchError as exc:
             problem = str(exc)
@@ -417,6 +423,24 @@ class PipelinePolicy:
             dist.broadcast(tensor, group_src=owner, group=group)
             yield name, tensor
 
+    def _not_yet(self, what: str) -> ValueError:
+        return ValueError(
+            f"Policy.{what} with pipeline stages (pp={self.layout.pp}) is not supported yet: weights() gives "
+            "every parameter whole on every rank (docs/pipeline.md)"
+        )
+
+    def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
+        raise self._not_yet("export_hf")
+
+    def send_weights(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_yet("send_weights")
+
+    def share_weights(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._not_yet("share_weights")
+
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
+        raise self._not_yet("offload")
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Any = None) -> Path:
         """A DCP checkpoint keyed by the model's names (loads at another pp, or none)."""
@@ -537,7 +561,17 @@ class _Rows:
                 self._groups.append(_Group.filler(like, count))
 
     @classmethod
-    def of(cls, batch: dict[str, torch.Tensor], *, micro_batch_size: int | None, max_tokens: int | None) -> _Rows:
+    def of(
+        cls,
+        batch: dict[str, torch.Tensor],
+        *,
+        micro_batch_size: int | None,
+        max_tokens: int | None,
+        microbatches: int,
+    ) -> _Rows:
+        """Without --micro-batch-size or --max-tokens, each length's rows go in at least
+        ``microbatches`` microbatches where they can (the plan's ``pipeline.microbatches``, or one
+        per pipeline rank): a step of one microbatch would leave every stage but one idle."""
         mask = batch["attention_mask"].bool()
         counted = batch.get("token_mask")
         token_mask = counted if counted is not None else default_token_mask(batch["attention_mask"])
@@ -557,7 +591,7 @@ class _Rows:
         groups = []
         for length in sorted(spans):
             members = spans[length]
-            per = _rows_per_microbatch(len(members), length, micro_batch_size, max_tokens)
+            per = _rows_per_microbatch(len(members), length, micro_batch_size, max_tokens, microbatches)
             groups.append(_Group(batch, [r for r, _ in members], [s for _, s in members], length, per))
         sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
         return cls(groups, float(token_mask.sum()), sequences)
@@ -571,10 +605,13 @@ def _fingerprint(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple
     return int(first), int(second), tuple(ids.shape)
 
 
-def _rows_per_microbatch(rows: int, length: int, micro_batch_size: int | None, max_tokens: int | None) -> int:
+def _rows_per_microbatch(
+    rows: int, length: int, micro_batch_size: int | None, max_tokens: int | None, microbatches: int = 1
+) -> int:
     """The most rows a microbatch of this length takes within --micro-batch-size and
-    --max-tokens that divides the group (the schedule cuts a step's rows evenly); 1 at least."""
-    cap = rows
+    --max-tokens (or, with neither, in at least ``microbatches`` microbatches) that divides the
+    group (the schedule cuts a step's rows evenly); 1 at least."""
+    cap = rows if micro_batch_size or max_tokens else max(1, rows // microbatches)
     if micro_batch_size:
         cap = min(cap, micro_batch_size)
     if max_tokens:

@@ -501,6 +501,8 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
     log(f"verify {job.plan.name} on {job.model_name} ({job.layout.describe()}) against the unsharded model:")
     cutting = [("--micro-batch-size", cfg.micro_batch_size), ("--max-tokens", cfg.max_tokens), ("--pack", cfg.pack)]
     cuts = [flag if value is True else f"{flag} {value}" for flag, value in cutting if value]
+    if job.layout.pp > 1:
+        cuts.append("through the pipeline's stages, rows of one length a schedule step")
     log(
         f"  both from {report.weights} (the unsharded loss on the first batch {report.first_loss:.6f}); "
         f"the sharded run cut as apply cuts it ({', '.join(cuts) or 'one pass'})"
