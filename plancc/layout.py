@@ -12,9 +12,8 @@ parameters) and ``tp`` (tensor parallel, innermost so its collectives stay on on
 Sequence parallelism is not an axis: it reuses the tp ranks, so it is a flag.
 
 Pipeline parallelism (``pp``) is the outermost axis: each pipeline rank holds its stages of the
-model and a whole (dp, cp, tp) layout of them. The plan's checks and ``suggest``'s world sizes
-count it; the runtime (``plancc.runtime.pipeline``) is not yet driven by ``apply``/``Policy``, so
-``build_mesh`` refuses pp > 1 with that reason.
+model and a whole (dp, cp, tp) layout of them. ``build_mesh`` gives it the outermost dim of the
+mesh (``pp, dp, cp, tp``); ``Policy`` with pp > 1 is ``engine.pipelined.PipelinePolicy``.
 
 Expert parallelism (``ep``) is not an axis of its own either: like torchtitan and NeMo
 Automodel, it borrows ranks from data parallelism. ``ep`` data-parallel ranks (which hold
