@@ -349,3 +349,18 @@ def test_the_dry_run_lays_out_rank_zeros_stages_at_the_real_world_size():
     assert big.ok, big.diagnostics
     # 16 of 126 layers and the embedding, fp32, over tp 8 x dp 8: about 3.1 GiB a rank
     assert 2.9 * 2**30 < big.param_bytes < 3.3 * 2**30, big.param_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_apply_pp2_tp2_with_sequence_parallelism_verifies_on_rows_of_odd_lengths(tmp_path):
+    """SP inside each stage: a stage sends its tp rank's shard of the sequence; rows of odd
+    length are padded on the right to a multiple of tp (after their last token: no real position
+    sees it) and their positions are the whole sequence's."""
+    from .conftest import forked_cli
+
+    data = _uneven_rows(tmp_path / "rows.jsonl", rows=8, seed=3)
+    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--nproc-per-node", 4, "--pp", 2, "--tp", 2,
+                                "--sp", "--verify", "--steps", 2, "--batch-size", 8, "--data", data)
+    assert code == 0, err + out
+    assert "pp=2 dp=1 cp=1 tp=2 +sp" in out and "verify: OK" in out

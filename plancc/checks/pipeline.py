@@ -8,7 +8,7 @@ exactly two); there are at least as many decoder layers as stages; the stages' g
 decoder layer once and in order, the embedding in the first stage and the final norm and lm_head
 in the last; at least one microbatch per pipeline rank (fewer hang 1F1B: torchtitan#775); and
 what the pipeline runtime does not run yet is refused with the reason: tied input and output
-embeddings (one weight on two stages), pp with ep, cp or sequence parallelism.
+embeddings (one weight on two stages), pp with ep or cp.
 
 A stage glob's segment ``[a-b]`` of two numbers is the numeric range a..b (``model.layers.[0-13]``
 is layers 0 to 13), not a character class.
@@ -68,13 +68,11 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             fix=f"microbatches: {layout.pp} or more",
         )
     unsupported = [f"{axis}={size}" for axis, size in (("ep", layout.ep), ("cp", layout.cp)) if size > 1]
-    if layout.sequence_parallel:
-        unsupported.append("sequence parallelism")
     if unsupported:
         yield Problem(
             loc=loc,
             message=f"pp={layout.pp} with {' and '.join(unsupported)}: the pipeline runtime runs stages under "
-            "tp and dp (FSDP) only for now",
+            "tp (with sequence parallelism) and dp (FSDP) only for now",
             fix="drop --pp, or the other axis",
         )
     if getattr(text_config(ctx.config), "tie_word_embeddings", False):

@@ -82,7 +82,6 @@ class PipelinePolicy:
             for what, on in (
                 (f"cp={layout.cp}", layout.cp > 1),
                 (f"ep={layout.ep}", layout.ep > 1),
-                ("sequence parallelism", layout.sequence_parallel),
                 ("LoRA", lora is not None),
             )
             if on
@@ -282,6 +281,7 @@ class PipelinePolicy:
                 micro_batch_size=micro_batch_size,
                 max_tokens=max_tokens,
                 microbatches=spec.microbatches or self.layout.pp,
+                multiple=self.layout.sequence_multiple,
             )
             fingerprint = _fingerprint(on_device["input_ids"], on_device["attention_mask"])
         except BatchError as exc:
@@ -490,18 +490,34 @@ class _Group:
     """Rows of one length: their tokens [n, L], their index into the batch, every field cut to
     their span, and the microbatches they go through the pipeline in."""
 
-    def __init__(self, batch: dict[str, torch.Tensor], rows: list[int], start: list[int], length: int, per: int):
+    def __init__(
+        self,
+        batch: dict[str, torch.Tensor],
+        rows: list[int],
+        start: list[int],
+        length: int,
+        per: int,
+        multiple: int = 1,
+    ):
+        """``multiple``: the rows go in padded on the right to a multiple of it (sequence
+        parallelism shards the positions over tp ranks evenly); the padding is every field's 0,
+        its attention mask's included, and comes after the row's last token (causal: no real
+        position sees it)."""
         device = batch["input_ids"].device
         self.rows, self.start, self.length = rows, start, length
         self.microbatches = len(rows) // per
+        padded = -(-length // multiple) * multiple
         idx = torch.tensor(rows, dtype=torch.long, device=device)
-        cols = torch.tensor(start, dtype=torch.long, device=device)[:, None] + torch.arange(length, device=device)
         width = batch["input_ids"].shape[1]
+        offsets = torch.arange(padded, device=device)
+        cols = (torch.tensor(start, dtype=torch.long, device=device)[:, None] + offsets).clamp(max=width - 1)
+        real = (offsets < length)[None, :]
         self.fields: dict[str, torch.Tensor] = {}
         for name, value in batch.items():
             if value.dim() >= 2 and value.shape[1] == width:
                 taken = value[idx[:, None], cols]
-                self.fields[name] = taken
+                keep = real.view(*real.shape, *[1] * (taken.dim() - 2))
+                self.fields[name] = torch.where(keep, taken, torch.zeros_like(taken))
             else:
                 self.fields[name] = value[idx]
         self.per, self.real = per, len(rows)  # rows beyond ``real`` are fillers (``pad_to``)
@@ -509,11 +525,11 @@ class _Group:
         self.index = torch.arange(len(rows), device=device)[:, None]  # the target: which rows a microbatch holds
 
     @classmethod
-    def filler(cls, like: dict[str, torch.Tensor], microbatches: int) -> _Group:
-        """A step of ``microbatches`` one-row microbatches of two tokens that count nothing: a dp
-        rank's turn in a schedule step it has no rows for."""
-        ids = torch.zeros((microbatches, 2), dtype=like["input_ids"].dtype, device=like["input_ids"].device)
-        group = cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [], [], 2, 1)
+    def filler(cls, like: dict[str, torch.Tensor], microbatches: int, length: int = 2) -> _Group:
+        """A step of ``microbatches`` one-row microbatches of ``length`` tokens that count nothing:
+        a dp rank's turn in a schedule step it has no rows for."""
+        ids = torch.zeros((microbatches, length), dtype=like["input_ids"].dtype, device=like["input_ids"].device)
+        group = cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [], [], length, 1)
         group.input_ids = ids
         group.fields = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         group.index = torch.arange(microbatches, device=ids.device)[:, None]
@@ -541,8 +557,8 @@ class _Group:
 class _Rows:
     """This rank's rows unpadded, grouped by length (each group one schedule step)."""
 
-    def __init__(self, groups: list[_Group], tokens: float, sequences: float) -> None:
-        self._groups, self.tokens, self.sequences = groups, tokens, sequences
+    def __init__(self, groups: list[_Group], tokens: float, sequences: float, multiple: int = 1) -> None:
+        self._groups, self.tokens, self.sequences, self.multiple = groups, tokens, sequences, multiple
 
     def groups(self) -> list[_Group]:
         return self._groups
@@ -558,7 +574,7 @@ class _Rows:
             if j < len(self._groups):
                 self._groups[j].pad_to(count)
             else:
-                self._groups.append(_Group.filler(like, count))
+                self._groups.append(_Group.filler(like, count, max(2, self.multiple)))
 
     @classmethod
     def of(
@@ -568,6 +584,7 @@ class _Rows:
         micro_batch_size: int | None,
         max_tokens: int | None,
         microbatches: int,
+        multiple: int = 1,
     ) -> _Rows:
         """Without --micro-batch-size or --max-tokens, each length's rows go in at least
         ``microbatches`` microbatches where they can (the plan's ``pipeline.microbatches``, or one
@@ -592,9 +609,9 @@ class _Rows:
         for length in sorted(spans):
             members = spans[length]
             per = _rows_per_microbatch(len(members), length, micro_batch_size, max_tokens, microbatches)
-            groups.append(_Group(batch, [r for r, _ in members], [s for _, s in members], length, per))
+            groups.append(_Group(batch, [r for r, _ in members], [s for _, s in members], length, per, multiple))
         sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
-        return cls(groups, float(token_mask.sum()), sequences)
+        return cls(groups, float(token_mask.sum()), sequences, multiple)
 
 
 def _fingerprint(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
@@ -694,12 +711,11 @@ class _LastStageLogprobs:
         if self.group.is_filler(local):
             return lp.sum() * 0
         rows = torch.tensor(self.group.rows, device=lp.device)[local]
-        cols = torch.tensor(self.group.start, device=lp.device)[local][:, None] + torch.arange(
-            self.group.length, device=lp.device
-        )
-        self.out[0][rows[:, None], cols] = lp
+        length = self.group.length  # the row's own positions (not sequence parallelism's padding)
+        cols = torch.tensor(self.group.start, device=lp.device)[local][:, None] + torch.arange(length, device=lp.device)
+        self.out[0][rows[:, None], cols] = lp[:, :length]
         if self.entropy:
-            self.out[1][rows[:, None], cols] = _entropy_of(logits, self.temperature)
+            self.out[1][rows[:, None], cols] = _entropy_of(logits, self.temperature)[:, :length]
         return lp.sum() * 0
 
 
@@ -716,10 +732,11 @@ class _LastStageLogits:
         if self.group.is_filler(local):
             return full.sum() * 0
         rows = torch.tensor(self.group.rows, device=full.device)[local]
+        length = self.group.length
         cols = torch.tensor(self.group.start, device=full.device)[local][:, None] + torch.arange(
-            self.group.length, device=full.device
+            length, device=full.device
         )
-        self.out[rows[:, None], cols] = full.float()
+        self.out[rows[:, None], cols] = full[:, :length].float()
         return full.sum() * 0
 
 

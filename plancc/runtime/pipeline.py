@@ -88,6 +88,9 @@ class DecoderStage(nn.Module):
         self.first, self.last = first, last
         self.model = _DecoderPart(getattr(model, "model", model), layers, first=first, last=last)
         self.lm_head = getattr(model, "lm_head", None) if last else None
+        # under sequence parallelism a stage receives and sends its tp rank's shard of the
+        # sequence: the positions (rotary) are those of the whole sequence, this many shards long
+        self.sequence_shards = 1
         # the model's name of each of the stage's parameters (the same names, by construction)
         named = {id(p): n for n, p in model.named_parameters()}
         self.model_names = {n: named[id(p)] for n, p in self.named_parameters()}
@@ -99,7 +102,8 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self.model
         hidden = part.embed_tokens(x) if part.embed_tokens is not None else x
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        length = x.shape[1] if part.embed_tokens is not None else x.shape[1] * self.sequence_shards
+        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
         rotary = part.rotary_emb(hidden, positions)
         for layer in part.layers.values():
             out = layer(
@@ -153,13 +157,15 @@ def parallelize_stages(
     the plan's units inside it (gradients summed and divided as ``runtime.gradient_scale`` says)."""
     layout = mesh.layout
     spec = plan.pipeline or PipelineSpec()
-    resolved = resolve_plan(plan, model, sequence_parallel=False)
+    resolved = resolve_plan(plan, model, sequence_parallel=layout.sequence_parallel)
     apply_tensor_parallel(model, resolved, mesh["tp"])
     apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
     layers = plan_stage_layers(model, spec, layout.pp)
     total = len(layers)
     held = rank_stages(mesh["pp"].get_local_rank(), layout.pp, spec.schedule, spec.virtual_stages_per_rank)
     stages = [(i, DecoderStage(model, layers[i], first=i == 0, last=i == total - 1)) for i in held]
+    for _, stage in stages:
+        stage.sequence_shards = layout.tp if layout.sequence_parallel else 1
     names = {id(m): n for n, m in model.named_modules()}
     units = {names[id(model.get_submodule(u))] for u in resolved.fsdp_units}
     for _, stage in stages:
