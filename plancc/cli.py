@@ -571,7 +571,7 @@ def suggest(
     ] = None,
     hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, a100 or b200 (docs/suggest.md)")] = "h100",
     allow: Annotated[
-        str, typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep,pp (pp: not yet run)")
+        str, typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep,pp")
     ] = "sp,cp,ep",
     top: Annotated[int, typer.Option("--top", min=1, help="candidates to print")] = 10,
     verify_top: Annotated[

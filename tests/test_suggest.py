@@ -333,11 +333,19 @@ def test_pipeline_layouts_are_costed_with_their_schedules_bubble_against_torchti
     published = Layout(dp=8, tp=8, pp=8)
     by = {c.schedule: c for c in result.candidates
           if c.layout == published and c.checkpointing == "full" and c.reshard_after_forward}
-    assert set(by) == {"1f1b", "interleaved_1f1b"} and all(c.fits for c in by.values())
+    assert set(by) == {"1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"}
+    assert all(c.fits for c in by.values())
     one, two = by["1f1b"], by["interleaved_1f1b"]
     assert one.microbatches == two.microbatches == 16  # a dp rank's 16 sequences, one a microbatch
     assert one.time.pipeline > 7 / 16 * one.time.compute > two.time.pipeline > 7 / 32 * two.time.compute
     assert two.tokens_per_s > one.tokens_per_s and result.best.tokens_per_s >= two.tokens_per_s
+    # zero bubble: W fills two thirds of the interleaved bubble, (pp-1)/(3*v*m); the V schedules
+    # are costed at half of single-stage ZB-H1's, (pp-1)/(6*m): the same at v = 2
+    zero, zbv, dual = by["zero_bubble"], by["zbv"], by["dualpipev"]
+    assert two.time.pipeline > zero.time.pipeline > 7 / 96 * zero.time.compute
+    assert zero.tokens_per_s > two.tokens_per_s
+    assert zbv.time.pipeline == pytest.approx(zero.time.pipeline) == dual.time.pipeline
+    assert dual.memory.activations > zbv.memory.activations  # DualPipeV keeps pp + 1 microbatches
     assert "--pp 8" in command_line("plans/llama.yaml", "llama-3.1-405b", one)
     assert any("pipeline: {schedule: 1f1b, microbatches: 16" in edit for edit in plan_edits(one))
     # pipeline parallelism is searched only when asked for
@@ -345,4 +353,4 @@ def test_pipeline_layouts_are_costed_with_their_schedules_bubble_against_torchti
                                                            seq_len=8192).candidates)
     code, out, err = cli("suggest", "plans/llama.yaml", "--model", "llama-3.1-405b", "--gpus", 512, "--seq-len", 8192,
                          "--tokens-per-step", 1_048_576, "--allow", "pp", "--top", 40)
-    assert code == 0 and "pp=8 dp=8 cp=1 tp=8 interleaved_1f1b" in out, err
+    assert code == 0 and "pp=8 dp=8 cp=1 tp=8 zero_bubble" in out, err

@@ -521,7 +521,9 @@ def _pipeline_candidate(
     layers_params = shape.layers_params or shape.layer_params * shape.layers
     root_share = shape.root_params / max(1, shape.root_params + layers_params)
     held = accumulated(ends) if local > 1 else ends
-    memory = peak(stage_memory(end, layout, root_share, local, kept_gathered=not reshard) for end in held)
+    memory = peak(
+        stage_memory(end, layout, root_share, local, kept_gathered=not reshard, schedule=schedule) for end in held
+    )
     one_pass, flops = time_of(
         shape,
         layout,
@@ -910,7 +912,7 @@ def plan_edits(candidate: Candidate) -> list[str]:
     if candidate.layout.pp > 1:
         edits.append(
             f"pipeline: {{schedule: {candidate.schedule}, microbatches: {candidate.microbatches}, "
-            f"virtual_stages_per_rank: {candidate.virtual_stages}}} (apply runs no pp yet: docs/pipeline.md)"
+            f"virtual_stages_per_rank: {candidate.virtual_stages}}}"
         )
     return edits
 

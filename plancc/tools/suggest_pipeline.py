@@ -5,14 +5,15 @@ embedding and the lm_head: counted whole, the busiest stage). A dp rank's sequen
 go through the pipeline one sequence a microbatch (the most microbatches: the smallest bubble).
 
 - **Memory**: parameters, gradients and AdamW state of the busiest stage; the activations of one
-  microbatch of its layers times the microbatches in flight on the first stage (``min(pp, m)``
-  under 1F1B and Interleaved 1F1B); FSDP's buffers and the logit buffers as without pp.
-- **Time**: the compute of the step's tokens over every GPU, plus the schedule's bubble:
-  ``(pp - 1) / m`` of it for 1F1B, ``(pp - 1) / (v * m)`` for Interleaved 1F1B with ``v`` stages
-  a rank; TP/CP/EP traffic for the rank's ``L / pp`` layers; FSDP's gather and reduce-scatter of
-  the stage's weights once a step (torch's stages sync gradients at the last microbatch only),
-  hidden behind the compute where they fit; and the point-to-point sends of one microbatch's
-  hidden states across each stage boundary, forward and backward, exposed.
+  microbatch of its layers times the microbatches in flight on the first stage (``min(pp, m)``,
+  ``min(pp + 1, m)`` under DualPipeV); FSDP's buffers and the logit buffers as without pp.
+- **Time**: the compute of the step's tokens over every GPU, plus the schedule's bubble
+  (``bubble``: the zero-bubble papers' formulas with a microbatch's forward, input-gradient and
+  weight-gradient passes equal, ``F = B = W``, as the 6N-flops accounting makes them); TP/CP/EP
+  traffic for the rank's ``L / pp`` layers; FSDP's gather and reduce-scatter of the stage's
+  weights once a step (torch's stages sync gradients at the last microbatch only), hidden behind
+  the compute where they fit; and the point-to-point sends of one microbatch's hidden states
+  across each stage boundary, forward and backward, exposed.
 """
 
 from __future__ import annotations
@@ -22,18 +23,41 @@ from dataclasses import replace
 from ..layout import Layout
 from .suggest_model import BF16, FP32, Hardware, Memory, StepTime, bandwidth
 
-# schedules suggest costs, with their stages a rank (the V schedules and zero bubble: not yet)
-COSTED = (("1f1b", 1), ("interleaved_1f1b", 2))
+# schedules suggest costs, with their stages a rank
+COSTED = (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2))
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def bubble(schedule: str, pp: int, microbatches: int, virtual: int) -> float:
-    """The idle share the schedule adds to the compute: (pp - 1) / m for 1F1B, divided by the
-    stages a rank for the interleaved one."""
-    return (pp - 1) / (microbatches * (virtual if schedule == "interleaved_1f1b" else 1))
+    """The idle share the schedule adds to the compute of ``m`` microbatches on ``pp`` ranks with
+    ``v`` stages a rank, a microbatch's passes ``F = B = W`` (forward, input gradient, weight
+    gradient: 2N flops a token each):
+
+    - 1F1B: ``(pp - 1)(F + B + W) / (m (F + B + W)) = (pp - 1) / m``;
+    - Interleaved 1F1B: the same over ``v`` stages a rank, ``(pp - 1) / (v m)``;
+    - interleaved zero bubble (B and W split, W filling the bubble; Qi et al. 2023, ZB-H1):
+      ``(pp - 1)(F + B - W) / (v m (F + B + W)) = (pp - 1) / (3 v m)``;
+    - ZBV and DualPipeV: ``(pp - 1)(F + B - 2W)`` and ``(pp/2 - 1)(F&B + B - 3W)`` (the papers'
+      bubbles) are 0 at ``F = B = W``; costed as half ZB-H1's, ``(pp - 1) / (6 m)``: an
+      assumption, not a measurement, so that no schedule is estimated free of a warm-up and a
+      cool-down."""
+    if schedule == "1f1b" or schedule == "gpipe":
+        return (pp - 1) / microbatches
+    if schedule == "interleaved_1f1b":
+        return (pp - 1) / (virtual * microbatches)
+    if schedule == "zero_bubble":
+        return (pp - 1) / (3 * virtual * microbatches)
+    return (pp - 1) / (6 * microbatches)
 
 
 def stage_memory(
-    ends_peak: Memory, layout: Layout, root_share: float, microbatches: int, *, kept_gathered: bool = False
+    ends_peak: Memory,
+    layout: Layout,
+    root_share: float,
+    microbatches: int,
+    *,
+    kept_gathered: bool = False,
+    schedule: str = "1f1b",
 ) -> Memory:
     """The busiest stage's holding at one moment of the step from the whole model's at one
     microbatch (``ends_peak``, one of ``step_ends``): its share of the weights and their state,
@@ -41,7 +65,9 @@ def stage_memory(
     from forward to backward, its layers' units."""
     pp = layout.pp
     share = (1 - root_share) / pp + root_share  # its layers, and the embedding or lm_head whole
-    in_flight = min(pp, microbatches)
+    # the first stage's microbatches in flight: pp under 1F1B and its variants; DualPipeV's
+    # two directions keep one more (DeepSeek-V3's report, Table 2: PP + 1)
+    in_flight = min(pp + (1 if schedule == "dualpipev" else 0), microbatches)
     return replace(
         ends_peak,
         parameters=int(ends_peak.parameters * share),
@@ -90,8 +116,9 @@ def stage_time(
 
 
 def costed_schedules(layers: int, layout: Layout, microbatches: int) -> list[tuple[str, int]]:
-    """The schedules a pp layout is costed with: 1F1B; Interleaved 1F1B where the layers give
-    each rank two stages and the microbatches come in whole rounds of pp."""
+    """The schedules a pp layout is costed with: 1F1B; the two-stages-a-rank ones (Interleaved
+    1F1B, interleaved zero bubble, ZBV, DualPipeV) where the layers give each rank two stages and
+    the microbatches come in whole rounds of pp."""
     found = []
     for schedule, virtual in COSTED:
         if layers < layout.pp * virtual or microbatches < layout.pp:
@@ -102,4 +129,4 @@ def costed_schedules(layers: int, layout: Layout, microbatches: int) -> list[tup
     return found
 
 
-__all__ = ["COSTED", "bubble", "costed_schedules", "stage_memory", "stage_time"]
+__all__ = ["COSTED", "V_SHAPED", "bubble", "costed_schedules", "stage_memory", "stage_time"]
