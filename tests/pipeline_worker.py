@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .conftest import PLANS
 from .distributed import init_gloo
 
 
@@ -370,5 +371,56 @@ def legacy_checkpoint(folder):
         lr = fresh.optimizer.param_groups[0]["betas"]
         dist.barrier()
         return {"numbered": numbered, "weights": weights, "moments": moments, "betas": list(lr)}
+    finally:
+        dist.destroy_process_group()
+
+
+def policy_schedule(folder, schedule):
+    """``Policy(pp=2)`` under a two-stages-a-rank ``schedule`` with the plan's activation
+    checkpointing (``model.layers.*.mlp``), one NLL step on rows of every length against the
+    unsharded model: the loss, the gradient norm and every gradient of this rank's stages."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.engine.build import seeded_model
+    from plancc.models import load_config
+
+    from .policy_worker import global_batch, nll
+
+    init_gloo()
+    try:
+        text = (PLANS / "qwen3.yaml").read_text().replace(
+            "schedule: 1f1b\n", f"schedule: {schedule}\n  virtual_stages_per_rank: 2\n  microbatches: 4\n")
+        assert "activation_checkpointing: [model.layers.*.mlp]" in text
+        path = f"{folder}/plan-{dist.get_rank()}.yaml"
+        with open(path, "w") as f:
+            f.write(text)
+        config = load_config("tiny-qwen3")
+        config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+        grads = {}
+
+        def keep(optimizer, *_):
+            grads.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                          for n, p in policy.model.named_parameters()})
+
+        policy = plancc.Policy(path, config, pp=2, max_grad_norm=None,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        policy.optimizer.register_step_pre_hook(keep)
+        batch = global_batch(8, config.vocab_size)
+        got = policy.train(batch, nll)
+        reference = seeded_model(config, 0)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        counted = (mask[:, 1:] * mask[:, :-1]).float()
+        loss = -(lp * counted).sum() / counted.sum()
+        loss.backward()
+        want = dict(reference.named_parameters())
+        worst = max((g - want[n].grad).abs().max().item() / want[n].grad.abs().max().item() for n, g in grads.items())
+        norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
+        dist.barrier()
+        return {"loss": abs(got["loss"] - loss.item()), "norm": abs(got["grad_norm"] - norm) / norm, "grad": worst,
+                "compared": len(grads)}
     finally:
         dist.destroy_process_group()

@@ -364,3 +364,15 @@ def test_apply_pp2_tp2_with_sequence_parallelism_verifies_on_rows_of_odd_lengths
                                 "--sp", "--verify", "--steps", 2, "--batch-size", 8, "--data", data)
     assert code == 0, err + out
     assert "pp=2 dp=1 cp=1 tp=2 +sp" in out and "verify: OK" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev"])
+def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path, schedule):
+    """The plan's activation checkpointing inside stages that torch's zero-bubble schedules split
+    into input- and weight-gradient passes: exact against the unsharded model."""
+    from .pipeline_worker import policy_schedule
+
+    for rank, r in launch(policy_schedule, 2, str(tmp_path), schedule).items():
+        assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5 and r["grad"] <= 1e-5 and r["compared"] > 0, (rank, r)

@@ -67,6 +67,13 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "rank (1F1B waits for microbatches that never come)",
             fix=f"microbatches: {layout.pp} or more",
         )
+    elif spec.schedule == "dualpipev" and microbatches < 2 * layout.pp:
+        yield Problem(
+            loc=loc,
+            message=f"{microbatches} microbatches for DualPipeV at pp={layout.pp}: its order needs two per "
+            "pipeline rank (torch's deadlocks with fewer)",
+            fix=f"microbatches: {2 * layout.pp} or more",
+        )
     unsupported = [f"{axis}={size}" for axis, size in (("ep", layout.ep), ("cp", layout.cp)) if size > 1]
     if unsupported:
         yield Problem(

@@ -200,6 +200,7 @@ class PipelinePolicy:
         scale = loss_scale(self.layout)
         try:
             for group in rows.groups():
+                group.pad_to(self.runner.step_size(group.microbatches))  # a V schedule's whole rounds
                 self.runner.run(
                     group.input_ids,
                     group.index,
@@ -340,6 +341,7 @@ class PipelinePolicy:
         try:
             with torch.no_grad():
                 for group in rows.groups():
+                    group.pad_to(self.runner.step_size(group.microbatches))  # a V schedule's whole rounds
                     self.runner.run(
                         group.input_ids,
                         group.index,
@@ -364,6 +366,7 @@ class PipelinePolicy:
         try:
             with torch.no_grad():
                 for group in rows.groups():
+                    group.pad_to(self.runner.step_size(group.microbatches))  # a V schedule's whole rounds
                     self.runner.run(
                         group.input_ids,
                         group.index,

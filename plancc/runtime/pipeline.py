@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..checks.pipeline import layers_of_stages
 from ..compiler.plan import PipelineSpec, Plan
 from ..compiler.resolve import resolve_plan
-from ..schedules import SCHEDULE_NAMES, SINGLE, rank_stages, stage_layers
+from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
 from .activation_checkpointing import apply_activation_checkpointing
 from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
@@ -249,6 +249,8 @@ class PipelineRunner:
         if microbatches < pp:
             # torch's 1F1B waits for microbatches that never come (torchtitan#775)
             raise ValueError(f"{microbatches} microbatches for {pp} pipeline ranks: at least one per rank")
+        if schedule == "dualpipev" and microbatches < 2 * pp:
+            raise ValueError(f"{microbatches} microbatches for DualPipeV on {pp} pipeline ranks: at least two per rank")
         self.stages, self.pp, self.total = stages, pp, pp * len(stages)
         self.group = group or dist.group.WORLD
         self.microbatches, self.schedule_name = microbatches, schedule
@@ -360,11 +362,27 @@ class PipelineRunner:
         return losses
 
     def breadth_first(self, microbatches: int) -> str:
-        """The schedule a step of ``microbatches`` runs: the plan's, or breadth first where there
-        are too few for its steady state (GPipe, or looped BFS for several stages a rank)."""
-        if microbatches >= self.pp:
+        """The schedule a step of ``microbatches`` runs: the plan's, or breadth first (GPipe, or
+        looped BFS for several stages a rank) where there are too few for its steady state, or,
+        for the looped schedules of several stages a rank, a count that is not whole rounds of
+        the pipeline's ranks (their orders are built for rounds: a step of RL's rows of one
+        length may hold any count). V-shaped schedules have no breadth-first twin (looped BFS
+        assumes looped placement): ``step_size`` pads their steps instead."""
+        if self.schedule_name in SINGLE:
+            return self.schedule_name if microbatches >= self.pp else "gpipe"
+        if self.schedule_name in V_SHAPED:
             return self.schedule_name
-        return "gpipe" if self.schedule_name in SINGLE else "looped_bfs"
+        return self.schedule_name if microbatches >= self.pp and microbatches % self.pp == 0 else "looped_bfs"
+
+    def step_size(self, microbatches: int) -> int:
+        """The microbatches a step of ``microbatches`` runs as: as many, or for the V-shaped
+        schedules the next count their orders are built for -- whole rounds of the pipeline's
+        ranks, at least one round (ZBV) or two (DualPipeV: at fewer torch's order deadlocks) --
+        the difference run as fillers the loss does not count."""
+        if self.schedule_name not in V_SHAPED:
+            return microbatches
+        least = self.pp * (2 if self.schedule_name == "dualpipev" else 1)
+        return max(least, -(-microbatches // self.pp) * self.pp)
 
     def from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
         """``value`` (a tensor the last stage's rank computed; None elsewhere) on every rank of

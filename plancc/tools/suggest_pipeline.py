@@ -125,6 +125,8 @@ def costed_schedules(layers: int, layout: Layout, microbatches: int) -> list[tup
             continue
         if virtual > 1 and microbatches % layout.pp:
             continue
+        if schedule == "dualpipev" and microbatches < 2 * layout.pp:  # torch's order needs two a rank
+            continue
         found.append((schedule, virtual))
     return found
 
