@@ -617,3 +617,38 @@ def dies_on_rank_1(lp, mb, norm):
     if dist.get_rank() == 1:
         os._exit(17)
     return nll(lp, mb, norm)
+
+
+def reference_places(plan, model_name, layout_kwargs):
+    """The reference kept on the device in bf16 (the compute dtype) and in host memory in fp32:
+    bf16 compute gives the same log-probs from both, bitwise, and the initial weights' own; the
+    policy's weights come back bitwise after each call."""
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    init_gloo()
+    config = load_config(model_name)
+    batch = global_batch(ROWS_PER_RANK * 2, config.vocab_size, seed=5)
+    found = {}
+    for place in ("device", "host"):
+        policy = plancc.Policy(plan, model_name, reference=place, param_dtype="bfloat16", **layout_kwargs)
+        local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
+        before = policy.logprobs(local)
+        policy.train(local, nll)
+        kept = [t.clone() for t in policy._shards()]
+        found[place] = {
+            "kept": policy._reference.weights[0].dtype,
+            "reference": policy.reference_logprobs(local),
+            "before": before,
+            "bitwise_after": all(torch.equal(a, b) for a, b in zip(kept, policy._shards(), strict=True)),
+        }
+    torch.distributed.destroy_process_group()
+    device, host = found["device"], found["host"]
+    return {
+        "dtypes": (str(device["kept"]), str(host["kept"])),
+        "same": torch.equal(device["reference"], host["reference"]),
+        "initial": torch.equal(device["reference"], device["before"]),
+        "bitwise_after": device["bitwise_after"] and host["bitwise_after"],
+    }

@@ -43,11 +43,12 @@ from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_p
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
 from ..schedules import rank_stages
-from . import checkpoint
+from . import checkpoint, shards
 from .batches import Batch, BatchError, balanced_partition, check_batch, default_token_mask
 from .build import from_folder, seeded_model
 from .loss_contract import NonFiniteError, Norm, call_loss, check_temperature
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
+from .reference import ReferenceWeights, reference_place
 from .resume import restore_schedule, schedule_state
 
 Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
@@ -67,7 +68,7 @@ class PipelinePolicy:
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
         param_dtype: torch.dtype | str | None = None,
-        reference: bool = False,
+        reference: bool | str = False,
         lora: Any = None,
         seed: int = 0,
         device: str | None = None,
@@ -110,7 +111,8 @@ class PipelinePolicy:
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0
-        self._reference = [t.detach().clone() for t in self._shards()] if reference else None
+        place = reference_place(reference)
+        self._reference = ReferenceWeights(self._shards(), place=place, dtype=dtype) if place else None
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,
@@ -380,30 +382,16 @@ class PipelinePolicy:
         return self.runner.from_last_stage(out if self.runner.holds_last else None)
 
     def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``logprobs`` under the initial weights (``reference=True``), kept on the device as this
-        rank's shards; the policy's weights are put back bitwise."""
+        """``logprobs`` under the initial weights (``reference=True``: ``engine.reference``); the
+        policy's weights are put back bitwise."""
         if self._reference is None:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
-        with self._weights_swapped(self._reference):
+        with self._reference.swapped_into(self._shards):
             return self.logprobs(batch, **options)
 
     def _shards(self) -> list[torch.Tensor]:
-        return [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
-
-    def _weights_swapped(self, weights: list[torch.Tensor]) -> Any:
-        policy = self
-
-        class _Swap:
-            def __enter__(self) -> None:
-                self.kept = [t.detach().clone() for t in policy._shards()]
-                with torch.no_grad():
-                    torch._foreach_copy_(policy._shards(), weights)
-
-            def __exit__(self, *_: Any) -> None:
-                with torch.no_grad():
-                    torch._foreach_copy_(policy._shards(), self.kept)
-
-        return _Swap()
+        """This rank's storage of every parameter of its stages, the FSDP units resharded first."""
+        return shards.local_shards(self.model)
 
     # ------------------------------------------------------------------ weights out
     def weights(self, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

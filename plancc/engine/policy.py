@@ -23,7 +23,7 @@ import math
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,7 @@ from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_tempera
 from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout, the_mesh
 from .pipelined import PipelinePolicy
+from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
 from .transport import WeightTransport
 
@@ -94,7 +95,9 @@ class Policy:
     None computes in fp32. Whatever it is, and whatever the model's config says (every real
     checkpoint says bfloat16), the parameters -- the master weights --, their gradients, AdamW's
     state and the checkpoints are fp32 (``models.MASTER_DTYPE``); ``export_hf`` writes the
-    config's dtype. ``reference=True`` keeps the initial weights for ``reference_logprobs``.
+    config's dtype. ``reference=True`` keeps the initial weights for ``reference_logprobs`` on the
+    device in the compute dtype (``"host"``: in host memory; ``engine.reference`` says what each
+    costs).
     ``lora={"r": 16, "alpha": 32, "targets": [globs], "dropout": 0.0}``: low-rank adapters on
     the targets (``runtime.lora``), laid out with each base layer's style; only they train
     (and hold optimizer state), the base is frozen and is the reference (adapters disabled:
@@ -134,7 +137,7 @@ class Policy:
         max_grad_norm: float | None = 1.0,
         # the model's numbers and where they live
         param_dtype: torch.dtype | str | None = None,
-        reference: bool = False,
+        reference: bool | str = False,
         lora: LoraSpec | Mapping[str, Any] | None = None,
         seed: int = 0,
         device: str | None = None,
@@ -170,7 +173,10 @@ class Policy:
         self.max_grad_norm = max_grad_norm
         self.step = 0
         # with LoRA the frozen base is the reference: nothing to copy
-        self._reference = shards.host_copy(self._shards()) if reference and self.lora is None else None
+        place = reference_place(reference)
+        self._reference = (
+            ReferenceWeights(self._shards(), place=place, dtype=dtype) if place and self.lora is None else None
+        )
         # the roles beside training (each its own module): weights out, memory
         self._transport = WeightTransport(self.model, self.config, self.device)
         self._memory = Offloader(self.model, self.optimizer)
@@ -417,7 +423,7 @@ class Policy:
         if self.lora is not None:
             reference: AbstractContextManager[None] = adapters_disabled(self.model)
         elif self._reference is not None:
-            reference = self._weights_swapped(self._reference)
+            reference = self._reference.swapped_into(self._shards)
         else:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with reference:
@@ -714,23 +720,6 @@ class Policy:
     def _shards(self) -> list[torch.Tensor]:
         """This rank's storage of every parameter, in order (written in place by swaps)."""
         return shards.local_shards(self.model)
-
-    @contextmanager
-    def _weights_swapped(self, weights: list[torch.Tensor]) -> Iterator[None]:
-        """The model computes with ``weights`` (host copies of every parameter's shard) inside;
-        its own weights are put back bitwise afterwards."""
-        own = self._shards()
-        kept = shards.host_copy(own)
-        with torch.no_grad():
-            for param, value in zip(own, weights, strict=True):
-                param.copy_(value)
-        try:
-            yield
-        finally:
-            own = self._shards()
-            with torch.no_grad():
-                for param, value in zip(own, kept, strict=True):
-                    param.copy_(value)
 
 
 class _TokenTerms:

@@ -1,5 +1,5 @@
-"""A parallelized model's own storage: every FSDP unit back to its shards, this rank's shard of
-every parameter, and host copies of them (``Policy``'s frozen reference and its weight swaps)."""
+"""A parallelized model's own storage: every FSDP unit back to its shards, and this rank's shard
+of every parameter (what ``engine.reference`` swaps and ``Policy.offload`` moves)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,3 @@ def local_shards(model: nn.Module) -> list[torch.Tensor]:
     """This rank's storage of every parameter, in order (written in place by weight swaps)."""
     reshard(model)
     return [plain(p) for p in model.parameters()]
-
-
-def host_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies in host memory (pinned on CUDA, so they come back fast)."""
-    copies = [t.detach().to("cpu", copy=True) for t in tensors]
-    return [c.pin_memory() for c in copies] if torch.cuda.is_available() and tensors and tensors[0].is_cuda else copies
