@@ -19,8 +19,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
     """The L2 norm of all gradients, as if the model were unsharded (fp32)."""
-    # (mesh, axes the gradient is sharded on) -> this rank's sum of squares of those gradients
-    buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], torch.Tensor] = {}
+    # (mesh, axes the gradient is sharded on) -> this rank's local gradients of that kind
+    buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     device = None
     for p in parameters:
         g = p.grad
@@ -36,11 +36,11 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
             # such gradient dp times, and clipping at dp x tp scaled the step wrongly
             axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
         device = local.device
-        square = local.detach().float().pow(2).sum()
-        key = (mesh, axes)
-        buckets[key] = buckets[key] + square if key in buckets else square
+        buckets.setdefault((mesh, axes), []).append(local.detach())
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for (mesh, axes), sq in buckets.items():
+    for (mesh, axes), grads in buckets.items():
+        # one kernel a bucket for every norm (fp32 whatever the gradients' dtype), not one a parameter
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).pow(2).sum()
         for axis in axes:  # replicated axes already hold the same values: not summed again
             assert mesh is not None
             dist.all_reduce(sq, group=mesh.get_group(axis))
@@ -56,7 +56,8 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     if math.isfinite(max_norm) and max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))
         if coef < 1.0:
-            for p in params:
-                assert p.grad is not None
-                p.grad.mul_(coef)
+            grads = [p.grad for p in params if p.grad is not None]
+            # local storage: the scale is the same on every shard (a DTensor's own mul_ would go
+            # through DTensor's dispatch once a tensor)
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return norm

@@ -220,7 +220,9 @@ def parallelize(
             )
         apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
+    # pinned host memory where there is a GPU to copy from (torchtitan pins too): its copies then
+    # run without a staging buffer and overlap compute; a CPU-only host has nothing to pin for
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     return apply_fsdp(
         model,
         resolved.fsdp_units,
