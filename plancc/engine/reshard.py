@@ -10,9 +10,11 @@ list of transfers -- for each parameter, each receiver, each policy owner: the i
 the two boxes -- in the same order, as point-to-point messages over the channel: a global order,
 so no cycle of waits. A receiver gets exactly its shard, whatever the two layouts are.
 
-A policy parameter whose local elements are no box (FSDP2's ``_StridedShard``: FSDP over a dim
-that TP also shards, at dp > 1) is gathered whole by the policy's ranks and sent from rank 0:
-the only tensors any policy rank gathers are those whose layouts do not line up. Each is
+FSDP2 over a dim TP also shards (``_StridedShard`` on dp, at dp > 1: every column-sharded weight
+under FSDP x TP) cuts each tp shard into dp rows, a box torch's own rule gives: each policy rank
+sends its piece of those too. A parameter whose local elements are no box (a ``Partial``, or a
+strided layout torch's box does not cover) is gathered whole by the policy's ranks and sent from
+rank 0: the only tensors any policy rank gathers are those whose layouts do not line up. Each is
 gathered when the walk reaches its first transfer (every policy rank walks the same list, so
 the gathers line up) and dropped after its last, so a rank holds one such tensor at a time,
 never all of them together.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..runtime import faults
 from ..runtime.lora import adapters_of, merged
@@ -55,10 +59,16 @@ def local_box(param: torch.Tensor) -> tuple[Box | None, bool]:
             placements[axis] = Replicate()  # a size-1 axis shards nothing
         elif isinstance(placement, Replicate):
             owner = owner and mesh.get_local_rank(axis) == 0
-        elif type(placement) is not Shard:  # _StridedShard, Partial: not a box of the global tensor
+        elif not isinstance(placement, Shard | _StridedShard):  # Partial: no box of the global tensor
             return None, False
     lengths, offsets = compute_local_shape_and_global_offset(param.shape, mesh, placements)
-    return (tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)), owner
+    box = (tuple(int(o) for o in offsets), tuple(int(n) for n in lengths))
+    # FSDP2 over a dim TP also shards (``_StridedShard(0, sf=tp)`` on dp, ``Shard(0)`` on tp) cuts
+    # each tp shard into dp rows: contiguous, and torch's rule gives their box. A strided layout
+    # whose elements are not one box (the box's size differs from the local shard's) is gathered.
+    if math.prod(box[1]) != param.to_local().numel():
+        return None, False
+    return box, owner
 
 
 def intersect(a: Box, b: Box) -> Box | None:
