@@ -14,8 +14,9 @@ batch's loss (``Norm``, as ``Policy``): the schedule does not scale gradients, s
 are the whole batch's in one pass. The last stage's results (losses, metrics, log-probs) reach
 every rank of the pipeline by one broadcast.
 
-Not yet (refused with the reason): context and sequence parallelism, expert parallelism, LoRA
-and packing under pp.
+Sequence parallelism runs inside each stage (a stage sends its tp rank's shard of the sequence).
+Not yet (refused with the reason): context parallelism, expert parallelism, LoRA, packing, the
+weight transports and ``export_hf`` under pp (``weights()`` gives every parameter whole).
 """
 
 from __future__ import annotations
@@ -202,14 +203,8 @@ class PipelinePolicy:
         scale = loss_scale(self.layout)
         try:
             for group in rows.groups():
-                group.pad_to(self.runner.step_size(group.microbatches))  # a V schedule's whole rounds
-                self.runner.run(
-                    group.input_ids,
-                    group.index,
-                    _LastStageLoss(self.runner, fn, group, norm, scale, temperature, entropy, recorded),
-                    schedule=self.runner.breadth_first(group.microbatches),
-                    microbatches=group.microbatches,
-                )
+                loss_of = _LastStageLoss(self.runner, fn, group, norm, scale, temperature, entropy, recorded)
+                self._run_step(group, loss_of, forward_only=False)
             loss, metrics, problem = self._settle(recorded)
             if problem:
                 raise BatchError(problem)
@@ -338,22 +333,7 @@ class PipelinePolicy:
         rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for group in rows.groups():
-                    group.pad_to(self.runner.step_size(group.microbatches))  # a V schedule's whole rounds
-                    self.runner.run(
-                        group.input_ids,
-                        group.index,
-                        _LastStageLogprobs(group, out, temperature, entropy),
-                        schedule=self.runner.breadth_first(group.microbatches),
-                        microbatches=group.microbatches,
-                        forward_only=True,
-                    )
-        finally:
-            self.model.train(was_training)
+        self._forward_only(rows, lambda group: _LastStageLogprobs(group, out, temperature, entropy))
         out = self.runner.from_last_stage(out if self.runner.holds_last else None)
         return (out[0], out[1]) if entropy else out[0]
 
@@ -363,23 +343,32 @@ class PipelinePolicy:
         rows, _ = self._prepared(batch, None, None, False)
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
+        self._forward_only(rows, lambda group: _LastStageLogits(group, out))
+        return self.runner.from_last_stage(out if self.runner.holds_last else None)
+
+    def _forward_only(self, rows: _Rows, capture: Callable[[_Group], Callable[..., torch.Tensor]]) -> None:
+        """Every length's rows through the stages without backward, in eval mode; ``capture(group)``
+        is the last stage's function that keeps what it computes."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 for group in rows.groups():
-                    group.pad_to(self.runner.step_size(group.microbatches))  # a V schedule's whole rounds
-                    self.runner.run(
-                        group.input_ids,
-                        group.index,
-                        _LastStageLogits(group, out),
-                        schedule=self.runner.breadth_first(group.microbatches),
-                        microbatches=group.microbatches,
-                        forward_only=True,
-                    )
+                    self._run_step(group, capture(group), forward_only=True)
         finally:
             self.model.train(was_training)
-        return self.runner.from_last_stage(out if self.runner.holds_last else None)
+
+    def _run_step(self, group: _Group, last_stage: Callable[..., torch.Tensor], *, forward_only: bool) -> None:
+        """One schedule step of a length's rows (a V schedule's padded to whole rounds)."""
+        group.pad_to(self.runner.step_size(group.microbatches))
+        self.runner.run(
+            group.input_ids,
+            group.index,
+            last_stage,
+            schedule=self.runner.breadth_first(group.microbatches),
+            microbatches=group.microbatches,
+            forward_only=forward_only,
+        )
 
     def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``logprobs`` under the initial weights (``reference=True``: ``engine.reference``); the
