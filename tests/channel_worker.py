@@ -175,3 +175,35 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def pipeline_policy_side(plan, model_name, port, bucket_bytes, manifest_path, weights_path):
+    """``Policy(pp=2)``: a training step, then its weights over the channel from every stage
+    (each tensor gathered by its stage and broadcast over the pipeline; rank 0 sends), and the
+    same weights from ``weights()`` saved for the comparison."""
+    import os
+
+    import torch
+
+    import plancc
+    from plancc.models import load_config
+
+    from .policy_worker import ROWS_PER_RANK, global_batch, nll
+
+    init_gloo()
+    policy = plancc.Policy(plan, model_name, pp=2)
+    policy.train(global_batch(ROWS_PER_RANK, load_config(model_name).vocab_size, seed=4), nll)
+    channel = None
+    if torch.distributed.get_rank() == 0:
+        with open(manifest_path + ".tmp", "w") as f:
+            json.dump(policy.weights_manifest(bucket_bytes=bucket_bytes), f)
+        os.replace(manifest_path + ".tmp", manifest_path)
+        channel = _open_on_any_port(port)
+    result = {"sent": policy.send_weights(channel, bucket_bytes=bucket_bytes)}
+    if channel is not None:
+        channel.close()
+    whole = {name: tensor.clone() for name, tensor in policy.weights()}
+    if torch.distributed.get_rank() == 0:
+        torch.save(whole, weights_path)
+    torch.distributed.destroy_process_group()
+    return result

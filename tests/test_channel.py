@@ -151,3 +151,32 @@ def test_the_nccl_channel_is_built_with_the_channels_timeout():
     from plancc.engine.channel import nccl_options
 
     assert nccl_options(timedelta(seconds=7))._timeout == timedelta(seconds=7)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_policy_with_pipeline_stages_sends_every_stages_weights(tmp_path):
+    """Refit from stages: the receiver gets every tensor of the whole model (the first stage's and
+    the last's, from the ranks that hold them), one bucket at a time, equal to ``weights()``."""
+    import torch
+
+    from .channel_worker import pipeline_policy_side
+    from .distributed import launch
+
+    port = str(tmp_path / "port")
+    manifest, received, whole = tmp_path / "manifest.json", tmp_path / "received.pt", tmp_path / "whole.pt"
+    receiver = _receiver(f"file:{port}", manifest, received, "0")
+    try:
+        results = launch(pipeline_policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3", port, BUCKET, str(manifest),
+                         str(whole))
+        out, _ = receiver.communicate(timeout=180)
+    finally:
+        receiver.kill()
+    assert receiver.returncode == 0, out
+    assert results[0]["sent"] > 0 and results[1]["sent"] == 0, results
+    got, want = torch.load(received), torch.load(whole)
+    assert sorted(got) == sorted(want) and "lm_head.weight" in got and "model.embed_tokens.weight" in got
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    buffer = int(out.split("BUFFER")[1].split()[0])
+    largest = max(t.numel() * t.element_size() for t in want.values())
+    assert buffer <= max(BUCKET, largest) + 8 * len(want), (buffer, BUCKET, largest)

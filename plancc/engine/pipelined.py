@@ -16,7 +16,7 @@ every rank of the pipeline by one broadcast.
 
 Sequence parallelism runs inside each stage (a stage sends its tp rank's shard of the sequence).
 Not yet (refused with the reason): context parallelism, expert parallelism, LoRA, packing, the
-weight transports and ``export_hf`` under pp (``weights()`` gives every parameter whole).
+resharded refit, ``share_weights``, ``offload`` and ``export_hf`` under pp.
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ from ..schedules import rank_stages
 from . import checkpoint, shards
 from .batches import Batch, BatchError, balanced_partition, check_batch, default_token_mask
 from .build import from_folder, seeded_model
+from .channel import WeightChannel, make_manifest, send_buckets
 from .loss_contract import NonFiniteError, Norm, call_loss, check_temperature
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
 from .reference import ReferenceWeights, reference_place
 from .resume import restore_schedule, schedule_state
+from .streaming import DEFAULT_BUCKET_BYTES, manifest_buckets
 
 Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
 
@@ -384,24 +386,63 @@ class PipelinePolicy:
 
     # ------------------------------------------------------------------ weights out
     def weights(self, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter of the whole model as ``(name, full tensor)``, in the model's order, on
-        every rank: the stage's ranks gather it (over tp and dp) and its pipeline rank
+        """Every tensor of the whole model's state as ``(name, full tensor)``, in the model's
+        order, on every rank: the stage's ranks gather it (over tp and dp) and its pipeline rank
         broadcasts it. One tensor at a time is held beyond the shards."""
-        mine = dict(self.model.named_parameters())
+        mine = self.model.state_dict()
         group = self.mesh["pp"].get_group()
-        for name, meta in self._whole.named_parameters():
-            held = torch.tensor([float(name in mine)], device=self.device)
-            owners = [torch.zeros_like(held) for _ in range(self.layout.pp)]
-            dist.all_gather(owners, held, group=group)
-            owner = next(i for i, o in enumerate(owners) if o.item())
+        owners = self._owners(list(mine))
+        for name, meta in self._whole.state_dict().items():
+            wanted = dtype if dtype is not None and meta.is_floating_point() else meta.dtype
             if name in mine:
-                param = mine[name]
-                tensor = param.full_tensor() if isinstance(param, DTensor) else param
-                tensor = tensor.detach().to(dtype or tensor.dtype).contiguous()
+                held = mine[name]
+                tensor = (held.full_tensor() if isinstance(held, DTensor) else held).detach().to(wanted).contiguous()
             else:
-                tensor = torch.empty(meta.shape, dtype=dtype or MASTER_DTYPE, device=self.device)
-            dist.broadcast(tensor, group_src=owner, group=group)
+                tensor = torch.empty(meta.shape, dtype=wanted, device=self.device)
+            dist.broadcast(tensor, group_src=owners[name], group=group)
             yield name, tensor
+
+    def _owners(self, names: list[str]) -> dict[str, int]:
+        """The pipeline rank that holds each tensor (one gather of every pipeline rank's names)."""
+        every: list[Any] = [None] * self.layout.pp
+        dist.all_gather_object(every, names, group=self.mesh["pp"].get_group())
+        return {name: rank for rank, held in enumerate(every) for name in held}
+
+    def weights_manifest(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None) -> dict:
+        """What ``send_weights`` sends, as ``Policy.weights_manifest`` gives it: the whole model's
+        tensors (its meta copy: nothing is gathered), bucket by bucket."""
+        buckets = manifest_buckets(self._whole, bucket_bytes=bucket_bytes, dtype=dtype)
+        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
+
+    def send_weights(
+        self,
+        channel: WeightChannel | None,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+        reshard: bool = False,
+        adapters_only: bool = False,
+    ) -> int:
+        """The weights to the receivers of ``channel`` bucket by bucket, from every stage: each
+        tensor gathered by its stage's ranks and broadcast over the pipeline, rank 0 (the one
+        that passes the channel) sending each bucket once it is whole. Returns bytes sent.
+        Resharded refits (``reshard=True``) under pp: not yet."""
+        if reshard or adapters_only:
+            raise self._not_yet("send_weights(reshard=True)" if reshard else "send_weights(adapters_only=True)")
+        if (channel is not None) != (dist.get_rank() == 0):
+            raise ValueError("the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)")
+        manifest = self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype)
+        tensors = self.weights(dtype=dtype)
+
+        def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
+            for bucket in manifest["buckets"]:
+                yield [next(tensors) for _ in bucket["tensors"]]
+
+        if channel is None:
+            for _ in buckets():  # the gathers and broadcasts every rank takes part in
+                pass
+            return 0
+        return send_buckets(channel, manifest, buckets())
 
     def _not_yet(self, what: str) -> ValueError:
         return ValueError(
@@ -411,9 +452,6 @@ class PipelinePolicy:
 
     def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
         raise self._not_yet("export_hf")
-
-    def send_weights(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_yet("send_weights")
 
     def share_weights(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_yet("share_weights")

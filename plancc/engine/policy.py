@@ -74,9 +74,9 @@ from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_schedule
 from .pipelined import PipelinePolicy
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
+from .streaming import DEFAULT_BUCKET_BYTES
 from .transport import WeightTransport
 
-DEFAULT_BUCKET_BYTES = 512 * 2**20
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
 
 

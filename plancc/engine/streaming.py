@@ -24,6 +24,9 @@ from ..runtime.lora import Adapters, adapters_of, merged, peft_name
 from ..runtime.styles.experts import plain
 from .agreement import RefitAgreement
 
+# a bucket of weights out (``Policy.weights``, ``send_weights``, ``share_weights``) unless told
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
 
 def exported_names(model: nn.Module) -> list[str]:
     """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group."""
