@@ -298,6 +298,13 @@ def send_buckets(
 def _send_each(
     channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
 ) -> int:
+    """Each bucket packed into one buffer allocated once (zeroed once: alignment gaps never carry
+    stale host memory) and broadcast; a bucket of one tensor goes as its own bytes, uncopied.
+    Waited for bucket by bucket: a second buffer in flight (packing k + 1 while k is on the
+    wire) measured slower on gloo and held two buckets more (``docs/performance.md``)."""
+    count = len(manifest["buckets"])
+    largest = max((int(b["bytes"]) for b in manifest["buckets"]), default=0)
+    buffer: torch.Tensor | None = None
     sent = 0
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
         names = [n for n, _ in bucket]
@@ -305,9 +312,11 @@ def _send_each(
             raise WeightChannelError(f"bucket {index}: the weights do not follow the manifest ({names[:3]} ...)")
         flat = _alone(bucket, int(expected["bytes"]), channel.device)
         if flat is None:
-            flat = pack_into(torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=channel.device), bucket)
+            if buffer is None:  # only when some bucket packs several tensors
+                buffer = torch.zeros(largest, dtype=torch.uint8, device=channel.device)
+            flat = pack_into(buffer[: int(expected["bytes"])], bucket)
         faults.inject("send", rank=dist.get_rank() if dist.is_initialized() else 0, step=index + 1)
-        channel.broadcast(flat, f"bucket {index} of {len(manifest['buckets'])}")
+        channel.broadcast(flat, f"bucket {index} of {count}")
         sent += flat.numel()
         del flat
     return sent
