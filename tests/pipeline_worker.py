@@ -424,3 +424,42 @@ def policy_schedule(folder, schedule):
                 "compared": len(grads)}
     finally:
         dist.destroy_process_group()
+
+
+def policy_with_plan_stages(folder):
+    """``Policy(pp=2)`` with the plan's stage globs cutting 4 layers 1 + 3: the ranks hold what
+    the globs say, and a step equals the unsharded model's."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.engine.build import seeded_model
+    from plancc.models import load_config
+
+    from .policy_worker import global_batch, nll
+
+    init_gloo()
+    try:
+        text = (PLANS / "qwen3.yaml").read_text().replace(
+            "schedule: 1f1b\n",
+            'schedule: 1f1b\n  stages:\n    - [model.embed_tokens, "model.layers.[0-0]"]\n'
+            '    - ["model.layers.[1-3]", model.norm, lm_head]\n')
+        path = f"{folder}/plan-{dist.get_rank()}.yaml"
+        with open(path, "w") as f:
+            f.write(text)
+        config = load_config("tiny-qwen3")
+        config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+        policy = plancc.Policy(path, config, pp=2, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        layers = sorted({int(n.split(".")[2]) for n, _ in policy.model.named_parameters() if ".layers." in n})
+        batch = global_batch(4, config.vocab_size)
+        got = policy.train(batch, nll)
+        reference = seeded_model(config, 0)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        counted = (mask[:, 1:] * mask[:, :-1]).float()
+        want = float(-(lp * counted).sum() / counted.sum())
+        dist.barrier()
+        return {"layers": layers, "loss": abs(got["loss"] - want)}
+    finally:
+        dist.destroy_process_group()

@@ -376,3 +376,32 @@ def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path,
 
     for rank, r in launch(policy_schedule, 2, str(tmp_path), schedule).items():
         assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5 and r["grad"] <= 1e-5 and r["compared"] > 0, (rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path):
+    """`plancc logprobs --pp 2`: rows of every length through the stages, the last stage's
+    log-probs (and entropy) written by rank 0, equal to the unsharded model's."""
+    import json
+
+    from .conftest import forked_cli
+
+    data = _uneven_rows(tmp_path / "rows.jsonl", rows=6, seed=1)
+    out = tmp_path / "lp.jsonl"
+    code, stdout, err = forked_cli("logprobs", PLANS_DIR / "qwen3.yaml", "--data", data, "--pp", 2, "--entropy",
+                                   "--verify", "--out", out)
+    assert code == 0 and "verify: max |logprob diff|" in stdout and "OK" in stdout, err + stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    lengths = [len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines()]
+    assert [len(r["logprobs"]) for r in rows] == lengths and all(len(r["entropy"]) == n for r, n in zip(rows, lengths))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_plans_stage_globs_decide_what_each_rank_holds(tmp_path):
+    from .pipeline_worker import policy_with_plan_stages
+
+    results = launch(policy_with_plan_stages, 2, str(tmp_path))
+    assert results[0]["layers"] == [0] and results[1]["layers"] == [1, 2, 3], results
+    assert all(r["loss"] <= 1e-5 for r in results.values()), results
