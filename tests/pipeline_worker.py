@@ -303,6 +303,14 @@ def policy_calls(folder):
         outside = before[~mask].abs().max().item()  # padding: 0
         policy.train(batch, nll)
         after = policy.logprobs(batch)
+        policy.offload()  # while a rollout engine runs: refused until onload, then as it was
+        try:
+            policy.logprobs(batch)
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        policy.onload()
+        back = (policy.logprobs(batch) - after).abs().max().item()
         reference = policy.reference_logprobs(batch)
         names = [name for name, _ in whole.named_parameters()]
         out = dict(policy.weights())
@@ -331,6 +339,8 @@ def policy_calls(folder):
             "at_pp1": (at_pp1 - after)[mask].abs().max().item(),
             "step": info.step,
             "second": abs(second - second_flat),
+            "refused": refused,
+            "back": back,
         }
     finally:
         dist.destroy_process_group()

@@ -239,10 +239,11 @@ def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_the_whole_model(tmp_path):
-    """``Policy(pp=2)``: log-probs equal the unsharded model's (0 at padding); after a step the
-    reference's are the initial weights' bit for bit; ``weights()`` yields every parameter of the
-    whole model in its order; a save loads at pp=2 bit for bit and at pp=1 (dp=2) within fp32,
-    and the next step's loss agrees (the optimizer's state came along)."""
+    """``Policy(pp=2)``: log-probs equal the unsharded model's (0 at padding); offloaded, refused
+    until onloaded, then the same bits; after a step the reference's are the initial weights' bit
+    for bit; ``weights()`` yields every parameter of the whole model in its order; a save loads at
+    pp=2 bit for bit and at pp=1 (dp=2) within fp32, and the next step's loss agrees (the
+    optimizer's state came along)."""
     from .distributed import launch
     from .pipeline_worker import policy_calls
 
@@ -253,6 +254,7 @@ def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_
         assert r["names"] and r["weights_diff"] == 0.0, (rank, r)
         assert r["step"] == 1 and r["resumed"] == 0.0 and r["at_pp1"] <= 1e-5, (rank, r)
         assert r["second"] <= 1e-5, (rank, r)
+        assert "offloaded; call onload() first" in r["refused"] and r["back"] == 0.0, (rank, r)
 
 
 @pytest.mark.slow

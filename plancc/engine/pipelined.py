@@ -16,7 +16,7 @@ every rank of the pipeline by one broadcast.
 
 Sequence parallelism runs inside each stage (a stage sends its tp rank's shard of the sequence).
 Not yet (refused with the reason): context parallelism, expert parallelism, LoRA, packing, the
-resharded refit, ``share_weights``, ``offload`` and ``export_hf`` under pp.
+resharded refit, ``share_weights`` and ``export_hf`` under pp.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from .batches import Batch, BatchError, balanced_partition, check_batch, default
 from .build import from_folder, seeded_model
 from .channel import WeightChannel, make_manifest, send_buckets
 from .loss_contract import NonFiniteError, Norm, call_loss, check_temperature
+from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
 from .reference import ReferenceWeights, reference_place
 from .resume import restore_schedule, schedule_state
@@ -112,6 +113,7 @@ class PipelinePolicy:
         torch.manual_seed(seed * 1_000_003 + 0x5EED + self.dp_rank)
         self.optimizer = make_optimizer(optimizer, list(self.model.parameters()))
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
+        self._memory = Offloader(self.model, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0
         place = reference_place(reference)
@@ -195,6 +197,7 @@ class PipelinePolicy:
         ``token_loss(logprobs [n], tokens, norm)`` its predicted tokens flat."""
         if (loss_fn is None) == (token_loss is None):
             raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
+        self._require_onloaded("train")
         check_temperature(temperature)
         started = time.perf_counter()
         rows, norm = self._prepared(batch, micro_batch_size, max_tokens, pack)
@@ -331,6 +334,7 @@ class PipelinePolicy:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows (0 at position 0 and padding) on
         every rank of the pipeline; with ``entropy=True`` a pair."""
+        self._require_onloaded("logprobs")
         check_temperature(temperature)
         rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
         shape = tuple(batch["input_ids"].shape)
@@ -456,8 +460,21 @@ class PipelinePolicy:
     def share_weights(self, *args: Any, **kwargs: Any) -> Any:
         raise self._not_yet("share_weights")
 
+    # ------------------------------------------------------------------ memory
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        raise self._not_yet("offload")
+        """``Policy.offload``: this rank's stages' parameters and / or optimizer state to pinned
+        host memory while a rollout engine runs (``engine.offload``)."""
+        shards.reshard(self.model)
+        self._memory.offload(params=params, optimizer=optimizer)
+
+    def onload(self) -> None:
+        """Everything ``offload`` moved, back where it was."""
+        self._memory.onload()
+
+    def _require_onloaded(self, what: str) -> None:
+        if self._memory.offloaded:
+            offloaded = " and ".join(self._memory.offloaded)
+            raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Any = None) -> Path:
