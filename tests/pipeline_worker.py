@@ -420,11 +420,7 @@ def policy_schedule(folder, schedule):
         batch = global_batch(8, config.vocab_size)
         got = policy.train(batch, nll)
         reference = seeded_model(config, 0)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        counted = (mask[:, 1:] * mask[:, :-1]).float()
-        loss = -(lp * counted).sum() / counted.sum()
+        loss = _mean_nll(reference, batch)
         loss.backward()
         want = dict(reference.named_parameters())
         worst = max((g - want[n].grad).abs().max().item() / want[n].grad.abs().max().item() for n, g in grads.items())
@@ -463,13 +459,20 @@ def policy_with_plan_stages(folder):
         layers = sorted({int(n.split(".")[2]) for n, _ in policy.model.named_parameters() if ".layers." in n})
         batch = global_batch(4, config.vocab_size)
         got = policy.train(batch, nll)
-        reference = seeded_model(config, 0)
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        counted = (mask[:, 1:] * mask[:, :-1]).float()
-        want = float(-(lp * counted).sum() / counted.sum())
+        want = float(_mean_nll(seeded_model(config, 0), batch))
         dist.barrier()
         return {"layers": layers, "loss": abs(got["loss"] - want)}
     finally:
         dist.destroy_process_group()
+
+
+def _mean_nll(model, batch):
+    """The unsharded model's mean next-token NLL over a batch's attended positions (the loss
+    ``policy_worker.nll`` gives a ``Policy``)."""
+    import torch
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    counted = (mask[:, 1:] * mask[:, :-1]).float()
+    return -(lp * counted).sum() / counted.sum()
