@@ -31,8 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan, load_plan
@@ -45,17 +44,17 @@ from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, paralle
 from ..runtime.weights import load_hf_weights
 from ..schedules import rank_stages
 from . import checkpoint, shards
-from .batches import Batch, BatchError, balanced_partition, check_batch, default_token_mask
+from .batches import Batch, BatchError, balanced_partition, check_batch
 from .build import from_folder, seeded_model
 from .channel import WeightChannel, make_manifest, send_buckets
-from .loss_contract import NonFiniteError, Norm, call_loss, check_temperature
+from .loss_contract import NonFiniteError, Norm, check_temperature
 from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
+from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
+from .pipeline_rows import PipelineRows, RowGroup, fingerprint
 from .reference import ReferenceWeights, reference_place
 from .resume import restore_schedule, schedule_state
 from .streaming import DEFAULT_BUCKET_BYTES, manifest_buckets
-
-Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
 
 
 class PipelinePolicy:
@@ -202,13 +201,13 @@ class PipelinePolicy:
         started = time.perf_counter()
         rows, norm = self._prepared(batch, micro_batch_size, max_tokens, pack)
         self.model.train()
-        recorded = _Recorded()
-        fn = _per_token(token_loss) if token_loss is not None else loss_fn
+        recorded = Recorded()
+        fn = per_token(token_loss) if token_loss is not None else loss_fn
         assert fn is not None, "one loss is given (checked above)"
         scale = loss_scale(self.layout)
         try:
             for group in rows.groups():
-                loss_of = _LastStageLoss(self.runner, fn, group, norm, scale, temperature, entropy, recorded)
+                loss_of = LastStageLoss(self.runner, fn, group, norm, scale, temperature, entropy, recorded)
                 self._run_step(group, loss_of, forward_only=False)
             loss, metrics, problem = self._settle(recorded)
             if problem:
@@ -242,7 +241,7 @@ class PipelinePolicy:
             **metrics,
         }
 
-    def _settle(self, recorded: _Recorded) -> tuple[float, dict[str, float], str]:
+    def _settle(self, recorded: Recorded) -> tuple[float, dict[str, float], str]:
         """The loss and metrics summed over the microbatches of the last stage and over dp; a
         refusal of the loss function, on every rank (one broadcast over the pipeline)."""
         values = {"": recorded.loss, **recorded.metrics} if self.runner.holds_last else None
@@ -267,11 +266,11 @@ class PipelinePolicy:
 
     def _prepared(
         self, batch: Batch, micro_batch_size: int | None, max_tokens: int | None, pack: bool
-    ) -> tuple[_Rows, Any]:
+    ) -> tuple[PipelineRows, Any]:
         """This rank's rows unpadded and grouped by length, and the global batch's ``Norm``;
         the same ``BatchError`` on every rank when any rank's batch is refused."""
         problem, rows = "", None
-        fingerprint: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        rows_print: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         try:
             if pack:
                 raise BatchError("packing rows (--pack) under pipeline parallelism is not supported yet")
@@ -279,20 +278,20 @@ class PipelinePolicy:
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
             on_device = {name: value.to(self.device) for name, value in batch.items()}
             spec = self.plan.pipeline or PipelineSpec()
-            rows = _Rows.of(
+            rows = PipelineRows.of(
                 on_device,
                 micro_batch_size=micro_batch_size,
                 max_tokens=max_tokens,
                 microbatches=spec.microbatches or self.layout.pp,
                 multiple=self.layout.sequence_multiple,
             )
-            fingerprint = _fingerprint(on_device["input_ids"], on_device["attention_mask"])
+            rows_print = fingerprint(on_device["input_ids"], on_device["attention_mask"])
         except BatchError as exc:
             problem = str(exc)
         # one gather of every rank's verdict, rows' fingerprint, counts and schedule steps
         mine = {
             "problem": problem,
-            "print": fingerprint,
+            "print": rows_print,
             "counts": (rows.tokens, rows.sequences) if rows is not None else (0.0, 0.0),
             "steps": [g.microbatches for g in rows.groups()] if rows is not None else [],
         }
@@ -339,7 +338,7 @@ class PipelinePolicy:
         rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
-        self._forward_only(rows, lambda group: _LastStageLogprobs(group, out, temperature, entropy))
+        self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy))
         out = self.runner.from_last_stage(out if self.runner.holds_last else None)
         return (out[0], out[1]) if entropy else out[0]
 
@@ -349,10 +348,10 @@ class PipelinePolicy:
         rows, _ = self._prepared(batch, None, None, False)
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
-        self._forward_only(rows, lambda group: _LastStageLogits(group, out))
+        self._forward_only(rows, lambda group: LastStageLogits(group, out))
         return self.runner.from_last_stage(out if self.runner.holds_last else None)
 
-    def _forward_only(self, rows: _Rows, capture: Callable[[_Group], Callable[..., torch.Tensor]]) -> None:
+    def _forward_only(self, rows: PipelineRows, capture: Callable[[RowGroup], Callable[..., torch.Tensor]]) -> None:
         """Every length's rows through the stages without backward, in eval mode; ``capture(group)``
         is the last stage's function that keeps what it computes."""
         was_training = self.model.training
@@ -364,7 +363,7 @@ class PipelinePolicy:
         finally:
             self.model.train(was_training)
 
-    def _run_step(self, group: _Group, last_stage: Callable[..., torch.Tensor], *, forward_only: bool) -> None:
+    def _run_step(self, group: RowGroup, last_stage: Callable[..., torch.Tensor], *, forward_only: bool) -> None:
         """One schedule step of a length's rows (a V schedule's padded to whole rounds)."""
         group.pad_to(self.runner.step_size(group.microbatches))
         self.runner.run(
@@ -509,284 +508,3 @@ class PipelinePolicy:
         restore_schedule(self.optimizer, self.scheduler, info.schedule, configured, step=info.step)
         self.step = info.step
         return info
-
-
-class _Recorded:
-    """What the last stage's loss function saw over a step: the loss and metrics (device
-    scalars, read once at the end) and the first refusal of the caller's function."""
-
-    def __init__(self) -> None:
-        self.loss: torch.Tensor | float = 0.0
-        self.metrics: dict[str, torch.Tensor | float] = {}
-        self.problem = ""
-
-
-class _Group:
-    """Rows of one length: their tokens [n, L], their index into the batch, every field cut to
-    their span, and the microbatches they go through the pipeline in."""
-
-    def __init__(
-        self,
-        batch: dict[str, torch.Tensor],
-        rows: list[int],
-        start: list[int],
-        length: int,
-        per: int,
-        multiple: int = 1,
-    ):
-        """``multiple``: the rows go in padded on the right to a multiple of it (sequence
-        parallelism shards the positions over tp ranks evenly); the padding is every field's 0,
-        its attention mask's included, and comes after the row's last token (causal: no real
-        position sees it)."""
-        device = batch["input_ids"].device
-        self.rows, self.start, self.length = rows, start, length
-        self.microbatches = len(rows) // per
-        padded = -(-length // multiple) * multiple
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
-        width = batch["input_ids"].shape[1]
-        offsets = torch.arange(padded, device=device)
-        cols = (torch.tensor(start, dtype=torch.long, device=device)[:, None] + offsets).clamp(max=width - 1)
-        real = (offsets < length)[None, :]
-        self.fields: dict[str, torch.Tensor] = {}
-        for name, value in batch.items():
-            if value.dim() >= 2 and value.shape[1] == width:
-                taken = value[idx[:, None], cols]
-                keep = real.view(*real.shape, *[1] * (taken.dim() - 2))
-                self.fields[name] = torch.where(keep, taken, torch.zeros_like(taken))
-            else:
-                self.fields[name] = value[idx]
-        self.per, self.real = per, len(rows)  # rows beyond ``real`` are fillers (``pad_to``)
-        self.input_ids = self.fields["input_ids"]
-        self.index = torch.arange(len(rows), device=device)[:, None]  # the target: which rows a microbatch holds
-
-    @classmethod
-    def filler(cls, like: dict[str, torch.Tensor], microbatches: int, length: int = 2) -> _Group:
-        """A step of ``microbatches`` one-row microbatches of ``length`` tokens that count nothing:
-        a dp rank's turn in a schedule step it has no rows for."""
-        ids = torch.zeros((microbatches, length), dtype=like["input_ids"].dtype, device=like["input_ids"].device)
-        group = cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [], [], length, 1)
-        group.input_ids = ids
-        group.fields = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        group.index = torch.arange(microbatches, device=ids.device)[:, None]
-        group.microbatches = microbatches
-        return group
-
-    def pad_to(self, microbatches: int) -> None:
-        """Grow to ``microbatches`` by fillers: copies of the first row, never counted."""
-        extra = (microbatches - self.microbatches) * self.per
-        if extra <= 0:
-            return
-        self.fields = {
-            name: torch.cat([value, value[:1].expand(extra, *value.shape[1:])]) for name, value in self.fields.items()
-        }
-        self.input_ids = self.fields["input_ids"]
-        self.index = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)[:, None]
-        self.microbatches = microbatches
-
-    def is_filler(self, index: torch.Tensor) -> bool:
-        """Whether a microbatch (its rows' ``index``) is a filler: fillers are whole microbatches
-        after the real rows."""
-        return int(index.min()) >= self.real
-
-
-class _Rows:
-    """This rank's rows unpadded, grouped by length (each group one schedule step)."""
-
-    def __init__(self, groups: list[_Group], tokens: float, sequences: float, multiple: int = 1) -> None:
-        self._groups, self.tokens, self.sequences, self.multiple = groups, tokens, sequences, multiple
-
-    def groups(self) -> list[_Group]:
-        return self._groups
-
-    def align(self, steps: list[list[int]]) -> None:
-        """As many schedule steps as the dp rank with the most, step ``j`` of as many
-        microbatches as the most any dp rank runs in its step ``j`` (``steps``: every dp rank's
-        microbatches per step)."""
-        longest = max(len(s) for s in steps)
-        wanted = [max(s[j] if j < len(s) else 0 for s in steps) for j in range(longest)]
-        like = self._groups[0].fields
-        for j, count in enumerate(wanted):
-            if j < len(self._groups):
-                self._groups[j].pad_to(count)
-            else:
-                self._groups.append(_Group.filler(like, count, max(2, self.multiple)))
-
-    @classmethod
-    def of(
-        cls,
-        batch: dict[str, torch.Tensor],
-        *,
-        micro_batch_size: int | None,
-        max_tokens: int | None,
-        microbatches: int,
-        multiple: int = 1,
-    ) -> _Rows:
-        """Without --micro-batch-size or --max-tokens, each length's rows go in at least
-        ``microbatches`` microbatches where they can (the plan's ``pipeline.microbatches``, or one
-        per pipeline rank): a step of one microbatch would leave every stage but one idle."""
-        mask = batch["attention_mask"].bool()
-        counted = batch.get("token_mask")
-        token_mask = counted if counted is not None else default_token_mask(batch["attention_mask"])
-        sample = batch.get("sample_mask")
-        spans: dict[int, list[tuple[int, int]]] = {}
-        lengths = mask.sum(1).tolist()
-        firsts = mask.float().argmax(1).tolist()
-        for row, (n, first) in enumerate(zip(lengths, firsts, strict=True)):
-            if n == 0:
-                raise BatchError(f"row {row} attends to no token")
-            if not bool(mask[row, first : first + n].all()):
-                raise BatchError(
-                    f"row {row}'s attention_mask has a hole: under pipeline parallelism a row is one span "
-                    "(left or right padding)"
-                )
-            spans.setdefault(n, []).append((row, first))
-        groups = []
-        for length in sorted(spans):
-            members = spans[length]
-            per = _rows_per_microbatch(len(members), length, micro_batch_size, max_tokens, microbatches)
-            groups.append(_Group(batch, [r for r, _ in members], [s for _, s in members], length, per, multiple))
-        sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
-        return cls(groups, float(token_mask.sum()), sequences, multiple)
-
-
-def _fingerprint(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """Rows' identity in three numbers (the same rows give the same; wrapping is fine)."""
-    weights = torch.arange(1, ids.numel() + 1, device=ids.device).reshape(ids.shape)
-    sums = torch.stack([(ids.long() * weights).sum(), (mask.long() * weights).sum()]) % 2**52
-    first, second = sums.tolist()
-    return int(first), int(second), tuple(ids.shape)
-
-
-def _rows_per_microbatch(
-    rows: int, length: int, micro_batch_size: int | None, max_tokens: int | None, microbatches: int = 1
-) -> int:
-    """The most rows a microbatch of this length takes within --micro-batch-size and
-    --max-tokens (or, with neither, in at least ``microbatches`` microbatches) that divides the
-    group (the schedule cuts a step's rows evenly); 1 at least."""
-    cap = rows if micro_batch_size or max_tokens else max(1, rows // microbatches)
-    if micro_batch_size:
-        cap = min(cap, micro_batch_size)
-    if max_tokens:
-        cap = min(cap, max(1, max_tokens // length))
-    return next(d for d in range(cap, 0, -1) if rows % d == 0)
-
-
-def _logprobs_of(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[rows, L]`` log p(ids[t] | ids[<t]) from the last stage's logits (0 at position 0);
-    vocab-sharded logits through the vocab-parallel cross entropy."""
-    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
-    targets = ids[:, 1:]
-    if isinstance(scaled, DTensor):
-        with loss_parallel():
-            nll: Any = nn.functional.cross_entropy(
-                scaled[:, :-1].flatten(0, 1),
-                DTensor.from_local(targets.flatten(), scaled.device_mesh, [Replicate()]),
-                reduction="none",
-            )
-            picked = -nll.full_tensor()
-    else:
-        picked = -nn.functional.cross_entropy(scaled[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
-    return torch.cat([torch.zeros_like(picked.view(ids.shape[0], -1)[:, :1]), picked.view(ids.shape[0], -1)], 1)
-
-
-def _entropy_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    full = logits.full_tensor() if isinstance(logits, DTensor) else logits
-    logp = torch.log_softmax(full.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-class _LastStageLoss:
-    """The schedule's loss function: the caller's loss on a microbatch's log-probs, times the
-    FSDP scale; what it returned recorded for the step's report."""
-
-    def __init__(
-        self,
-        runner: PipelineRunner,
-        fn: Loss,
-        group: _Group,
-        norm: Any,
-        scale: float,
-        temperature: float,
-        entropy: bool,
-        recorded: _Recorded,
-    ) -> None:
-        self.runner, self.fn, self.group, self.norm, self.scale = runner, fn, group, norm, scale
-        self.temperature, self.entropy, self.recorded = temperature, entropy, recorded
-
-    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        rows = index.flatten()
-        fields = {name: value[rows] for name, value in self.group.fields.items()}
-        lp = _logprobs_of(logits, fields["input_ids"], self.temperature)
-        if self.runner.inferring or self.group.is_filler(rows):  # torch's dry call, or a filler
-            return (torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)) * 0).sum()
-        if self.entropy:
-            fields["entropy"] = _entropy_of(logits, self.temperature)
-        try:
-            loss, metrics = call_loss(self.fn, lp, fields, self.norm, 0)
-        except BatchError as exc:
-            self.recorded.problem = self.recorded.problem or str(exc)
-            return (lp * 0).sum()
-        self.recorded.loss = self.recorded.loss + loss.detach().double()
-        for key, value in metrics.items():
-            self.recorded.metrics[key] = self.recorded.metrics.get(key, 0.0) + value
-        return loss * self.scale
-
-
-class _LastStageLogprobs:
-    """The forward-only schedule's loss function: a microbatch's log-probs (and entropy) into
-    their rows and positions of ``out`` [2, rows, S]."""
-
-    def __init__(self, group: _Group, out: torch.Tensor, temperature: float, entropy: bool) -> None:
-        self.group, self.out, self.temperature, self.entropy = group, out, temperature, entropy
-
-    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        local = index.flatten()
-        ids = self.group.input_ids[local]
-        lp = _logprobs_of(logits, ids, self.temperature)
-        if self.group.is_filler(local):
-            return lp.sum() * 0
-        rows = torch.tensor(self.group.rows, device=lp.device)[local]
-        length = self.group.length  # the row's own positions (not sequence parallelism's padding)
-        cols = torch.tensor(self.group.start, device=lp.device)[local][:, None] + torch.arange(length, device=lp.device)
-        self.out[0][rows[:, None], cols] = lp[:, :length]
-        if self.entropy:
-            self.out[1][rows[:, None], cols] = _entropy_of(logits, self.temperature)[:, :length]
-        return lp.sum() * 0
-
-
-class _LastStageLogits:
-    """The forward-only schedule's loss function that keeps a microbatch's logits (the vocabulary
-    gathered) at their rows and positions of ``out`` [rows, S, V]."""
-
-    def __init__(self, group: _Group, out: torch.Tensor) -> None:
-        self.group, self.out = group, out
-
-    def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        local = index.flatten()
-        full = logits.full_tensor() if isinstance(logits, DTensor) else logits
-        if self.group.is_filler(local):
-            return full.sum() * 0
-        rows = torch.tensor(self.group.rows, device=full.device)[local]
-        length = self.group.length
-        cols = torch.tensor(self.group.start, device=full.device)[local][:, None] + torch.arange(
-            length, device=full.device
-        )
-        self.out[rows[:, None], cols] = full[:, :length].float()
-        return full.sum() * 0
-
-
-def _per_token(token_loss: Loss) -> Loss:
-    """A ``token_loss`` as a per-microbatch loss: its predicted tokens (every position after a
-    row's first) flat, each field at those tokens (a per-row field at each token's row)."""
-
-    def loss(lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Any) -> Any:
-        rows, length = lp.shape
-        tokens = {}
-        for name, value in fields.items():
-            if value.dim() >= 2 and value.shape[:2] == (rows, length):
-                tokens[name] = value[:, 1:].flatten(0, 1)
-            else:
-                tokens[name] = value.repeat_interleave(length - 1, dim=0)
-        return token_loss(lp[:, 1:].flatten(), tokens, norm)
-
-    return loss
