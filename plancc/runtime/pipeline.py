@@ -1,6 +1,6 @@
 """Pipeline stages of a Hugging Face decoder and torch's schedules, with the step's loss normalized
-over the whole batch (the first runtime piece of pipeline parallelism; ``apply``/``Policy`` do
-not drive it yet).
+over the whole batch (``engine.pipelined``'s ``Policy`` with stages drives them; ``apply --pp``
+through it).
 
 A stage is a module of its own built from the model: the embedding on the first stage, a
 contiguous run of decoder layers (each with the rotary embedding it needs), the final norm and
