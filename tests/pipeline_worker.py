@@ -476,3 +476,43 @@ def _mean_nll(model, batch):
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     counted = (mask[:, 1:] * mask[:, :-1]).float()
     return -(lp * counted).sum() / counted.sum()
+
+
+def refusal_on_one_dp_rank():
+    """``Policy(pp=2, dp=2)``: a loss that fails on dp rank 1 only is every rank's ``BatchError``
+    with nothing changed; a metric only dp rank 0's loss gives is summed, 0 on the other."""
+    import torch
+    import torch.distributed as dist
+
+    import plancc
+    from plancc.engine.batches import BatchError
+
+    from .policy_worker import global_batch, nll
+
+    init_gloo()
+    try:
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", pp=2, dp=2)
+        batch = global_batch(8, 256)
+        mine = {k: v[policy.slice_of(8)] for k, v in batch.items()}
+
+        def picky(lp, mb, norm):
+            if policy.dp_rank == 1:
+                raise ValueError("dp rank 1 refuses")
+            return nll(lp, mb, norm)
+
+        def one_sided(lp, mb, norm):
+            loss, _ = nll(lp, mb, norm)
+            return loss, ({"only_dp0": torch.tensor(1.0)} if policy.dp_rank == 0 else {})
+
+        before = [t.clone() for t in policy._shards()]
+        try:
+            policy.train(mine, picky)
+            refused = "accepted"
+        except BatchError as exc:
+            refused = str(exc)
+        same = all(torch.equal(a, b) for a, b in zip(before, policy._shards(), strict=True))
+        row = policy.train(mine, one_sided)
+        dist.barrier()
+        return {"refused": refused, "unchanged": same, "only_dp0": row.get("only_dp0")}
+    finally:
+        dist.destroy_process_group()

@@ -407,3 +407,14 @@ def test_the_plans_stage_globs_decide_what_each_rank_holds(tmp_path):
     results = launch(policy_with_plan_stages, 2, str(tmp_path))
     assert results[0]["layers"] == [0] and results[1]["layers"] == [1, 2, 3], results
     assert all(r["loss"] <= 1e-5 for r in results.values()), results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_dp_ranks_refused_loss_is_every_ranks_and_its_metrics_are_agreed():
+    from .pipeline_worker import refusal_on_one_dp_rank
+
+    results = launch(refusal_on_one_dp_rank, 4)
+    for rank, r in results.items():
+        assert "dp rank 1 refuses" in r["refused"] and r["unchanged"], (rank, r)
+        assert r["only_dp0"] is not None and r["only_dp0"] > 0, (rank, r)

@@ -250,12 +250,16 @@ class PipelinePolicy:
         last = self._last_stage_rank()
         dist.broadcast_object_list(box, group_src=last, group=self.mesh["pp"].get_group())
         found, why = box
-        names = sorted(found)
-        summed = torch.tensor([found[n] for n in names], dtype=torch.float64, device=self.device)
+        # every dp share's names and refusal: a metric some shares' loss does not give counts 0
+        # there, and a refusal on one share is every rank's (no rank goes on to the step alone)
+        shares: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(shares, (sorted(found), why or ""), group=self.mesh["dp"].get_group())
+        names = sorted({name for share_names, _ in shares for name in share_names})
+        summed = torch.tensor([found.get(n, 0.0) for n in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(summed, group=self.mesh["dp"].get_group())
         reduced = dict(zip(names, summed.tolist(), strict=True))
         loss = reduced.pop("")
-        return loss, reduced, why or ""
+        return loss, reduced, next((refusal for _, refusal in shares if refusal), "")
 
     def _last_stage_rank(self) -> int:
         spec = self.plan.pipeline or PipelineSpec()
