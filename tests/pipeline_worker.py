@@ -367,8 +367,10 @@ def legacy_checkpoint(folder):
         policy.train({k: v[policy.slice_of(4)] for k, v in batch.items()}, nll)
         path = policy.save(folder)
         model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer)  # the numbered form
-        for stale in path.glob("*.distcp"):
-            stale.unlink()
+        if dist.get_rank() == 0:  # one rank clears the step's shards (two would race on the same files)
+            for stale in path.glob("*.distcp"):
+                stale.unlink()
+        dist.barrier()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
         numbered = any(k.startswith("optim.param_groups.0.") for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         fresh = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, seed=3, optimizer=adamw)
