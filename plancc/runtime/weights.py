@@ -114,6 +114,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.
     dist.broadcast_object_list(order, src=0)
     handles: dict[Path, Any] = {}
     loaded: dict[str, Any] = {}
+    device = _device_of(state)
     with torch.no_grad():
         for name in order[0]:
             target = state.get(name)
@@ -123,7 +124,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt")
                 dtype = getattr(torch, wanted[name])
-                local = _send_slices(handles[path].get_tensor(name).to(dtype), name, layouts, _device_of(model))
+                local = _send_slices(handles[path].get_tensor(name).to(dtype), name, layouts, device)
             elif local_target is not None:
                 local = _receive_slice(mine[name][0], local_target.dtype, local_target.device)
             else:
@@ -147,8 +148,9 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.
     set_model_state_dict(model, dict(loaded), options=StateDictOptions(strict=False))
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    first = next(iter(model.state_dict().values()), None)
+def _device_of(state: dict[str, Any]) -> torch.device:
+    """Where this rank's tensors live (rank 0 sends from there: its own or not)."""
+    first = next(iter(state.values()), None)
     if isinstance(first, DTensor):
         return first.to_local().device
     return first.device if first is not None else torch.device("cpu")
