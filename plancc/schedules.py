@@ -38,15 +38,27 @@ def rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> list[int]:
     return [rank + i * pp for i in range(virtual)]
 
 
-def stage_layers(layers: int, stages: int) -> list[range]:
-    """Decoder layers per stage, contiguous and in order; the first stages take one more where
-    they do not divide evenly (every layer once)."""
-    if not 1 <= stages <= layers:
+def stage_layers(layers: int, stages: int, first_less: int = 0, last_less: int = 0) -> list[range]:
+    """Decoder layers per stage, contiguous and in order, every layer once. The first stage counts
+    as ``first_less`` layers more (it holds the embedding) and the last as ``last_less`` more (the
+    final norm and lm_head) -- torchtitan's ``first_stage_less_layers`` / ``last_stage_less_layers``
+    -- and the rest is split evenly, the first stages taking one more where it does not divide."""
+    units = layers + first_less + last_less
+    if not 1 <= stages <= units:
         raise ValueError(f"{stages} pipeline stages for {layers} decoder layers: each stage needs at least one")
-    base, extra = divmod(layers, stages)
+    base, extra = divmod(units, stages)
+    counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    counts[0] -= first_less
+    counts[-1] -= last_less
+    if stages == 1:
+        counts = [layers]
+    if min(counts) < 0 or (stages > 1 and min(counts[1:-1], default=1) < 1):
+        raise ValueError(
+            f"{stages} pipeline stages for {layers} decoder layers with the first stage {first_less} and the last "
+            f"{last_less} layers lighter: a stage would hold {min(counts)}"
+        )
     bounds, start = [], 0
-    for s in range(stages):
-        end = start + base + (1 if s < extra else 0)
-        bounds.append(range(start, end))
-        start = end
+    for count in counts:
+        bounds.append(range(start, start + count))
+        start += count
     return bounds

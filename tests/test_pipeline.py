@@ -418,3 +418,33 @@ def test_one_dp_ranks_refused_loss_is_every_ranks_and_its_metrics_are_agreed():
     for rank, r in results.items():
         assert "dp rank 1 refuses" in r["refused"] and r["unchanged"], (rank, r)
         assert r["only_dp0"] is not None and r["only_dp0"] > 0, (rank, r)
+
+
+def test_the_first_and_last_stages_can_be_lighter_by_the_embedding_and_the_lm_head(tmp_path):
+    """``first_stage_less_layers`` / ``last_stage_less_layers`` (torchtitan's): the embedding and
+    the lm_head count as layers in the even split; the plan's check refuses a split that leaves a
+    middle stage empty, and the runtime and ``explain --pp`` cut where the check says."""
+    import plancc
+    from plancc.compiler.plan import PipelineSpec
+    from plancc.models import build_model, load_config
+    from plancc.runtime.pipeline import plan_stage_layers
+    from plancc.tools.explain_stages import stages_of
+
+    assert stage_layers(6, 4, 1, 1) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
+    assert [len(r) for r in stage_layers(126, 8, 1, 1)] == [15, 16, 16, 16, 16, 16, 16, 15]  # Llama 3.1 405B
+    assert stage_layers(6, 2) == [range(0, 3), range(3, 6)]
+    assert stage_layers(3, 3, 2, 2) == [range(0, 1), range(1, 3), range(3, 3)]  # the lm_head's stage alone
+    with pytest.raises(ValueError, match="a stage would hold -1"):
+        stage_layers(3, 3, 3, 0)
+    spec = PipelineSpec(schedule="interleaved_1f1b", virtual_stages_per_rank=2, first_stage_less_layers=1,
+                        last_stage_less_layers=1, microbatches=4)
+    config = load_config("tiny-qwen3")
+    config.num_hidden_layers, config.layer_types = 6, ["full_attention"] * 6
+    assert plan_stage_layers(build_model(config, device="meta"), spec, 2) == [[0], [1, 2], [3, 4], [5]]
+    assert stages_of(spec, 6, 2, None) == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3}
+    path = tmp_path / "plan.yaml"
+    path.write_text((PLANS_DIR / "qwen3.yaml").read_text().replace(
+        "schedule: 1f1b\n", "schedule: 1f1b\n  first_stage_less_layers: 4\n"))
+    problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", pp=2, world_size=2)
+                if d.rule == "pipeline"]
+    assert problems and "a stage would hold" in problems[0].message, problems

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..compiler.globs import ModuleTree, glob_problem
 from ..compiler.plan import PipelineSpec
-from ..schedules import schedule_problem
+from ..schedules import schedule_problem, stage_layers
 from .context import CheckContext, Problem, text_config
 from .example import Example
 
@@ -99,6 +99,15 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "stage needs at least one",
             fix=f"a pp whose stages are at most {len(layers)}",
         )
+    elif spec.first_stage_less_layers or spec.last_stage_less_layers:
+        try:
+            stage_layers(len(layers), stages, spec.first_stage_less_layers, spec.last_stage_less_layers)
+        except ValueError as exc:
+            yield Problem(
+                loc=loc,
+                message=str(exc),
+                fix="smaller first_stage_less_layers / last_stage_less_layers, or fewer stages",
+            )
 
 
 def _decoder_layers(ctx: CheckContext) -> list[str]:

@@ -74,6 +74,9 @@ class PipelineSpec:
     schedule: str = "1f1b"
     microbatches: int | None = None  # None: one per pipeline rank
     virtual_stages_per_rank: int = 1
+    # the even split's weights of the embedding and the lm_head, in layers (torchtitan's)
+    first_stage_less_layers: int = 0
+    last_stage_less_layers: int = 0
     stages: tuple[tuple[str, ...], ...] = ()
     stage_locs: tuple[SourceLoc, ...] = ()
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
@@ -233,6 +236,8 @@ def _pipeline(doc: SourceDoc) -> PipelineSpec | None:
         schedule=data.get("schedule", "1f1b"),
         microbatches=data.get("microbatches"),
         virtual_stages_per_rank=data.get("virtual_stages_per_rank", 1),
+        first_stage_less_layers=data.get("first_stage_less_layers", 0),
+        last_stage_less_layers=data.get("last_stage_less_layers", 0),
         stages=tuple(tuple(globs) for globs in stages),
         stage_locs=tuple(doc.loc(("pipeline", "stages", i)) for i in range(len(stages))),
         loc=doc.loc(("pipeline",), key=True),

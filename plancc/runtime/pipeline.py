@@ -140,12 +140,14 @@ class RankStages(nn.Module):
 def plan_stage_layers(model: nn.Module, spec: PipelineSpec, pp: int) -> list[list[int]]:
     """The decoder layers of every stage: the plan's stage globs where it names them
     (``checks.pipeline`` checked that they cover every layer once, in order), else an even split
-    over ``pp x virtual_stages_per_rank`` stages (the first stages one more where the count does
-    not divide)."""
+    over ``pp x virtual_stages_per_rank`` stages with the first and last stages lighter by the
+    plan's ``first_stage_less_layers`` / ``last_stage_less_layers``."""
     if spec.stages:
         return layers_of_stages(dict(model.named_modules()), spec)
     decoder: Any = getattr(model, "model", model)
-    return [list(r) for r in stage_layers(len(decoder.layers), pp * spec.virtual_stages_per_rank)]
+    total = pp * spec.virtual_stages_per_rank
+    split = stage_layers(len(decoder.layers), total, spec.first_stage_less_layers, spec.last_stage_less_layers)
+    return [list(r) for r in split]
 
 
 def parallelize_stages(

@@ -59,7 +59,8 @@ def stage_bytes(model: nn.Module, exp: Explanation, stage_of_layer: dict[int, in
 def stages_of(spec: PipelineSpec | None, layers: int, pp: int, matched: list[list[int]] | None) -> dict[int, int]:
     """Each decoder layer's stage: the plan's globs' (``matched``), else the even split."""
     virtual = spec.virtual_stages_per_rank if spec is not None else 1
-    split = matched if matched else [list(r) for r in stage_layers(layers, pp * virtual)]
+    lighter = (spec.first_stage_less_layers, spec.last_stage_less_layers) if spec is not None else (0, 0)
+    split = matched if matched else [list(r) for r in stage_layers(layers, pp * virtual, *lighter)]
     return {layer: stage for stage, group in enumerate(split) for layer in group}
 
 
