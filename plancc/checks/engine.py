@@ -119,20 +119,18 @@ def check_plan(
     ``cp``, ``ep``, ``dp``, ``world_size``, ``sequence_parallel``: plancc 0.1's keywords) build
     one; sizes that do not fit are a ``mesh-sizes`` problem and the other rules still run.
     """
-    if layout is None:
-        layout, layout_problems = Layout.diagnose(
-            world_size=world_size,
-            dp=dp,
-            cp=cp,
-            tp=tp,
-            ep=ep,
-            sequence_parallel=sequence_parallel,
-            loc=plan.loc,
-            pp=pp,
-        )
-    else:
-        layout_problems = []
+    layout, layout_problems = layout_for(
+        plan, layout, world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp
+    )
     return check_at(plan, model_or_config, layout, layout_problems, seq_len=seq_len, resolved=resolved)
+
+
+def layout_for(plan: Plan, layout: Layout | None, **sizes: Any) -> tuple[Layout, list[Diagnostic]]:
+    """``layout``, or the one the sizes (``Layout.diagnose``'s keywords) build, with why they did
+    not fit as diagnostics at the plan (``mesh-sizes``): the other rules still run on it."""
+    if layout is not None:
+        return layout, []
+    return Layout.diagnose(loc=plan.loc, **sizes)
 
 
 def check_at(

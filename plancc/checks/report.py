@@ -17,7 +17,7 @@ from ..errors import Diagnostic
 from ..layout import Layout
 from ..models import ModelSpecError, architecture_of, build_meta_model, default_preset, load_config
 from ..skeleton import load_skeleton
-from .engine import check_at
+from .engine import check_at, layout_for
 
 ROOT_SHOWN = '"" (the model)'
 
@@ -182,18 +182,10 @@ def validate_plan(
         config = load_config(model)
         meta = build_meta_model(config)
     resolved, problems = resolve_sections(plan, meta)
-    layout_problems: list[Diagnostic] = []
-    if layout is None:  # diagnosed here, once: the report shows this layout and why the sizes did not fit
-        layout, layout_problems = Layout.diagnose(
-            world_size=world_size,
-            dp=dp,
-            cp=cp,
-            tp=tp,
-            ep=ep,
-            sequence_parallel=sequence_parallel,
-            loc=plan.loc,
-            pp=pp,
-        )
+    # diagnosed here, once: the report shows this layout and why the sizes did not fit
+    layout, layout_problems = layout_for(
+        plan, layout, world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp
+    )
     problems += check_at(plan, meta, layout, layout_problems, seq_len=seq_len, resolved=resolved)
     problems.sort(key=lambda d: (not d.is_error, d.path, d.line, d.column))
     name = model if isinstance(model, str) else architecture_of(config)

@@ -286,3 +286,20 @@ def _to_width(t: torch.Tensor, width: int) -> torch.Tensor:
     if t.shape[1] >= width:
         return t[:, :width]
     return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
+
+
+def dp_slice(global_rows: int, dp_rank: int, dp_size: int) -> slice:
+    """Data-parallel rank ``dp_rank``'s rows of a global batch of ``global_rows`` (which dp must
+    divide): ``Policy.slice_of``."""
+    if global_rows % dp_size:
+        raise BatchError(f"a global batch of {global_rows} rows does not split over dp={dp_size}")
+    per = global_rows // dp_size
+    return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+def balanced_dp_rows(lengths: list[int] | torch.Tensor, dp_rank: int, dp_size: int) -> list[int]:
+    """``Policy.balanced_slices``: rank ``dp_rank``'s rows of a global batch whose rows hold
+    ``lengths`` tokens, as many as ``dp_slice`` gives, the token counts as even as possible."""
+    counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+    dp_slice(len(counts), dp_rank, dp_size)  # the same refusal when dp does not divide the rows
+    return balanced_partition([int(c) for c in counts], dp_size)[dp_rank]

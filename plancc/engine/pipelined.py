@@ -38,13 +38,13 @@ from ..compiler.plan import PipelineSpec, Plan, load_plan
 from ..layout import Layout, LayoutError
 from ..models import MASTER_DTYPE, architecture_of, build_model, load_config
 from ..runtime.gradient_scale import loss_scale
+from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.materialize import materialize
-from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
+from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
-from ..schedules import rank_stages
 from . import checkpoint, shards
-from .batches import Batch, BatchError, balanced_partition, check_batch
+from .batches import Batch, BatchError, balanced_dp_rows, check_batch, dp_slice
 from .build import from_folder, seeded_model
 from .channel import WeightChannel, make_manifest, send_buckets
 from .loss_contract import NonFiniteError, Norm, check_temperature
@@ -109,7 +109,7 @@ class PipelinePolicy:
         self.stages = stages
         self.model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
         self.weight_source = self._fill(seed)
-        torch.manual_seed(seed * 1_000_003 + 0x5EED + self.dp_rank)
+        seed_data_shard_streams(self.mesh, seed)
         self.optimizer = make_optimizer(optimizer, list(self.model.parameters()))
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self._memory = Offloader(self.model, self.optimizer)
@@ -167,15 +167,10 @@ class PipelinePolicy:
         return self.layout.dp
 
     def slice_of(self, global_rows: int) -> slice:
-        if global_rows % self.dp_size:
-            raise BatchError(f"a global batch of {global_rows} rows does not split over dp={self.dp_size}")
-        per = global_rows // self.dp_size
-        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        return dp_slice(global_rows, self.dp_rank, self.dp_size)
 
     def balanced_slices(self, lengths: list[int] | torch.Tensor) -> list[int]:
-        counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-        self.slice_of(len(counts))
-        return balanced_partition([int(c) for c in counts], self.dp_size)[self.dp_rank]
+        return balanced_dp_rows(lengths, self.dp_rank, self.dp_size)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -217,10 +212,7 @@ class PipelinePolicy:
             grad_norm = float(norm_value)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=None, parameter=None)
-            limit = self.max_grad_norm or math.inf
-            coef = min(1.0, limit / (grad_norm + 1e-6)) if math.isfinite(limit) and limit > 0 else 1.0
-            if coef < 1.0:
-                torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+            scale_to_norm_(params, grad_norm, self.max_grad_norm or math.inf)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -247,8 +239,7 @@ class PipelinePolicy:
         values = {"": recorded.loss, **recorded.metrics} if self.runner.holds_last else None
         problem = recorded.problem if self.runner.holds_last else None
         box: list[Any] = [values and {k: float(v) for k, v in values.items()}, problem]
-        last = self._last_stage_rank()
-        dist.broadcast_object_list(box, group_src=last, group=self.mesh["pp"].get_group())
+        dist.broadcast_object_list(box, group_src=self.runner.last_rank, group=self.mesh["pp"].get_group())
         found, why = box
         # every dp share's names and refusal: a metric some shares' loss does not give counts 0
         # there, and a refusal on one share is every rank's (no rank goes on to the step alone)
@@ -260,13 +251,6 @@ class PipelinePolicy:
         reduced = dict(zip(names, summed.tolist(), strict=True))
         loss = reduced.pop("")
         return loss, reduced, next((refusal for _, refusal in shares if refusal), "")
-
-    def _last_stage_rank(self) -> int:
-        spec = self.plan.pipeline or PipelineSpec()
-        pp, total = self.layout.pp, self.runner.total
-        return next(
-            r for r in range(pp) if total - 1 in rank_stages(r, pp, spec.schedule, spec.virtual_stages_per_rank)
-        )
 
     def _prepared(
         self, batch: Batch, micro_batch_size: int | None, max_tokens: int | None, pack: bool
@@ -281,12 +265,11 @@ class PipelinePolicy:
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
             on_device = {name: value.to(self.device) for name, value in batch.items()}
-            spec = self.plan.pipeline or PipelineSpec()
             rows = PipelineRows.of(
                 on_device,
                 micro_batch_size=micro_batch_size,
                 max_tokens=max_tokens,
-                microbatches=spec.microbatches or self.layout.pp,
+                microbatches=self.runner.microbatches,  # the plan's, or one per stage
                 multiple=self.layout.sequence_multiple,
             )
             rows_print = fingerprint(on_device["input_ids"], on_device["attention_mask"])
@@ -343,7 +326,7 @@ class PipelinePolicy:
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy))
-        out = self.runner.from_last_stage(out if self.runner.holds_last else None)
+        out = self.runner.from_last_stage(out)  # zeros where no last stage: that rank's values arrive
         return (out[0], out[1]) if entropy else out[0]
 
     def logits(self, batch: Batch) -> torch.Tensor:
@@ -353,7 +336,7 @@ class PipelinePolicy:
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogits(group, out))
-        return self.runner.from_last_stage(out if self.runner.holds_last else None)
+        return self.runner.from_last_stage(out)
 
     def _forward_only(self, rows: PipelineRows, capture: Callable[[RowGroup], Callable[..., torch.Tensor]]) -> None:
         """Every length's rows through the stages without backward, in eval mode; ``capture(group)``

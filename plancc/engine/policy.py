@@ -40,7 +40,7 @@ from ..runtime.gradient_scale import loss_scale, token_loss_scale
 from ..runtime.gradnorm import clip_grad_norm_
 from ..runtime.logprobs import fusable, token_logprobs
 from ..runtime.lora import LoraSpec, adapters_disabled
-from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group
+from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
 from ..runtime.token_loss import evaluated_positions, model_token_loss
@@ -50,9 +50,10 @@ from .batches import (
     Batch,
     BatchError,
     Microbatch,
-    balanced_partition,
+    balanced_dp_rows,
     check_batch,
     default_token_mask,
+    dp_slice,
     plan_microbatches,
     row_spans,
     spread_to,
@@ -166,7 +167,7 @@ class Policy:
             param_dtype=dtype,
             lora=self.lora,
         )
-        self._seed_random_streams(seed)
+        seed_data_shard_streams(self.mesh, seed)
         # with LoRA only the adapters train: the frozen base gets no gradient and no state
         self.optimizer = make_optimizer(optimizer, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
@@ -199,10 +200,7 @@ class Policy:
 
     def slice_of(self, global_rows: int) -> slice:
         """This rank's rows of a global batch of ``global_rows`` (which dp must divide)."""
-        if global_rows % self.dp_size:
-            raise BatchError(f"a global batch of {global_rows} rows does not split over dp={self.dp_size}")
-        per = global_rows // self.dp_size
-        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+        return dp_slice(global_rows, self.dp_rank, self.dp_size)
 
     def balanced_slices(self, lengths: list[int] | torch.Tensor) -> list[int]:
         """This rank's rows of a global batch whose rows hold ``lengths`` tokens (``attention_mask
@@ -210,9 +208,7 @@ class Policy:
         with the token counts as even as possible (``engine.batches.balanced_partition``).
         The step is the same as with ``slice_of`` (the loss is normalized globally); the
         slowest rank is less slow."""
-        counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-        self.slice_of(len(counts))  # the same refusal when dp does not divide the rows
-        return balanced_partition([int(c) for c in counts], self.dp_size)[self.dp_rank]
+        return balanced_dp_rows(lengths, self.dp_rank, self.dp_size)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -559,19 +555,6 @@ class Policy:
         return info
 
     # ------------------------------------------------------------------ internals
-    def _seed_random_streams(self, seed: int) -> None:
-        """The random numbers training draws (LoRA's dropout masks, a model's own dropout): one
-        stream per data shard -- the same on the ranks of one tp group (they hold the same
-        activations, and a replicated input must be dropped alike), another on each dp and cp
-        rank (other rows, other positions: a mask repeated on every dp rank is no dropout). The
-        global generator, as torch's activation checkpointing saves and restores it: a
-        recomputed forward draws the same masks."""
-        names = self.mesh.device_mesh.mesh_dim_names or ()
-        dp_rank = self.mesh["dp"].get_local_rank() if "dp" in names else 0
-        cp_rank = self.mesh["cp"].get_local_rank() if "cp" in names else 0
-        shard = dp_rank * self.layout.cp + cp_rank
-        torch.manual_seed(seed * 1_000_003 + 0x5EED + shard)
-
     def _require_onloaded(self, what: str) -> None:
         if self._memory.offloaded:
             offloaded = " and ".join(self._memory.offloaded)

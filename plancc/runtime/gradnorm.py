@@ -53,11 +53,18 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params)
-    if math.isfinite(max_norm) and max_norm > 0:
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))
-        if coef < 1.0:
-            grads = [p.grad for p in params if p.grad is not None]
-            # local storage: the scale is the same on every shard (a DTensor's own mul_ would go
-            # through DTensor's dispatch once a tensor)
-            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+    scale_to_norm_(params, float(norm), max_norm)
     return norm
+
+
+def scale_to_norm_(params: Iterable[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale the gradients (whose global norm is ``norm``) in place to a norm of at most
+    ``max_norm`` (torch's rule: by ``max_norm / (norm + 1e-6)`` when that is below 1)."""
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        return
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        grads = [p.grad for p in params if p.grad is not None]
+        # local storage: the scale is the same on every shard (a DTensor's own mul_ would go
+        # through DTensor's dispatch once a tensor)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)

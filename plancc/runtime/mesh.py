@@ -209,3 +209,16 @@ def require_plancc_axes(mesh: DeviceMesh | ParallelMesh) -> None:
         f"plancc.parallelize needs a device mesh with axes named {AXES} (size 1 where unused); got {got}. "
         "Build it with plancc.build_mesh(dp=..., cp=..., tp=...)"
     )
+
+
+def seed_data_shard_streams(mesh: ParallelMesh, seed: int) -> None:
+    """The random numbers training draws (LoRA's dropout masks, a model's own dropout): one
+    stream per data shard -- the same on the ranks of one tp group (they hold the same
+    activations, and a replicated input must be dropped alike) and of one pipeline (its stages
+    hold other modules), another on each dp and cp rank (other rows, other positions: a mask
+    repeated on every dp rank is no dropout). The global generator, as torch's activation
+    checkpointing saves and restores it: a recomputed forward draws the same masks."""
+    names = mesh.device_mesh.mesh_dim_names or ()
+    dp_rank = mesh["dp"].get_local_rank() if "dp" in names else 0
+    cp_rank = mesh["cp"].get_local_rank() if "cp" in names else 0
+    torch.manual_seed(seed * 1_000_003 + 0x5EED + dp_rank * mesh.layout.cp + cp_rank)

@@ -258,6 +258,7 @@ class PipelineRunner:
         self.microbatches, self.schedule_name = microbatches, schedule
         self.device = device or next(stages[0][1].parameters()).device
         self.inferring = False  # inside torch's shape inference (``run``'s loss wrapper says why)
+        self._last_rank: int | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, module in self.stages for p in module.parameters()]
@@ -304,7 +305,7 @@ class PipelineRunner:
         targets = next_token_targets(input_ids)
         loss_fn = global_token_loss(total, float(data_parallel))
         losses = self.run(input_ids, targets, loss_fn, schedule=name, microbatches=microbatches)
-        loss = torch.stack(losses).sum().detach() / data_parallel if losses else None
+        loss = torch.stack(losses).sum().detach() / data_parallel if losses else torch.zeros((), device=self.device)
         return self.from_last_stage(loss)
 
     @property
@@ -386,19 +387,21 @@ class PipelineRunner:
         least = self.pp * (2 if self.schedule_name == "dualpipev" else 1)
         return max(least, -(-microbatches // self.pp) * self.pp)
 
-    def from_last_stage(self, value: torch.Tensor | None) -> torch.Tensor:
-        """``value`` (a tensor the last stage's rank computed; None elsewhere) on every rank of
-        the pipeline: that rank is found by an all-reduce, then broadcasts it."""
-        holder = torch.tensor([dist.get_rank(self.group) if self.holds_last else -1], device=self.device)
-        dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
-        meta = torch.tensor(list(value.shape) if value is not None else [], dtype=torch.int64, device=self.device)
-        dims = torch.tensor([meta.numel()], device=self.device)
-        dist.broadcast(dims, group_src=int(holder.item()), group=self.group)
-        shape = torch.zeros(int(dims.item()), dtype=torch.int64, device=self.device) if value is None else meta
-        dist.broadcast(shape, group_src=int(holder.item()), group=self.group)
-        out = value if value is not None else torch.zeros(shape.tolist(), device=self.device)
-        out = out.float().contiguous()
-        dist.broadcast(out, group_src=int(holder.item()), group=self.group)
+    @property
+    def last_rank(self) -> int:
+        """The pipeline group's rank that holds the last stage: found once (one all-reduce, every
+        rank calling it alike), the same for every step."""
+        if self._last_rank is None:
+            holder = torch.tensor([dist.get_rank(self.group) if self.holds_last else -1], device=self.device)
+            dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
+            self._last_rank = int(holder.item())
+        return self._last_rank
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``value`` on every rank of the pipeline, in place: every rank passes a
+        tensor of the same shape (its own, or zeros where it holds no last stage), one broadcast."""
+        out = value.float().contiguous()
+        dist.broadcast(out, group_src=self.last_rank, group=self.group)
         return out
 
 
