@@ -539,8 +539,8 @@ def _pipeline_stages(report: ValidationReport, exp: Any) -> tuple[list[Any], dic
     matched = layers_of_stages(modules, spec) if spec is not None and spec.stages else None
     layers = len(getattr(getattr(report.meta_model, "model", report.meta_model), "layers", []))
     of_layer = stages_of(spec, layers, pp, matched)
-    virtual = spec.virtual_stages_per_rank if spec is not None else 1
-    return stage_bytes(report.meta_model, exp, of_layer, pp * virtual), rank_of_stage(spec, pp)
+    virtual = spec.per_rank(layers, pp) if spec is not None else 1
+    return stage_bytes(report.meta_model, exp, of_layer, pp * virtual), rank_of_stage(spec, pp, layers)
 
 
 def _bytes_of(text: str) -> int | None:

@@ -28,6 +28,30 @@ def schedule_problem(schedule: str, virtual: int) -> str | None:
     return None
 
 
+def stages_per_rank(schedule: str, pp: int, layers: int, layers_per_stage: int, first_less: int, last_less: int) -> int:
+    """The stages a rank holds when the plan gives ``layers_per_stage`` (torchtitan's
+    ``pipeline_parallel_layers_per_stage``): the decoder's layers, plus the first and last
+    stage's weights (``first_less`` / ``last_less``: the embedding and the lm_head counted as
+    layers), cut ``layers_per_stage`` a stage, over ``pp`` ranks. ``ValueError`` where the count
+    is not whole rounds of ``pp`` or not what the schedule runs."""
+    if layers_per_stage < 1:
+        raise ValueError(f"layers_per_stage {layers_per_stage}: at least 1")
+    total = -(-(layers + first_less + last_less) // layers_per_stage)
+    if total % pp:
+        ends = f" (+{first_less} +{last_less} for the embedding and the lm_head)" if first_less or last_less else ""
+        raise ValueError(
+            f"{layers} decoder layers{ends} at {layers_per_stage} a stage make {total} stages, "
+            f"not a multiple of pp={pp}"
+        )
+    virtual = total // pp
+    why = schedule_problem(schedule, virtual)
+    if why is None and schedule not in SINGLE and virtual < 2:
+        why = f"{schedule} loops several stages a rank, and layers_per_stage {layers_per_stage} gives 1"
+    if why is not None:
+        raise ValueError(f"{why} ({total} stages of about {layers_per_stage} layers over pp={pp})")
+    return virtual
+
+
 def rank_stages(rank: int, pp: int, schedule: str, virtual: int) -> list[int]:
     """The stage indices ``rank`` of ``pp`` holds under ``schedule`` with ``virtual`` stages a rank."""
     problem = schedule_problem(schedule, virtual)

@@ -387,8 +387,8 @@ def legacy_checkpoint(folder):
         dist.destroy_process_group()
 
 
-def policy_schedule(folder, schedule):
-    """``Policy(pp=2)`` under a two-stages-a-rank ``schedule`` with the plan's activation
+def policy_schedule(folder, schedule, cp=1):
+    """``Policy(pp=2)`` (``x cp``) under a two-stages-a-rank ``schedule`` with the plan's activation
     checkpointing (``model.layers.*.mlp``), one NLL step on rows of every length against the
     unsharded model: the loss, the gradient norm and every gradient of this rank's stages."""
     import torch
@@ -398,7 +398,7 @@ def policy_schedule(folder, schedule):
     from plancc.engine.build import seeded_model
     from plancc.models import load_config
 
-    from .policy_worker import global_batch, nll
+    from .policy_worker import watch_sequence_shards, global_batch, nll
 
     init_gloo()
     try:
@@ -416,9 +416,10 @@ def policy_schedule(folder, schedule):
             grads.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                           for n, p in policy.model.named_parameters()})
 
-        policy = plancc.Policy(path, config, pp=2, max_grad_norm=None,
+        policy = plancc.Policy(path, config, pp=2, cp=cp, max_grad_norm=None,
                                optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
         policy.optimizer.register_step_pre_hook(keep)
+        shards = watch_sequence_shards(policy.model)
         batch = global_batch(8, config.vocab_size)
         got = policy.train(batch, nll)
         reference = seeded_model(config, 0)
@@ -429,7 +430,7 @@ def policy_schedule(folder, schedule):
         norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
         dist.barrier()
         return {"loss": abs(got["loss"] - loss.item()), "norm": abs(got["grad_norm"] - norm) / norm, "grad": worst,
-                "compared": len(grads)}
+                "compared": len(grads), "sequence_shards": sorted(shards)}
     finally:
         dist.destroy_process_group()
 

@@ -241,6 +241,7 @@ def train_cases(plan, model_name, layout_kwargs, cases):
     before = _full_state(policy.model)
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size)
     mine = policy.slice_of(batch["input_ids"].shape[0])
+    shards = watch_sequence_shards(policy.model)
     out = []
     for loss_name, cutting in cases:
         with torch.no_grad():
@@ -282,10 +283,31 @@ def train_cases(plan, model_name, layout_kwargs, cases):
                 "fp32_own": _own_errors(before, fp32, exact),
                 "microbatches": metrics["microbatches"],
                 "tokens": metrics["tokens"],
+                "sequence_shards": sorted(shards),
             }
         )
     torch.distributed.destroy_process_group()
     return out
+
+
+def watch_sequence_shards(model):
+    """What the attention layers under context parallelism see: the rows' whole length over the
+    queries a rank holds (cp where the sequence is sharded), one entry per distinct ratio."""
+    from plancc.runtime.cp import context_of
+    from plancc.sequence_mixing import is_cp_attention
+
+    seen = set()
+
+    def record(module, args, kwargs):
+        ctx = context_of(module)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if ctx is not None and ctx.batch is not None and hidden is not None:
+            seen.add(ctx.batch.key_positions.shape[1] // hidden.shape[1])
+
+    for module in model.modules():
+        if is_cp_attention(module):
+            module.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
 
 
 def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):

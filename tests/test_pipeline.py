@@ -181,14 +181,14 @@ def test_a_pipeline_section_whose_stages_cover_every_layer_in_order_passes(tmp_p
     (dict(virtual=2), "1f1b runs one stage a rank, not 2"),
     (dict(schedule="zbv"), "zbv runs exactly two stages a rank (a V), not 1"),
     (dict(schedule="interleaved_1f1b", virtual=2), "2 stages listed for pp=2 x 2 a rank = 4"),
-    (dict(cp=2, world_size=8), "pp=2 with cp=2"),
+    (dict(ep=2, world_size=8), "pp=2 with ep=2"),
     (dict(model="qwen3-0.6b"), "share one weight (tie_word_embeddings)"),
     (dict(replace=[("model.norm, lm_head", "model.nrom, lm_head")]), "stage 1's glob 'model.nrom' matches no module"),
     (dict(replace=[("model.norm, lm_head", "'model.[norm', lm_head")]), "has an unclosed '['"),
 ], ids=["layer-missing", "layer-twice", "norm-first", "embedding-last", "microbatches", "v-on-1f1b", "zbv-one",
-        "stage-count", "with-cp", "tied", "typo", "malformed"])
+        "stage-count", "with-ep", "tied", "typo", "malformed"])
 def test_the_pipeline_check_names_what_cannot_run(tmp_path, kwargs, found):
-    layout = {k: kwargs.pop(k) for k in ("pp", "cp", "tp", "world_size") if k in kwargs}
+    layout = {k: kwargs.pop(k) for k in ("pp", "cp", "ep", "tp", "world_size") if k in kwargs}
     layout.setdefault("pp", 2)
     layout.setdefault("world_size", 4)
     problems = _pipeline_problems(tmp_path, **kwargs, **layout)
@@ -297,6 +297,22 @@ def test_apply_pp2_dp2_verifies_on_rows_of_every_length(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_apply_pp2_cp2_verifies_on_rows_of_every_length(tmp_path):
+    """Context parallelism inside each stage: the first stage keeps its cp rank's load-balanced
+    shard of a row's tokens, every stage attends over the gathered keys, the last stage's
+    log-probs are gathered whole; rows of every length padded on the right to a multiple of
+    2 x cp. Logits, loss, gradients and the losses after two steps equal the unsharded model's."""
+    from .conftest import forked_cli
+
+    data = _uneven_rows(tmp_path / "rows.jsonl", rows=8, seed=2)
+    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--nproc-per-node", 4, "--pp", 2, "--cp", 2,
+                                "--verify", "--steps", 2, "--batch-size", 8, "--data", data)
+    assert code == 0, err + out
+    assert "pp=2 dp=1 cp=2 tp=1" in out and "verify: OK" in out and "over 25 parameters" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_apply_pp2_tp2_from_a_model_folder_verifies(tmp_path):
     """A Hugging Face folder's weights into pipeline stages under TP (rank 0 reads, every stage's
     ranks get their slices), verified against the same folder unsharded."""
@@ -370,13 +386,18 @@ def test_apply_pp2_tp2_with_sequence_parallelism_verifies_on_rows_of_odd_lengths
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev"])
-def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path, schedule):
+@pytest.mark.parametrize(
+    ("schedule", "cp"), [("zero_bubble", 1), ("dualpipev", 1), ("interleaved_1f1b", 2), ("zbv", 2)]
+)
+def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path, schedule, cp):
     """The plan's activation checkpointing inside stages that torch's zero-bubble schedules split
-    into input- and weight-gradient passes: exact against the unsharded model."""
+    into input- and weight-gradient passes, and under context parallelism inside schedules that
+    run later microbatches' forwards before a checkpointed layer's recomputation: exact against
+    the unsharded model."""
     from .pipeline_worker import policy_schedule
 
-    for rank, r in launch(policy_schedule, 2, str(tmp_path), schedule).items():
+    for rank, r in launch(policy_schedule, 2 * cp, str(tmp_path), schedule, cp).items():
+        assert r["sequence_shards"] == ([cp] if cp > 1 else []), (rank, r)  # half of every row under cp
         assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5 and r["grad"] <= 1e-5 and r["compared"] > 0, (rank, r)
 
 
@@ -448,3 +469,41 @@ def test_the_first_and_last_stages_can_be_lighter_by_the_embedding_and_the_lm_he
     problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", pp=2, world_size=2)
                 if d.rule == "pipeline"]
     assert problems and "a stage would hold" in problems[0].message, problems
+
+
+def test_layers_per_stage_derives_the_stage_count_from_the_models_layers(tmp_path):
+    """``layers_per_stage`` (torchtitan's): the layers plus the embedding's and the lm_head's
+    weights cut that many a stage, over pp ranks -- Llama 3.1 405B's 126 layers at 16 a stage with
+    both ends one lighter are 8 stages, one a rank at pp=8 and two at pp=4; a count that is not
+    whole rounds of pp, or not what the schedule runs, is refused at the plan's line; so is a plan
+    giving it beside ``virtual_stages_per_rank``."""
+    import plancc
+    from plancc.compiler.plan import PipelineSpec
+    from plancc.errors import PlanError
+    from plancc.models import build_model, load_config
+    from plancc.runtime.pipeline import plan_stage_layers
+
+    lighter = {"first_stage_less_layers": 1, "last_stage_less_layers": 1}
+    assert PipelineSpec(schedule="1f1b", layers_per_stage=16, **lighter).per_rank(126, 8) == 1
+    assert PipelineSpec(schedule="interleaved_1f1b", layers_per_stage=16, **lighter).per_rank(126, 4) == 2
+    with pytest.raises(ValueError, match="1f1b runs one stage a rank, not 2"):
+        PipelineSpec(schedule="1f1b", layers_per_stage=16, **lighter).per_rank(126, 4)
+    with pytest.raises(ValueError, match="make 8 stages, not a multiple of pp=3"):
+        PipelineSpec(schedule="1f1b", layers_per_stage=16, **lighter).per_rank(126, 3)
+
+    config = load_config("tiny-qwen3")
+    config.num_hidden_layers, config.layer_types = 6, ["full_attention"] * 6
+    spec = PipelineSpec(schedule="interleaved_1f1b", layers_per_stage=2, microbatches=4, **lighter)
+    assert plan_stage_layers(build_model(config, device="meta"), spec, 2) == [[0], [1, 2], [3, 4], [5]]
+
+    def problems(extra: str, model: str, pp: int) -> list:
+        path = tmp_path / "plan.yaml"
+        path.write_text((PLANS_DIR / "qwen3.yaml").read_text().replace("schedule: 1f1b\n", f"schedule: 1f1b\n{extra}"))
+        found = plancc.check_plan(plancc.load_plan(path), model, pp=pp, world_size=pp)
+        return [d for d in found if d.rule == "pipeline"]
+
+    assert problems("  layers_per_stage: 9\n", "qwen3-8b", 4) == []  # 36 layers, 9 a stage: one a rank
+    refused = problems("  layers_per_stage: 12\n", "qwen3-8b", 2)  # 3 stages for 2 ranks
+    assert refused and "make 3 stages, not a multiple of pp=2" in refused[0].message and refused[0].line > 0
+    with pytest.raises(PlanError, match="both layers_per_stage and virtual_stages_per_rank"):
+        problems("  layers_per_stage: 9\n  virtual_stages_per_rank: 1\n", "qwen3-8b", 4)

@@ -75,6 +75,15 @@ LAYOUTS = [
     pytest.param(
         4, "plans/qwen3.yaml", "tiny-qwen3", {"pp": 2, "dp": 2}, _cases([UNEVEN], ["grpo", "nll_tokens"]), id="pp2xdp2"
     ),
+    # context parallelism inside each stage: a stage's layers see their cp rank's half of a row
+    pytest.param(
+        4,
+        "plans/qwen3.yaml",
+        "tiny-qwen3",
+        {"pp": 2, "cp": 2},
+        _cases([UNEVEN, BUDGET], ["grpo", "grpo_tokens"]),
+        id="pp2xcp2",
+    ),
 ]
 
 
@@ -88,6 +97,8 @@ def test_one_train_call_equals_the_unsharded_model_on_the_whole_batch(ranks, pla
     results = launch(train_cases, ranks, plan, model, layout, cases)
     for rank, rows in results.items():
         for row in rows:
+            # the attention saw this rank's shard of every row: cp's, not a whole copy
+            assert row["sequence_shards"] == ([layout["cp"]] if layout.get("cp", 1) > 1 else []), (rank, row)
             assert row["loss_diff"] <= TOLERANCE, (rank, row)
             assert row["grad_norm_diff"] <= TOLERANCE, (rank, row)  # clipping would hide a scaled gradient
             ratio, name, error, bar, compared = row["gradient"]

@@ -2,13 +2,15 @@
 
 With pp > 1 the plan's ``pipeline:`` section says the schedule, the microbatches a step, the
 stages each rank holds and, optionally, the module globs of every stage (without it the decoder
-layers split evenly, the first stages taking the remainder; without the section, 1F1B with one
-microbatch a rank). Checked before launch: the schedule runs that many stages a rank (V schedules
+layers split evenly, the first stages taking the remainder; ``layers_per_stage`` instead of
+``virtual_stages_per_rank`` derives the stage count from the model's layers; without the section,
+1F1B with one microbatch a rank). Checked before launch: the schedule runs that many stages a rank (V schedules
 exactly two); there are at least as many decoder layers as stages; the stages' globs cover every
 decoder layer once and in order, the embedding in the first stage and the final norm and lm_head
 in the last; at least one microbatch per pipeline rank (fewer hang 1F1B: torchtitan#775); and
 what the pipeline runtime does not run yet is refused with the reason: tied input and output
-embeddings (one weight on two stages), pp with ep or cp.
+embeddings (one weight on two stages), pp with ep. Context parallelism runs inside stages (the
+``context-parallel`` rule checks the model for it as without pp).
 
 A stage glob's segment ``[a-b]`` of two numbers is the numeric range a..b (``model.layers.[0-13]``
 is layers 0 to 13), not a character class.
@@ -53,7 +55,16 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         return
     spec = ctx.plan.pipeline or PipelineSpec(loc=ctx.plan.loc)
     loc = spec.loc
-    virtual = spec.virtual_stages_per_rank
+    layers = _decoder_layers(ctx)
+    try:
+        virtual = spec.per_rank(len(layers), layout.pp)
+    except ValueError as exc:  # layers_per_stage that makes no whole rounds, or not the schedule's
+        yield Problem(
+            loc=loc,
+            message=str(exc),
+            fix="a layers_per_stage that gives pp x the schedule's stages a rank, or virtual_stages_per_rank",
+        )
+        return
     why = schedule_problem(spec.schedule, virtual)
     if why is not None:
         yield Problem(loc=loc, message=why, fix="set virtual_stages_per_rank: 2 for zbv/dualpipev, 1 for gpipe/1f1b")
@@ -74,7 +85,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "pipeline rank (torch's deadlocks with fewer)",
             fix=f"microbatches: {2 * layout.pp} or more",
         )
-    unsupported = [f"{axis}={size}" for axis, size in (("ep", layout.ep), ("cp", layout.cp)) if size > 1]
+    unsupported = [f"ep={layout.ep}"] if layout.ep > 1 else []
     if unsupported:
         yield Problem(
             loc=loc,
@@ -89,7 +100,6 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             "the first and the last stage: not supported yet",
             fix="use --pp 1 for this model",
         )
-    layers = _decoder_layers(ctx)
     if spec.stages:
         yield from _stage_globs(ctx, spec, stages, layers)
     elif len(layers) < stages:
@@ -141,7 +151,7 @@ def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: lis
     if len(spec.stages) != stages:
         yield Problem(
             loc=spec.loc,
-            message=f"{len(spec.stages)} stages listed for pp={ctx.layout.pp} x {spec.virtual_stages_per_rank} a "
+            message=f"{len(spec.stages)} stages listed for pp={ctx.layout.pp} x {stages // ctx.layout.pp} a "
             f"rank = {stages}",
             fix=f"list {stages} stages, or drop 'stages' to split the layers evenly",
         )

@@ -205,5 +205,6 @@ def _pipeline_summary(spec: PipelineSpec) -> dict[str, Any]:
         "schedule": spec.schedule,
         "microbatches": spec.microbatches,
         "virtual_stages_per_rank": spec.virtual_stages_per_rank,
+        "layers_per_stage": spec.layers_per_stage,
         "stages": [list(globs) for globs in spec.stages],
     }

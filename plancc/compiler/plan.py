@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Diagnostic, SourceLoc, raise_if_errors
+from ..schedules import stages_per_rank
 from .declarations import positional_count
 from .lora import LoraSpec
 from .schema import validate_doc
@@ -74,12 +75,29 @@ class PipelineSpec:
     schedule: str = "1f1b"
     microbatches: int | None = None  # None: one per pipeline rank
     virtual_stages_per_rank: int = 1
+    # or the stages' size, the stage count derived from the model's layers (``per_rank``)
+    layers_per_stage: int | None = None
     # the even split's weights of the embedding and the lm_head, in layers (torchtitan's)
     first_stage_less_layers: int = 0
     last_stage_less_layers: int = 0
     stages: tuple[tuple[str, ...], ...] = ()
     stage_locs: tuple[SourceLoc, ...] = ()
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
+
+    def per_rank(self, layers: int, pp: int) -> int:
+        """The stages each of ``pp`` ranks holds for a decoder of ``layers`` layers:
+        ``virtual_stages_per_rank``, or what ``layers_per_stage`` makes of the layers
+        (``ValueError`` where that is not whole rounds of pp or not the schedule's count)."""
+        if self.layers_per_stage is None:
+            return self.virtual_stages_per_rank
+        return stages_per_rank(
+            self.schedule,
+            pp,
+            layers,
+            self.layers_per_stage,
+            self.first_stage_less_layers,
+            self.last_stage_less_layers,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -227,15 +245,27 @@ def _lora(doc: SourceDoc) -> LoraSpec | None:
     )
 
 
-def _pipeline(doc: SourceDoc) -> PipelineSpec | None:
+def _pipeline(doc: SourceDoc, problems: list[Diagnostic]) -> PipelineSpec | None:
     data = doc.data.get("pipeline")
     if data is None:
         return None
     stages = data.get("stages") or []
+    if "layers_per_stage" in data:
+        for other in ("virtual_stages_per_rank", "stages"):
+            if other in data:  # two answers to how many stages: the plan says one
+                problems.append(
+                    Diagnostic(
+                        loc=doc.loc(("pipeline", other), key=True),
+                        message=f"pipeline: both layers_per_stage and {other} say how the layers are staged",
+                        rule="pipeline",
+                        fix=f"keep one: layers_per_stage (the stage count follows the model) or {other}",
+                    )
+                )
     return PipelineSpec(
         schedule=data.get("schedule", "1f1b"),
         microbatches=data.get("microbatches"),
         virtual_stages_per_rank=data.get("virtual_stages_per_rank", 1),
+        layers_per_stage=data.get("layers_per_stage"),
         first_stage_less_layers=data.get("first_stage_less_layers", 0),
         last_stage_less_layers=data.get("last_stage_less_layers", 0),
         stages=tuple(tuple(globs) for globs in stages),
@@ -261,7 +291,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         fsdp_shard_placement=_shard_placements(doc),
         activation_checkpointing=_checkpoint_targets(doc),
         lora=_lora(doc),
-        pipeline=_pipeline(doc),
+        pipeline=_pipeline(doc, problems),
         path=doc.path,
         loc=doc.loc(()),
         text=doc.text,

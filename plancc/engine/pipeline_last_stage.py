@@ -12,7 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..runtime.pipeline import PipelineRunner
+from ..runtime.cp import CPContext, all_gather, load_balanced_indices
+from ..runtime.logprobs import IGNORE_INDEX
+from ..runtime.pipeline import PipelineRunner, next_token_targets
 from .batches import BatchError
 from .loss_contract import call_loss
 from .pipeline_rows import RowGroup
@@ -30,28 +32,46 @@ class Recorded:
         self.problem = ""
 
 
-def logprobs_of(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+def logprobs_of(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, cp: CPContext | None = None
+) -> torch.Tensor:
     """``[rows, L]`` log p(ids[t] | ids[<t]) from the last stage's logits (0 at position 0);
-    vocab-sharded logits through the vocab-parallel cross entropy."""
+    vocab-sharded logits through the vocab-parallel cross entropy. Under context parallelism the
+    logits are this cp rank's positions (``runtime.cp``'s load-balanced shard): each predicts
+    its next token, and the rows' log-probs are gathered whole (autograd-aware: a loss on them
+    is every cp rank's copy of the whole loss, ``runtime.gradient_scale``)."""
     scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
-    targets = ids[:, 1:]
+    if cp is not None:
+        nexts = next_token_targets(ids)
+        shard = load_balanced_indices(ids.shape[1], cp.size, cp.rank).to(ids.device)
+        picked = _picked(scaled, nexts.index_select(1, shard)).view(ids.shape[0], -1)
+        whole = all_gather(picked, cp.group, dim=1)  # position t predicts t + 1
+        return torch.cat([torch.zeros_like(whole[:, :1]), whole[:, :-1]], 1)
+    picked = _picked(scaled[:, :-1], ids[:, 1:]).view(ids.shape[0], -1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], 1)
+
+
+def _picked(scaled: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Flat log p(target) at every position (0 where the target is ``IGNORE_INDEX``)."""
     if isinstance(scaled, DTensor):
         with loss_parallel():
             nll: Any = nn.functional.cross_entropy(
-                scaled[:, :-1].flatten(0, 1),
+                scaled.flatten(0, 1),
                 DTensor.from_local(targets.flatten(), scaled.device_mesh, [Replicate()]),
                 reduction="none",
+                ignore_index=IGNORE_INDEX,
             )
-            picked = -nll.full_tensor()
-    else:
-        picked = -nn.functional.cross_entropy(scaled[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
-    return torch.cat([torch.zeros_like(picked.view(ids.shape[0], -1)[:, :1]), picked.view(ids.shape[0], -1)], 1)
+            return -nll.full_tensor()
+    return -nn.functional.cross_entropy(
+        scaled.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    )
 
 
-def entropy_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def entropy_of(logits: torch.Tensor, temperature: float, cp: CPContext | None = None) -> torch.Tensor:
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
     logp = torch.log_softmax(full.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return all_gather(entropy, cp.group, dim=1) if cp is not None else entropy
 
 
 class LastStageLoss:
@@ -75,11 +95,12 @@ class LastStageLoss:
     def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         rows = index.flatten()
         fields = {name: value[rows] for name, value in self.group.fields.items()}
-        lp = logprobs_of(logits, fields["input_ids"], self.temperature)
+        cp = self.runner.cp
+        lp = logprobs_of(logits, fields["input_ids"], self.temperature, cp)
         if self.runner.inferring or self.group.is_filler(rows):  # torch's dry call, or a filler
             return (torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)) * 0).sum()
         if self.entropy:
-            fields["entropy"] = entropy_of(logits, self.temperature)
+            fields["entropy"] = entropy_of(logits, self.temperature, cp)
         try:
             loss, metrics = call_loss(self.fn, lp, fields, self.norm, 0)
         except BatchError as exc:
@@ -95,13 +116,15 @@ class LastStageLogprobs:
     """The forward-only schedule's loss function: a microbatch's log-probs (and entropy) into
     their rows and positions of ``out`` [2, rows, S]."""
 
-    def __init__(self, group: RowGroup, out: torch.Tensor, temperature: float, entropy: bool) -> None:
-        self.group, self.out, self.temperature, self.entropy = group, out, temperature, entropy
+    def __init__(
+        self, group: RowGroup, out: torch.Tensor, temperature: float, entropy: bool, cp: CPContext | None = None
+    ) -> None:
+        self.group, self.out, self.temperature, self.entropy, self.cp = group, out, temperature, entropy, cp
 
     def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         local = index.flatten()
         ids = self.group.input_ids[local]
-        lp = logprobs_of(logits, ids, self.temperature)
+        lp = logprobs_of(logits, ids, self.temperature, self.cp)
         if self.group.is_filler(local):
             return lp.sum() * 0
         rows = torch.tensor(self.group.rows, device=lp.device)[local]
@@ -109,20 +132,23 @@ class LastStageLogprobs:
         cols = torch.tensor(self.group.start, device=lp.device)[local][:, None] + torch.arange(length, device=lp.device)
         self.out[0][rows[:, None], cols] = lp[:, :length]
         if self.entropy:
-            self.out[1][rows[:, None], cols] = entropy_of(logits, self.temperature)[:, :length]
+            self.out[1][rows[:, None], cols] = entropy_of(logits, self.temperature, self.cp)[:, :length]
         return lp.sum() * 0
 
 
 class LastStageLogits:
     """The forward-only schedule's loss function that keeps a microbatch's logits (the vocabulary
-    gathered) at their rows and positions of ``out`` [rows, S, V]."""
+    gathered, and under context parallelism the positions) at their rows and positions of
+    ``out`` [rows, S, V]."""
 
-    def __init__(self, group: RowGroup, out: torch.Tensor) -> None:
-        self.group, self.out = group, out
+    def __init__(self, group: RowGroup, out: torch.Tensor, cp: CPContext | None = None) -> None:
+        self.group, self.out, self.cp = group, out, cp
 
     def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         local = index.flatten()
         full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        if self.cp is not None:
+            full = all_gather(full, self.cp.group, dim=1)
         if self.group.is_filler(local):
             return full.sum() * 0
         rows = torch.tensor(self.group.rows, device=full.device)[local]

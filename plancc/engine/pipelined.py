@@ -14,9 +14,10 @@ batch's loss (``Norm``, as ``Policy``): the schedule does not scale gradients, s
 are the whole batch's in one pass. The last stage's results (losses, metrics, log-probs) reach
 every rank of the pipeline by one broadcast.
 
-Sequence parallelism runs inside each stage (a stage sends its tp rank's shard of the sequence).
-Not yet (refused with the reason): context parallelism, expert parallelism, LoRA, packing, the
-resharded refit, ``share_weights`` and ``export_hf`` under pp.
+Sequence and context parallelism run inside each stage (a stage sends its tp and cp rank's shard
+of the sequence; the last stage gathers its log-probs over cp, ``pipeline_last_stage``). Not yet
+(refused with the reason): expert parallelism, LoRA, packing, the resharded refit,
+``share_weights`` and ``export_hf`` under pp.
 """
 
 from __future__ import annotations
@@ -84,7 +85,6 @@ class PipelinePolicy:
         unsupported = [
             what
             for what, on in (
-                (f"cp={layout.cp}", layout.cp > 1),
                 (f"ep={layout.ep}", layout.ep > 1),
                 ("LoRA", lora is not None),
             )
@@ -325,7 +325,7 @@ class PipelinePolicy:
         rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
-        self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy))
+        self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy, self.runner.cp))
         out = self.runner.from_last_stage(out)  # zeros where no last stage: that rank's values arrive
         return (out[0], out[1]) if entropy else out[0]
 
@@ -335,7 +335,7 @@ class PipelinePolicy:
         rows, _ = self._prepared(batch, None, None, False)
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
-        self._forward_only(rows, lambda group: LastStageLogits(group, out))
+        self._forward_only(rows, lambda group: LastStageLogits(group, out, self.runner.cp))
         return self.runner.from_last_stage(out)
 
     def _forward_only(self, rows: PipelineRows, capture: Callable[[RowGroup], Callable[..., torch.Tensor]]) -> None:

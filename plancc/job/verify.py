@@ -396,13 +396,12 @@ def verify_against_unsharded(
         ref_full = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
         ref_loss = token_mean_loss(ref_full, ids, mask, whole.get("token_mask"))
         if step == 0:
-            # this rank's rows and (under cp) positions
-            ref_logits = (ref_full if local_index is None else ref_full.index_select(1, local_index))[mine].detach()
-            if isinstance(policy, PipelinePolicy):  # the last stage's, at the attended positions
+            if isinstance(policy, PipelinePolicy):  # the last stage's, every position, where attended
                 logits = policy.logits({"input_ids": ids[mine], "attention_mask": mask[mine]})
                 attended = mask[mine].bool()
-                logits, ref_logits = logits[attended], ref_logits[attended]
-            else:
+                logits, ref_logits = logits[attended], ref_full[mine].detach()[attended]
+            else:  # this rank's rows and (under cp) positions
+                ref_logits = (ref_full if local_index is None else ref_full.index_select(1, local_index))[mine].detach()
                 with torch.no_grad():  # the logits the loss never builds, for comparison
                     out = policy.model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False)
                     logits = full(out.logits)

@@ -233,6 +233,8 @@ class CPContext:
     per_document: bool = field(default_factory=enabled_by_default)
     # the dense [S/cp, S] mask for every batch, the reference (PLANCC_CP_ATTENTION=dense)
     dense: bool = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION", "blocks") == "dense")
+    # (rows, length) of the unpadded batch ``unpadded`` laid out last (pipeline stages), or None
+    unpadded_shape: tuple[int, int] | None = None
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:
@@ -255,6 +257,29 @@ class CPContext:
                 for blk in span_blocks(span, (first, end), window)
             ]
         return self.blocks[key]
+
+    def unpadded(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
+        """This rank's global positions ``[1, length/cp]`` of ``rows`` unpadded rows of ``length``
+        tokens (a pipeline stage's microbatch: no documents, no padding), the batch laid out for
+        the attention. Microbatches of one shape share one layout -- a schedule step's are alike,
+        so a layer recomputed for its backward (activation checkpointing) after later
+        microbatches' forwards finds the layout it ran with -- and nothing is read from a device."""
+        index = load_balanced_indices(length, self.size, self.rank).to(device).unsqueeze(0)
+        if self.unpadded_shape == (rows, length) and self.batch is not None:
+            return index
+        keys = torch.arange(length, device=device).unsqueeze(0).expand(rows, -1)
+        queries = index.expand(rows, -1)
+        self.batch = CPBatch(
+            q_positions=queries,
+            key_positions=keys,
+            key_valid=torch.ones((rows, length), dtype=torch.bool, device=device),
+            doc_ids=torch.zeros((rows, length), dtype=torch.long, device=device),
+            local_doc_ids=torch.zeros_like(queries),
+            segments=None if self.dense else [(0, rows, [0])],
+        )
+        self.masks, self.blocks, self.padding = {}, {}, []
+        self.unpadded_shape = (rows, length)
+        return index
 
     def local_padding(self) -> torch.Tensor | None:
         """This rank's tokens' padding mask ``[B, S/cp]`` (long), or None when no row is padded:
@@ -493,7 +518,7 @@ class ShardSequenceInputs:
             bounds=bounds,
             segments=None if ctx.dense else row_segments(positions, mask, bounds, known=known),
         )
-        ctx.masks, ctx.blocks, ctx.padding = {}, {}, []
+        ctx.masks, ctx.blocks, ctx.padding, ctx.unpadded_shape = {}, {}, [], None
         values["input_ids"] = ids.index_select(1, index)
         values["position_ids"] = ctx.batch.q_positions
         values["attention_mask"] = None  # the cp attention masks from global positions
@@ -506,15 +531,23 @@ def enable_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> CPCo
     transformers keeps the attention implementation on the config, which models built from
     one config object share: give a cp model a config of its own.
     """
+    ctx = cp_attention_context(model, cp_mesh)
+    # on the decoder, like the SP hook: model.model(...) called directly is sharded too
+    decoder = getattr(model, "model", model)
+    decoder.register_forward_pre_hook(ShardSequenceInputs(decoder, ctx), with_kwargs=True, prepend=True)
+    return ctx
+
+
+def cp_attention_context(model: torch.nn.Module, cp_mesh: DeviceMesh) -> CPContext:
+    """The cp attention on every attention module of ``model`` over ``cp_mesh``, sharing one
+    context; the inputs are left as they are (pipeline stages lay out their own microbatches:
+    ``CPContext.unpadded``)."""
     ctx = CPContext(group=cp_mesh.get_group(), size=cp_mesh.size(), rank=cp_mesh.get_local_rank())
     hf_model: Any = model  # a transformers PreTrainedModel
     hf_model.set_attn_implementation(register_attention())
     for module in model.modules():
         if is_cp_attention(module):
             attach_context(module, ctx)
-    # on the decoder, like the SP hook: model.model(...) called directly is sharded too
-    decoder = getattr(model, "model", model)
-    decoder.register_forward_pre_hook(ShardSequenceInputs(decoder, ctx), with_kwargs=True, prepend=True)
     attach_context(model, ctx)
-    attach_context(decoder, ctx)
+    attach_context(getattr(model, "model", model), ctx)
     return ctx

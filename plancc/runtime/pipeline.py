@@ -12,7 +12,9 @@ the *global* batch's token count (``global_token_loss``), and the schedule is to
 gradients (``scale_grads=False``): the gradients are then those of the mean NLL over the whole
 batch in one pass, whatever the number of microbatches. Gradient norms are summed over the
 pipeline group (``pipeline_grad_norm``). Rows are unpadded and unpacked here: a stage attends
-causally by the kernel's own mask (``attention_mask=None``).
+causally by the kernel's own mask (``attention_mask=None``), or under context parallelism by the
+cp attention over its cp rank's load-balanced shard of the row (``runtime.cp``), laid out from
+the microbatch's shape.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ..compiler.plan import PipelineSpec, Plan
 from ..compiler.resolve import resolve_plan
 from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
 from .activation_checkpointing import apply_activation_checkpointing
+from .cp import CPContext, cp_attention_context, load_balanced_indices
 from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
@@ -91,6 +94,9 @@ class DecoderStage(nn.Module):
         # under sequence parallelism a stage receives and sends its tp rank's shard of the
         # sequence: the positions (rotary) are those of the whole sequence, this many shards long
         self.sequence_shards = 1
+        # under context parallelism its cp rank's load-balanced shard (``runtime.cp``): the first
+        # stage takes whole rows and keeps its shard's tokens, the others receive shards
+        self.cp: CPContext | None = None
         # the model's name of each of the stage's parameters (the same names, by construction)
         named = {id(p): n for n, p in model.named_parameters()}
         self.model_names = {n: named[id(p)] for n, p in self.named_parameters()}
@@ -101,9 +107,17 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self.model
-        hidden = part.embed_tokens(x) if part.embed_tokens is not None else x
-        length = x.shape[1] if part.embed_tokens is not None else x.shape[1] * self.sequence_shards
-        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
+        embed = part.embed_tokens
+        first = embed is not None
+        if self.cp is None:
+            length = x.shape[1] if first else x.shape[1] * self.sequence_shards
+            positions = torch.arange(length, device=x.device).unsqueeze(0)
+        else:  # the rows' whole length: what this rank's shard is of
+            length = x.shape[1] if first else x.shape[1] * self.sequence_shards * self.cp.size
+            positions = self.cp.unpadded(x.shape[0], length, x.device)
+            if first:
+                x = x.index_select(1, positions[0])
+        hidden = embed(x) if embed is not None else x
         rotary = part.rotary_emb(hidden, positions)
         for layer in part.layers.values():
             out = layer(
@@ -140,12 +154,12 @@ class RankStages(nn.Module):
 def plan_stage_layers(model: nn.Module, spec: PipelineSpec, pp: int) -> list[list[int]]:
     """The decoder layers of every stage: the plan's stage globs where it names them
     (``checks.pipeline`` checked that they cover every layer once, in order), else an even split
-    over ``pp x virtual_stages_per_rank`` stages with the first and last stages lighter by the
+    over ``pp x`` the stages a rank holds (``PipelineSpec.per_rank``) with the first and last stages lighter by the
     plan's ``first_stage_less_layers`` / ``last_stage_less_layers``."""
     if spec.stages:
         return layers_of_stages(dict(model.named_modules()), spec)
     decoder: Any = getattr(model, "model", model)
-    total = pp * spec.virtual_stages_per_rank
+    total = pp * spec.per_rank(len(decoder.layers), pp)
     split = stage_layers(len(decoder.layers), total, spec.first_stage_less_layers, spec.last_stage_less_layers)
     return [list(r) for r in split]
 
@@ -164,10 +178,12 @@ def parallelize_stages(
     apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
     layers = plan_stage_layers(model, spec, layout.pp)
     total = len(layers)
-    held = rank_stages(mesh["pp"].get_local_rank(), layout.pp, spec.schedule, spec.virtual_stages_per_rank)
+    held = rank_stages(mesh["pp"].get_local_rank(), layout.pp, spec.schedule, total // layout.pp)
     stages = [(i, DecoderStage(model, layers[i], first=i == 0, last=i == total - 1)) for i in held]
+    cp = cp_attention_context(model, mesh["cp"]) if layout.cp > 1 else None
     for _, stage in stages:
         stage.sequence_shards = layout.tp if layout.sequence_parallel else 1
+        stage.cp = cp
     names = {id(m): n for n, m in model.named_modules()}
     units = {names[id(model.get_submodule(u))] for u in resolved.fsdp_units}
     for _, stage in stages:
@@ -258,6 +274,8 @@ class PipelineRunner:
         self.microbatches, self.schedule_name = microbatches, schedule
         self.device = device or next(stages[0][1].parameters()).device
         self.inferring = False  # inside torch's shape inference (``run``'s loss wrapper says why)
+        # the stages' context parallelism: the last stage's output is this cp rank's positions
+        self.cp: CPContext | None = getattr(stages[0][1], "cp", None) if stages else None
         self._last_rank: int | None = None
 
     def parameters(self) -> list[nn.Parameter]:
@@ -303,10 +321,22 @@ class PipelineRunner:
         self, input_ids: torch.Tensor, total: int, data_parallel: int, name: str, microbatches: int
     ) -> torch.Tensor:
         targets = next_token_targets(input_ids)
-        loss_fn = global_token_loss(total, float(data_parallel))
+        if self.cp is None:
+            loss_fn = global_token_loss(total, float(data_parallel))
+        else:
+            # each cp rank's loss is its own positions' share (nothing copied), and FSDP divides
+            # by dp x cp: scaled by both (``runtime.gradient_scale.token_loss_scale``)
+            cp = self.cp
+            shard = load_balanced_indices(targets.shape[1], cp.size, cp.rank).to(self.device)
+            targets = targets.to(self.device).index_select(1, shard)
+            loss_fn = global_token_loss(total, float(data_parallel * cp.size))
         losses = self.run(input_ids, targets, loss_fn, schedule=name, microbatches=microbatches)
-        loss = torch.stack(losses).sum().detach() / data_parallel if losses else torch.zeros((), device=self.device)
-        return self.from_last_stage(loss)
+        scale = data_parallel * (self.cp.size if self.cp is not None else 1)
+        loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
+        loss = self.from_last_stage(loss)
+        if self.cp is not None:
+            dist.all_reduce(loss, group=self.cp.group)  # every cp rank's positions
+        return loss
 
     @property
     def holds_last(self) -> bool:

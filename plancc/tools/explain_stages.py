@@ -58,15 +58,15 @@ def stage_bytes(model: nn.Module, exp: Explanation, stage_of_layer: dict[int, in
 
 def stages_of(spec: PipelineSpec | None, layers: int, pp: int, matched: list[list[int]] | None) -> dict[int, int]:
     """Each decoder layer's stage: the plan's globs' (``matched``), else the even split."""
-    virtual = spec.virtual_stages_per_rank if spec is not None else 1
+    virtual = spec.per_rank(layers, pp) if spec is not None else 1
     lighter = (spec.first_stage_less_layers, spec.last_stage_less_layers) if spec is not None else (0, 0)
     split = matched if matched else [list(r) for r in stage_layers(layers, pp * virtual, *lighter)]
     return {layer: stage for stage, group in enumerate(split) for layer in group}
 
 
-def rank_of_stage(spec: PipelineSpec | None, pp: int) -> dict[int, int]:
+def rank_of_stage(spec: PipelineSpec | None, pp: int, layers: int) -> dict[int, int]:
     schedule = spec.schedule if spec is not None else "1f1b"
-    virtual = spec.virtual_stages_per_rank if spec is not None else 1
+    virtual = spec.per_rank(layers, pp) if spec is not None else 1
     return {stage: rank for rank in range(pp) for stage in rank_stages(rank, pp, schedule, virtual)}
 
 
