@@ -20,7 +20,21 @@ def _batch(vocab):
     return global_batch(4, vocab, seed=21)
 
 
-def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, then=None):
+class CountingStore:
+    """A channel's store that counts the reads a refit makes of it (``get``)."""
+
+    def __init__(self, store):
+        self.store, self.reads = store, 0
+
+    def get(self, key):
+        self.reads += 1
+        return self.store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, then=None, refits=1):
     """The policy's rank: trains a step, sends its weights resharded (in ``dtype`` when given),
     and reports what it sent, the peak bytes the send made (tests/live_bytes.py), and for the
     bound: the largest parameter and all the strided ones (FSDP x TP) together, full size.
@@ -77,8 +91,15 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, 
         return out
     with LiveBytes(held) as counter:
         sent = policy.send_weights(channel, reshard=True, dtype=getattr(torch, dtype) if dtype else None)
+    reads = []  # each later refit's reads of the store: its transfer plan is the first's
+    for _ in range(refits - 1):
+        policy.train({k: v[mine] for k, v in batch.items()}, nll)
+        channel.store = CountingStore(channel.store)
+        sent = policy.send_weights(channel, reshard=True, dtype=getattr(torch, dtype) if dtype else None)
+        reads.append(channel.store.reads)
+        channel.store = channel.store.store
     channel.close()
-    out = {"sent": sent, "start": mine.start, "logprobs": policy.logprobs({k: v[mine] for k, v in batch.items()})}
+    out = {"sent": sent, "later_refits_store_reads": reads, "start": mine.start, "logprobs": policy.logprobs({k: v[mine] for k, v in batch.items()})}
     full = {name: p.numel() * p.element_size() for name, p in policy.model.named_parameters()}
     strided = [name for name, p in policy.model.named_parameters() if local_box(p)[0] is None]
     out.update(peak=counter.peak, largest=max(full.values()), strided_total=sum(full[n] for n in strided))
@@ -86,7 +107,7 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, 
     return out
 
 
-def receiver_rank(port, manifest_path, timeout=60):
+def receiver_rank(port, manifest_path, timeout=60, refits=1):
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -112,19 +133,27 @@ def receiver_rank(port, manifest_path, timeout=60):
     torch.manual_seed(123)
     plancc.materialize(model, "cpu", full_state_dict=build_model(config, device="cpu").state_dict())
     params = dict(model.named_parameters())
-    stats = {}
-    shard_bytes, dtypes = 0, set()
-    with torch.no_grad():
-        for name, shard in plancc.receive_weights(channel, manifest, plan=PLAN, tp=2, stats=stats):
-            local = params[name].to_local() if isinstance(params[name], DTensor) else params[name]
-            local.copy_(shard)
-            shard_bytes += shard.numel() * shard.element_size()
-            dtypes.add(str(shard.dtype))
+    reads = []
+    for refit in range(refits):
+        stats = {}
+        shard_bytes, dtypes = 0, set()
+        if refit:
+            channel.store = CountingStore(channel.store)
+        with torch.no_grad():
+            for name, shard in plancc.receive_weights(channel, manifest, plan=PLAN, tp=2, stats=stats):
+                local = params[name].to_local() if isinstance(params[name], DTensor) else params[name]
+                local.copy_(shard)
+                shard_bytes += shard.numel() * shard.element_size()
+                dtypes.add(str(shard.dtype))
+        if refit:
+            reads.append(channel.store.reads)
+            channel.store = channel.store.store
     channel.close()
     with torch.no_grad():
         lp = token_logprobs(model.eval(), _batch(config.vocab_size)["input_ids"],
                             attention_mask=_batch(config.vocab_size)["attention_mask"], mesh=mesh)
-    out = {"received": stats.get("bytes", 0), "shard": shard_bytes, "logprobs": lp, "dtypes": sorted(dtypes)}
+    out = {"received": stats.get("bytes", 0), "shard": shard_bytes, "logprobs": lp, "dtypes": sorted(dtypes),
+           "later_refits_store_reads": reads}
     torch.distributed.destroy_process_group()
     return out
 

@@ -11,18 +11,18 @@ LORA = {"r": 4, "alpha": 8, "init_lora_weights": False, "targets": ["model.layer
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    ("ranks", "layout", "dtype", "lora"),
+    ("ranks", "layout", "dtype", "lora", "refits"),
     [
-        pytest.param(2, {"tp": 2}, None, None, marks=pytest.mark.extended),  # dp2 x tp2 below covers tp
-        pytest.param(2, {"dp": 2}, None, None, marks=pytest.mark.extended),  # dp2 x tp2 below covers dp
-        pytest.param(4, {"dp": 2, "tp": 2}, None, None, marks=pytest.mark.extended),  # bf16 and LoRA below
-        (4, {"dp": 2, "tp": 2}, "bfloat16", None),
-        (4, {"dp": 2, "tp": 2}, None, LORA),
+        pytest.param(2, {"tp": 2}, None, None, 1, marks=pytest.mark.extended),  # dp2 x tp2 below covers tp
+        pytest.param(2, {"dp": 2}, None, None, 1, marks=pytest.mark.extended),  # dp2 x tp2 below covers dp
+        pytest.param(4, {"dp": 2, "tp": 2}, None, None, 1, marks=pytest.mark.extended),  # bf16 and LoRA below
+        (4, {"dp": 2, "tp": 2}, "bfloat16", None, 1),
+        (4, {"dp": 2, "tp": 2}, None, LORA, 2),
     ],
-    ids=["tp2", "dp2", "dp2xtp2", "dp2xtp2-bf16", "dp2xtp2-lora-merged"],
+    ids=["tp2", "dp2", "dp2xtp2", "dp2xtp2-bf16", "dp2xtp2-lora-merged-twice"],
 )
 def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logprobs(
-    tmp_path, ranks, layout, dtype, lora
+    tmp_path, ranks, layout, dtype, lora, refits
 ):
     """At tp2 both layouts line up (policy rank t sends rank t its shard); at dp2 the policy's
     FSDP rows cut across the engine's tp shards and each engine rank assembles its shard from
@@ -31,7 +31,9 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
     and no rank gathers a whole tensor -- a rank never holds more than the largest parameter plus
     the piece on its way. In bf16 (``send_weights(dtype=)``) the engine's shards
     arrive in bf16, half the bytes. A policy with LoRA adapters sends each adapted weight merged,
-    piece by piece, to an engine that has no adapters: its log-probs are the adapted policy's."""
+    piece by piece, to an engine that has no adapters: its log-probs are the adapted policy's.
+    A second refit on the channel (after another step) reuses the first's transfer plan: no
+    member reads the store, and the engine's log-probs are the policy's after that step."""
     import torch
 
     from .distributed import free_port, launch, launch_beside
@@ -39,8 +41,8 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
 
     port = free_port()
     manifest = tmp_path / "manifest.json"
-    engine = launch_beside(receiver_rank, 2, port, str(manifest))
-    policy = launch(policy_side, ranks, port, str(manifest), layout, dtype, None, lora)
+    engine = launch_beside(receiver_rank, 2, port, str(manifest), 60, refits)
+    policy = launch(policy_side, ranks, port, str(manifest), layout, dtype, None, lora, None, refits)
     receivers = engine.result(timeout=300)
     slices = {got["start"]: got["logprobs"] for got in policy.values()}  # tp ranks of a slice: the same rows
     want = torch.cat([slices[start] for start in sorted(slices)])
@@ -49,7 +51,9 @@ def test_each_engine_rank_receives_only_its_shard_and_computes_the_policys_logpr
         assert got["dtypes"] == [f"torch.{dtype or 'float32'}"], (rank, got["dtypes"])
         # bf16 weights move the log-probs by their rounding (~1e-2 here), fp32 ones not at all
         assert (got["logprobs"] - want).abs().max() <= (5e-2 if dtype else 1e-5), rank
+        assert got["later_refits_store_reads"] == [0] * (refits - 1), (rank, got["later_refits_store_reads"])
     for rank, got in policy.items():
+        assert got["later_refits_store_reads"] == [0] * (refits - 1), (rank, got["later_refits_store_reads"])
         assert got["peak"] <= 2 * got["largest"], (rank, got)
         assert got["strided_total"] == 0, (rank, got)  # no tensor gathered whole, strided ones included
     # the whole model crossed once: every policy rank sent its own part

@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +56,9 @@ class WeightChannel:
     # refits begun on this channel (every member counts its handshakes alike): a resharded
     # refit's store keys carry it, so that no refit reads an earlier one's layouts
     refits: int = 0
+    # a resharded refit's transfer plan by the digests of every member's layout
+    # (``engine.reshard``): computed once per pair of layouts, reused by every refit after
+    plans: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
     @property
     def port(self) -> int:
@@ -124,6 +127,13 @@ class WeightChannel:
     def recv(self, tensor: torch.Tensor, source: int, tag: int, what: str) -> None:
         """Into ``tensor``, what channel rank ``source`` sends with ``tag``."""
         self._run(lambda group: group.recv([tensor], source, tag), what)
+
+    def gather(self, value: int, what: str) -> list[int]:
+        """Every member's ``value`` (an int64), in channel rank order."""
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run(lambda group: group.allgather([out], [mine]), what)
+        return torch.cat(out).tolist()
 
     def any(self, flag: bool, what: str) -> bool:
         """Whether any member of the channel says ``flag``."""

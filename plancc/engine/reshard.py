@@ -8,7 +8,10 @@ own a box: of the ranks that hold the same replicated elements, the first), the 
 theirs (from their own plan at their own tensor-parallel size). Both sides then walk the same
 list of transfers -- for each parameter, each receiver, each policy owner: the intersection of
 the two boxes -- in the same order, as point-to-point messages over the channel: a global order,
-so no cycle of waits. A receiver gets exactly its shard, whatever the two layouts are.
+so no cycle of waits. A receiver gets exactly its shard, whatever the two layouts are. The list
+is computed once per pair of layouts and kept on the channel (``transfer_plan``): a later
+refit's members all-gather their layouts' digests and, finding them known, publish and read
+nothing (Perplexity's static transfer schedule, computed once).
 
 FSDP2 over a dim TP also shards (``_StridedShard`` on dp, at dp > 1: every column-sharded weight
 under FSDP x TP) cuts each tp shard into dp rows, a box torch's own rule gives: each policy rank
@@ -29,6 +32,7 @@ import contextlib
 import json
 import math
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +46,7 @@ from ..runtime import faults
 from ..runtime.lora import adapters_of, merged
 from ..runtime.styles.experts import plain
 from .agreement import RefitAgreement
-from .channel import WeightChannel, WeightChannelError
+from .channel import WeightChannel, WeightChannelError, digest
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 
@@ -112,6 +116,34 @@ def _read(channel: WeightChannel, rank: int) -> dict[str, Any]:
     return dict(json.loads(channel.store.get(key)))
 
 
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Every member's boxes (the policy ranks', then the receivers') and every message of a refit
+    between them, in the one order both sides walk."""
+
+    policy: list[dict[str, Any]]
+    receivers: list[dict[str, Any]]
+    transfers: list[tuple[str, int, int, Box]]
+
+
+def transfer_plan(channel: WeightChannel, mine: dict[str, Any], names: list[str], policy_world: int) -> TransferPlan:
+    """The refit's transfer plan: computed from every member's published boxes the first time
+    these layouts meet on ``channel``, then reused -- one all-gather of the layouts' digests (and
+    one agreement that every member knows them) replaces the store's reads of every member's
+    boxes and the walk over every parameter, receiver and policy rank."""
+    digests = tuple(channel.gather(digest(mine), "the refit's layouts"))
+    known = channel.plans.get(digests)
+    if not channel.any(known is None, "the refit's layouts"):
+        assert known is not None, "no member lacks the plan, this one included"
+        return known
+    _publish(channel, mine)
+    every = [mine if r == channel.rank else _read(channel, r) for r in range(channel.world_size)]
+    policy, receivers = every[:policy_world], every[policy_world:]
+    plan = TransferPlan(policy, receivers, list(_transfers(names, policy, receivers, policy_world)))
+    channel.plans[digests] = plan
+    return plan
+
+
 def _transfers(
     names: list[str], policy: list[dict[str, Any]], receivers: list[dict[str, Any]], first_receiver: int
 ) -> Iterator[tuple[str, int, int, Box]]:
@@ -173,11 +205,8 @@ def send_shards(
             strided.add(name)
             box, owner = (tuple(0 for _ in param.shape), tuple(param.shape)), dist.get_rank() == 0
         boxes[name] = {"box": [list(box[0]), list(box[1])], "owner": owner}
-    _publish(channel, boxes)
-    policy_world = channel.world_size - receivers
-    policy = [boxes if p == channel.rank else _read(channel, p) for p in range(policy_world)]
-    wanted = [_read(channel, policy_world + r) for r in range(receivers)]
-    transfers = list(_transfers(list(params), policy, wanted, policy_world))
+    plan = transfer_plan(channel, boxes, list(params), channel.world_size - receivers)
+    policy, transfers = plan.policy, plan.transfers
     last = {name: index for index, (name, *_) in enumerate(transfers)}
     sent, gathered, held_name = 0, None, None
     for index, (name, p, r, part) in enumerate(transfers):
@@ -223,14 +252,9 @@ def receive_shards(
                 f"the receiver's layout of {name} is no box of the tensor ({getattr(param, 'placements', None)})"
             )
         mine[name] = {"box": [list(box[0]), list(box[1])], "owner": True}
-    _publish(channel, mine)
-    policy = [_read(channel, p) for p in range(policy_world)]
-    receivers = [
-        mine if policy_world + r == channel.rank else _read(channel, policy_world + r)
-        for r in range(channel.world_size - policy_world)
-    ]
+    plan = transfer_plan(channel, mine, list(params), policy_world)
     current, shard, got = None, torch.empty(0, device=channel.device), 0
-    for index, (name, p, r, part) in enumerate(_transfers(list(params), policy, receivers, policy_world)):
+    for index, (name, p, r, part) in enumerate(plan.transfers):
         if r != channel.rank:
             continue
         if name != current:

@@ -374,9 +374,9 @@ def verify_against_unsharded(
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)
     mine = policy.slice_of(batches[0]["input_ids"].shape[0])
     cp = mesh["cp"].size()
-    local_index = (
+    local_index = (  # the positions this rank's logits hold (the pipeline's last stage gathers them whole)
         load_balanced_indices(batches[0]["input_ids"].shape[1], cp, mesh["cp"].get_local_rank()).to(device)
-        if cp > 1
+        if cp > 1 and not isinstance(policy, PipelinePolicy)
         else None
     )
     report = VerifyReport(dropout_off=dropped, weights=source)
