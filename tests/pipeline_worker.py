@@ -390,7 +390,8 @@ def legacy_checkpoint(folder):
 def policy_schedule(folder, schedule, cp=1):
     """``Policy(pp=2)`` (``x cp``) under a two-stages-a-rank ``schedule`` with the plan's activation
     checkpointing (``model.layers.*.mlp``), one NLL step on rows of every length against the
-    unsharded model: the loss, the gradient norm and every gradient of this rank's stages."""
+    unsharded model: the loss, the gradient norm and every gradient of this rank's stages; and
+    the log-probs (forward only) of the same rows."""
     import torch
     import torch.distributed as dist
 
@@ -421,8 +422,15 @@ def policy_schedule(folder, schedule, cp=1):
         policy.optimizer.register_step_pre_hook(keep)
         shards = watch_sequence_shards(policy.model)
         batch = global_batch(8, config.vocab_size)
-        got = policy.train(batch, nll)
+        got = policy.train(batch, nll)  # lr 0: the weights stay the initial ones
+        lp = policy.logprobs(batch)  # forward only: torch's V schedules cannot, plancc's walk does
         reference = seeded_model(config, 0)
+        with torch.no_grad():
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            want_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            counted = (mask[:, 1:] * mask[:, :-1]).bool()
+            logprobs = (lp[:, 1:] - want_lp)[counted].abs().max().item()
         loss = _mean_nll(reference, batch)
         loss.backward()
         want = dict(reference.named_parameters())
@@ -430,7 +438,7 @@ def policy_schedule(folder, schedule, cp=1):
         norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
         dist.barrier()
         return {"loss": abs(got["loss"] - loss.item()), "norm": abs(got["grad_norm"] - norm) / norm, "grad": worst,
-                "compared": len(grads), "sequence_shards": sorted(shards)}
+                "compared": len(grads), "sequence_shards": sorted(shards), "logprobs": logprobs}
     finally:
         dist.destroy_process_group()
 

@@ -393,11 +393,13 @@ def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path,
     """The plan's activation checkpointing inside stages that torch's zero-bubble schedules split
     into input- and weight-gradient passes, and under context parallelism inside schedules that
     run later microbatches' forwards before a checkpointed layer's recomputation: exact against
-    the unsharded model."""
+    the unsharded model; log-probs too (torch's V schedules cannot run forward only: the stages
+    run in order instead)."""
     from .pipeline_worker import policy_schedule
 
     for rank, r in launch(policy_schedule, 2 * cp, str(tmp_path), schedule, cp).items():
         assert r["sequence_shards"] == ([cp] if cp > 1 else []), (rank, r)  # half of every row under cp
+        assert r["logprobs"] <= 1e-5, (rank, r)  # forward only, V schedules included
         assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5 and r["grad"] <= 1e-5 and r["compared"] > 0, (rank, r)
 
 

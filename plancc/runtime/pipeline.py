@@ -357,6 +357,11 @@ class PipelineRunner:
         the plan's, or ``looped_bfs`` (breadth first, several stages a rank). ``forward_only``:
         no backward (the loss function still sees every microbatch's output). Returns the last
         stage's losses, one per microbatch, on the rank that holds it ([] elsewhere)."""
+        if forward_only and schedule in V_SHAPED:
+            # torch 2.13's V schedules cannot run without backward (their order sends a stage's
+            # output to the same rank's next stage through the backward's buffers): every
+            # stage in order instead, one microbatch at a time
+            return self._forward_in_order(input_ids, target, loss_fn, microbatches)
         pipe = [PipelineStage(m, i, self.total, self.device, group=self.group) for i, m in self.stages]
         kind = SCHEDULES.get(schedule, ScheduleLoopedBFS)
         runner: Any = None
@@ -392,6 +397,40 @@ class PipelineRunner:
         for p, earlier in zip(params, kept, strict=True):
             if earlier is not None:
                 p.grad = earlier if p.grad is None else earlier.add_(p.grad)
+        return losses
+
+    def _forward_in_order(
+        self,
+        input_ids: torch.Tensor,
+        target: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        microbatches: int,
+    ) -> list[torch.Tensor]:
+        """Forward only, stage after stage: each microbatch's rows through stage 0, 1, ... on the
+        ranks that hold them, an activation sent to the next stage's rank where it is another
+        (a header of its shape and dtype first: the receiver allocates what it is told, not a
+        guess). No overlap between ranks: log-probs under a V schedule pay its bubble whole."""
+        held = dict(self.stages)
+        per_rank = self.total // self.pp
+        owner = {i: r for r in range(self.pp) for i in rank_stages(r, self.pp, self.schedule_name, per_rank)}
+        me = dist.get_rank(self.group)
+        losses: list[torch.Tensor] = []
+        ids, targets = input_ids.to(self.device).chunk(microbatches), target.to(self.device).chunk(microbatches)
+        for m in range(microbatches):
+            x: torch.Tensor | None = ids[m] if 0 in held else None
+            for i in range(self.total):
+                if owner[i] != me:
+                    continue
+                if x is None:  # the previous stage is another rank's
+                    x = _receive_activation(self.group, owner[i - 1], self.device)
+                out = held[i](x)
+                x = None
+                if i == self.total - 1:
+                    losses.append(loss_fn(out, targets[m]))
+                elif owner[i + 1] == me:
+                    x = out
+                else:
+                    _send_activation(out, self.group, owner[i + 1])
         return losses
 
     def breadth_first(self, microbatches: int) -> str:
@@ -433,6 +472,28 @@ class PipelineRunner:
         out = value.float().contiguous()
         dist.broadcast(out, group_src=self.last_rank, group=self.group)
         return out
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _send_activation(x: torch.Tensor, group: dist.ProcessGroup, to: int) -> None:
+    local = x.to_local() if isinstance(x, DTensor) else x
+    if local.dtype not in _DTYPES:
+        raise TypeError(f"a stage's activation of dtype {local.dtype}: one of {_DTYPES} expected")
+    header = torch.tensor([_DTYPES.index(local.dtype), local.dim(), *local.shape], dtype=torch.int64)
+    header = torch.cat([header, torch.zeros(8 - header.numel(), dtype=torch.int64)]).to(local.device)
+    dist.send(header, group_dst=to, group=group)
+    dist.send(local.contiguous(), group_dst=to, group=group)
+
+
+def _receive_activation(group: dist.ProcessGroup, source: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(8, dtype=torch.int64, device=device)
+    dist.recv(header, group_src=source, group=group)
+    dtype, dims, *shape = header.tolist()
+    x = torch.empty(shape[:dims], dtype=_DTYPES[dtype], device=device)
+    dist.recv(x, group_src=source, group=group)
+    return x
 
 
 def _initialized(schedule: Any, forward_only: bool) -> bool:
