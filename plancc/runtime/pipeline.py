@@ -477,7 +477,7 @@ class PipelineRunner:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _send_activation(x: torch.Tensor, group: dist.ProcessGroup, to: int) -> None:
+def _send_activation(x: torch.Tensor, group: dist.ProcessGroup | None, to: int) -> None:
     local = x.to_local() if isinstance(x, DTensor) else x
     if local.dtype not in _DTYPES:
         raise TypeError(f"a stage's activation of dtype {local.dtype}: one of {_DTYPES} expected")
@@ -487,7 +487,7 @@ def _send_activation(x: torch.Tensor, group: dist.ProcessGroup, to: int) -> None
     dist.send(local.contiguous(), group_dst=to, group=group)
 
 
-def _receive_activation(group: dist.ProcessGroup, source: int, device: torch.device) -> torch.Tensor:
+def _receive_activation(group: dist.ProcessGroup | None, source: int, device: torch.device) -> torch.Tensor:
     header = torch.empty(8, dtype=torch.int64, device=device)
     dist.recv(header, group_src=source, group=group)
     dtype, dims, *shape = header.tolist()
