@@ -182,3 +182,60 @@ def _errors(lp, ent, gh, gw, ref_lp, ref_ent, ref_gh, ref_gw, dtype):
         "grad_h": _grad_error(gh, ref_gh, dtype),
         "grad_w": _grad_error(gw, ref_gw, dtype),
     }
+
+
+def hidden_gradient_under_sp(dtype_name):
+    """Sequence-parallel hidden states ``[B, S/tp, H]`` gathered to the fused token loss and
+    lm_head (vocab-sharded over tp), forward and backward two ways on the same numbers: as
+    ``model_token_loss`` hands them (a replicated DTensor: the gradient leaves ``Partial`` and
+    DTensor's backward reduce-scatters it to the shards), and as a plain tensor (the evaluator
+    all-reduces the ``[N, H]`` gradient, the gather's backward takes a chunk). Returns the
+    largest gradient difference and each way's bytes on the tp group by kind of collective."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from plancc.runtime.collectives import CountCollectives, mesh_axes
+    from plancc.runtime.fused_logprobs import fused_token_loss
+
+    rank, world = init_gloo()
+    try:
+        dtype = getattr(torch, dtype_name)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        gen = torch.Generator().manual_seed(4)
+        rows, seq, hidden, vocab = 2, 16, 32, 96
+        h_full = torch.randn(rows, seq, hidden, generator=gen).to(dtype)
+        w_full = (torch.randn(vocab, hidden, generator=gen) * 0.2).to(dtype)
+        targets = torch.randint(0, vocab, (rows, seq), generator=gen)
+        terms = torch.randn(rows * seq, generator=gen)
+        local_w = w_full.chunk(world)[rank].clone().requires_grad_(True)
+        weight = DTensor.from_local(local_w, mesh, [Shard(0)], run_check=False)
+
+        def loss_fn(lp, index):
+            return (lp * terms[index]).sum()
+
+        out = {}
+        for way in ("partial", "all_reduce"):
+            shard = h_full.chunk(world, dim=1)[rank].clone().requires_grad_(True)
+            gathered = DTensor.from_local(shard, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+            given = gathered if way == "partial" else gathered.to_local()
+            counter = CountCollectives(mesh_axes(mesh))
+            with counter:  # the loss forms its gradients in forward: both passes counted
+                loss, _ = fused_token_loss(given, weight, targets, loss_fn, group=mesh.get_group())
+                loss.backward()
+            traffic = {}
+            for c in counter.traffic().collectives:
+                if c.axis == "tp":
+                    traffic[c.kind] = traffic.get(c.kind, 0) + c.wire_bytes
+            out[way] = {"grad": shard.grad.float().clone(), "weight_grad": local_w.grad.float().clone(),
+                        "traffic": traffic}
+            local_w.grad = None
+        diff = (out["partial"]["grad"] - out["all_reduce"]["grad"]).abs().max().item()
+        scale = out["all_reduce"]["grad"].abs().max().item()
+        wdiff = (out["partial"]["weight_grad"] - out["all_reduce"]["weight_grad"]).abs().max().item()
+        dist.barrier()
+        return {"grad_diff": diff / scale, "weight_grad_diff": wdiff, "partial": out["partial"]["traffic"],
+                "all_reduce": out["all_reduce"]["traffic"]}
+    finally:
+        dist.destroy_process_group()

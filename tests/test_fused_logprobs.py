@@ -332,3 +332,26 @@ def test_token_logprobs_on_qwens_vocabulary_never_holds_the_logits(monkeypatch):
         logp = torch.log_softmax(model(input_ids=ids[:1, :64]).logits.double(), -1)
     want = -(logp.exp() * logp).sum(-1)[0, :-1]
     torch.testing.assert_close(entropy[0, 1:64].double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-6), ("bfloat16", 1e-2)])
+def test_the_hidden_gradient_under_sp_is_reduce_scattered_not_all_reduced(dtype, tolerance):
+    """Under SP the fused loss's ``[N, H]`` hidden gradient is each tp rank's partial sum over its
+    vocabulary columns: it leaves as ``Partial`` and DTensor reduce-scatters it to the sequence
+    shards -- half an all-reduce's bytes, in the compute dtype -- where the evaluator used to
+    all-reduce it in fp32 and the gather's backward kept a chunk. The shards' gradients agree
+    (fp32: to rounding; bf16: the partial sums rounded before they are added, within 1e-2 of
+    the largest)."""
+    from .distributed import launch
+    from .fused_worker import hidden_gradient_under_sp
+
+    for rank, r in launch(hidden_gradient_under_sp, 2, dtype).items():
+        assert r["grad_diff"] <= tolerance and r["weight_grad_diff"] == 0, (rank, r)
+        now, before = r["partial"], r["all_reduce"]
+        assert "reduce_scatter" not in before, (rank, r)
+        # the per-token statistics' all-reduces are the same both ways; beyond them, an fp32
+        # all-reduce of [N, H] against a reduce-scatter of it in the compute dtype
+        hidden_all_reduce = before["all_reduce"] - now["all_reduce"]
+        assert hidden_all_reduce == 2 * (2 - 1) * (32 * 32 * 4) // 2, (rank, r)  # 2(tp-1)/tp x N x H x 4 bytes
+        assert now["reduce_scatter"] * (4 if dtype == "bfloat16" else 2) == hidden_all_reduce, (rank, r)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import fused_kernels
@@ -88,6 +88,11 @@ class _Vocab:
     top_k: int | None = None
     top_p: float | None = None
     ignore_index: int = -100
+    # the hidden states came as a DTensor replicated over the tp group: their gradient leaves as
+    # each rank's partial sum over its vocabulary columns (``Partial``), and DTensor's backward
+    # reduces it where they were made -- under SP a reduce-scatter to the sequence shards, half
+    # an all-reduce's bytes, instead of an all-reduce here and a chunk taken there
+    partial_hidden_grad: bool = False
 
     @property
     def tp(self) -> int:
@@ -532,7 +537,8 @@ class _FusedLogprobs(torch.autograd.Function):
             walk = _Backward(hidden, weight, targets, lse, e_all, g_lp, g_ent, vocab)
             grad_h, grad_w = _grad_by_tokens(walk, chunks.grad, fast, ctx.widths, ctx.needs_input_grad[1])
         # every tp rank holds a partial sum over its columns; the hidden states are replicated
-        _all_reduce_sum(grad_h, vocab.group)
+        if not vocab.partial_hidden_grad:
+            _all_reduce_sum(grad_h, vocab.group)
         weight_grad = grad_w.to(weight.dtype) if grad_w is not None and ctx.needs_input_grad[1] else None
         return grad_h.to(hidden.dtype), weight_grad, None, None, None, None
 
@@ -630,7 +636,7 @@ class _FusedTokenLoss(torch.autograd.Function):
                 _grad_matmuls(gx, weight, w32, h, grad_h[lo:hi], grad_w)
                 del gx
             del x  # every name of this chunk's storage: the next chunk must not coexist with it
-        if grad_h is not None:
+        if grad_h is not None and not vocab.partial_hidden_grad:
             _all_reduce_sum(grad_h, vocab.group)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -720,10 +726,12 @@ def _prepare(
     if group is None and mesh is not None:
         group = mesh["tp"].get_group()
     local_w, group, start, size = _vocab_of(weight, group, vocab_start)
+    partial = False
     if isinstance(hidden, DTensor):
         if not all(isinstance(p, Replicate) for p in hidden.placements):
             raise ValueError(f"hidden states must be replicated over tp, got {hidden.placements}")
-        hidden = hidden.to_local()
+        partial = group is not None and hidden.device_mesh.ndim == 1 and hidden.device_mesh.get_group() == group
+        hidden = hidden.to_local(grad_placements=[Partial()] if partial else None)
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape)} without the hidden dim"
@@ -750,6 +758,7 @@ def _prepare(
         top_k=top_k,
         top_p=top_p,
         ignore_index=ignore_index,
+        partial_hidden_grad=partial,
     )
     n, v_local = targets.numel(), local_w.shape[0]
     if chunk_size is not None:
