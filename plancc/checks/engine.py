@@ -17,6 +17,7 @@ from ..models import build_meta_model
 from . import (
     architecture,
     checkpointing,
+    compiled_blocks,
     context_parallel,
     expert_parallel,
     flow_memo,
@@ -61,6 +62,7 @@ RULES: tuple[ModuleType, ...] = (
     checkpointing,
     lora_targets,
     pipeline,
+    compiled_blocks,
 )
 
 if TYPE_CHECKING:  # transformers' modeling stack is not imported to check a plan

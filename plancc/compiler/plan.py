@@ -101,6 +101,15 @@ class PipelineSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CompileSpec:
+    """The plan's ``compile:`` section: each decoder block compiled with ``torch.compile``."""
+
+    backend: str = "inductor"
+    fullgraph: bool = False
+    loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     name: str
     version: int
@@ -114,6 +123,7 @@ class Plan:
     activation_checkpointing: TargetList = TargetList()
     lora: LoraSpec | None = None
     pipeline: PipelineSpec | None = None
+    compile: CompileSpec | None = None  # None: eager
     description: str = ""
     path: str = "<plan>"
     loc: SourceLoc = field(default_factory=lambda: SourceLoc(path="<plan>"))
@@ -245,6 +255,18 @@ def _lora(doc: SourceDoc) -> LoraSpec | None:
     )
 
 
+def _compile(doc: SourceDoc) -> CompileSpec | None:
+    data = doc.data.get("compile")
+    if data is None or data is False:
+        return None
+    options = data if isinstance(data, dict) else {}
+    return CompileSpec(
+        backend=options.get("backend", "inductor"),
+        fullgraph=options.get("fullgraph", False),
+        loc=doc.loc(("compile",), key=True),
+    )
+
+
 def _pipeline(doc: SourceDoc, problems: list[Diagnostic]) -> PipelineSpec | None:
     data = doc.data.get("pipeline")
     if data is None:
@@ -292,6 +314,7 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
         activation_checkpointing=_checkpoint_targets(doc),
         lora=_lora(doc),
         pipeline=_pipeline(doc, problems),
+        compile=_compile(doc),
         path=doc.path,
         loc=doc.loc(()),
         text=doc.text,

@@ -27,6 +27,7 @@ from ..compiler.resolve import ResolvedPlan, resolve_plan, tied_parameter_groups
 from ..errors import Diagnostic, PlanError
 from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
+from .compile import compile_blocks
 from .cp import enable_context_parallel
 from .cp_mixers import enable_mixer_context_parallel
 from .expert_parallel import ExpertParallel
@@ -219,6 +220,7 @@ def parallelize(
                 ]
             )
         apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
+    compile_blocks(model, plan.compile)  # after TP and checkpointing, before FSDP (torchtitan's order)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # pinned host memory where there is a GPU to copy from (torchtitan pins too): its copies then
     # run without a staging buffer and overlap compute; a CPU-only host has nothing to pin for

@@ -47,6 +47,7 @@ from ..compiler.plan import PipelineSpec, Plan
 from ..compiler.resolve import resolve_plan
 from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
 from .activation_checkpointing import apply_activation_checkpointing
+from .compile import compile_blocks
 from .cp import CPContext, cp_attention_context, load_balanced_indices
 from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
@@ -176,6 +177,7 @@ def parallelize_stages(
     resolved = resolve_plan(plan, model, sequence_parallel=layout.sequence_parallel)
     apply_tensor_parallel(model, resolved, mesh["tp"])
     apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
+    compile_blocks(model, plan.compile)
     layers = plan_stage_layers(model, spec, layout.pp)
     total = len(layers)
     held = rank_stages(mesh["pp"].get_local_rank(), layout.pp, spec.schedule, total // layout.pp)

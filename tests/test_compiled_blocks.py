@@ -1,0 +1,52 @@
+"""The plan's ``compile:`` section: each decoder block ``torch.compile``d (torchtitan's per-block
+compile), after the TP styles and activation checkpointing and before FSDP2, exact against the
+unsharded eager model; the layouts it does not run at refused before launch. The suite traces
+with the ``aot_eager`` backend (forward and backward graphs, run eagerly: what dynamo and AOT
+autograd make of the blocks, in seconds); ``inductor``'s generated kernels are exercised by
+``bench/compiled_blocks.sh`` (a minute of C++ compilation a process on this CPU)."""
+
+import pytest
+
+from .conftest import PLANS
+
+
+def _plan(tmp_path, section="compile: {backend: aot_eager}\n"):
+    path = tmp_path / "plan.yaml"
+    path.write_text((PLANS / "qwen3.yaml").read_text() + section)
+    return path
+
+
+def test_the_compile_section_is_read_and_its_layouts_checked(tmp_path):
+    import plancc
+    from plancc.runtime.compile import decoder_blocks
+
+    plan = plancc.load_plan(_plan(tmp_path, "compile: true\n"))
+    assert plan.compile is not None and plan.compile.backend == "inductor" and not plan.compile.fullgraph
+    assert plancc.load_plan(_plan(tmp_path, "compile: false\n")).compile is None
+
+    def problems(**layout):
+        return [d for d in plancc.check_plan(plan, "qwen3-8b", **layout) if d.rule == "compile"]
+
+    assert problems(world_size=8) == []
+    refused = problems(tp=2, world_size=8)
+    assert refused and "compiled blocks at tp=2" in refused[0].message and refused[0].line > 0
+    with pytest.raises(plancc.PlanError, match="compile"):
+        plancc.load_plan(_plan(tmp_path, "compile: {backend: tvm}\n"))
+    from plancc.models import build_model, load_config
+
+    model = build_model(load_config("tiny-qwen3"), device="meta")
+    assert decoder_blocks(model) == list(model.model.layers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--pp", "2"]], ids=["dp2", "pp2"])
+def test_compiled_blocks_verify_against_the_unsharded_eager_model(tmp_path, layout):
+    """FSDP2 around compiled blocks (each block's graph holds its checkpointed MLP's
+    recomputation), and compiled blocks inside pipeline stages: logits, loss, gradients and the
+    loss after a step equal the unsharded eager model's."""
+    from .conftest import forked_cli
+
+    code, out, err = forked_cli("apply", _plan(tmp_path), "--nproc-per-node", 2, *layout, "--verify", "--steps", 1)
+    assert code == 0, err + out
+    assert "verify: OK" in out
