@@ -1,7 +1,8 @@
 """The resharded refit's transfer plan kept on the channel (issue 60, point 1), side by side in
 one run: refits that reuse the plan the first refit computed against refits that compute it
 again (every member's plan dropped first: each publishes its boxes and reads every member's
-from the channel's store, then walks every parameter, receiver and policy rank).
+from the channel's store, then walks every parameter, receiver and policy rank; the engine
+builds and lays out its meta model again).
 
     python bench/reshard_plan.py [--layers 24] [--rounds 4]
 
@@ -86,6 +87,7 @@ def engine_rank(port: int, manifest_path: str, rounds: int) -> int:
     for refit in range(1 + 2 * rounds):
         if refit and refit % 2 == 0:  # the same order as the policy's: kept, then computed
             channel.plans.clear()
+            channel.receiver_layouts.clear()
         for _, shard in plancc.receive_weights(channel, manifest, plan=PLAN, tp=2):
             got += shard.numel()
     channel.close()

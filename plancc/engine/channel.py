@@ -59,6 +59,8 @@ class WeightChannel:
     # a resharded refit's transfer plan by the digests of every member's layout
     # (``engine.reshard``): computed once per pair of layouts, reused by every refit after
     plans: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    # a receiver's own parallelized meta model by (manifest digest, plan, tp): built once
+    receiver_layouts: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     @property
     def port(self) -> int:

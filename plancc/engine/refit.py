@@ -15,7 +15,15 @@ from ..compiler.plan import Plan, load_plan
 from ..models import build_model
 from ..runtime.mesh import build_mesh
 from ..runtime.parallelize import parallelize
-from .channel import WeightChannel, WeightChannelError, check_manifest, handshake, manifest_dtype, receive_buckets
+from .channel import (
+    WeightChannel,
+    WeightChannelError,
+    check_manifest,
+    digest,
+    handshake,
+    manifest_dtype,
+    receive_buckets,
+)
 from .reshard import receive_shards
 
 
@@ -43,9 +51,14 @@ def receive_weights(
     config = dict(manifest.get("config") or {})
     if "model_type" not in config:
         raise WeightChannelError("the manifest carries no model config: send it from a plancc Policy")
-    model_type = config.pop("model_type")
-    model = build_model(AutoConfig.for_model(model_type, **config), device="meta")
-    parallelize(model, plan if isinstance(plan, Plan) else load_plan(str(plan)), build_mesh(tp=tp))
+    # the receiver's layout, built once per (manifest, plan, tp) on this channel: a later refit
+    # of the same weights reads its shards' boxes from the same meta model
+    key = (digest(manifest), str(plan) if not isinstance(plan, Plan) else plan.text or plan.name, tp)
+    model = channel.receiver_layouts.get(key)
+    if model is None:
+        model = build_model(AutoConfig.for_model(config.pop("model_type"), **config), device="meta")
+        parallelize(model, plan if isinstance(plan, Plan) else load_plan(str(plan)), build_mesh(tp=tp))
+        channel.receiver_layouts = {key: model}  # one layout kept: the channel's current one
     handshake(channel, manifest)
     receivers = torch.distributed.get_world_size()
     policy_world, dtype = channel.world_size - receivers, manifest_dtype(manifest)
