@@ -64,7 +64,7 @@ def kind(record: dict) -> str:
         return "plancc apply/logprobs ranks (python -m plancc.job.runner)"
     if record["forked"]:
         return "ranks forked from a test forkserver"
-    if first.endswith("cli.py"):
+    if first.endswith(("cli.py", "cli/__main__.py")) or "plancc.cli" in record["argv"][:3]:
         return "plancc CLI processes (launchers, validate)"
     if first == "-c":
         return "pytest-xdist workers and forkservers"

@@ -236,7 +236,7 @@ def save(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from ..runtime.weights import refuse_non_finite_weights
+    from ..runtime.weights import refuse_non_finite_weights  # lazy: the launcher's checks run without DTensor
 
     refuse_non_finite_weights(model, what=f"saving step {info.step}")
     root = Path(root)
@@ -498,7 +498,7 @@ def load(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    from .checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner
+    from .checkpoint_reader import SafeFileSystemReader, SafeLoadPlanner  # lazy: DCP only when loading
 
     step_dir = agreed_find(root)
     info = read_info(step_dir)

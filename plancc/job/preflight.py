@@ -44,7 +44,7 @@ def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) ->
         checkpoint.compatible(
             info, step_dir, architecture=architecture_of(config), shapes=checkpoint.parameter_shapes(model)
         )
-        from ..engine.checkpoint_reader import SafeFileSystemReader  # DCP: only when resuming
+        from ..engine.checkpoint_reader import SafeFileSystemReader  # lazy: DCP only when resuming
 
         SafeFileSystemReader(str(step_dir)).read_metadata()
     except PlanError as exc:

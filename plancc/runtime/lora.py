@@ -93,7 +93,7 @@ def add_adapters(
     # this module before any worker starts
     from torch.distributed.tensor import distribute_tensor
 
-    from .styles.placements import to_torch
+    from .styles.placements import to_torch  # lazy: the launcher's LoRA checks run without DTensor
 
     tp = tp_mesh.size() if tp_mesh is not None else 1
     problems = lora_problems(model, spec, resolved, tp)

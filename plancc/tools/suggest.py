@@ -751,7 +751,7 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
     )
     # a measurement needs FSDP's memory tracker, DTensor and dynamo: 2 s of imports that the
     # search alone (docs/suggest.md: "under 10 s") does not pay
-    from .measured_memory import measure_step_memory
+    from .measured_memory import measure_step_memory  # lazy: FSDP's memory tracker only for --verify-top
 
     config = load_config(model)
     meta = _meta_model(model)  # what the search costed (a preset's skeleton)

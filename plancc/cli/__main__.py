@@ -1,0 +1,5 @@
+"""``python -m plancc.cli``: the ``plancc`` command."""
+
+from . import main
+
+main()
