@@ -54,7 +54,7 @@ def test_parameter_gradient_and_adamw_bytes_are_the_dry_runs(layout):
     from plancc.layout import Layout
     from plancc.models import build_meta_model, load_config
     from plancc.tools.dryrun import dry_run
-    from plancc.tools.suggest import _shape, step_ends
+    from plancc.tools.suggest_costs import _shape, step_ends
 
     chosen = Layout(**layout)
     result = plancc.suggest("plans/qwen3.yaml", "tiny-qwen3", gpus=chosen.world_size, seq_len=64, allow=("cp",))
@@ -109,7 +109,7 @@ def test_bad_input_is_one_diagnostic(cli, args, code, words):
 
 
 def test_no_fit_names_the_smallest_layout_and_what_dominates_it():
-    from plancc.tools.suggest import no_fit_problem
+    from plancc.tools.suggest_report import no_fit_problem
 
     plan = plancc.load_plan("plans/qwen3.yaml")
     result = plancc.suggest(plan, "qwen3-8b", gpus=8, seq_len=8192, gpu_memory=8 * 2**30)
@@ -191,7 +191,7 @@ def test_the_predicted_peak_is_within_10_percent_of_a_measured_step_and_the_shar
     from plancc.layout import Layout
     from plancc.models import build_meta_model, load_config
     from plancc.tools.measured_memory import measure_step_memory
-    from plancc.tools.suggest import _shape, peak, step_ends
+    from plancc.tools.suggest_costs import _shape, peak, step_ends
 
     config_path = request.getfixturevalue(model)
     plan = plancc.load_plan("plans/qwen3.yaml")
@@ -232,7 +232,7 @@ def test_keeping_units_gathered_is_searched_where_fsdp_shards_and_costs_memory_n
         by_key.setdefault((c.layout, c.checkpointing), {})[c.reshard_after_forward] = c
     sharded = [pair for (layout, _), pair in by_key.items() if layout.fsdp_size > 1]
     assert sharded and all(set(pair) == {True, False} for pair in sharded)
-    from plancc.tools.suggest import plan_edits
+    from plancc.tools.suggest_report import plan_edits
 
     for pair in sharded:
         kept, resharded = pair[False], pair[True]
@@ -256,7 +256,7 @@ def test_the_unit_fsdp_gathers_is_the_largest_layer_and_its_traffic_every_layer(
     from plancc.compiler.resolve import resolve_sections
     from plancc.layout import Layout
     from plancc.models import build_meta_model, presets
-    from plancc.tools.suggest import _all_units_params, _shape, _unit_params
+    from plancc.tools.suggest_costs import _all_units_params, _shape, _unit_params
 
     path = tmp_path / "deepseek-v3-5-layers.json"
     path.write_text(json.dumps({**presets()["deepseek-v3"].config, "num_hidden_layers": 5}))
@@ -300,7 +300,8 @@ def test_a_step_no_layout_holds_in_one_pass_is_costed_with_gradient_accumulation
     the step at once (the answer before: "no layout of 512 GPUs fits"); in fewer sequences a pass
     one does. From the second pass on every gradient is held beside the activations, and every
     pass gathers FSDP's weights again: more exposed traffic than the same layout in one pass."""
-    from plancc.tools.suggest import GiB, command_line
+    from plancc.tools.suggest_model import GiB
+    from plancc.tools.suggest_report import command_line
 
     kwargs = dict(gpus=512, gpu_memory=80 * GiB, seq_len=4096, tokens_per_step=16_777_216)
     one_pass = plancc.suggest("plans/deepseek_v3.yaml", "deepseek-v3", accumulate=False, **kwargs)
@@ -326,7 +327,7 @@ def test_pipeline_layouts_are_costed_with_their_schedules_bubble_against_torchti
     estimated no faster than suggest's first choice, and the interleaved schedule (its bubble
     (pp-1)/(v*m) of the compute, 1F1B's (pp-1)/m) faster than 1F1B."""
     from plancc.layout import Layout
-    from plancc.tools.suggest import command_line, plan_edits
+    from plancc.tools.suggest_report import command_line, plan_edits
 
     result = plancc.suggest("plans/llama.yaml", "llama-3.1-405b", gpus=512, seq_len=8192,
                             tokens_per_step=1_048_576, allow=("pp",))

@@ -60,9 +60,10 @@ def suggest(
 ) -> None:
     """The layouts the plan allows for the model on N GPUs, with per-GPU memory and estimated step
     time, fastest fitting first, and the command line of the best (no GPU is touched)."""
-    from ..tools.suggest import as_dict, no_fit_problem, render, render_verified  # lazy: loads torch
+    from ..tools.suggest import render_verified  # lazy: loads torch
     from ..tools.suggest import suggest as suggest_layouts  # lazy: loads torch
     from ..tools.suggest import verify_top as verify  # lazy: loads torch
+    from ..tools.suggest_report import as_dict, no_fit_problem, render  # lazy: loads torch
 
     axes = [a.strip() for a in allow.split(",") if a.strip()]
     unknown = [a for a in axes if a not in ("sp", "cp", "ep", "pp")]

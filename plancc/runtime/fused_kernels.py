@@ -1,6 +1,6 @@
 """Triton kernels for the fused evaluator's per-chunk math on CUDA.
 
-The pure-PyTorch chunk math (``fused_logprobs._stats`` and ``_local_grad_logits``) reads and
+The pure-PyTorch chunk math (``fused_walk._stats`` and ``_local_grad_logits``) reads and
 writes each fp32 chunk of logits four to six times (max, subtract, exp, sum, scale, scatter).
 On a GPU that traffic, not the lm_head matmul, is what separates the evaluator from a fused
 kernel: at 16k tokens x 152k vocab it is ~60 GB against a ~29 ms matmul. The kernels below
@@ -35,7 +35,7 @@ NUM_WARPS = 8
 
 def active(device: torch.device) -> bool:
     """Whether chunks on this device go through the kernels (CUDA with Triton). Their chunks of
-    logits are fp32 with contiguous rows there (``fused_logprobs._matmul_fp32``)."""
+    logits are fp32 with contiguous rows there (``fused_walk._matmul_fp32``)."""
     return triton is not None and device.type == "cuda"
 
 
