@@ -124,7 +124,7 @@ def policy_rank(args) -> list[dict]:
     policy = plancc.Policy(
         PLAN,
         MODEL,
-        tp=args.tp,
+        layout=plancc.Layout.infer(world_size=dist.get_world_size(), tp=args.tp),  # the other ranks: dp
         reference=True,
         lora=lora,
         seed=args.seed,

@@ -22,11 +22,12 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .checks import check_plan
     from .compiler.plan import Plan, Rule, StyleRef, load_plan, parse_plan
     from .compiler.resolve import ResolvedPlan, resolve_plan
-    from .engine.batches import BatchError
+    from .engine.batches import BatchError, Microbatching
     from .engine.channel import WeightChannelError, weight_channel
     from .engine.colocated import receive_shared_weights
     from .engine.policy import NonFiniteError, Norm, Policy
     from .engine.refit import receive_weights
+    from .engine.streaming import WeightFormat
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
     from .layout import Layout, LayoutError
     from .runtime.gradnorm import clip_grad_norm_
@@ -50,7 +51,8 @@ _HOMES = {
     **dict.fromkeys(["MeshError", "MeshSpec", "ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
     **dict.fromkeys(["NonFiniteError", "Norm", "Policy"], "plancc.engine.policy"),
-    "BatchError": "plancc.engine.batches",
+    **dict.fromkeys(["BatchError", "Microbatching"], "plancc.engine.batches"),
+    "WeightFormat": "plancc.engine.streaming",
     **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
     "receive_weights": "plancc.engine.refit",
     "receive_shared_weights": "plancc.engine.colocated",
@@ -65,6 +67,7 @@ __all__ = [
     "LayoutError",
     "MeshError",
     "MeshSpec",
+    "Microbatching",
     "NonFiniteError",
     "Norm",
     "ParallelMesh",
@@ -77,6 +80,7 @@ __all__ = [
     "SourceLoc",
     "StyleRef",
     "WeightChannelError",
+    "WeightFormat",
     "build_mesh",
     "causal_lm_loss",
     "check_plan",

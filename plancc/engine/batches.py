@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -169,6 +170,30 @@ def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     keep[:, 0] = False
     keep[:, 1:] &= real[:, :-1]
     return keep
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Microbatching:
+    """How ``Policy.train``, ``logprobs`` and ``reference_logprobs`` cut a rank's rows into
+    microbatches: ``micro_batch_size`` rows, or rows up to ``max_tokens`` real tokens (a token
+    budget), each cut's rows concatenated into one row of documents with ``pack`` (default: one
+    microbatch of every row). The same as the keywords of the same names."""
+
+    micro_batch_size: int | None = None
+    max_tokens: int | None = None
+    pack: bool = False
+
+    @classmethod
+    def of(cls, given: Microbatching | None, keywords: Mapping[str, Any]) -> Microbatching:
+        """``given``, or the value the keywords spell (``micro_batch_size=3``); both is an error."""
+        unknown = sorted(set(keywords) - {"micro_batch_size", "max_tokens", "pack"})
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword argument {unknown[0]!r} (a Microbatching's are micro_batch_size, max_tokens, pack)"
+            )
+        if given is not None and keywords:
+            raise TypeError("give microbatching= or its keywords (micro_batch_size=, max_tokens=, pack=), not both")
+        return given if given is not None else cls(**keywords)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

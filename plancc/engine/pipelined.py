@@ -45,7 +45,7 @@ from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_p
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
 from . import checkpoint, shards
-from .batches import Batch, BatchError, balanced_dp_rows, check_batch, dp_slice
+from .batches import Batch, BatchError, Microbatching, balanced_dp_rows, check_batch, dp_slice
 from .build import from_folder, seeded_model
 from .channel import WeightChannel, make_manifest, send_buckets
 from .loss_contract import NonFiniteError, Norm, check_temperature
@@ -55,7 +55,7 @@ from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLo
 from .pipeline_rows import PipelineRows, RowGroup, fingerprint
 from .reference import ReferenceWeights, reference_place
 from .resume import restore_schedule, schedule_state
-from .streaming import DEFAULT_BUCKET_BYTES, manifest_buckets
+from .streaming import WeightFormat, manifest_buckets
 
 
 class PipelinePolicy:
@@ -179,11 +179,10 @@ class PipelinePolicy:
         loss_fn: Loss | None = None,
         *,
         token_loss: Loss | None = None,
-        micro_batch_size: int | None = None,
-        max_tokens: int | None = None,
-        pack: bool = False,
+        microbatching: Microbatching | None = None,
         entropy: bool = False,
         temperature: float = 1.0,
+        **cuts: Any,  # Microbatching's fields as keywords
     ) -> dict[str, float]:
         """``Policy.train`` over the pipeline: one optimizer step on this rank's slice, the loss
         normalized over the global batch. ``loss_fn(logprobs [rows, L], fields, norm)`` sees a
@@ -194,7 +193,7 @@ class PipelinePolicy:
         self._require_onloaded("train")
         check_temperature(temperature)
         started = time.perf_counter()
-        rows, norm = self._prepared(batch, micro_batch_size, max_tokens, pack)
+        rows, norm = self._prepared(batch, Microbatching.of(microbatching, cuts))
         self.model.train()
         recorded = Recorded()
         fn = per_token(token_loss) if token_loss is not None else loss_fn
@@ -252,15 +251,14 @@ class PipelinePolicy:
         loss = reduced.pop("")
         return loss, reduced, next((refusal for _, refusal in shares if refusal), "")
 
-    def _prepared(
-        self, batch: Batch, micro_batch_size: int | None, max_tokens: int | None, pack: bool
-    ) -> tuple[PipelineRows, Any]:
+    def _prepared(self, batch: Batch, cut: Microbatching) -> tuple[PipelineRows, Any]:
         """This rank's rows unpadded and grouped by length, and the global batch's ``Norm``;
         the same ``BatchError`` on every rank when any rank's batch is refused."""
         problem, rows = "", None
         rows_print: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         try:
-            if pack:
+            micro_batch_size, max_tokens = cut.micro_batch_size, cut.max_tokens
+            if cut.pack:
                 raise BatchError("packing rows (--pack) under pipeline parallelism is not supported yet")
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
@@ -314,15 +312,14 @@ class PipelinePolicy:
         *,
         entropy: bool = False,
         temperature: float = 1.0,
-        micro_batch_size: int | None = None,
-        max_tokens: int | None = None,
-        pack: bool = False,
+        microbatching: Microbatching | None = None,
+        **cuts: Any,  # Microbatching's fields as keywords
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows (0 at position 0 and padding) on
         every rank of the pipeline; with ``entropy=True`` a pair."""
         self._require_onloaded("logprobs")
         check_temperature(temperature)
-        rows, _ = self._prepared(batch, micro_batch_size, max_tokens, pack)
+        rows, _ = self._prepared(batch, Microbatching.of(microbatching, cuts))
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy, self.runner.cp))
@@ -332,7 +329,7 @@ class PipelinePolicy:
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[rows, s, vocab]`` fp32 logits of this rank's rows (0 at padding) on every rank of
         the pipeline, the vocabulary whole: what ``--verify`` compares with the unsharded model."""
-        rows, _ = self._prepared(batch, None, None, False)
+        rows, _ = self._prepared(batch, Microbatching())
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogits(group, out, self.runner.cp))
@@ -398,30 +395,35 @@ class PipelinePolicy:
         dist.all_gather_object(every, names, group=self.mesh["pp"].get_group())
         return {name: rank for rank, held in enumerate(every) for name in held}
 
-    def weights_manifest(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None) -> dict:
+    def weights_manifest(self, weight_format: WeightFormat | None = None, **options: Any) -> dict:
         """What ``send_weights`` sends, as ``Policy.weights_manifest`` gives it: the whole model's
         tensors (its meta copy: nothing is gathered), bucket by bucket."""
+        out = WeightFormat.of(weight_format, options)
+        if out.adapters_only:
+            raise self._not_yet("weights_manifest(adapters_only=True)")
+        bucket_bytes, dtype = out.bucket_bytes, out.dtype
         buckets = manifest_buckets(self._whole, bucket_bytes=bucket_bytes, dtype=dtype)
         return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
 
     def send_weights(
         self,
         channel: WeightChannel | None,
+        weight_format: WeightFormat | None = None,
         *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        dtype: torch.dtype | None = None,
         reshard: bool = False,
-        adapters_only: bool = False,
+        **options: Any,
     ) -> int:
         """The weights to the receivers of ``channel`` bucket by bucket, from every stage: each
         tensor gathered by its stage's ranks and broadcast over the pipeline, rank 0 (the one
         that passes the channel) sending each bucket once it is whole. Returns bytes sent.
         Resharded refits (``reshard=True``) under pp: not yet."""
-        if reshard or adapters_only:
+        out = WeightFormat.of(weight_format, options)
+        dtype = out.dtype
+        if reshard or out.adapters_only:
             raise self._not_yet("send_weights(reshard=True)" if reshard else "send_weights(adapters_only=True)")
         if (channel is not None) != (dist.get_rank() == 0):
             raise ValueError("the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)")
-        manifest = self.weights_manifest(bucket_bytes=bucket_bytes, dtype=dtype)
+        manifest = self.weights_manifest(out)
         tensors = self.weights(dtype=dtype)
 
         def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -21,42 +21,30 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
 from ..models import load_config
-from ..runtime.fused_logprobs import targets_checked
-from ..runtime.gradient_scale import loss_scale, token_loss_scale
 from ..runtime.gradnorm import clip_grad_norm_
-from ..runtime.logprobs import fusable, token_logprobs
 from ..runtime.lora import LoraSpec, adapters_disabled
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
-from ..runtime.non_finite import first_non_finite
 from ..runtime.stepping import require_stepped
-from ..runtime.token_loss import evaluated_positions, model_token_loss
 from . import checkpoint, shards
-from .agreement import first_problem
+from .batch_agreement import agreed_batch, raise_non_finite, settled_step
 from .batches import (
     Batch,
-    BatchError,
     Microbatch,
+    Microbatching,
     balanced_dp_rows,
-    check_batch,
-    default_token_mask,
     dp_slice,
-    plan_microbatches,
     row_spans,
-    spread_to,
 )
 from .build import build_parallel_model
 from .channel import WeightChannel
@@ -70,15 +58,24 @@ from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_tempera
     call_loss,
     check_temperature,
 )
+from .microbatch_passes import forward, loss_pass, token_pass
 from .offload import Offloader
-from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout, the_mesh
+from .options import (
+    LEGACY_LAYOUT_KEYWORDS,
+    OptimizerSpec,
+    SchedulerSpec,
+    built_mesh,
+    legacy_layout_keywords,
+    make_optimizer,
+    make_scheduler,
+    policy_layout,
+    the_layout,
+)
 from .pipelined import PipelinePolicy
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
-from .streaming import DEFAULT_BUCKET_BYTES
+from .streaming import WeightFormat
 from .transport import WeightTransport
-
-FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
 
 
 class Policy:
@@ -107,16 +104,13 @@ class Policy:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # a layout with pipeline stages: the same calls over a rank's stages (engine.pipelined)
-        layout, pp = kwargs.get("layout"), kwargs.pop("pp", 1)
-        if cls is Policy and pp > 1 and layout is None:  # the shorthand: Policy(..., pp=2, tp=2)
+        legacy = {k: v for k, v in kwargs.items() if k in LEGACY_LAYOUT_KEYWORDS}
+        given = kwargs.get("layout")
+        pp = the_layout(given).pp if isinstance(given, Layout | ParallelMesh) else legacy.get("pp", 1)
+        if cls is Policy and pp > 1:
             init_process_group(kwargs.get("device") or default_device_type(), kwargs.get("timeout_s", 600.0))
-            sizes = {k: kwargs.pop(k) for k in ("dp", "cp", "tp", "ep") if k in kwargs}
-            sp = kwargs.pop("sp", False)
-            layout = kwargs["layout"] = Layout.infer(
-                world_size=dist.get_world_size(), pp=pp, sequence_parallel=sp, **sizes
-            )
-        if cls is Policy and isinstance(layout, Layout | ParallelMesh) and the_layout(layout).pp > 1:
-            return PipelinePolicy(*args, **kwargs)
+            rest = {k: v for k, v in kwargs.items() if k not in legacy and k != "layout"}
+            return PipelinePolicy(*args, layout=policy_layout(given, legacy), **rest)
         return super().__new__(cls)
 
     def __init__(
@@ -124,32 +118,24 @@ class Policy:
         plan: str | Path | Plan,
         model: str | Path | PretrainedConfig,
         *,
-        # the layout, one way: a Layout or a built mesh; or the sizes as shorthand
         layout: Layout | ParallelMesh | None = None,
-        tp: int = 1,
-        cp: int = 1,
-        ep: int = 1,
-        dp: int | None = None,
-        sp: bool = False,
-        mesh: ParallelMesh | None = None,  # the same as layout=<a built mesh> (its earlier name)
-        # the optimization
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
-        # the model's numbers and where they live
         param_dtype: torch.dtype | str | None = None,
         reference: bool | str = False,
         lora: LoraSpec | Mapping[str, Any] | None = None,
         seed: int = 0,
         device: str | None = None,
         timeout_s: float = 600.0,
+        **deprecated: Any,  # plancc 0.x's tp=, cp=, ep=, dp=, sp=, pp=, mesh= (engine.options)
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
         self._dp_rank: int | None = None
-        self.mesh: ParallelMesh = the_mesh(
-            layout, mesh, {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "sp": sp}, device=self.device
-        )
+        # the layout converted once, here: a Layout in, the mesh everything below is laid out on
+        chosen = policy_layout(layout, legacy_layout_keywords(deprecated))
+        self.mesh: ParallelMesh = built_mesh(chosen, device=self.device)
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         # a config: seeded random weights (``seed``); a name or folder: what ``--model`` loads
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
@@ -203,11 +189,9 @@ class Policy:
         return dp_slice(global_rows, self.dp_rank, self.dp_size)
 
     def balanced_slices(self, lengths: list[int] | torch.Tensor) -> list[int]:
-        """This rank's rows of a global batch whose rows hold ``lengths`` tokens (``attention_mask
-        .sum(1)``, the same on every rank): as many rows on every dp rank as ``slice_of`` gives,
-        with the token counts as even as possible (``engine.batches.balanced_partition``).
-        The step is the same as with ``slice_of`` (the loss is normalized globally); the
-        slowest rank is less slow."""
+        """This rank's rows of a global batch whose rows hold ``lengths`` tokens (the same on every
+        rank): ``slice_of``'s count with the token counts as even as possible (the same step,
+        normalized globally; the slowest rank less slow: ``engine.batches.balanced_partition``)."""
         return balanced_dp_rows(lengths, self.dp_rank, self.dp_size)
 
     # ------------------------------------------------------------------ training
@@ -217,47 +201,31 @@ class Policy:
         loss_fn: LossFn | None = None,
         *,
         token_loss: TokenLoss | None = None,
-        micro_batch_size: int | None = None,
-        max_tokens: int | None = None,
-        pack: bool = False,
+        microbatching: Microbatching | None = None,
         entropy: bool = False,
         temperature: float = 1.0,
+        **cuts: Any,  # Microbatching's fields as keywords: micro_batch_size=, max_tokens=, pack=
     ) -> dict[str, float]:
         """One optimizer step on this rank's slice of a global batch; metrics reduced over ranks.
 
-        The loss, one of two ways:
+        The loss, one of two ways (``engine.loss_contract`` states the contract whole):
+        ``loss_fn(logprobs [rows, s], microbatch, norm) -> (loss, metrics)`` per microbatch, any
+        function of the log-probs (0 at position 0 and padding; ``microbatch`` every field of the
+        batch for its rows, and ``entropy`` with ``entropy=True``); or ``token_loss=fn`` for a sum
+        of per-token terms, ``fn(logprobs [n], tokens, norm)`` on flat groups of tokens (every
+        field at those tokens, a per-row one at each token's row; weigh terms by ``token_mask``),
+        its gradient formed with the lm_head's logits (3 matmuls instead of 4; a ``fn`` that mixes
+        tokens is wrong here: it sees a chunk). Either way the loss is this microbatch's share of
+        the global batch's: divide by ``norm.tokens`` or ``norm.sequences``, never by what it
+        holds. Then the gradients are clipped by their global norm, the optimizer and schedule
+        step. ``microbatching``: how the rows are cut (``Microbatching``, or its fields as
+        keywords). ``temperature``: the sampler's (a PPO / GRPO ratio against the rollout's
+        log-probs is exactly 1 before the first step).
 
-        - ``loss_fn(logprobs, microbatch, norm) -> (loss, metrics)`` for each microbatch, where
-          ``logprobs [rows, s]`` fp32 are log p(input_ids[t] | input_ids[<t]) (0 at position 0
-          and padding), ``microbatch`` holds every field of the batch for its rows (and
-          ``entropy`` with ``entropy=True``) and ``norm`` the global batch's ``Norm``. Any
-          function of the log-probs (a sequence-level ratio, a mean over a row).
-        - ``token_loss=fn``, for a loss that is a *sum of per-token terms*, each a function of
-          its own token's log-prob and constants (NLL, a clipped PPO / GRPO surrogate, a per-token
-          KL): ``fn(logprobs, tokens, norm) -> loss`` or ``(loss, metrics)``, called on flat
-          ``[n]`` groups of tokens, ``tokens`` holding every field at those tokens (a per-row
-          field such as ``advantages [rows]`` at each token's row). Positions the sequence gives
-          no log-prob (position 0, padding) are either left out or come with log-prob 0 and every
-          field 0, so weigh each term by a mask (``token_mask``) as a ``loss_fn`` would. The
-          gradient is formed while the lm_head's logits are computed: 3 matmuls for the vocabulary
-          projection instead of 4, and it equals ``loss_fn``'s for the same sum (a model whose
-          logits are more than ``lm_head(hidden)`` takes the log-probs path: same numbers). A
-          ``fn`` that mixes tokens (a mean over what it is given) is wrong here: it sees a chunk.
-          Metrics are summed over the groups.
-
-        Either way the loss is this microbatch's share of the global batch's loss (divide by
-        ``norm.tokens`` or ``norm.sequences``, never by what it holds). Then the gradients are
-        clipped by their global norm, the optimizer and schedule step.
-
-        ``temperature``: the sampler's; the log-probs are those of the logits divided by it, as
-        ``logprobs(temperature=)`` gives them, so a PPO / GRPO ratio against the rollout's
-        log-probs is exactly 1 before the first step (verl and NeMo-RL divide likewise).
-
-        Returns ``loss`` (of the global batch), ``grad_norm`` (before clipping), ``lr`` (the one
-        this step used), ``tokens`` and ``sequences`` (the global normalizers), ``microbatches``
-        (per rank), ``seconds``, and each of the loss's own metrics summed over the microbatches
-        of every dp rank, by name: a metric some ranks' loss does not give (``if clipped.any():
-        m["clip_frac"] = ...``) counts 0 on those (``agreed_names``).
+        Returns ``loss`` (of the global batch), ``grad_norm`` (before clipping), ``lr`` (this
+        step's), ``tokens`` and ``sequences`` (the global normalizers), ``microbatches`` (per
+        rank), ``seconds``, and the loss's own metrics summed over every dp rank's microbatches,
+        by name (a metric some ranks' loss does not give counts 0 there: ``agreed_names``).
         """
         self._require_onloaded("train")
         check_temperature(temperature)
@@ -266,7 +234,8 @@ class Policy:
         if token_loss is not None and entropy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
-        batch, norm, plan = self._prepared(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        cut = Microbatching.of(microbatching, cuts)
+        batch, norm, plan = self._agreed(batch, cut)
         if not self.model.training:  # every module's flag: a walk of the model, not free on each step
             self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -280,12 +249,16 @@ class Policy:
         spans = row_spans(batch["attention_mask"])  # every row's, read once for the cuts and packing
         try:
             for index, rows in enumerate(plan):
-                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, spans=spans)
+                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=cut.pack, spans=spans)
                 if token_loss is not None:
-                    loss, metrics, problem = self._token_pass(mb, token_loss, norm, index, temperature)
+                    loss, metrics, problem = token_pass(
+                        self.model, self.mesh, mb, token_loss, norm, index, temperature=temperature
+                    )
                 else:
                     assert loss_fn is not None, "one loss is given (checked above)"
-                    loss, metrics, problem = self._loss_pass(mb, loss_fn, norm, index, entropy, temperature)
+                    loss, metrics, problem = loss_pass(
+                        self.model, self.mesh, mb, loss_fn, norm, index, entropy=entropy, temperature=temperature
+                    )
                 refused = refused or problem
                 finite.append(torch.isfinite(loss))
                 loss_sum += loss.to(torch.float64)
@@ -294,9 +267,9 @@ class Policy:
             grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
             # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
             shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
-            not_finite, loss_total, metric_sums = self._settle(refused, finite, loss_sum, sums, shares)
+            not_finite, loss_total, metric_sums = settled_step(refused, finite, loss_sum, sums, shares, self.device)
             if not_finite or not math.isfinite(grad_norm):
-                self._raise_non_finite(finite, loss_total, grad_norm)
+                raise_non_finite(self.model, finite, loss_total, grad_norm, self.device)
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
@@ -319,55 +292,6 @@ class Policy:
             **metric_sums,
         }
 
-    def _loss_pass(
-        self, mb: Microbatch, loss_fn: LossFn, norm: Norm, index: int, entropy: bool, temperature: float
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float], str]:
-        """One microbatch's forward and backward with a ``loss_fn``: (its loss, its metrics, the
-        refusal of its loss or "")."""
-        lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
-        fields = dict(mb.fields)
-        if ent is not None:
-            fields["entropy"] = ent
-        problem = ""
-        try:
-            loss, metrics = call_loss(loss_fn, lp, fields, norm, index)
-        except BatchError as exc:  # the step is refused after the loop, on every rank
-            problem = str(exc)
-            loss, metrics = (lp * 0).sum(), {}  # the passes every rank runs; its gradient is dropped
-        # the global loss's gradient (runtime.gradient_scale states the invariant)
-        (loss * loss_scale(self.layout)).backward()  # even when not finite: every rank runs the same passes
-        return loss.detach(), metrics, problem
-
-    def _token_pass(
-        self, mb: Microbatch, token_loss: TokenLoss, norm: Norm, index: int, temperature: float
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float], str]:
-        """One microbatch's forward and backward with a ``token_loss``: the 3-matmul path
-        (``runtime.token_loss``), or the log-probs path for a model that transforms its logits."""
-        evaluated = evaluated_positions(
-            self.model, mb.batch_positions(), attention_mask=mb.attention_mask, cu_seqlens=mb.cu_seqlens
-        )
-        terms = _TokenTerms(token_loss, mb.per_token(evaluated), norm, index)
-        if fusable(self.model):
-            with targets_checked():  # check_batch read them, once per step
-                loss = model_token_loss(
-                    self.model,
-                    mb.input_ids,
-                    evaluated,
-                    terms,
-                    attention_mask=mb.attention_mask,
-                    cu_seqlens=mb.cu_seqlens,
-                    temperature=temperature,
-                    document_bounds=mb.starts,
-                )
-        else:
-            lp, _ = self._forward(mb, entropy=False, temperature=temperature)
-            known = evaluated >= 0
-            mine = torch.where(known, lp.reshape(-1)[evaluated.clamp(min=0)], torch.zeros_like(known, dtype=lp.dtype))
-            loss = terms(mine, slice(0, mine.numel()))
-        # each cp rank's loss is its positions' share: runtime.gradient_scale.token_loss_scale
-        (loss * token_loss_scale(self.layout)).backward()
-        return loss.detach(), terms.metrics, terms.problem
-
     # ------------------------------------------------------------------ log-probs
     def logprobs(
         self,
@@ -375,16 +299,16 @@ class Policy:
         *,
         entropy: bool = False,
         temperature: float = 1.0,
-        micro_batch_size: int | None = None,
-        max_tokens: int | None = None,
-        pack: bool = False,
+        microbatching: Microbatching | None = None,
+        **cuts: Any,  # Microbatching's fields as keywords
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows under the policy (0 at position 0 and
         padding), at the sampler's ``temperature``; with ``entropy=True`` a pair. Microbatches
         as in ``train`` (rows, a token budget, packed)."""
         self._require_onloaded("logprobs")
         check_temperature(temperature)
-        batch, _, plan = self._prepared(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        cut = Microbatching.of(microbatching, cuts)
+        batch, _, plan = self._agreed(batch, cut)
         rows_total, seq = batch["input_ids"].shape
         out = torch.zeros((rows_total, seq), dtype=torch.float32, device=self.device)
         ent_out = torch.zeros_like(out) if entropy else None
@@ -394,8 +318,8 @@ class Policy:
             with torch.no_grad():
                 spans = row_spans(batch["attention_mask"])
                 for rows in plan:
-                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=pack, spans=spans)
-                    lp, ent = self._forward(mb, entropy=entropy, temperature=temperature)
+                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=cut.pack, spans=spans)
+                    lp, ent = forward(self.model, self.mesh, mb, entropy=entropy, temperature=temperature)
                     out[rows] = lp
                     if ent_out is not None and ent is not None:
                         ent_out[rows] = ent
@@ -403,19 +327,10 @@ class Policy:
             self.model.train(was_training)
         return (out, ent_out) if ent_out is not None else out
 
-    def reference_logprobs(
-        self,
-        batch: Batch,
-        *,
-        entropy: bool = False,
-        temperature: float = 1.0,
-        micro_batch_size: int | None = None,
-        max_tokens: int | None = None,
-        pack: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``logprobs`` under the frozen initial weights (``reference=True``; with LoRA, the
-        base with its adapters disabled); the policy's weights and optimizer state are left
-        bitwise as they were."""
+    def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``logprobs`` (the same options) under the frozen initial weights (``reference=True``;
+        with LoRA, the base with its adapters disabled); the policy's weights and optimizer state
+        are left bitwise as they were."""
         if self.lora is not None:
             reference: AbstractContextManager[None] = adapters_disabled(self.model)
         elif self._reference is not None:
@@ -423,45 +338,38 @@ class Policy:
         else:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with reference:
-            return self.logprobs(
-                batch,
-                entropy=entropy,
-                temperature=temperature,
-                micro_batch_size=micro_batch_size,
-                max_tokens=max_tokens,
-                pack=pack,
-            )
+            return self.logprobs(batch, **options)
 
     # ------------------------------------------------------------------ weights out
-    def weights(
-        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None, adapters_only: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(self, weight_format: WeightFormat | None = None, **options: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` of every weight as ``export_hf`` writes it (tied weights
         once, transformers' checkpoint names and layouts), gathered one bucket of at most
         ``bucket_bytes`` (or one larger tensor) at a time: the iterable inference engines'
         ``load_weights`` take. Collective: every rank iterates it to the end. With LoRA the
         adapted weights come merged, or with ``adapters_only`` the adapters alone under PEFT's
-        names (``base_model.model.<module>.lora_A.weight``)."""
+        names (``base_model.model.<module>.lora_A.weight``). ``weight_format``: a
+        ``WeightFormat``, or its fields as keywords (``dtype=torch.bfloat16``)."""
+        out = WeightFormat.of(weight_format, options)
         self._require_onloaded("weights")
         shards.reshard(self.model)
-        yield from self._transport.stream(bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+        yield from self._transport.stream(
+            bucket_bytes=out.bucket_bytes, dtype=out.dtype, adapters_only=out.adapters_only
+        )
 
-    def weights_manifest(
-        self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None, adapters_only: bool = False
-    ) -> dict[str, Any]:
+    def weights_manifest(self, weight_format: WeightFormat | None = None, **options: Any) -> dict[str, Any]:
         """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
         tensor's name, shape and dtype, bucket by bucket; with ``adapters_only`` the adapters'
         PEFT config too). Local: nothing is gathered."""
-        return self._transport.manifest(bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+        out = WeightFormat.of(weight_format, options)
+        return self._transport.manifest(bucket_bytes=out.bucket_bytes, dtype=out.dtype, adapters_only=out.adapters_only)
 
     def send_weights(
         self,
         channel: WeightChannel | None,
+        weight_format: WeightFormat | None = None,
         *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        dtype: torch.dtype | None = None,
         reshard: bool = False,
-        adapters_only: bool = False,
+        **options: Any,
     ) -> int:
         """The weights to the receivers of ``channel``, bucket by bucket (``weights_manifest``
         says what they are). Collective over the policy's ranks: every rank gathers, rank 0 --
@@ -472,30 +380,26 @@ class Policy:
         from the policy ranks that hold it; every policy rank passes the channel (it joined as
         its own global rank). Any rank's failure is raised on every rank as one
         ``WeightChannelError`` (``engine.transport``)."""
+        out = WeightFormat.of(weight_format, options)
         self._require_onloaded("send_weights")
         shards.reshard(self.model)
         return self._transport.send(
-            channel, bucket_bytes=bucket_bytes, dtype=dtype, reshard=reshard, adapters_only=adapters_only
+            channel, bucket_bytes=out.bucket_bytes, dtype=out.dtype, reshard=reshard, adapters_only=out.adapters_only
         )
 
     def share_weights(
-        self,
-        connection: Any,
-        *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        dtype: torch.dtype | None = None,
-        timeout: float = 60.0,
-        adapters_only: bool = False,
+        self, connection: Any, weight_format: WeightFormat | None = None, *, timeout: float = 60.0, **options: Any
     ) -> int:
         """The weights to a consumer process on the same device (a colocated rollout engine),
         bucket by bucket by handle: CUDA IPC on a GPU, shared memory on the CPU, through a
         ``multiprocessing`` connection (``plancc.receive_shared_weights`` on the other end).
         Collective over the policy's ranks; rank 0, the only one that passes a connection,
         shares; the consumer has ``timeout`` seconds to take each bucket. Returns bytes shared."""
+        out = WeightFormat.of(weight_format, options)
         self._require_onloaded("share_weights")
         shards.reshard(self.model)
         return self._transport.share(
-            connection, bucket_bytes=bucket_bytes, dtype=dtype, timeout=timeout, adapters_only=adapters_only
+            connection, bucket_bytes=out.bucket_bytes, dtype=out.dtype, timeout=timeout, adapters_only=out.adapters_only
         )
 
     def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
@@ -560,202 +464,17 @@ class Policy:
             offloaded = " and ".join(self._memory.offloaded)
             raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
-    def _prepared(
-        self, batch: Batch, *, micro_batch_size: int | None, max_tokens: int | None
-    ) -> tuple[dict[str, torch.Tensor], Norm, list[list[int]]]:
-        """(the batch on this device, the global batch's ``Norm``, this rank's microbatches) once
-        every rank has found its own slice usable, the dp ranks hold as many rows (a global batch
-        split evenly: ``slice_of``) and the ranks of one tp / cp group the same ones (a
-        fingerprint of the rows compared); the same ``BatchError`` on every rank otherwise,
-        naming the rank or the ranks. Every rank plans as many microbatches as the dp rank with
-        the most (collectives line up). One all-gather over every rank for all of it: each rank
-        sees every rank's verdict and counts, so each raises, or goes on, alike."""
+    def _agreed(self, batch: Batch, cut: Microbatching) -> tuple[dict[str, torch.Tensor], Norm, list[list[int]]]:
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
-        problem = ""
-        try:
-            check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
-        except BatchError as exc:
-            problem = str(exc)
-        on_device: dict[str, torch.Tensor] = {}
-        plan: list[list[int]] = []
-        mine = torch.zeros(8, dtype=torch.float64, device=self.device)
-        if problem:
-            mine[0] = 1
-        else:
-            on_device = {name: value.to(self.device) for name, value in batch.items()}
-            ids, mask = on_device["input_ids"], on_device["attention_mask"]
-            plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-            token_mask, sample_mask = on_device.get("token_mask"), on_device.get("sample_mask")
-            weights = torch.arange(1, ids.numel() + 1, device=self.device).reshape(ids.shape)
-            # the same rows give the same numbers: int64 sums (wrapping is fine for a
-            # fingerprint), kept below 2^52 so that float64 holds them exactly, each converted
-            # on its own -- stacked with a float mask's sum they would be promoted to float32
-            # and the "different rows" check below would stop seeing differences
-            counts = [
-                torch.tensor(ids.shape[0], device=self.device),
-                (ids.long() * weights).sum() % FINGERPRINT_MODULUS,
-                (mask.long() * weights).sum() % FINGERPRINT_MODULUS,
-                torch.tensor(ids.shape[1], device=self.device),
-                (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
-                sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=self.device),
-                torch.tensor(len(plan), device=self.device),
-            ]
-            mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        verdicts = torch.stack(every).tolist()
-        if any(v[0] for v in verdicts):  # a rank's own slice is unusable: its words, gathered now
-            self._agree(partial(_raise_if, problem))
-        assert (self.mesh.device_mesh.mesh_dim_names or ("",))[0] == "dp", "the (dp, cp, tp) mesh: dp first"
-        ranks = self.mesh.device_mesh.mesh.reshape(self.dp_size, -1).tolist()  # each dp rank's replicas
-        sizes = [int(verdicts[group[0]][1]) for group in ranks]
-        if len(set(sizes)) > 1:
-            raise BatchError(
-                f"the dp ranks hold {sizes} rows: a global batch splits into equal slices over dp={self.dp_size} "
-                "(pass rows policy.slice_of(global_rows) on each rank)"
-            )
-        for group in ranks:
-            if any(verdicts[r][1:5] != verdicts[group[0]][1:5] for r in group):
-                raise BatchError(
-                    f"the ranks {group} of one tp / cp group were given different rows: they must pass the same "
-                    "rows, full length (the engine shards the sequence for cp itself)"
-                )
-        shares = [verdicts[group[0]] for group in ranks]  # one per dp rank
-        norm = Norm(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
-        spread = spread_to(plan, int(max(v[7] for v in shares)))
-        # every dp rank holds as many rows (checked above) and no rank plans more microbatches than
-        # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose
-        # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
-        assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
-        return on_device, norm, spread
-
-    def _forward(
-        self, mb: Microbatch, *, entropy: bool, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with targets_checked():  # check_batch read the token ids, once per step
-            result: Any = token_logprobs(  # type: ignore[call-overload]  # entropy is a bool here, not a Literal
-                self.model,
-                mb.input_ids,
-                attention_mask=mb.attention_mask,
-                cu_seqlens=mb.cu_seqlens,
-                mesh=self.mesh,
-                temperature=temperature,
-                entropy=entropy,
-                document_bounds=mb.starts,
-            )
-        if isinstance(result, tuple):
-            return mb.unpack(result[0]), mb.unpack(result[1])
-        return mb.unpack(result), None
-
-    def _agree(self, check: Callable[[], Any]) -> Any:
-        """``check()`` on every rank; when it raised on any, a ``BatchError`` on every rank that
-        names the first rank's problem (no rank goes on to a collective the others skip)."""
-        problem = ""
-        result = None
-        try:
-            result = check()
-        except BatchError as exc:
-            problem = str(exc)
-        found = first_problem(problem, self.device)
-        if found is not None:
-            rank, first = found
-            raise BatchError(f"rank {rank}: {first}")
-        return result
-
-    def _settle(
-        self,
-        refused: str,
-        finite: list[torch.Tensor],
-        loss: torch.Tensor,
-        metrics: Mapping[str, torch.Tensor | float],
-        shares: int,
-    ) -> tuple[bool, float, dict[str, float]]:
-        """After the last backward: (whether any rank's loss was not finite, the loss and the
-        metrics summed over the ``shares`` of the global batch; every other rank holds a copy of
-        one). First one fixed-size all-reduce of the verdicts -- whether any rank refused a
-        microbatch's loss (then every rank raises the first rank's refusal, before any metric is
-        reduced) -- and of the metric names' fingerprint (``agreed_names``); then one all-reduce
-        of the loss and each metric by name, sorted, 0 where a rank's loss gave no such metric."""
-        names = sorted(metrics)
-        verdicts = [torch.tensor(float(bool(refused)), device=self.device), (~torch.stack(finite)).any()]
-        prints = torch.tensor(name_fingerprint(names), dtype=torch.float64, device=self.device)
-        header = torch.cat([torch.stack(verdicts).to(torch.float64), prints])  # no read of the device
-        dist.all_reduce(header)
-        out = header.tolist()
-        if out[0]:
-            self._agree(partial(_raise_if, refused))
-        names = agreed_names(names, out[2:])
-        values = [loss, *(metrics.get(name, 0.0) for name in names)]
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(()) for v in values])
-        dist.all_reduce(t)
-        copies = dist.get_world_size() // shares
-        reduced = [v / copies for v in t.tolist()]
-        return out[1] > 0, reduced[0], dict(zip(names, reduced[1:], strict=True))
-
-    def _raise_non_finite(self, finite: list[torch.Tensor], loss: float, grad_norm: float) -> None:
-        """A ``NonFiniteError`` on every rank (each calls it: the verdict was reduced), naming
-        this rank's first microbatch whose loss is not finite and the first parameter (in model
-        order, over all ranks) whose gradient is not."""
-        bad = (~torch.stack(finite)).nonzero().flatten().tolist()
-        parameter = first_non_finite(((n, p.grad) for n, p in self.model.named_parameters()), self.device)
-        raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=bad[0] if bad else None, parameter=parameter)
+        return agreed_batch(
+            batch,
+            self.mesh,
+            device=self.device,
+            vocab_size=vocab,
+            micro_batch_size=cut.micro_batch_size,
+            max_tokens=cut.max_tokens,
+        )
 
     def _shards(self) -> list[torch.Tensor]:
         """This rank's storage of every parameter, in order (written in place by swaps)."""
         return shards.local_shards(self.model)
-
-
-class _TokenTerms:
-    """A ``token_loss`` as the fused evaluator calls it, once per chunk of tokens: each chunk's
-    fields sliced out, its metrics summed, and a refusal (the caller's function failed) noted
-    rather than raised -- the evaluator runs collectives between chunks, and every rank must
-    reach them all; the step is refused on every rank after the last backward."""
-
-    def __init__(self, fn: TokenLoss, tokens: dict[str, torch.Tensor], norm: Norm, microbatch: int) -> None:
-        self.fn, self.tokens, self.norm, self.microbatch = fn, tokens, norm, microbatch
-        self.metrics: dict[str, torch.Tensor | float] = {}
-        self.problem = ""
-
-    def __call__(self, lp: torch.Tensor, index: slice) -> torch.Tensor:
-        if not self.problem:
-            fields = {name: value[index] for name, value in self.tokens.items()}
-            try:
-                loss, metrics = call_loss(self.fn, lp, fields, self.norm, self.microbatch)
-            except BatchError as exc:
-                self.problem = str(exc)
-            else:
-                for key, value in metrics.items():
-                    self.metrics[key] = self.metrics.get(key, 0.0) + value
-                return loss
-        # nothing, with a finite gradient of 0 (a log-prob may be -inf)
-        return torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)).sum() * 0
-
-
-def name_fingerprint(names: Sequence[str]) -> list[float]:
-    """``[n, n^2, a, a^2, b, b^2]`` of a sorted list of metric names (``a``, ``b``: two 20-bit
-    checksums of them): summed over the ranks, these say whether every rank has the same list
-    (``agreed_names``). Exact in float64 for up to 2^12 ranks."""
-    text = "\0".join(names).encode()
-    parts = [len(names), zlib.crc32(text) & 0xFFFFF, zlib.adler32(text) & 0xFFFFF]
-    return [float(v) for part in parts for v in (part, part * part)]
-
-
-def agreed_names(names: list[str], summed: Sequence[float]) -> list[str]:
-    """Collective: the metric names every rank reduces, in one order. When each rank's list is
-    the same (the sums of ``name_fingerprint`` say so: ``sum(x)^2 == world * sum(x^2)`` holds
-    only when every rank's ``x`` is equal), its own list; otherwise -- a metric a loss gives
-    only on some ranks, ``if clipped.any(): m["clip_frac"] = ...`` -- the sorted union, gathered
-    (a name a rank lacks counts 0 there). Never a reduction of tensors of different lengths, or
-    of the same names in another order."""
-    world = dist.get_world_size()
-    pairs = [(round(summed[i]), round(summed[i + 1])) for i in range(0, len(summed), 2)]
-    if all(total * total == world * squares for total, squares in pairs):
-        return names
-    every: list[list[str]] = [[] for _ in range(world)]
-    dist.all_gather_object(every, names)
-    return sorted({name for own in every for name in own})
-
-
-def _raise_if(problem: str) -> None:
-    if problem:
-        raise BatchError(problem)

@@ -9,7 +9,9 @@ same reason (a full gather of a large model runs out of memory).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,30 @@ from .agreement import RefitAgreement
 
 # a bucket of weights out (``Policy.weights``, ``send_weights``, ``share_weights``) unless told
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightFormat:
+    """How a policy's weights go out (``weights``, ``weights_manifest``, ``send_weights``,
+    ``share_weights``): gathered ``bucket_bytes`` at a time, floating tensors in ``dtype`` (None:
+    their own), with LoRA the adapters alone under PEFT's names (``adapters_only``) or merged.
+    The same as the keywords of the same names."""
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    dtype: torch.dtype | None = None
+    adapters_only: bool = False
+
+    @classmethod
+    def of(cls, given: WeightFormat | None, keywords: Mapping[str, Any]) -> WeightFormat:
+        """``given``, or the value the keywords spell (``dtype=torch.bfloat16``); both is an error."""
+        unknown = sorted(set(keywords) - {"bucket_bytes", "dtype", "adapters_only"})
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword argument {unknown[0]!r} (a WeightFormat's are bucket_bytes, dtype, adapters_only)"
+            )
+        if given is not None and keywords:
+            raise TypeError("give weight_format= or its keywords (bucket_bytes=, dtype=, adapters_only=), not both")
+        return given if given is not None else cls(**keywords)
 
 
 def exported_names(model: nn.Module) -> list[str]:

@@ -1,0 +1,186 @@
+"""Every rank agrees on a step's batch before it runs and on its outcome after (``plancc.Policy``):
+one all-gather of each rank's verdict on its own slice, its rows' fingerprint and counts
+(``agreed_batch``: the global batch's ``Norm`` and as many microbatches on every rank), and after
+the last backward one fixed-size all-reduce of the verdicts and the metric names' fingerprint,
+then the loss and metrics by name (``settled_step``). A problem on one rank is every rank's
+``BatchError``, naming the rank: no rank goes on to a collective the others skip."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.mesh import ParallelMesh
+from ..runtime.non_finite import first_non_finite
+from .agreement import first_problem
+from .batches import Batch, BatchError, check_batch, default_token_mask, plan_microbatches, spread_to
+from .loss_contract import NonFiniteError, Norm
+
+FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
+
+
+def agreed_batch(
+    batch: Batch,
+    mesh: ParallelMesh,
+    *,
+    device: str,
+    vocab_size: int | None,
+    micro_batch_size: int | None,
+    max_tokens: int | None,
+) -> tuple[dict[str, torch.Tensor], Norm, list[list[int]]]:
+    """(the batch on this device, the global batch's ``Norm``, this rank's microbatches) once
+    every rank has found its own slice usable, the dp ranks hold as many rows (a global batch
+    split evenly: ``slice_of``) and the ranks of one tp / cp group the same ones (a
+    fingerprint of the rows compared); the same ``BatchError`` on every rank otherwise,
+    naming the rank or the ranks. Every rank plans as many microbatches as the dp rank with
+    the most (collectives line up). One all-gather over every rank for all of it: each rank
+    sees every rank's verdict and counts, so each raises, or goes on, alike."""
+    problem = ""
+    try:
+        check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab_size)
+    except BatchError as exc:
+        problem = str(exc)
+    on_device: dict[str, torch.Tensor] = {}
+    plan: list[list[int]] = []
+    mine = torch.zeros(8, dtype=torch.float64, device=device)
+    if problem:
+        mine[0] = 1
+    else:
+        on_device = {name: value.to(device) for name, value in batch.items()}
+        ids, mask = on_device["input_ids"], on_device["attention_mask"]
+        plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        token_mask, sample_mask = on_device.get("token_mask"), on_device.get("sample_mask")
+        weights = torch.arange(1, ids.numel() + 1, device=device).reshape(ids.shape)
+        # the same rows give the same numbers: int64 sums (wrapping is fine for a
+        # fingerprint), kept below 2^52 so that float64 holds them exactly, each converted
+        # on its own -- stacked with a float mask's sum they would be promoted to float32
+        # and the "different rows" check below would stop seeing differences
+        counts = [
+            torch.tensor(ids.shape[0], device=device),
+            (ids.long() * weights).sum() % FINGERPRINT_MODULUS,
+            (mask.long() * weights).sum() % FINGERPRINT_MODULUS,
+            torch.tensor(ids.shape[1], device=device),
+            (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
+            sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=device),
+            torch.tensor(len(plan), device=device),
+        ]
+        mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    verdicts = torch.stack(every).tolist()
+    if any(v[0] for v in verdicts):  # a rank's own slice is unusable: its words, gathered now
+        agree(partial(raise_if, problem), device)
+    assert (mesh.device_mesh.mesh_dim_names or ("",))[0] == "dp", "the (dp, cp, tp) mesh: dp first"
+    ranks = mesh.device_mesh.mesh.reshape(mesh.layout.dp, -1).tolist()  # each dp rank's replicas
+    sizes = [int(verdicts[group[0]][1]) for group in ranks]
+    if len(set(sizes)) > 1:
+        raise BatchError(
+            f"the dp ranks hold {sizes} rows: a global batch splits into equal slices over dp={mesh.layout.dp} "
+            "(pass rows policy.slice_of(global_rows) on each rank)"
+        )
+    for group in ranks:
+        if any(verdicts[r][1:5] != verdicts[group[0]][1:5] for r in group):
+            raise BatchError(
+                f"the ranks {group} of one tp / cp group were given different rows: they must pass the same "
+                "rows, full length (the engine shards the sequence for cp itself)"
+            )
+    shares = [verdicts[group[0]] for group in ranks]  # one per dp rank
+    norm = Norm(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
+    spread = spread_to(plan, int(max(v[7] for v in shares)))
+    # every dp rank holds as many rows (checked above) and no rank plans more microbatches than
+    # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose
+    # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
+    assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
+    return on_device, norm, spread
+
+
+def agree(check: Callable[[], Any], device: str) -> Any:
+    """``check()`` on every rank; when it raised on any, a ``BatchError`` on every rank that
+    names the first rank's problem (no rank goes on to a collective the others skip)."""
+    problem = ""
+    result = None
+    try:
+        result = check()
+    except BatchError as exc:
+        problem = str(exc)
+    found = first_problem(problem, device)
+    if found is not None:
+        rank, first = found
+        raise BatchError(f"rank {rank}: {first}")
+    return result
+
+
+def settled_step(
+    refused: str,
+    finite: list[torch.Tensor],
+    loss: torch.Tensor,
+    metrics: Mapping[str, torch.Tensor | float],
+    shares: int,
+    device: str,
+) -> tuple[bool, float, dict[str, float]]:
+    """After the last backward: (whether any rank's loss was not finite, the loss and the
+    metrics summed over the ``shares`` of the global batch; every other rank holds a copy of
+    one). First one fixed-size all-reduce of the verdicts -- whether any rank refused a
+    microbatch's loss (then every rank raises the first rank's refusal, before any metric is
+    reduced) -- and of the metric names' fingerprint (``agreed_names``); then one all-reduce
+    of the loss and each metric by name, sorted, 0 where a rank's loss gave no such metric."""
+    names = sorted(metrics)
+    verdicts = [torch.tensor(float(bool(refused)), device=device), (~torch.stack(finite)).any()]
+    prints = torch.tensor(name_fingerprint(names), dtype=torch.float64, device=device)
+    header = torch.cat([torch.stack(verdicts).to(torch.float64), prints])  # no read of the device
+    dist.all_reduce(header)
+    out = header.tolist()
+    if out[0]:
+        agree(partial(raise_if, refused), device)
+    names = agreed_names(names, out[2:])
+    values = [loss, *(metrics.get(name, 0.0) for name in names)]
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
+    dist.all_reduce(t)
+    copies = dist.get_world_size() // shares
+    reduced = [v / copies for v in t.tolist()]
+    return out[1] > 0, reduced[0], dict(zip(names, reduced[1:], strict=True))
+
+
+def name_fingerprint(names: Sequence[str]) -> list[float]:
+    """``[n, n^2, a, a^2, b, b^2]`` of a sorted list of metric names (``a``, ``b``: two 20-bit
+    checksums of them): summed over the ranks, these say whether every rank has the same list
+    (``agreed_names``). Exact in float64 for up to 2^12 ranks."""
+    text = "\0".join(names).encode()
+    parts = [len(names), zlib.crc32(text) & 0xFFFFF, zlib.adler32(text) & 0xFFFFF]
+    return [float(v) for part in parts for v in (part, part * part)]
+
+
+def agreed_names(names: list[str], summed: Sequence[float]) -> list[str]:
+    """Collective: the metric names every rank reduces, in one order. When each rank's list is
+    the same (the sums of ``name_fingerprint`` say so: ``sum(x)^2 == world * sum(x^2)`` holds
+    only when every rank's ``x`` is equal), its own list; otherwise -- a metric a loss gives
+    only on some ranks, ``if clipped.any(): m["clip_frac"] = ...`` -- the sorted union, gathered
+    (a name a rank lacks counts 0 there). Never a reduction of tensors of different lengths, or
+    of the same names in another order."""
+    world = dist.get_world_size()
+    pairs = [(round(summed[i]), round(summed[i + 1])) for i in range(0, len(summed), 2)]
+    if all(total * total == world * squares for total, squares in pairs):
+        return names
+    every: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(every, names)
+    return sorted({name for own in every for name in own})
+
+
+def raise_if(problem: str) -> None:
+    if problem:
+        raise BatchError(problem)
+
+
+def raise_non_finite(model: nn.Module, finite: list[torch.Tensor], loss: float, grad_norm: float, device: str) -> None:
+    """A ``NonFiniteError`` on every rank (each calls it: the verdict was reduced), naming
+    this rank's first microbatch whose loss is not finite and the first parameter (in model
+    order, over all ranks) whose gradient is not."""
+    bad = (~torch.stack(finite)).nonzero().flatten().tolist()
+    parameter = first_non_finite(((n, p.grad) for n, p in model.named_parameters()), device)
+    raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=bad[0] if bad else None, parameter=parameter)
