@@ -91,8 +91,9 @@ def test_project_modules_are_imported_at_the_top_of_a_module_except_by_the_cli()
     assert count == FUNCTION_LEVEL_IMPORTS, f"{count} function-level imports of plancc modules"
 
 
-# the count the rule above pins (issue 61: 45 before the CLI became a package of commands)
-FUNCTION_LEVEL_IMPORTS = 37
+# the count the rule above pins (issue 61: 45 before the CLI became a package of commands, light
+# modules imported at the top of the commands that use them)
+FUNCTION_LEVEL_IMPORTS = 38
 
 
 def _statement(source: list[str], line: int) -> str:

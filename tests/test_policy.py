@@ -10,7 +10,7 @@ frozen reference, weights out by bucket, bad input refused on every rank."""
 
 import pytest
 
-from plancc.engine.batches import BatchError, Microbatch, check_batch, plan_microbatches, spread_to
+from plancc.engine.batches import BatchError, Microbatch, check_batch, plan_microbatches, split_to_count
 
 TOLERANCE = 1e-5
 EXACT_FACTOR = 4  # plancc.job.verify.EXACT_FACTOR
@@ -165,8 +165,8 @@ def test_a_token_budget_keeps_every_microbatch_within_it_and_balanced():
 
 
 def test_microbatch_counts_are_evened_by_splitting_then_by_empty_passes():
-    assert spread_to([[0, 1, 2, 3]], 3) == [[0], [1], [2, 3]]
-    assert spread_to([[0]], 2) == [[0], []]
+    assert split_to_count([[0, 1, 2, 3]], 3) == [[0], [1], [2, 3]]
+    assert split_to_count([[0]], 2) == [[0], []]
 
 
 def test_a_packed_microbatch_puts_every_position_back():

@@ -128,7 +128,7 @@ def test_no_fit_names_the_smallest_layout_and_what_dominates_it():
 def test_the_checks_suggest_reuses_across_layouts_say_what_a_fresh_check_says(plan, model, gpus):
     """suggest keeps each rule's answer with the layout values the rule read, and reuses it at
     a layout of the same values: at every layout the diagnostics are a fresh check's, exactly."""
-    from plancc.checks.engine import check_at
+    from plancc.checks.rule_runner import check_at
     from plancc.checks.layout_memo import LayoutMemo
     from plancc.compiler.resolve import resolve_sections
     from plancc.models import build_meta_model

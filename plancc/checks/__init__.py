@@ -9,6 +9,6 @@ and nothing touches a process group.
 from __future__ import annotations
 
 from .context import CheckContext, Problem
-from .engine import RULES, check_plan, rule_ids, run_rules
+from .rule_runner import RULES, check_plan, rule_ids, run_rules
 
 __all__ = ["RULES", "CheckContext", "Problem", "check_plan", "rule_ids", "run_rules"]

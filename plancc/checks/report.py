@@ -17,7 +17,7 @@ from ..errors import Diagnostic
 from ..layout import Layout
 from ..models import ModelSpecError, architecture_of, build_meta_model, default_preset, load_config
 from ..skeleton import load_skeleton
-from .engine import check_at, layout_for
+from .rule_runner import check_at, layout_for
 
 ROOT_SHOWN = '"" (the model)'
 

@@ -19,7 +19,7 @@ from torch import nn
 from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
 from .agreement import first_problem
-from .batches import Batch, BatchError, check_batch, default_token_mask, plan_microbatches, spread_to
+from .batches import Batch, BatchError, check_batch, default_token_mask, plan_microbatches, split_to_count
 from .loss_contract import NonFiniteError, Norm
 
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
@@ -92,7 +92,7 @@ def agreed_batch(
             )
     shares = [verdicts[group[0]] for group in ranks]  # one per dp rank
     norm = Norm(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
-    spread = spread_to(plan, int(max(v[7] for v in shares)))
+    spread = split_to_count(plan, int(max(v[7] for v in shares)))
     # every dp rank holds as many rows (checked above) and no rank plans more microbatches than
     # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose
     # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)

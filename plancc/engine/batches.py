@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .values import given_or_keywords
+
 Batch = Mapping[str, torch.Tensor]
 
 
@@ -123,7 +125,7 @@ def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
     return contiguous if max(loads) >= most else [sorted(group) for group in groups]
 
 
-def spread_to(microbatches: list[list[int]], count: int) -> list[list[int]]:
+def split_to_count(microbatches: list[list[int]], count: int) -> list[list[int]]:
     """``microbatches`` made ``count`` long (collectives line up only when every dp rank runs
     as many forwards and backwards): the largest ones split in two while that is possible; what
     is still missing is an empty microbatch (a dummy pass that adds nothing)."""
@@ -185,15 +187,8 @@ class Microbatching:
 
     @classmethod
     def of(cls, given: Microbatching | None, keywords: Mapping[str, Any]) -> Microbatching:
-        """``given``, or the value the keywords spell (``micro_batch_size=3``); both is an error."""
-        unknown = sorted(set(keywords) - {"micro_batch_size", "max_tokens", "pack"})
-        if unknown:
-            raise TypeError(
-                f"unexpected keyword argument {unknown[0]!r} (a Microbatching's are micro_batch_size, max_tokens, pack)"
-            )
-        if given is not None and keywords:
-            raise TypeError("give microbatching= or its keywords (micro_batch_size=, max_tokens=, pack=), not both")
-        return given if given is not None else cls(**keywords)
+        """``given``, or the value its fields as keywords spell (``engine.values``)."""
+        return given_or_keywords(cls, given, keywords, "microbatching")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

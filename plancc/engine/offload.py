@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime.styles.experts import plain
+from ..runtime.local_tensors import local_tensor
 
 
 def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     """The model's parameters, their gradients and its buffers, as the local tensors that own
     device storage."""
     for param in model.parameters():
-        yield plain(param)
+        yield local_tensor(param)
         if param.grad is not None:
-            yield plain(param.grad)
+            yield local_tensor(param.grad)
     for buffer in model.buffers():
-        yield plain(buffer)
+        yield local_tensor(buffer)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
@@ -35,7 +35,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                yield plain(value)
+                yield local_tensor(value)
 
 
 def release_cached_memory() -> None:

@@ -72,10 +72,11 @@ def policy_layout(layout: Layout | ParallelMesh | None, legacy: Mapping[str, Any
     return given[0]
 
 
-def built_mesh(layout: Layout | ParallelMesh, *, device: str) -> ParallelMesh:
-    """The layout as the mesh the model is laid out on: built once, at the edge (a mesh given
-    built is used as it is)."""
-    return layout if isinstance(layout, ParallelMesh) else build_mesh(layout, device_type=device)
+def policy_mesh(layout: Layout | ParallelMesh | None, legacy: Mapping[str, Any], *, device: str) -> ParallelMesh:
+    """``Policy``'s layout converted once, at the edge: a ``Layout`` in (``policy_layout``), the
+    mesh the model is laid out on out (a mesh given built is used as it is)."""
+    chosen = policy_layout(layout, legacy)
+    return chosen if isinstance(chosen, ParallelMesh) else build_mesh(chosen, device_type=device)
 
 
 def the_layout(layout_or_mesh: Layout | ParallelMesh) -> Layout:

@@ -203,7 +203,7 @@ class PipelinePolicy:
             for group in rows.groups():
                 loss_of = LastStageLoss(self.runner, fn, group, norm, scale, temperature, entropy, recorded)
                 self._run_step(group, loss_of, forward_only=False)
-            loss, metrics, problem = self._settle(recorded)
+            loss, metrics, problem = self._agreed_outcome(recorded)
             if problem:
                 raise BatchError(problem)
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -232,7 +232,7 @@ class PipelinePolicy:
             **metrics,
         }
 
-    def _settle(self, recorded: Recorded) -> tuple[float, dict[str, float], str]:
+    def _agreed_outcome(self, recorded: Recorded) -> tuple[float, dict[str, float], str]:
         """The loss and metrics summed over the microbatches of the last stage and over dp; a
         refusal of the loss function, on every rank (one broadcast over the pipeline)."""
         values = {"": recorded.loss, **recorded.metrics} if self.runner.holds_last else None
@@ -452,7 +452,7 @@ class PipelinePolicy:
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
         """``Policy.offload``: this rank's stages' parameters and / or optimizer state to pinned
         host memory while a rollout engine runs (``engine.offload``)."""
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         self._memory.offload(params=params, optimizer=optimizer)
 
     def onload(self) -> None:

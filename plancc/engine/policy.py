@@ -64,11 +64,11 @@ from .options import (
     LEGACY_LAYOUT_KEYWORDS,
     OptimizerSpec,
     SchedulerSpec,
-    built_mesh,
     legacy_layout_keywords,
     make_optimizer,
     make_scheduler,
     policy_layout,
+    policy_mesh,
     the_layout,
 )
 from .pipelined import PipelinePolicy
@@ -134,8 +134,7 @@ class Policy:
         init_process_group(self.device, timeout_s)
         self._dp_rank: int | None = None
         # the layout converted once, here: a Layout in, the mesh everything below is laid out on
-        chosen = policy_layout(layout, legacy_layout_keywords(deprecated))
-        self.mesh: ParallelMesh = built_mesh(chosen, device=self.device)
+        self.mesh: ParallelMesh = policy_mesh(layout, legacy_layout_keywords(deprecated), device=self.device)
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         # a config: seeded random weights (``seed``); a name or folder: what ``--model`` loads
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
@@ -273,7 +272,7 @@ class Policy:
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
-            shards.reshard(self.model)
+            shards.back_to_shards(self.model)
             raise
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
@@ -351,7 +350,7 @@ class Policy:
         ``WeightFormat``, or its fields as keywords (``dtype=torch.bfloat16``)."""
         out = WeightFormat.of(weight_format, options)
         self._require_onloaded("weights")
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         yield from self._transport.stream(
             bucket_bytes=out.bucket_bytes, dtype=out.dtype, adapters_only=out.adapters_only
         )
@@ -382,7 +381,7 @@ class Policy:
         ``WeightChannelError`` (``engine.transport``)."""
         out = WeightFormat.of(weight_format, options)
         self._require_onloaded("send_weights")
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         return self._transport.send(
             channel, bucket_bytes=out.bucket_bytes, dtype=out.dtype, reshard=reshard, adapters_only=out.adapters_only
         )
@@ -397,7 +396,7 @@ class Policy:
         shares; the consumer has ``timeout`` seconds to take each bucket. Returns bytes shared."""
         out = WeightFormat.of(weight_format, options)
         self._require_onloaded("share_weights")
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         return self._transport.share(
             connection, bucket_bytes=out.bucket_bytes, dtype=out.dtype, timeout=timeout, adapters_only=out.adapters_only
         )
@@ -406,7 +405,7 @@ class Policy:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place);
         with LoRA merged, or with ``adapters_only`` PEFT's adapter folder."""
         self._require_onloaded("export_hf")
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         source = self.source if self.source is not None and Path(self.source).is_dir() else None
         export_hf(self.model, self.config, folder, source=source, adapters_only=adapters_only)
 
@@ -416,7 +415,7 @@ class Policy:
         pinned host memory while a rollout engine runs on the device, the freed memory handed
         back to the driver (``torch.cuda.empty_cache``) so that another process can allocate it;
         ``onload`` brings everything back (``engine.offload`` says how). Nothing moves on CPU."""
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         self._memory.offload(params=params, optimizer=optimizer)
 
     def onload(self) -> None:
@@ -432,7 +431,7 @@ class Policy:
         it (``load``'s ``CheckpointInfo.run``), e.g. the total steps a resume must reach;
         ``files``: text files written into the step folder with it (``plancc apply``'s run file)."""
         self._require_onloaded("save")
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         return save_state(
             folder,
             self.model,
@@ -453,7 +452,7 @@ class Policy:
         run may change it), applied at the restored position of the schedule. Returns what the
         checkpoint says of itself (its step, the layout it was saved at)."""
         self._require_onloaded("load")
-        shards.reshard(self.model)
+        shards.back_to_shards(self.model)
         info = load_state(folder, self.model, self.optimizer, self.scheduler, config=self.config, plan=self.plan.name)
         self.step = info.step
         return info

@@ -43,8 +43,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..runtime import faults
+from ..runtime.local_tensors import local_tensor
 from ..runtime.lora import adapters_of, merged
-from ..runtime.styles.experts import plain
 from .agreement import RefitAgreement
 from .channel import WeightChannel, WeightChannelError, digest
 
@@ -218,7 +218,7 @@ def send_shards(
         if p == channel.rank and not agreement.problem:  # after a failure this rank sends no more
             try:
                 faults.inject("send", rank=channel.rank, step=index + 1)
-                held = gathered if name == held_name else plain(params[name]).detach()
+                held = gathered if name == held_name else local_tensor(params[name]).detach()
                 assert held is not None
                 piece = held[_slices(part, _box(policy[p][name]["box"]))]
                 if name in deltas:

@@ -8,10 +8,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-from ..runtime.styles.experts import plain
+from ..runtime.local_tensors import local_tensor
 
 
-def reshard(model: nn.Module) -> None:
+def back_to_shards(model: nn.Module) -> None:
     """Every FSDP unit back to its sharded parameters: the root keeps its gathered ones after a
     forward without backward, and a weight written or read then would be the stale copy.
 
@@ -30,5 +30,5 @@ def reshard(model: nn.Module) -> None:
 
 def local_shards(model: nn.Module) -> list[torch.Tensor]:
     """This rank's storage of every parameter, in order (written in place by weight swaps)."""
-    reshard(model)
-    return [plain(p) for p in model.parameters()]
+    back_to_shards(model)
+    return [local_tensor(p) for p in model.parameters()]

@@ -22,9 +22,10 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
 from ..runtime import faults
+from ..runtime.local_tensors import local_tensor
 from ..runtime.lora import Adapters, adapters_of, merged, peft_name
-from ..runtime.styles.experts import plain
 from .agreement import RefitAgreement
+from .values import given_or_keywords
 
 # a bucket of weights out (``Policy.weights``, ``send_weights``, ``share_weights``) unless told
 DEFAULT_BUCKET_BYTES = 512 * 2**20
@@ -43,21 +44,14 @@ class WeightFormat:
 
     @classmethod
     def of(cls, given: WeightFormat | None, keywords: Mapping[str, Any]) -> WeightFormat:
-        """``given``, or the value the keywords spell (``dtype=torch.bfloat16``); both is an error."""
-        unknown = sorted(set(keywords) - {"bucket_bytes", "dtype", "adapters_only"})
-        if unknown:
-            raise TypeError(
-                f"unexpected keyword argument {unknown[0]!r} (a WeightFormat's are bucket_bytes, dtype, adapters_only)"
-            )
-        if given is not None and keywords:
-            raise TypeError("give weight_format= or its keywords (bucket_bytes=, dtype=, adapters_only=), not both")
-        return given if given is not None else cls(**keywords)
+        """``given``, or the value its fields as keywords spell (``engine.values``)."""
+        return given_or_keywords(cls, given, keywords, "weight_format")
 
 
 def exported_names(model: nn.Module) -> list[str]:
     """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group."""
     state = model.state_dict()
-    local = {name: plain(value) for name, value in state.items()}
+    local = {name: local_tensor(value) for name, value in state.items()}
     kept = remove_tied_weights_from_state_dict(local, model)  # type: ignore[arg-type]
     return [name for name in state if name in kept]
 

@@ -46,7 +46,7 @@ from .cp import (
     unshard_packed,
 )
 from .hooks import call_arguments
-from .styles.experts import plain
+from .local_tensors import local_tensor
 
 _ACTIVE: ContextVar[CPContext | None] = ContextVar("plancc_cp_mixer", default=None)
 
@@ -113,7 +113,7 @@ def _my_block(x: torch.Tensor | None, ctx: CPContext, dim: int = 0) -> torch.Ten
     """This rank's block of a per-head (per-channel) parameter."""
     if x is None:
         return None
-    x = plain(x)
+    x = local_tensor(x)
     n = x.shape[dim] // ctx.size
     return x.narrow(dim, ctx.rank * n, n)
 

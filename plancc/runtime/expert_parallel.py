@@ -26,10 +26,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .local_tensors import local_tensor
 from .styles.experts import (
     ExpertArguments,
     local_parameters_during_forward,
-    plain,
     shard_experts,
     sum_gradients_over,
     sum_over,
@@ -84,7 +84,7 @@ class _Routing:
     def dispatch(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Send each (token, choice) pair to the ep rank holding its expert."""
         bound = self.arguments.bind(args, kwargs)
-        hidden, ids, weights = (plain(x) for x in self.arguments.read(bound))
+        hidden, ids, weights = (local_tensor(x) for x in self.arguments.read(bound))
         shape = hidden.shape
         hidden = hidden.reshape(-1, shape[-1])  # one row per token
         choices = ids.shape[-1]

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .styles.experts import plain
+from .local_tensors import local_tensor
 
 
 def first_non_finite(named: Iterable[tuple[str, torch.Tensor | None]], device: torch.device | str) -> str | None:
@@ -17,7 +17,7 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor | None]], device: t
     A ``None`` tensor (a parameter without a gradient) counts as finite."""
     found = None
     for name, tensor in named:
-        local = plain(tensor) if tensor is not None else None
+        local = local_tensor(tensor) if tensor is not None else None
         if local is not None and local.numel() > 0 and not bool(torch.isfinite(local.detach()).all()):
             found = name
             break

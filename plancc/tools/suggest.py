@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..checks.engine import check_at
 from ..checks.layout_memo import LayoutMemo
+from ..checks.rule_runner import check_at
 from ..compiler.plan import Plan, load_plan
 from ..compiler.resolve import ResolvedPlan, resolve_sections
 from ..compiler.styles import canonical_style

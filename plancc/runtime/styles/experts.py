@@ -34,6 +34,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Sh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ...compiler.kinds import expert_count, is_experts_module
+from ..local_tensors import local_tensor
 
 
 def sum_gradients_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -72,10 +73,6 @@ def local_parameters_during_forward(module: nn.Module) -> None:
     module.register_forward_hook(swap_back, always_call=True)
 
 
-def plain(x: Any) -> Any:
-    return x.to_local() if isinstance(x, DTensor) else x
-
-
 class ExpertsOverTensorParallel(ParallelStyle):
     """Whole experts spread over the tp ranks; their partial outputs all-reduced.
 
@@ -95,8 +92,8 @@ class ExpertsOverTensorParallel(ParallelStyle):
             hidden, ids, weights = arguments.read(bound)
             ids = ids - first
             elsewhere = (ids < 0) | (ids >= local)
-            weights = sum_gradients_over(plain(weights), tp_mesh).masked_fill(elsewhere, 0)
-            hidden = sum_gradients_over(plain(hidden), tp_mesh)
+            weights = sum_gradients_over(local_tensor(weights), tp_mesh).masked_fill(elsewhere, 0)
+            hidden = sum_gradients_over(local_tensor(hidden), tp_mesh)
             return arguments.write(bound, hidden, ids.masked_fill(elsewhere, local), weights)
 
         def sum_partial_outputs(_module: nn.Module, _args: Any, partial: torch.Tensor) -> torch.Tensor:
