@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .engine.batches import BatchError, Microbatching
     from .engine.channel import WeightChannelError, weight_channel
     from .engine.colocated import receive_shared_weights
-    from .engine.policy import NonFiniteError, Norm, Policy
+    from .engine.policy import BatchTotals, NonFiniteError, Norm, Policy
     from .engine.refit import receive_weights
     from .engine.streaming import WeightFormat
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
@@ -50,7 +50,7 @@ _HOMES = {
     "clip_grad_norm_": "plancc.runtime.gradnorm",
     **dict.fromkeys(["MeshError", "MeshSpec", "ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
-    **dict.fromkeys(["NonFiniteError", "Norm", "Policy"], "plancc.engine.policy"),
+    **dict.fromkeys(["BatchTotals", "NonFiniteError", "Norm", "Policy"], "plancc.engine.policy"),
     **dict.fromkeys(["BatchError", "Microbatching"], "plancc.engine.batches"),
     "WeightFormat": "plancc.engine.streaming",
     **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
@@ -62,6 +62,7 @@ _SUBMODULES = ("cp", "logprobs", "weights")  # plancc.cp.*, plancc.logprobs.*, p
 
 __all__ = [
     "BatchError",
+    "BatchTotals",
     "Diagnostic",
     "Layout",
     "LayoutError",

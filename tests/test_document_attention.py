@@ -57,7 +57,7 @@ def _run(monkeypatch, way, window, device="cpu"):
 
 # CUDA: fp32 through the memory-efficient kernel (flash takes half precision only) against
 # the dense mask's kernel, which sums in another order: 1e-4. Run where a GPU is lent
-# (bench/gpu_session.sh, docs/gpu.md).
+# (bench/gpu/gpu_session.sh, docs/gpu.md).
 DEVICES = [
     pytest.param("cpu", 1e-5, id="cpu"),
     pytest.param(

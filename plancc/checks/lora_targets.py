@@ -19,16 +19,13 @@ stays whole (its partial output reduced with the base's). A layer the plan leave
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
 from torch import nn
 
-from ..compiler import declarations as d
+from ..compiler.adapter_layouts import adapter_layout
 from ..compiler.globs import ModuleTree, generalize, glob_problem
 from ..compiler.lora import LoraSpec
-from ..compiler.placements import Placement, Replicate, Shard
 from ..compiler.resolve import ResolvedPlan, no_match
-from ..compiler.styles import declared
 from ..errors import SourceLoc
 from .context import CheckContext, Problem
 from .example import Example
@@ -70,31 +67,6 @@ EXAMPLES = (
         edits=(("lora", None, {**_LORA, "targets": ["model.layers.*.self_attn"]}),),
     ),
 )
-
-Layout = Literal["colwise", "rowwise"]
-
-# (A's, B's) tp placement under each base layout that carries adapters; a plain layer's are whole
-ADAPTER_PLACEMENTS: dict[str | None, tuple[Placement, Placement]] = {
-    "colwise": (Replicate(), Shard(0)),
-    "rowwise": (Shard(1), Replicate()),
-    None: (Replicate(), Replicate()),
-}
-
-
-def adapter_layout(name: str, resolved: ResolvedPlan | None, tp: int) -> Layout | str | None:
-    """How the adapters of module ``name`` are laid out: like a ``colwise`` or ``rowwise``
-    base, None for a plain layer, or the name of a style that cannot carry them."""
-    rule = resolved.assignments.get(name) if resolved is not None and tp > 1 else None
-    if rule is None:
-        return None
-    decl = declared(rule.style)
-    if type(decl) is d.Colwise:
-        return "colwise"
-    if type(decl) is d.Rowwise:
-        return "rowwise"
-    if isinstance(decl, d.LeaveWhole):
-        return None
-    return rule.style.name
 
 
 def adapted_modules(model: nn.Module, spec: LoraSpec) -> tuple[dict[str, SourceLoc], list[Problem]]:

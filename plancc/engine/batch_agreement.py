@@ -1,6 +1,6 @@
 """Every rank agrees on a step's batch before it runs and on its outcome after (``plancc.Policy``):
 one all-gather of each rank's verdict on its own slice, its rows' fingerprint and counts
-(``agreed_batch``: the global batch's ``Norm`` and as many microbatches on every rank), and after
+(``agreed_batch``: the global batch's ``BatchTotals`` and as many microbatches on every rank), and after
 the last backward one fixed-size all-reduce of the verdicts and the metric names' fingerprint,
 then the loss and metrics by name (``settled_step``). A problem on one rank is every rank's
 ``BatchError``, naming the rank: no rank goes on to a collective the others skip."""
@@ -20,7 +20,7 @@ from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
 from .agreement import first_problem
 from .batches import Batch, BatchError, check_batch, default_token_mask, plan_microbatches, split_to_count
-from .loss_contract import NonFiniteError, Norm
+from .loss_contract import BatchTotals, NonFiniteError
 
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
 
@@ -33,8 +33,8 @@ def agreed_batch(
     vocab_size: int | None,
     micro_batch_size: int | None,
     max_tokens: int | None,
-) -> tuple[dict[str, torch.Tensor], Norm, list[list[int]]]:
-    """(the batch on this device, the global batch's ``Norm``, this rank's microbatches) once
+) -> tuple[dict[str, torch.Tensor], BatchTotals, list[list[int]]]:
+    """(the batch on this device, the global batch's ``BatchTotals``, this rank's microbatches) once
     every rank has found its own slice usable, the dp ranks hold as many rows (a global batch
     split evenly: ``slice_of``) and the ranks of one tp / cp group the same ones (a
     fingerprint of the rows compared); the same ``BatchError`` on every rank otherwise,
@@ -91,7 +91,7 @@ def agreed_batch(
                 "rows, full length (the engine shards the sequence for cp itself)"
             )
     shares = [verdicts[group[0]] for group in ranks]  # one per dp rank
-    norm = Norm(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
+    norm = BatchTotals(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
     spread = split_to_count(plan, int(max(v[7] for v in shares)))
     # every dp rank holds as many rows (checked above) and no rank plans more microbatches than
     # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose

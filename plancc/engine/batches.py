@@ -109,7 +109,7 @@ def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
 
     Why: a step waits for its slowest dp rank, and with long-tailed RL response lengths equal
     row counts can hold several times as many tokens on one rank as on another (verl balances
-    the same way before its update). The loss is normalized over the global batch (``Norm``),
+    the same way before its update). The loss is normalized over the global batch (``BatchTotals``),
     so which rank holds which rows does not change the step."""
     rows, per = len(lengths), len(lengths) // parts
     assert per * parts == rows, "a global batch splits into equal row counts (checked by the caller)"

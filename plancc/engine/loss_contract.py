@@ -1,5 +1,5 @@
 """The contract between ``Policy.train`` and a caller's loss, shared by the engine with and
-without pipeline stages: the global batch's normalizers (``Norm``), how a loss is called and
+without pipeline stages: the global batch's normalizers (``BatchTotals``), how a loss is called and
 refused (``call_loss``), the sampling temperature's rule, and the error of a diverged step."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from .batches import BatchError
 
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], tuple[torch.Tensor, Mapping[str, Any]]]
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], "BatchTotals"], tuple[torch.Tensor, Mapping[str, Any]]]
 # (log-probs [n], every field at those n tokens, norm) -> loss, or (loss, metrics)
-TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "Norm"], Any]
+TokenLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], "BatchTotals"], Any]
 
 # the coldest temperature whose log-probs are finite: fp32 logits of ~1e3 times 1/t stay far
 # below fp32's 3e38 (at 1e-40, 1/t itself is inf in fp32 and every log-prob NaN)
@@ -23,7 +23,7 @@ MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
-class Norm:
+class BatchTotals:
     """The normalizers of one global batch, the same on every rank: ``tokens`` is the sum of
     ``token_mask`` (default: every attended position after the first) and ``sequences`` the
     rows with ``sample_mask`` (default: every row), over every data-parallel rank's slice.
@@ -37,7 +37,12 @@ class Norm:
     sequences: float
 
 
-def call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: Norm, index: int) -> Any:
+# the name users' losses know it by (``loss_fn(logprobs, fields, norm)``: ``norm.tokens``): plancc's
+# public ``plancc.Norm``, the same class
+Norm = BatchTotals
+
+
+def call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: BatchTotals, index: int) -> Any:
     """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails or is not a
     scalar (a non-finite one is backpropagated first, then refused: ``_raise_non_finite``)."""
     try:

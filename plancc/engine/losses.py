@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .policy import Norm
+from .policy import BatchTotals
 
 
-def token_nll(lp: torch.Tensor, tokens: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
+def token_nll(lp: torch.Tensor, tokens: dict[str, torch.Tensor], norm: BatchTotals) -> tuple[torch.Tensor, dict]:
     """The SFT / pre-training loss, the mean next-token NLL over the global batch's tokens (this
     group of tokens' share of it: divided by the global count, ``norm.tokens``), as a sum of
     per-token terms for ``train(token_loss=)``: the 3-matmul lm_head. A token without a log-prob

@@ -18,7 +18,7 @@ from ..runtime.logprobs import fusable, token_logprobs
 from ..runtime.mesh import ParallelMesh
 from ..runtime.token_loss import evaluated_positions, model_token_loss
 from .batches import BatchError, Microbatch
-from .loss_contract import LossFn, Norm, TokenLoss, call_loss
+from .loss_contract import BatchTotals, LossFn, TokenLoss, call_loss
 
 
 def forward(
@@ -46,7 +46,7 @@ def loss_pass(
     mesh: ParallelMesh,
     mb: Microbatch,
     loss_fn: LossFn,
-    norm: Norm,
+    norm: BatchTotals,
     index: int,
     *,
     entropy: bool,
@@ -74,7 +74,7 @@ def token_pass(
     mesh: ParallelMesh,
     mb: Microbatch,
     token_loss: TokenLoss,
-    norm: Norm,
+    norm: BatchTotals,
     index: int,
     *,
     temperature: float,
@@ -113,7 +113,7 @@ class TokenTerms:
     rather than raised -- the evaluator runs collectives between chunks, and every rank must
     reach them all; the step is refused on every rank after the last backward."""
 
-    def __init__(self, fn: TokenLoss, tokens: dict[str, torch.Tensor], norm: Norm, microbatch: int) -> None:
+    def __init__(self, fn: TokenLoss, tokens: dict[str, torch.Tensor], norm: BatchTotals, microbatch: int) -> None:
         self.fn, self.tokens, self.norm, self.microbatch = fn, tokens, norm, microbatch
         self.metrics: dict[str, torch.Tensor | float] = {}
         self.problem = ""

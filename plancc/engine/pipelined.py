@@ -10,7 +10,7 @@ grouped by length: one schedule step per length, its rows cut into microbatches 
 rows therefore cost one pipeline fill and drain per distinct length, never padding
 (``bench/pipeline_uneven.py`` measures it). The loss function runs on the last stage, on the
 log-probs of its microbatch's rows, and its value is the microbatch's share of the *global*
-batch's loss (``Norm``, as ``Policy``): the schedule does not scale gradients, so the gradients
+batch's loss (``BatchTotals``, as ``Policy``): the schedule does not scale gradients, so the gradients
 are the whole batch's in one pass. The last stage's results (losses, metrics, log-probs) reach
 every rank of the pipeline by one broadcast.
 
@@ -48,7 +48,7 @@ from . import checkpoint, shards
 from .batches import Batch, BatchError, Microbatching, balanced_dp_rows, check_batch, dp_slice
 from .build import from_folder, seeded_model
 from .channel import WeightChannel, make_manifest, send_buckets
-from .loss_contract import NonFiniteError, Norm, check_temperature
+from .loss_contract import BatchTotals, NonFiniteError, check_temperature
 from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
@@ -252,7 +252,7 @@ class PipelinePolicy:
         return loss, reduced, next((refusal for _, refusal in shares if refusal), "")
 
     def _prepared(self, batch: Batch, cut: Microbatching) -> tuple[PipelineRows, Any]:
-        """This rank's rows unpadded and grouped by length, and the global batch's ``Norm``;
+        """This rank's rows unpadded and grouped by length, and the global batch's ``BatchTotals``;
         the same ``BatchError`` on every rank when any rank's batch is refused."""
         problem, rows = "", None
         rows_print: tuple[int, int, tuple[int, ...]] = (0, 0, ())
@@ -303,7 +303,7 @@ class PipelinePolicy:
         # schedule steps, each of as many microbatches (fillers, computed and not counted, where
         # a rank has fewer rows of that length, or no such step)
         rows.align([h["steps"] for h in heads])
-        return rows, Norm(tokens=float(tokens), sequences=float(sequences))
+        return rows, BatchTotals(tokens=float(tokens), sequences=float(sequences))
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(

@@ -4,7 +4,7 @@ by hand around such a model (NeMo-RL's DTensor policy worker, verl's FSDP actor)
 
 - ``train(batch, loss_fn)``: one optimizer step on a global batch with the caller's loss, cut
   into microbatches (rows, a token budget, packing), where the loss is normalized by the valid
-  tokens / sequences of the *whole global batch* over every data-parallel rank (``Norm``), so
+  tokens / sequences of the *whole global batch* over every data-parallel rank (``BatchTotals``), so
   the gradient is the one of the unsharded model trained on the whole batch in one pass,
   however the batch is cut;
 - ``logprobs`` / ``reference_logprobs``: the policy's and the initial weights' log-probs;
@@ -51,6 +51,7 @@ from .channel import WeightChannel
 from .export import export_hf
 from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_temperature: public here too
     MIN_TEMPERATURE,
+    BatchTotals,
     LossFn,
     NonFiniteError,
     Norm,
@@ -463,7 +464,7 @@ class Policy:
             offloaded = " and ".join(self._memory.offloaded)
             raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
-    def _agreed(self, batch: Batch, cut: Microbatching) -> tuple[dict[str, torch.Tensor], Norm, list[list[int]]]:
+    def _agreed(self, batch: Batch, cut: Microbatching) -> tuple[dict[str, torch.Tensor], BatchTotals, list[list[int]]]:
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
         return agreed_batch(
             batch,

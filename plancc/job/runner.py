@@ -32,7 +32,7 @@ from ..engine import checkpoint
 from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
-from ..engine.policy import NonFiniteError, Norm, Policy
+from ..engine.policy import BatchTotals, NonFiniteError, Policy
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..layout import Layout
 from ..models import default_preset, load_config
@@ -206,7 +206,7 @@ class _Trainer:
         faults.inject("train", rank=dist.get_rank(), step=step + 1)
         poisoned = faults.poisoned("loss", rank=dist.get_rank(), step=step + 1)
 
-        def loss_fn(lp: torch.Tensor, tokens: dict[str, torch.Tensor], norm: Norm) -> tuple[torch.Tensor, dict]:
+        def loss_fn(lp: torch.Tensor, tokens: dict[str, torch.Tensor], norm: BatchTotals) -> tuple[torch.Tensor, dict]:
             loss, metrics = token_nll(lp, tokens, norm)
             return (loss * float("nan") if poisoned else loss), metrics
 

@@ -1,7 +1,7 @@
 """The gradient-scaling invariant of plancc's training, stated once.
 
 A step's loss is the global batch's loss ``L = sum_d L_d``: data-parallel rank ``d`` computes
-its share ``L_d`` (its rows, normalized by the *global* token or sequence count, ``Norm``).
+its share ``L_d`` (its rows, normalized by the *global* token or sequence count, ``BatchTotals``).
 The gradient every rank must end with is ``dL/dθ``. Three things happen between a rank's
 ``backward()`` and the gradient FSDP leaves in ``p.grad``:
 

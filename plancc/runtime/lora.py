@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks.lora_targets import ADAPTER_PLACEMENTS, IDS, adapted_modules, adapter_layout, lora_problems
+from ..checks.lora_targets import IDS, adapted_modules, lora_problems
+from ..compiler.adapter_layouts import ADAPTER_PLACEMENTS, adapter_layout
 from ..compiler.lora import LoraSpec
 from ..compiler.resolve import ResolvedPlan
 from ..errors import Diagnostic, PlanError

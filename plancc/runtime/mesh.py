@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout import AXES, Layout, LayoutError
 
-# Kept for code written against plancc 0.1: the layout used to be called MeshSpec.
+# plancc 0.1's public names, kept public (README, "Python API"): the layout used to be called MeshSpec.
 MeshSpec = Layout
 MeshError = LayoutError
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ..checks.lora_targets import ADAPTER_PLACEMENTS, adapted_modules, adapter_layout
+from ..checks.lora_targets import adapted_modules
+from ..compiler.adapter_layouts import ADAPTER_PLACEMENTS, adapter_layout
 from ..compiler.globs import generalize
 from ..compiler.lora import LoraSpec
 from ..compiler.placements import Placement, Replicate, Shard

@@ -1,6 +1,6 @@
 """fp32 master weights from a bf16 checkpoint's config, on CUDA (issue 56; docs/gpu.md).
 
-Run with ``torchrun --nproc-per-node 1 bench/masters_gpu.py``. Builds ``plancc.Policy`` from the
+Run with ``torchrun --nproc-per-node 1 bench/gpu/masters_gpu.py``. Builds ``plancc.Policy`` from the
 published qwen3-0.6b config (``dtype: bfloat16``, every real preset's), with bf16 compute
 (FSDP2's ``param_dtype``) and AdamW at lr 1e-6, and reports side by side in one run:
 

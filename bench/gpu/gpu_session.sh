@@ -9,11 +9,11 @@
 [ -n "${SUGGEST_PEAK:-}" ] && timeout 240 torchrun --nproc-per-node 1 bench/suggest_real_peak.py --out "$OUT/suggest_real_peak.json" \
   2>&1 | grep -v "^\[W" | tee "$OUT/suggest_real_peak.txt" | grep -v Warning
 # Policy.train against a hand-written transformers + Liger loop (issue 40; liger travels in .whl)
-timeout 240 torchrun --nproc-per-node 1 bench/train_gpu.py --steps ${TRAIN_STEPS:-3} --profile --out "$OUT/train_gpu.json" \
+timeout 240 torchrun --nproc-per-node 1 bench/gpu/train_gpu.py --steps ${TRAIN_STEPS:-3} --profile --out "$OUT/train_gpu.json" \
   2>&1 | grep -v "^\[W" | tee "$OUT/train_gpu.txt" | tail -30
-timeout 150 python3 bench/policy_fake_world_gpu.py ${FAKE_CASES:+--cases $FAKE_CASES} --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
+timeout 150 python3 bench/gpu/policy_fake_world_gpu.py ${FAKE_CASES:+--cases $FAKE_CASES} --out "$OUT/fake_world_gpu.json" > "$OUT/fake_world_gpu.txt" 2>&1
 tail -1 "$OUT/fake_world_gpu.txt"
-[ -n "${POLICY_GPU:-}" ] && torchrun --nproc-per-node 1 bench/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
+[ -n "${POLICY_GPU:-}" ] && torchrun --nproc-per-node 1 bench/gpu/policy_gpu.py --out "$OUT/policy_gpu.json" 2>&1 | grep -v "^\[W" | tail -25
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels_gpu.py tests/test_document_attention.py 2>&1 | tail -2
 A="timeout 100 python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"
 $A --steps 3 --verify 2>&1 | grep -v "^\[W" | tee "$OUT/apply_cuda.txt" | tail -9

@@ -1,4 +1,4 @@
-# Sourced by the device-call scripts (bench/gpu_session.sh, bench/gpu_issue56.sh): $OUT made, the
+# Sourced by the device-call scripts (bench/gpu/gpu_session.sh, bench/gpu/gpu_issue56.sh): $OUT made, the
 # carried wheels (.whl: the pinned transformers, jsonschema) installed, the launcher fitted to the
 # machine's torch, and the card and versions recorded in $OUT/gpu.txt.
 set -uo pipefail

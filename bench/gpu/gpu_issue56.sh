@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call for issue 56 (docs/gpu.md, "the run you verify"): fp32 masters under bf16
-# compute on CUDA against bf16 masters (bench/masters_gpu.py), the masters test on CUDA, --verify
+# compute on CUDA against bf16 masters (bench/gpu/masters_gpu.py), the masters test on CUDA, --verify
 # on a bf16 folder's own weights and on a resumed checkpoint, a resume that continues the same
 # schedule, and a failure of rank 0's file work agreed through nccl. Wheels of the pinned
-# transformers (and jsonschema) travel in .whl, as for bench/gpu_session.sh.
+# transformers (and jsonschema) travel in .whl, as for bench/gpu/gpu_session.sh.
 . "$(dirname "$0")/gpu_setup.sh"
-timeout 240 torchrun --nproc-per-node 1 bench/masters_gpu.py --out "$OUT/masters_gpu.json" 2>&1 | grep -v "^\[W" | tail -30
+timeout 240 torchrun --nproc-per-node 1 bench/gpu/masters_gpu.py --out "$OUT/masters_gpu.json" 2>&1 | grep -v "^\[W" | tail -30
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_master_weights.py 2>&1 | tail -2
 A="timeout 100 python3 -m plancc.cli apply plans/qwen3.yaml --device cuda --nproc-per-node 1"
 python3 -c "

@@ -2,7 +2,7 @@
 CUDA IPC, plancc's way (``Policy.share_weights``: bucket by bucket, one handle per bucket) against
 the seed's (``get_model_state_dict(full_state_dict=True)``, then one handle per tensor).
 
-    torchrun --nproc-per-node 1 bench/colocated_gpu.py [--model llama-3.2-1b] [--bucket-mib 256]
+    torchrun --nproc-per-node 1 bench/gpu/colocated_gpu.py [--model llama-3.2-1b] [--bucket-mib 256]
 
 The consumer copies every tensor it gets into memory of its own (an engine's ``load_weights``).
 Prints, for each way, the median time of ``--rounds`` refits and the producer's peak device
@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_report import report  # noqa: E402

@@ -1,6 +1,6 @@
 """plancc.Policy's multi-rank CUDA paths on one GPU, in a fake world (as the dry run does).
 
-    python bench/policy_fake_world_gpu.py [--out FILE.json]
+    python bench/gpu/policy_fake_world_gpu.py [--out FILE.json]
 
 One GPU cannot hold the ranks of a tp2 / cp2 / dp2 x tp2 / ep2 job, but every tensor plancc makes
 on a rank can still be made on the device: this process is rank 0 of a fake process group
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 CASES = {
     # a real world of one rank (nccl on CUDA): the only case where a checkpoint can be saved and

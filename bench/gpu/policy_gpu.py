@@ -1,6 +1,6 @@
 """plancc.Policy on one GPU: offload / onload, and weights out by bucket, measured.
 
-    torchrun --nproc-per-node 1 bench/policy_gpu.py [--model qwen3-0.6b] [--rows 8] [--seq 512]
+    torchrun --nproc-per-node 1 bench/gpu/policy_gpu.py [--model qwen3-0.6b] [--rows 8] [--seq 512]
 
 Two policies from the same seed train side by side: A is offloaded and onloaded between its two
 steps, B is not; their weights must stay bitwise equal. Prints (and writes as JSON with --out):
@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_report import report  # noqa: E402

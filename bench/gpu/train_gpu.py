@@ -1,7 +1,7 @@
 """``Policy.train`` on one GPU against a hand-written loop, packed documents in bf16 (issue 40,
 point 6): tokens/s and MFU, side by side in one process, steps alternating between the ways.
 
-    torchrun --nproc-per-node 1 bench/train_gpu.py [--model qwen3-0.6b] [--tokens 16384] [--steps 4]
+    torchrun --nproc-per-node 1 bench/gpu/train_gpu.py [--model qwen3-0.6b] [--tokens 16384] [--steps 4]
 
 The ways, each training the same model (random weights, bf16 parameters, AdamW) on the same
 batches -- documents whose lengths are drawn log-normally between 64 and 4096 tokens, packed
@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 

@@ -1,7 +1,7 @@
 """One cp rank's attention at 128k tokens, cp = 8, on one GPU: the block attention's peak memory
 against the unsharded flash kernel at the same local length, and its numbers against SDPA.
 
-    python bench/gpu_cp_long.py [--device cuda] [--length 131072] [--cp 8] [--preset llama-3.1-8b]
+    python bench/gpu/gpu_cp_long.py [--device cuda] [--length 131072] [--cp 8] [--preset llama-3.1-8b]
 
 A rank of a cp group holds ``S / cp`` queries (its head and tail chunk) and the all-gathered keys
 and values of the whole sequence; what the collectives bring is given here as tensors (the fake
@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _peak(device, fn) -> float:
