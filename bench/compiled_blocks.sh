@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The plan's compile: section with inductor (generated C++ kernels on CPU, Triton on CUDA):
-# `plancc apply --verify` at dp=2 and pp=2 with each decoder block compiled, against the
+# `plancc apply --verify` at dp=2, tp=2 + SP and pp=2 with each decoder block compiled, against the
 # unsharded eager model; the eager run beside it for the wall time of both.
 #   bash bench/compiled_blocks.sh
 set -euo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 plan=$(mktemp --suffix=.yaml)
 trap 'rm -f "$plan"' EXIT
 { cat plans/qwen3.yaml; echo "compile: true"; } > "$plan"
-for layout in "--dp 2" "--pp 2"; do
+for layout in "--dp 2" "--tp 2 --sp" "--pp 2"; do
   for which in eager compiled; do
     file=plans/qwen3.yaml; [ "$which" = compiled ] && file=$plan
     start=$(date +%s)

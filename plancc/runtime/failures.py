@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
@@ -100,6 +101,11 @@ class ModuleTracker:
         self.handle: Any = None
 
     def _leave(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        # inside a compiled block (the plan's compile:) the hook is traced, not run: its side
+        # effect would break the block's graph, and under TP the gradients of the DTensors at the
+        # break left the graph as plain tensors. The block as a whole is still tracked.
+        if torch.compiler.is_compiling():
+            return
         self.last_done = module
 
     def __enter__(self) -> ModuleTracker:
