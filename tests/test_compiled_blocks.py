@@ -44,7 +44,16 @@ def test_the_compile_section_is_read_and_its_layouts_checked(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    "layout", [["--dp", "2"], ["--tp", "2", "--sp"], ["--cp", "2"], ["--pp", "2"]], ids=["dp2", "tp2-sp", "cp2", "pp2"]
+    "layout",
+    [
+        ["--dp", "2"],
+        ["--tp", "2", "--sp"],
+        # the cp attention's gathers and pipeline stages: the extended tier (dp2 and tp2-sp above
+        # cover FSDP and the TP styles' DTensors inside the graphs in the default run)
+        pytest.param(["--cp", "2"], marks=pytest.mark.extended),
+        pytest.param(["--pp", "2"], marks=pytest.mark.extended),
+    ],
+    ids=["dp2", "tp2-sp", "cp2", "pp2"],
 )
 def test_compiled_blocks_verify_against_the_unsharded_eager_model(tmp_path, layout):
     """FSDP2 around compiled blocks (each block's graph holds its checkpointed MLP's

@@ -483,8 +483,8 @@ def _send_activation(x: torch.Tensor, group: dist.ProcessGroup | None, to: int) 
     local = x.to_local() if isinstance(x, DTensor) else x
     if local.dtype not in _DTYPES:
         raise TypeError(f"a stage's activation of dtype {local.dtype}: one of {_DTYPES} expected")
-    header = torch.tensor([_DTYPES.index(local.dtype), local.dim(), *local.shape], dtype=torch.int64)
-    header = torch.cat([header, torch.zeros(8 - header.numel(), dtype=torch.int64)]).to(local.device)
+    fields = [_DTYPES.index(local.dtype), local.dim(), *local.shape]
+    header = torch.tensor(fields + [0] * (8 - len(fields)), dtype=torch.int64, device=local.device)
     dist.send(header, group_dst=to, group=group)
     dist.send(local.contiguous(), group_dst=to, group=group)
 
