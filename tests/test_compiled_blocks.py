@@ -46,10 +46,10 @@ def test_the_compile_section_is_read_and_its_layouts_checked(tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--dp", "2"],
+        # the default run: the TP styles' DTensors and SP's shards inside the graphs, FSDP around
+        # them (over one rank); the extended tier: FSDP over two, cp's gathers, pipeline stages
+        pytest.param(["--dp", "2"], marks=pytest.mark.extended),
         ["--tp", "2", "--sp"],
-        # the cp attention's gathers and pipeline stages: the extended tier (dp2 and tp2-sp above
-        # cover FSDP and the TP styles' DTensors inside the graphs in the default run)
         pytest.param(["--cp", "2"], marks=pytest.mark.extended),
         pytest.param(["--pp", "2"], marks=pytest.mark.extended),
     ],
