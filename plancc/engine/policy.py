@@ -107,7 +107,8 @@ class Policy:
         # a layout with pipeline stages: the same calls over a rank's stages (engine.pipelined)
         legacy = {k: v for k, v in kwargs.items() if k in LEGACY_LAYOUT_KEYWORDS}
         given = kwargs.get("layout")
-        pp = the_layout(given).pp if isinstance(given, Layout | ParallelMesh) else legacy.get("pp", 1)
+        shown = given if given is not None else legacy.get("mesh")  # mesh=: the old name of a built layout
+        pp = the_layout(shown).pp if isinstance(shown, Layout | ParallelMesh) else legacy.get("pp", 1)
         if cls is Policy and pp > 1:
             init_process_group(kwargs.get("device") or default_device_type(), kwargs.get("timeout_s", 600.0))
             rest = {k: v for k, v in kwargs.items() if k not in legacy and k != "layout"}
