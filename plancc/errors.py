@@ -133,19 +133,32 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return "did you mean " + " or ".join(repr(c) for c in near) + "?"
 
 
+class _AtLeast(logging.Filter):
+    """Lets through the records of ``level`` and above."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
 @contextmanager
 def quiet_logger(name: str, level: int = logging.ERROR) -> Iterator[None]:
-    """Raise one logger's threshold (and its descendants': torch sets a level on each module's
-    own logger, so the parent's alone does not hold them) for the duration of a block, never
-    process-wide: for torch messages that a plancc diagnostic replaces or that an accepted
-    cost repeats."""
+    """Drop one logger's records below ``level`` (and its descendants': torch logs through each
+    module's own logger, and a logger's filter sees only its own records) for the duration of
+    a block, never process-wide: for torch messages that a plancc diagnostic replaces or that
+    an accepted cost repeats. A filter, not ``setLevel``: each ``setLevel`` clears the cache of
+    every logger in the process (hundreds once transformers is imported), milliseconds that a
+    refit paid once a bucket."""
     names = [name] + [n for n in logging.Logger.manager.loggerDict if n.startswith(name + ".")]
     loggers = [logging.getLogger(n) for n in names]
-    before = [logger.level for logger in loggers]
+    quiet = _AtLeast(level)
     for logger in loggers:
-        logger.setLevel(level)
+        logger.addFilter(quiet)
     try:
         yield
     finally:
-        for logger, old in zip(loggers, before, strict=True):
-            logger.setLevel(old)
+        for logger in loggers:
+            logger.removeFilter(quiet)

@@ -66,3 +66,25 @@ def trained_exports(cases, root):
     finally:
         dist.destroy_process_group()
     return out
+
+
+def one_rank_weights_without_a_gather():
+    """A one-rank policy's streamed weights with ``DTensor.full_tensor`` made to fail: what comes
+    out must be its local tensors (a one-rank mesh's local tensor is the whole one), equal to a
+    full state dict."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    import plancc
+
+    init_gloo()
+    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3")
+    want = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in policy.model.state_dict().items()}
+
+    def no_gather(self):
+        raise AssertionError("a one-rank mesh gathered")
+
+    DTensor.full_tensor = no_gather
+    got = dict(policy.weights(bucket_bytes=4096))
+    torch.distributed.destroy_process_group()
+    return {"names": sorted(got) == sorted(want), "equal": all(torch.equal(got[k], want[k]) for k in want)}

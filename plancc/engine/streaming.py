@@ -9,7 +9,9 @@ same reason (a full gather of a large model runs out of memory).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers.core_model_loading import revert_weight_conversion
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
@@ -138,12 +141,13 @@ def weight_buckets(
                 agreement.note(exc)
             agreement.settle()
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
-        with quiet_logger("torch.distributed.tensor"):
+        gathers = any(isinstance(state[name], DTensor) and state[name].device_mesh.size() > 1 for name in bucket)
+        with quiet_logger("torch.distributed.tensor") if gathers else nullcontext():
             full = {name: _full_merged(state, name, merge.get(name), adapters, dtype) for name in bucket}
         if adapters_only:
             converted = [(peft_name(name), value) for name, value in full.items()]
         else:
-            converted = list(revert_weight_conversion(model, full).items())  # type: ignore[arg-type]
+            converted = list(reverted(model, full).items())
         del full  # the caller alone holds the bucket: it may free each tensor as it goes
         yield converted
 
@@ -164,9 +168,32 @@ def manifest_buckets(
         if adapters_only:
             out.append([(peft_name(name), tuple(t.shape), t.dtype) for name, t in meta.items()])
             continue
-        converted = revert_weight_conversion(model, meta)  # type: ignore[arg-type]
+        converted = reverted(model, meta)
         out.append([(name, tuple(t.shape), t.dtype) for name, t in converted.items()])
     return out
+
+
+# model -> its reverse conversions' mapping (None: nothing to convert), found once per model
+_CONVERSIONS: weakref.WeakKeyDictionary[nn.Module, list | None] = weakref.WeakKeyDictionary()
+
+
+def reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' ``revert_weight_conversion(model, state)``, its mapping found once per model:
+    for a model not loaded by ``from_pretrained`` transformers finds it again on every call (a
+    walk of every module, milliseconds a bucket); found here as it does, then handed to it the
+    way ``from_pretrained`` does, on the model's ``_weight_conversions``."""
+    if model not in _CONVERSIONS:
+        found = getattr(model, "_weight_conversions", None)
+        if found is None:  # transformers' rule for a model it did not load: no PrefixChange
+            every = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+            found = [x for x in every if not isinstance(x, PrefixChange)] or None
+        _CONVERSIONS[model] = found
+    conversions = _CONVERSIONS[model]
+    if conversions is None:
+        return state  # what transformers returns when there is nothing to convert
+    if getattr(model, "_weight_conversions", None) is None:
+        model._weight_conversions = conversions  # type: ignore[assignment]  # transformers keeps a list there
+    return revert_weight_conversion(model, state)  # type: ignore[arg-type]
 
 
 def _full_merged(
@@ -182,5 +209,9 @@ def _full_merged(
 
 
 def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    # On a one-rank mesh the local tensor is the whole one, whatever the placement: no gather
+    # (a DTensor redistribute costs host time per tensor, more than the copy it makes)
+    if isinstance(value, DTensor) and value.device_mesh.size() == 1:
+        value = value.to_local()
     tensor = value.full_tensor() if isinstance(value, DTensor) else value.detach()
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
