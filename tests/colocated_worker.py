@@ -9,13 +9,18 @@ from .distributed import init_gloo
 
 
 def consumer(connection, out_path):
-    """Takes every weight by handle, copies it (an engine's load_weights), saves them."""
+    """Takes every weight by handle, copies it (an engine's load_weights), saves them, and
+    beside them the shared buffers they came in (by address: a buffer mapped again would
+    land elsewhere while the last mapping is held)."""
     import torch
 
     import plancc
 
-    received = {name: tensor.clone() for name, tensor in plancc.receive_shared_weights(connection)}
-    torch.save(received, out_path)
+    received, buffers = {}, set()
+    for name, tensor in plancc.receive_shared_weights(connection):
+        received[name] = tensor.clone()
+        buffers.add(tensor.untyped_storage().data_ptr())
+    torch.save({"weights": received, "buffers": len(buffers)}, out_path)
 
 
 def policy_side(out_path, export_dir, bucket):

@@ -1,13 +1,20 @@
 """Weights to a consumer on the same device in another process (a rollout engine colocated with
 the policy on one GPU), bucket by bucket, by handle instead of by copy over a socket: each
-bucket is gathered into one flat buffer and handed over with torch.multiprocessing's reductions
+bucket is gathered into a flat buffer and handed over with torch.multiprocessing's reductions
 -- a CUDA IPC handle for a CUDA buffer, shared memory for a CPU one -- through a
 ``multiprocessing`` connection. The consumer's tensors are views into that buffer; it answers
-once it is done with a bucket, and only then is the buffer reused for the next one, so the
-producer holds one bucket (and the consumer none of its own) at a time."""
+once it is done with a bucket.
+
+Two buffers per refit, allocated once at its start and used in turn: bucket k+1 is packed while
+the consumer copies bucket k, and a buffer is packed again only after the consumer has answered
+for the bucket it held (so a failure the consumer causes is seen at most two buckets after the
+bucket it concerns). Each buffer is mapped once per refit on each side -- one CUDA IPC open or
+one shared-memory file per buffer, not per bucket -- and both are freed when the refit ends, so
+nothing is held between refits, when the GPU belongs to the rollout engine."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -31,22 +38,49 @@ def share_buckets(
     a ``WeightChannelError`` naming the bucket, never a wait without end."""
     check_manifest(manifest)
     connection.send(("manifest", dict(manifest)))
+    pool = _buffers(manifest, device)
     shared = 0
     rank = dist.get_rank() if dist.is_initialized() else 0
+    unanswered: deque[int] = deque()
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
         faults.inject("pack", rank=rank, step=index + 1)
-        flat = torch.zeros(int(expected["bytes"]), dtype=torch.uint8, device=device)
-        if flat.device.type == "cpu":
-            flat.share_memory_()
+        if len(unanswered) == len(pool):  # this buffer's last bucket is the oldest unanswered one
+            _acknowledged(connection, unanswered.popleft(), timeout)
+        flat = pool[index % len(pool)][: int(expected["bytes"])]
         pack_into(flat, bucket)
         if flat.is_cuda:
-            torch.cuda.synchronize(flat.device)  # the copies are done before the handle is read
-        connection.send(("bucket", index, flat))
-        _acknowledged(connection, index, timeout)  # the consumer has what it needs of this bucket
+            torch.cuda.synchronize(flat.device)  # the copies are done before the consumer reads
+        _hand_over(connection, ("bucket", index, flat), unanswered[0] if unanswered else index)
+        unanswered.append(index)
         shared += flat.numel()
-        del flat
+    while unanswered:
+        _acknowledged(connection, unanswered.popleft(), timeout)
     connection.send(("end", None))
     return shared
+
+
+def _buffers(manifest: Mapping[str, Any], device: str) -> list[torch.Tensor]:
+    """The refit's two byte buffers: the first as large as its largest even-numbered bucket,
+    the second its largest odd-numbered one (a bucket over the bucket size -- one large
+    tensor -- then costs one buffer of its size, not two); shared memory on the CPU."""
+    sizes = [int(b["bytes"]) for b in manifest["buckets"]]
+    pool = []
+    for parity in (0, 1):
+        size = max(sizes[parity::2], default=0)
+        if size:
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
+            pool.append(flat.share_memory_() if flat.device.type == "cpu" else flat)
+    return pool
+
+
+def _hand_over(connection: Any, message: tuple, index: int) -> None:
+    """Sends ``message``; a consumer gone fails naming ``index``, the first bucket it did not take."""
+    try:
+        connection.send(message)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        raise WeightChannelError(
+            f"the colocated consumer is gone (its end closed) before taking bucket {index + 1}"
+        ) from None
 
 
 def _acknowledged(connection: Any, index: int, timeout: float) -> None:
@@ -72,11 +106,16 @@ def receive_shared_weights(connection: Any) -> Iterator[tuple[str, torch.Tensor]
     kind, manifest = connection.recv()
     if kind != "manifest":
         raise RuntimeError(f"expected the manifest first, got {kind!r}")
+    # the producer's two buffers, held for the refit: torch maps a handle it has seen and still
+    # holds without opening it again, so each buffer is mapped once, not once per bucket
+    held: dict[int, torch.Tensor] = {}
     while True:
         message = connection.recv()
         if message[0] == "end":
             return
         _, index, flat = message
+        held[index % 2] = flat
         yield from unpack(flat, manifest["buckets"][index]["tensors"])
-        del flat
+        if flat.is_cuda:  # the caller's copies out of the buffer have run before it is refilled
+            torch.cuda.synchronize(flat.device)
         connection.send(("done", index))
