@@ -48,32 +48,40 @@ def agreed_batch(
         problem = str(exc)
     on_device: dict[str, torch.Tensor] = {}
     plan: list[list[int]] = []
-    mine = torch.zeros(8, dtype=torch.float64, device=device)
+    # The verdict is counted where the rows are (a caller's CPU batch: no read of the device, so
+    # the GPU runs the last step's optimizer while this step is planned), then copied without
+    # a wait for the device's queue; only the gather over several ranks reads the device.
+    where = batch["input_ids"].device if not problem else torch.device("cpu")
+    mine = torch.zeros(8, dtype=torch.float64, device=where)
     if problem:
         mine[0] = 1
     else:
-        on_device = {name: value.to(device) for name, value in batch.items()}
-        ids, mask = on_device["input_ids"], on_device["attention_mask"]
+        on_device = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+        ids, mask = batch["input_ids"], batch["attention_mask"]
         plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        token_mask, sample_mask = on_device.get("token_mask"), on_device.get("sample_mask")
-        weights = torch.arange(1, ids.numel() + 1, device=device).reshape(ids.shape)
+        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
+        weights = torch.arange(1, ids.numel() + 1, device=where).reshape(ids.shape)
         # the same rows give the same numbers: int64 sums (wrapping is fine for a
         # fingerprint), kept below 2^52 so that float64 holds them exactly, each converted
         # on its own -- stacked with a float mask's sum they would be promoted to float32
         # and the "different rows" check below would stop seeing differences
         counts = [
-            torch.tensor(ids.shape[0], device=device),
+            torch.tensor(ids.shape[0], device=where),
             (ids.long() * weights).sum() % FINGERPRINT_MODULUS,
             (mask.long() * weights).sum() % FINGERPRINT_MODULUS,
-            torch.tensor(ids.shape[1], device=device),
+            torch.tensor(ids.shape[1], device=where),
             (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
-            sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=device),
-            torch.tensor(len(plan), device=device),
+            sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=where),
+            torch.tensor(len(plan), device=where),
         ]
         mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    verdicts = torch.stack(every).tolist()
+    if dist.get_world_size() == 1:  # a group of one: its own verdict, no collective
+        verdicts = [mine.tolist()]
+    else:
+        mine = mine.to(device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        verdicts = torch.stack(every).tolist()
     if any(v[0] for v in verdicts):  # a rank's own slice is unusable: its words, gathered now
         agree(partial(raise_if, problem), device)
     assert (mesh.device_mesh.mesh_dim_names or ("",))[0] == "dp", "the (dp, cp, tp) mesh: dp first"
@@ -134,14 +142,17 @@ def settled_step(
     verdicts = [torch.tensor(float(bool(refused)), device=device), (~torch.stack(finite)).any()]
     prints = torch.tensor(name_fingerprint(names), dtype=torch.float64, device=device)
     header = torch.cat([torch.stack(verdicts).to(torch.float64), prints])  # no read of the device
-    dist.all_reduce(header)
+    alone = dist.get_world_size() == 1  # a group of one: its own sums, no collective
+    if not alone:
+        dist.all_reduce(header)
     out = header.tolist()
     if out[0]:
         agree(partial(raise_if, refused), device)
     names = agreed_names(names, out[2:])
     values = [loss, *(metrics.get(name, 0.0) for name in names)]
     t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
-    dist.all_reduce(t)
+    if not alone:
+        dist.all_reduce(t)
     copies = dist.get_world_size() // shares
     reduced = [v / copies for v in t.tolist()]
     return out[1] > 0, reduced[0], dict(zip(names, reduced[1:], strict=True))

@@ -31,6 +31,8 @@ def first_problem(problem: str, device: str | None = None, *, at: int = 0) -> tu
     a bucket; ties go to the lowest rank), or None when no rank has one. One all-reduce when
     none does; the problems are gathered only when one does. Every rank gets the same answer, so
     every rank raises the same error, and none goes on to a collective the others skip."""
+    if dist.get_world_size() == 1:  # a group of one agrees with itself: no collective, no device read
+        return (0, problem) if problem else None
     flag = torch.tensor([int(bool(problem))], device=device or group_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not flag.item():
