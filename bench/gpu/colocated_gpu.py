@@ -6,7 +6,9 @@ the seed's (``get_model_state_dict(full_state_dict=True)``, then one handle per 
 
 The consumer copies every tensor it gets into memory of its own (an engine's ``load_weights``).
 Prints, for each way, the median time of ``--rounds`` refits and the producer's peak device
-memory above what it held before (``torch.cuda.max_memory_allocated``).
+memory above what it held before (``torch.cuda.max_memory_allocated``), and the bound: one
+device-to-device copy of every weight into memory already held (``_foreach_copy_``, median of
+``--rounds``), the least a refit that ends with the weights in another buffer can take.
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ def seed_share(policy, connection) -> None:
     connection.send(("end", None))
 
 
+def copy_bound(tensors: list, rounds: int) -> float:
+    """The median time of one device-to-device copy of ``tensors`` into buffers held already."""
+    import torch
+
+    with torch.no_grad():
+        targets = [torch.empty_like(t) for t in tensors]
+        seen = []
+        for _ in range(rounds + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch._foreach_copy_(targets, tensors)
+            torch.cuda.synchronize()
+            seen.append(time.perf_counter() - t0)
+    return statistics.median(seen[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.2-1b")
@@ -88,12 +106,15 @@ def main() -> None:
             peaks[way] = max(peaks[way], torch.cuda.max_memory_allocated() - base)
     process.join(timeout=300)
     total = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    bound = copy_bound([p.to_local() if hasattr(p, "to_local") else p for p in policy.model.parameters()], args.rounds)
     result = {
         "model": args.model,
         "device": torch.cuda.get_device_name(),
         "weights_bytes": total,
         "plancc_s": statistics.median(times["plancc"]),
         "seed_s": statistics.median(times["seed"]),
+        "copy_bound_s": bound,
+        "plancc_over_bound": statistics.median(times["plancc"]) / bound,
         "plancc_peak_extra_bytes": peaks["plancc"],
         "seed_peak_extra_bytes": peaks["seed"],
         "bucket_bytes": args.bucket_mib * 2**20,

@@ -1,0 +1,261 @@
+"""plancc eager, plancc with compiled blocks and torchtitan's own trainer, one GPU, the same model
+and the same kind of rows (issue 60, point 5): tokens/s and MFU side by side.
+
+    torchrun --nproc-per-node 1 bench/gpu/titan_gpu.py [--seq-len 8192] [--batch 2] [--steps 6]
+        [--torchtitan-logs eager.log compiled.log] [--out titan_gpu.json]
+
+The model is Llama 3.2 1B's shape with an untied output layer (``llama-3.2-1b`` with
+``tie_word_embeddings: false``; torchtitan's Llama has no tied output): fp32 master weights, bf16
+compute, AdamW, gradients clipped at 1.0, no activation checkpointing (the plan's
+``activation_checkpointing`` emptied, torchtitan's ``--activation_checkpoint.mode none``). A step
+is ``--batch`` rows of ``--seq-len`` uniform random token ids, causal attention over the whole row.
+plancc's two policies (the plan as it is, and the plan with ``compile: {backend: inductor}``) train
+in one process, steps alternating between them; the first ``--warmup`` steps of each (compilation
+included) are not timed. plancc's step is ``Policy.train(batch, token_loss=token_nll)``: the fused
+lm_head, logits never whole.
+
+torchtitan runs in processes of its own (``bench/gpu/gpu_titan.sh`` launches it with the spec of
+``bench/gpu/torchtitan_synthetic.py``); ``--torchtitan-logs`` reads their step lines (``tps:``) and
+puts them in the same table, after the same number of warm-up steps. MFU here counts one formula
+for all three ways: 6 x matmul parameters x tokens plus causal attention (6 x layers x heads x
+head_dim x seq_len^2 x rows), over the bf16 dense peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+STEP_LINE = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def torchtitan_tps(path: str, warmup: int, until: int) -> list[float]:
+    """The tokens/s of steps ``warmup + 1 .. until`` in a torchtitan log (``--metrics.log_freq 1``;
+    a step after ``until`` is the profiled one)."""
+    found = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            match = STEP_LINE.search(ANSI.sub("", line))
+            if match and warmup < int(match.group(1)) <= until:
+                found.append(float(match.group(2).replace(",", "")))
+    return found
+
+
+def step_flops(config, matmul_params: int, rows: int, seq_len: int) -> float:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len**2 * rows
+    return 6.0 * matmul_params * rows * seq_len + attention
+
+
+KERNEL_CLASSES = (  # (class, a regular expression on the kernel's name), first match wins
+    ("matmul", r"gemm|xmma|cutlass|nvjet|cublas|sm90_|wgmma"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient"),
+    ("optimizer, norms", r"adam|multi_tensor|foreach"),
+    ("compiled (triton)", r"^triton_|triton"),
+    ("copies, casts", r"copy|memcpy|memset|cast|cat_|catarray|fill"),
+    ("elementwise", r"elementwise"),
+    ("reductions", r"reduce"),
+    ("collectives", r"nccl"),
+)
+
+
+def print_classes(title: str, kernels: list[tuple[str, float]]) -> dict:
+    """Device time by class of kernel, and the three longest kernels of each class."""
+    by: dict[str, list[tuple[str, float]]] = {}
+    for name, seconds in kernels:
+        kind = next((k for k, rx in KERNEL_CLASSES if re.search(rx, name, re.IGNORECASE)), "other")
+        by.setdefault(kind, []).append((name, seconds))
+    total = sum(seconds for _, seconds in kernels)
+    print(f"  {title}: device busy {total * 1e3:.1f} ms")
+    for kind, found in sorted(by.items(), key=lambda kv: -sum(s for _, s in kv[1])):
+        print(f"    {kind:20s} {sum(s for _, s in found) * 1e3:8.1f} ms  x{len(found)}")
+        for name, seconds in sorted(found, key=lambda ns: -ns[1])[:3]:
+            print(f"      {seconds * 1e3:8.2f} ms  {name[:100]}")
+    return {kind: sum(s for _, s in found) for kind, found in by.items()}
+
+
+def table(result: dict, torchtitan_logs: list[str] | None, out: str | None) -> None:
+    """Prints the ways side by side (torchtitan's from its logs, when given) and writes ``out``."""
+    if torchtitan_logs:
+        for name, path in zip(("torchtitan eager", "torchtitan compiled"), torchtitan_logs, strict=True):
+            seen = (
+                torchtitan_tps(path, result["warmup"], result["warmup"] + result["timed_steps"])
+                if os.path.exists(path)
+                else []
+            )
+            result[name] = {"steps": seen} if seen else None
+    tokens = result["rows"] * result["seq_len"]
+    print(f"{result['model']} bf16 on {result['device']}: {result['rows']} rows x {result['seq_len']} tokens a step")
+    first = next(n for n in result if n.startswith("plancc "))
+    base = statistics.median(result[first]["steps"])
+    names = [n for n in result if n.startswith("plancc ")] + ["torchtitan eager", "torchtitan compiled"]
+    for name in names:
+        way = result.get(name)
+        if not way:
+            print(f"  {name:20s} not run")
+            continue
+        rate = statistics.median(way["steps"])
+        way["tokens_per_s"], way["mfu"] = rate, rate / tokens * result["step_flops"] / result["peak_flops"]
+        extra = f"  peak {way['peak_gib']:5.1f} GiB  losses {way['losses']}" if "peak_gib" in way else ""
+        print(f"  {name:20s} {rate:10,.0f} tokens/s  MFU {way['mfu']:6.1%}  x{rate / base:.2f} of {first}{extra}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.2-1b")
+    parser.add_argument("--plan", default="plans/llama.yaml")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=2, help="rows per step")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per way")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per way (compilation)")
+    parser.add_argument("--torchtitan-logs", nargs=2, metavar=("EAGER", "COMPILED"), default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--merge", default=None, help="no training: this run's JSON and --torchtitan-logs, one table")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model of the same family")
+    parser.add_argument("--ways", nargs="+", default=["eager", "compiled", "kept"], choices=["eager", "compiled", "kept"])
+    parser.add_argument("--fused-adamw", type=int, default=1, help="AdamW(fused=) for plancc (torchtitan's default)")
+    parser.add_argument("--profile", default=None, help="one more step of this way (eager, compiled, kept) profiled")
+    parser.add_argument("--summarize-trace", default=None, help="no training: a chrome trace's kernel classes")
+    args = parser.parse_args()
+    if args.summarize_trace:
+        with open(args.summarize_trace) as f:
+            events = json.load(f)["traceEvents"]
+        kernels = [(e["name"], e["dur"] / 1e6) for e in events if e.get("cat") == "kernel" and "dur" in e]
+        print_classes(f"trace {args.summarize_trace}", kernels)
+        return
+    if args.merge:
+        with open(args.merge) as f:
+            table(json.load(f), args.torchtitan_logs, args.out or args.merge)
+        return
+
+    import torch
+
+    import plancc
+    from plancc.compiler.plan import CompileSpec, TargetList
+    from plancc.engine.losses import token_nll
+    from plancc.models import load_config
+
+    config = load_config(args.model)
+    config.tie_word_embeddings = False
+    if args.tiny:
+        for key, value in {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "head_dim": 16,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+            "vocab_size": 256,
+        }.items():
+            setattr(config, key, value)
+    eager_plan = dataclasses.replace(plancc.load_plan(args.plan), activation_checkpointing=TargetList())
+    compiled_plan = dataclasses.replace(eager_plan, compile=CompileSpec())
+    every = {
+        "eager": ("plancc eager", eager_plan),
+        "compiled": ("plancc compiled", compiled_plan),
+        # the plan's `fsdp: {reshard_after_forward: false}`: each unit's bf16 weights kept from
+        # forward to backward (on one rank nothing is sharded: resharding only casts again)
+        "kept": ("plancc compiled kept", dataclasses.replace(compiled_plan, fsdp_reshard_after_forward=False)),
+    }
+    plans = dict(every[key] for key in args.ways)
+    # torchtitan's optimizer: AdamW, its fused implementation
+    optimizer = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-5, "fused": args.fused_adamw}}
+    policies = {
+        name: plancc.Policy(plan, config, device=args.device, param_dtype="bfloat16", optimizer=optimizer)
+        for name, plan in plans.items()
+    }
+    some = next(iter(policies.values())).model
+    matmul = sum(m.weight.numel() for m in some.modules() if isinstance(m, torch.nn.Linear))
+    flops = step_flops(config, matmul, args.batch, args.seq_len)
+    cuda = args.device == "cuda"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in device), float("nan"))
+    gen = torch.Generator().manual_seed(0)
+    times: dict[str, list[float]] = {name: [] for name in policies}
+    losses: dict[str, list[float]] = {name: [] for name in policies}
+    memory: dict[str, float] = {}
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=gen)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        order = list(policies) if step % 2 == 0 else list(reversed(policies))
+        for name in order:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            loss = policies[name].train(batch, token_loss=token_nll)["loss"]
+            if cuda:
+                torch.cuda.synchronize()
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - started)
+                used = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+                memory[name] = max(memory.get(name, 0.0), used)
+            losses[name].append(round(float(loss), 5))
+    if args.profile and cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            policies[every[args.profile][0]].train(batch, token_loss=token_nll)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+        from torch.autograd import DeviceType
+
+        kernels = [(e.name, e.device_time_total / 1e6) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        print(f"  profiled step of {args.profile}: wall {wall:.3f} s")
+        print_classes(args.profile, kernels)
+    syncs: dict[str, int] = {}
+    if args.profile and cuda:  # where a step waits for the device: each synchronizing call, by line
+        import collections
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            policies[every[args.profile][0]].train(batch, token_loss=token_nll)
+        torch.cuda.set_sync_debug_mode(0)
+        where = collections.Counter(
+            f"{w.filename.split('site-packages/')[-1].split('/work/')[-1]}:{w.lineno}"
+            for w in caught
+            if "synchroniz" in str(w.message)
+        )
+        syncs = dict(where)
+        print(f"  synchronizing calls in one step of {args.profile}: {sum(where.values())}")
+        for line, count in where.most_common(12):
+            print(f"    {count:3d}  {line}")
+    tokens = args.batch * args.seq_len
+    result: dict = {
+        "device": device,
+        "torch": torch.__version__,
+        "model": f"{args.model} (untied)",
+        "rows": args.batch,
+        "seq_len": args.seq_len,
+        "warmup": args.warmup,
+        "timed_steps": args.steps,
+        "step_flops": flops,
+        "peak_flops": peak,
+        "synchronizing_calls": syncs,
+    }
+    for name in policies:
+        result[name] = {"steps": [tokens / t for t in times[name]], "peak_gib": memory[name], "losses": losses[name]}
+    table(result, args.torchtitan_logs, args.out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
