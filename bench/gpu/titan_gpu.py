@@ -2,17 +2,22 @@
 and the same kind of rows (issue 60, point 5): tokens/s and MFU side by side.
 
     torchrun --nproc-per-node 1 bench/gpu/titan_gpu.py [--seq-len 8192] [--batch 2] [--steps 6]
-        [--torchtitan-logs eager.log compiled.log] [--out titan_gpu.json]
+        [--ways eager compiled kept] [--profile kept] [--out titan_gpu.json]
+    python bench/gpu/titan_gpu.py --merge titan_gpu.json --torchtitan-logs eager.log compiled.log
+    python bench/gpu/titan_gpu.py --summarize-trace rank0_trace.json
 
 The model is Llama 3.2 1B's shape with an untied output layer (``llama-3.2-1b`` with
 ``tie_word_embeddings: false``; torchtitan's Llama has no tied output): fp32 master weights, bf16
 compute, AdamW, gradients clipped at 1.0, no activation checkpointing (the plan's
 ``activation_checkpointing`` emptied, torchtitan's ``--activation_checkpoint.mode none``). A step
 is ``--batch`` rows of ``--seq-len`` uniform random token ids, causal attention over the whole row.
-plancc's two policies (the plan as it is, and the plan with ``compile: {backend: inductor}``) train
-in one process, steps alternating between them; the first ``--warmup`` steps of each (compilation
-included) are not timed. plancc's step is ``Policy.train(batch, token_loss=token_nll)``: the fused
-lm_head, logits never whole.
+plancc's policies (``--ways``: the plan as it is; with ``compile: {backend: inductor}``; and that
+with ``fsdp: {reshard_after_forward: false}``) train in one process, steps alternating between
+them, AdamW in its fused form as torchtitan's (``--fused-adamw 0``: torch's default); the first
+``--warmup`` steps of each (compilation included) are not timed. ``--profile WAY`` runs one more
+step of a way under the profiler (device time by class of kernel) and one under CUDA's sync debug
+mode (every call that waits for the device, by line). plancc's step is
+``Policy.train(batch, token_loss=token_nll)``: the fused lm_head, logits never whole.
 
 torchtitan runs in processes of its own (``bench/gpu/gpu_titan.sh`` launches it with the spec of
 ``bench/gpu/torchtitan_synthetic.py``); ``--torchtitan-logs`` reads their step lines (``tps:``) and
@@ -126,7 +131,9 @@ def main() -> None:
     parser.add_argument("--merge", default=None, help="no training: this run's JSON and --torchtitan-logs, one table")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model of the same family")
-    parser.add_argument("--ways", nargs="+", default=["eager", "compiled", "kept"], choices=["eager", "compiled", "kept"])
+    parser.add_argument(
+        "--ways", nargs="+", default=["eager", "compiled", "kept"], choices=["eager", "compiled", "kept"]
+    )
     parser.add_argument("--fused-adamw", type=int, default=1, help="AdamW(fused=) for plancc (torchtitan's default)")
     parser.add_argument("--profile", default=None, help="one more step of this way (eager, compiled, kept) profiled")
     parser.add_argument("--summarize-trace", default=None, help="no training: a chrome trace's kernel classes")
