@@ -57,9 +57,11 @@ def agreed_batch(
         mine[0] = 1
     else:
         on_device = {name: value.to(device, non_blocking=True) for name, value in batch.items()}
-        ids, mask = batch["input_ids"], batch["attention_mask"]
+        # every field beside the rows' ids (a caller may mix devices: each was copied to ``device``)
+        beside = {name: value.to(where) for name, value in batch.items() if name != "input_ids"}
+        ids, mask = batch["input_ids"], beside["attention_mask"]
         plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
-        token_mask, sample_mask = batch.get("token_mask"), batch.get("sample_mask")
+        token_mask, sample_mask = beside.get("token_mask"), beside.get("sample_mask")
         weights = torch.arange(1, ids.numel() + 1, device=where).reshape(ids.shape)
         # the same rows give the same numbers: int64 sums (wrapping is fine for a
         # fingerprint), kept below 2^52 so that float64 holds them exactly, each converted
