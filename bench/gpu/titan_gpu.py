@@ -38,8 +38,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+from train_gpu import PEAK_BF16, model_flops  # noqa: E402  # one MFU formula for the GPU benches
+
 STEP_LINE = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -54,12 +56,6 @@ def torchtitan_tps(path: str, warmup: int, until: int) -> list[float]:
             if match and warmup < int(match.group(1)) <= until:
                 found.append(float(match.group(2).replace(",", "")))
     return found
-
-
-def step_flops(config, matmul_params: int, rows: int, seq_len: int) -> float:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = 6 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len**2 * rows
-    return 6.0 * matmul_params * rows * seq_len + attention
 
 
 KERNEL_CLASSES = (  # (class, a regular expression on the kernel's name), first match wins
@@ -186,8 +182,7 @@ def main() -> None:
         for name, plan in plans.items()
     }
     some = next(iter(policies.values())).model
-    matmul = sum(m.weight.numel() for m in some.modules() if isinstance(m, torch.nn.Linear))
-    flops = step_flops(config, matmul, args.batch, args.seq_len)
+    flops = model_flops(some, [args.seq_len] * args.batch)
     cuda = args.device == "cuda"
     device = torch.cuda.get_device_name() if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in device), float("nan"))

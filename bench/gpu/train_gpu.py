@@ -67,15 +67,15 @@ def as_batch(docs: list) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def model_flops(model, docs: list) -> float:
+def model_flops(model, lengths: list[int]) -> float:
+    """The matmul FLOPs of a training step over causal documents of these lengths."""
     import torch
 
     config = model.config
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    tokens = sum(len(d) for d in docs)
     per_layer = config.num_attention_heads * config.head_dim
-    attention = 6 * config.num_hidden_layers * per_layer * sum(len(d) ** 2 for d in docs)
-    return 6.0 * matmul * tokens + attention
+    attention = 6 * config.num_hidden_layers * per_layer * sum(n**2 for n in lengths)
+    return 6.0 * matmul * sum(lengths) + attention
 
 
 class HandLoop:
@@ -160,7 +160,7 @@ def main() -> None:
     for step in range(args.steps + 2):
         microbatches = [documents(args.tokens, vocab, gen) for _ in range(2)]
         docs = [d for mb in microbatches for d in mb]
-        flops.append(model_flops(policy.model, docs))
+        flops.append(model_flops(policy.model, [len(d) for d in docs]))
         batch = as_batch(docs)
         order = list(ways) if step % 2 == 0 else list(reversed(ways))
         for name in order:
