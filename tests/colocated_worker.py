@@ -69,18 +69,20 @@ def consumer_that_dies(connection, after_buckets):
 
     _ready(connection)
     kind, manifest = connection.recv()
+    connection.recv()  # the refit's buffers
     for _ in range(after_buckets):
-        _, index, _flat = connection.recv()
+        _, index = connection.recv()
         connection.send(("done", index))
     connection.recv()  # the next bucket arrives
     os._exit(3)
 
 
 def consumer_that_hangs(connection):
-    """Reads the manifest and the first bucket, then never answers (an engine stuck)."""
+    """Reads the manifest, the buffers and the first bucket, then never answers (an engine stuck)."""
     import time
 
     _ready(connection)
+    connection.recv()
     connection.recv()
     connection.recv()
     time.sleep(600)

@@ -31,6 +31,16 @@ TOKEN_LOSSES = ["nll_tokens", "grpo_tokens"]
 
 LAYOUTS = [
     # (ranks, plan, model, layout, cases)
+    # one rank (a policy on one GPU): no collective, the step's sums and norm read in one go,
+    # transformers' packed-row check answered from the host for unpacked rows (llama's mask path)
+    pytest.param(
+        1,
+        "plans/llama.yaml",
+        "tiny-llama",
+        {},
+        _cases([ONE, UNEVEN, PACKED], ["grpo"]) + _cases([ONE], ["nll_tokens"]),
+        id="one-rank",
+    ),
     pytest.param(
         2,
         "plans/qwen3.yaml",

@@ -20,18 +20,20 @@ TT="--experimental.custom_import bench.gpu.torchtitan_synthetic --model.name pla
 [ "${TT_EAGER:-1}" = 1 ] && timeout ${TT_EAGER_S:-100} torchrun --nproc-per-node 1 -m torchtitan.train $TT --training.steps $((STEPS + WARMUP)) \
   > "$OUT/torchtitan_eager.log" 2>&1
 grep -E "step: |Error|error" "$OUT/torchtitan_eager.log" | tail -2
-# one more step, profiled: the step after the timed ones
+# one more step, profiled: the step after the timed ones (TT_PROFILE=0: none)
 LAST=$((STEPS + WARMUP + 1))
+TTP="--profiling.enable_profiling --profiling.profile_freq $LAST --profiling.profiler_warmup 1 --profiling.profiler_active 1"
+[ "${TT_PROFILE:-1}" = 1 ] || { LAST=$((STEPS + WARMUP)); TTP=; }
 timeout ${TT_COMPILED_S:-150} torchrun --nproc-per-node 1 -m torchtitan.train $TT --training.steps $LAST --compile.enable \
-  --profiling.enable_profiling --profiling.profile_freq $LAST --profiling.profiler_warmup 1 \
-  --profiling.profiler_active 1 > "$OUT/torchtitan_compiled.log" 2>&1
+  $TTP > "$OUT/torchtitan_compiled.log" 2>&1
 grep -E "step: |Error|error" "$OUT/torchtitan_compiled.log" | tail -2
 python3 bench/gpu/titan_gpu.py --merge "$OUT/titan_gpu.json" \
   --torchtitan-logs "$OUT/torchtitan_eager.log" "$OUT/torchtitan_compiled.log" | tee -a "$OUT/titan_gpu.txt"
 TRACE=$(find /tmp/torchtitan -name "rank0_trace.json" | head -1)
 [ -n "$TRACE" ] && python3 bench/gpu/titan_gpu.py --summarize-trace "$TRACE" | tee -a "$OUT/titan_gpu.txt"
-[ -n "${COLOCATED:-}" ] && timeout 90 torchrun --nproc-per-node 1 bench/gpu/colocated_gpu.py \
-  --out "$OUT/colocated_gpu.json" 2>&1 | grep -v "^\[W" | tail -12
+# COLOCATED: the bucket sizes in MiB ("256 1024"); COLOCATED_PROFILE=1: one refit under cProfile
+[ -n "${COLOCATED:-}" ] && timeout 120 torchrun --nproc-per-node 1 bench/gpu/colocated_gpu.py --bucket-mib $COLOCATED \
+  ${COLOCATED_PROFILE:+--profile} --out "$OUT/colocated_gpu.json" 2>&1 | grep -v "^\[W" | tail -45
 [ -n "${REFERENCE:-}" ] && timeout 70 torchrun --nproc-per-node 1 bench/gpu/reference_gpu.py \
   --out "$OUT/reference_gpu.json" 2>&1 | grep -v "^\[W" | tail -8
 true

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -19,10 +20,30 @@ from torch import nn
 from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
 from .agreement import first_problem
-from .batches import Batch, BatchError, check_batch, default_token_mask, plan_microbatches, split_to_count
+from .batches import (
+    Batch,
+    BatchError,
+    RowSpan,
+    check_batch,
+    default_token_mask,
+    from_host,
+    plan_microbatches,
+    row_spans,
+    split_to_count,
+)
 from .loss_contract import BatchTotals, NonFiniteError
 
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
+
+
+@dataclass(frozen=True, slots=True)
+class AgreedBatch:
+    """A step's batch once every rank agreed on it (``agreed_batch``)."""
+
+    batch: dict[str, torch.Tensor]  # every field, on the policy's device
+    totals: BatchTotals  # the global batch's normalizers
+    microbatches: list[list[int]]  # this rank's rows, cut: as many cuts as on every other dp rank
+    spans: list[RowSpan]  # every row's, read where the caller's rows were (the host for a CPU batch)
 
 
 def agreed_batch(
@@ -33,9 +54,9 @@ def agreed_batch(
     vocab_size: int | None,
     micro_batch_size: int | None,
     max_tokens: int | None,
-) -> tuple[dict[str, torch.Tensor], BatchTotals, list[list[int]]]:
-    """(the batch on this device, the global batch's ``BatchTotals``, this rank's microbatches) once
-    every rank has found its own slice usable, the dp ranks hold as many rows (a global batch
+) -> AgreedBatch:
+    """The batch on this device, the global batch's ``BatchTotals``, this rank's microbatches and
+    its rows' spans, once every rank has found its own slice usable, the dp ranks hold as many rows (a global batch
     split evenly: ``slice_of``) and the ranks of one tp / cp group the same ones (a
     fingerprint of the rows compared); the same ``BatchError`` on every rank otherwise,
     naming the rank or the ranks. Every rank plans as many microbatches as the dp rank with
@@ -48,6 +69,7 @@ def agreed_batch(
         problem = str(exc)
     on_device: dict[str, torch.Tensor] = {}
     plan: list[list[int]] = []
+    spans: list[RowSpan] = []
     # The verdict is counted where the rows are (a caller's CPU batch: no read of the device, so
     # the GPU runs the last step's optimizer while this step is planned), then copied without
     # a wait for the device's queue; only the gather over several ranks reads the device.
@@ -61,6 +83,7 @@ def agreed_batch(
         beside = {name: value.to(where) for name, value in batch.items() if name != "input_ids"}
         ids, mask = batch["input_ids"], beside["attention_mask"]
         plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        spans = row_spans(mask)  # for cutting and packing the microbatches: read here, not on the device
         token_mask, sample_mask = beside.get("token_mask"), beside.get("sample_mask")
         weights = torch.arange(1, ids.numel() + 1, device=where).reshape(ids.shape)
         # the same rows give the same numbers: int64 sums (wrapping is fine for a
@@ -107,7 +130,7 @@ def agreed_batch(
     # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose
     # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
     assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
-    return on_device, norm, spread
+    return AgreedBatch(batch=on_device, totals=norm, microbatches=spread, spans=spans)
 
 
 def agree(check: Callable[[], Any], device: str) -> Any:
@@ -126,6 +149,16 @@ def agree(check: Callable[[], Any], device: str) -> Any:
     return result
 
 
+@dataclass(frozen=True, slots=True)
+class SettledStep:
+    """A step's outcome, the same on every rank (``settled_step``)."""
+
+    not_finite: bool  # some rank's loss was not finite
+    loss: float  # the global batch's
+    metrics: dict[str, float]  # by name, summed over the global batch's shares
+    grad_norm: float  # the global gradient norm, before clipping
+
+
 def settled_step(
     refused: str,
     finite: list[torch.Tensor],
@@ -133,31 +166,52 @@ def settled_step(
     metrics: Mapping[str, torch.Tensor | float],
     shares: int,
     device: str,
-) -> tuple[bool, float, dict[str, float]]:
-    """After the last backward: (whether any rank's loss was not finite, the loss and the
-    metrics summed over the ``shares`` of the global batch; every other rank holds a copy of
-    one). First one fixed-size all-reduce of the verdicts -- whether any rank refused a
-    microbatch's loss (then every rank raises the first rank's refusal, before any metric is
-    reduced) -- and of the metric names' fingerprint (``agreed_names``); then one all-reduce
-    of the loss and each metric by name, sorted, 0 where a rank's loss gave no such metric."""
+    grad_norm: torch.Tensor,
+) -> SettledStep:
+    """After the last backward: whether any rank's loss was not finite, the loss and the metrics
+    summed over the ``shares`` of the global batch (every other rank holds a copy of one), and
+    the global ``grad_norm`` read with them. First one fixed-size all-reduce of the verdicts --
+    whether any rank refused a microbatch's loss (then every rank raises the first rank's
+    refusal, before any metric is reduced) -- and of the metric names' fingerprint
+    (``agreed_names``); then one all-reduce of the loss and each metric by name, sorted, 0 where
+    a rank's loss gave no such metric. The host reads the device twice (once in a group of one,
+    with no collective): the step's last reads, after which the optimizer step is queued."""
     names = sorted(metrics)
-    verdicts = [torch.tensor(float(bool(refused)), device=device), (~torch.stack(finite)).any()]
-    prints = torch.tensor(name_fingerprint(names), dtype=torch.float64, device=device)
-    header = torch.cat([torch.stack(verdicts).to(torch.float64), prints])  # no read of the device
-    alone = dist.get_world_size() == 1  # a group of one: its own sums, no collective
-    if not alone:
-        dist.all_reduce(header)
-    out = header.tolist()
-    if out[0]:
+    not_finite = (~torch.stack(finite)).any().to(torch.float64).reshape(1)
+    norm = grad_norm.detach().to(torch.float64).reshape(1)
+    if dist.get_world_size() == 1:  # a group of one: its own verdicts and sums, one read
+        if refused:
+            agree(partial(raise_if, refused), device)
+        out = torch.cat([not_finite, norm, stacked([loss, *(metrics[name] for name in names)], device)]).tolist()
+        return SettledStep(
+            not_finite=out[0] > 0, loss=out[2], metrics=dict(zip(names, out[3:], strict=True)), grad_norm=out[1]
+        )
+    header = torch.cat([not_finite, stacked([float(bool(refused)), *name_fingerprint(names)], device)])
+    dist.all_reduce(header)
+    out = torch.cat([header, norm]).tolist()  # the norm is every rank's already: read, not reduced
+    if out[1]:
         agree(partial(raise_if, refused), device)
-    names = agreed_names(names, out[2:])
-    values = [loss, *(metrics.get(name, 0.0) for name in names)]
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
-    if not alone:
-        dist.all_reduce(t)
+    names = agreed_names(names, out[2:-1])
+    t = stacked([loss, *(metrics.get(name, 0.0) for name in names)], device)
+    dist.all_reduce(t)
     copies = dist.get_world_size() // shares
     reduced = [v / copies for v in t.tolist()]
-    return out[1] > 0, reduced[0], dict(zip(names, reduced[1:], strict=True))
+    return SettledStep(
+        not_finite=out[0] > 0, loss=reduced[0], metrics=dict(zip(names, reduced[1:], strict=True)), grad_norm=out[-1]
+    )
+
+
+def stacked(values: Sequence[torch.Tensor | float], device: str) -> torch.Tensor:
+    """``values`` (tensors, wherever they are, or host numbers) as one float64 vector on
+    ``device``, with no wait for the device's queue (``from_host``)."""
+    return torch.stack(
+        [
+            v.detach().to(device=device, dtype=torch.float64, non_blocking=True).reshape(())
+            if isinstance(v, torch.Tensor)
+            else from_host([float(v)], torch.float64, device).reshape(())
+            for v in values
+        ]
+    )
 
 
 def name_fingerprint(names: Sequence[str]) -> list[float]:

@@ -164,6 +164,14 @@ def row_spans(mask: torch.Tensor) -> list[RowSpan]:
     return [RowSpan(*row) for row in torch.stack([start, end, real.sum(1)], 1).tolist()]
 
 
+def from_host(values: list[int] | list[float], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` on ``device`` without the host waiting for the device's queue: made on the host,
+    then copied asynchronously (``torch.tensor(values, device="cuda")`` copies from pageable
+    memory synchronously: the host would wait there for every kernel queued before, the last
+    step's optimizer included, and the device then idles while the host catches up)."""
+    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
+
+
 def default_token_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """The positions that have a log-prob: attended, after the first, and after an attended one
     (the log-prob of the first real token after left padding comes from padding alone)."""
@@ -217,7 +225,7 @@ class Microbatch:
         document padded to the multiple (CP shards every document). ``spans``: every row of the
         batch's ``RowSpan``, when the caller read them already (a device read per microbatch
         otherwise)."""
-        index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
+        index = from_host(rows, torch.long, batch["input_ids"].device)
         fields = {name: value.index_select(0, index) for name, value in batch.items()}
         ids, mask = fields["input_ids"], fields["attention_mask"]
         seq = ids.shape[1]
@@ -253,7 +261,7 @@ class Microbatch:
             fields=fields,
             input_ids=packed,
             attention_mask=None,
-            cu_seqlens=torch.tensor(starts, dtype=torch.int32, device=ids.device),
+            cu_seqlens=from_host(starts, torch.int32, ids.device),
             positions=positions,
             seq=seq,
             starts=starts,

@@ -8,8 +8,11 @@ once it is done with a bucket.
 Two buffers per refit, allocated once at its start and used in turn: bucket k+1 is packed while
 the consumer copies bucket k, and a buffer is packed again only after the consumer has answered
 for the bucket it held (so a failure the consumer causes is seen at most two buckets after the
-bucket it concerns). Each buffer is mapped once per refit on each side -- one CUDA IPC open or
-one shared-memory file per buffer, not per bucket -- and both are freed when the refit ends, so
+bucket it concerns). Both buffers are handed over once, at the refit's start -- one CUDA IPC
+handle or one shared-memory file each -- and a bucket is then only its number on the
+connection (bucket k is in buffer k % 2; the manifest says its bytes): handing a tensor over
+costs torch an IPC event, a reference-counter file and a handle per message, more host time
+than a 256 MiB bucket's copy on the device. Both buffers are freed when the refit ends, so
 nothing is held between refits, when the GPU belongs to the rollout engine."""
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def share_buckets(
     check_manifest(manifest)
     connection.send(("manifest", dict(manifest)))
     pool = _buffers(manifest, device)
+    _hand_over(connection, ("buffers", pool), 0)
     shared = 0
     rank = dist.get_rank() if dist.is_initialized() else 0
     unanswered: deque[int] = deque()
@@ -50,7 +54,7 @@ def share_buckets(
         pack_into(flat, bucket)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)  # the copies are done before the consumer reads
-        _hand_over(connection, ("bucket", index, flat), unanswered[0] if unanswered else index)
+        _hand_over(connection, ("bucket", index), unanswered[0] if unanswered else index)
         unanswered.append(index)
         shared += flat.numel()
     while unanswered:
@@ -106,16 +110,17 @@ def receive_shared_weights(connection: Any) -> Iterator[tuple[str, torch.Tensor]
     kind, manifest = connection.recv()
     if kind != "manifest":
         raise RuntimeError(f"expected the manifest first, got {kind!r}")
-    # the producer's two buffers, held for the refit: torch maps a handle it has seen and still
-    # holds without opening it again, so each buffer is mapped once, not once per bucket
-    held: dict[int, torch.Tensor] = {}
+    kind, pool = connection.recv()  # the producer's buffers, mapped once for the refit
+    if kind != "buffers":
+        raise RuntimeError(f"expected the refit's buffers after the manifest, got {kind!r}")
     while True:
         message = connection.recv()
         if message[0] == "end":
             return
-        _, index, flat = message
-        held[index % 2] = flat
-        yield from unpack(flat, manifest["buckets"][index]["tensors"])
+        _, index = message
+        expected = manifest["buckets"][index]
+        flat = pool[index % len(pool)][: int(expected["bytes"])]
+        yield from unpack(flat, expected["tensors"])
         if flat.is_cuda:  # the caller's copies out of the buffer have run before it is refilled
             torch.cuda.synchronize(flat.device)
         connection.send(("done", index))

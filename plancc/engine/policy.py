@@ -32,19 +32,18 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
 from ..models import load_config
-from ..runtime.gradnorm import clip_grad_norm_
+from ..runtime.gradnorm import global_grad_norm, scale_to_norm_
 from ..runtime.lora import LoraSpec, adapters_disabled
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.stepping import require_stepped
 from . import checkpoint, shards
-from .batch_agreement import agreed_batch, raise_non_finite, settled_step
+from .batch_agreement import AgreedBatch, agreed_batch, raise_non_finite, settled_step
 from .batches import (
     Batch,
     Microbatch,
     Microbatching,
     balanced_dp_rows,
     dp_slice,
-    row_spans,
 )
 from .build import build_parallel_model
 from .channel import WeightChannel
@@ -236,7 +235,8 @@ class Policy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
         cut = Microbatching.of(microbatching, cuts)
-        batch, norm, plan = self._agreed(batch, cut)
+        agreed = self._agreed(batch, cut)
+        batch, norm, plan, spans = agreed.batch, agreed.totals, agreed.microbatches, agreed.spans
         if not self.model.training:  # every module's flag: a walk of the model, not free on each step
             self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -247,7 +247,6 @@ class Policy:
         # where they are.
         refused = ""  # this rank's first refused microbatch
         finite: list[torch.Tensor] = []
-        spans = row_spans(batch["attention_mask"])  # every row's, read once for the cuts and packing
         try:
             for index, rows in enumerate(plan):
                 mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=cut.pack, spans=spans)
@@ -265,12 +264,16 @@ class Policy:
                 loss_sum += loss.to(torch.float64)
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
-            grad_norm = float(clip_grad_norm_(self.model.parameters(), self.max_grad_norm or math.inf))
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            # the norm is read with the step's verdicts and sums (one read of the device, not two)
+            gradient_norm = global_grad_norm(params)
             # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
             shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
-            not_finite, loss_total, metric_sums = settled_step(refused, finite, loss_sum, sums, shares, self.device)
-            if not_finite or not math.isfinite(grad_norm):
+            settled = settled_step(refused, finite, loss_sum, sums, shares, self.device, gradient_norm)
+            loss_total, grad_norm, metric_sums = settled.loss, settled.grad_norm, settled.metrics
+            if settled.not_finite or not math.isfinite(grad_norm):
                 raise_non_finite(self.model, finite, loss_total, grad_norm, self.device)
+            scale_to_norm_(params, grad_norm, self.max_grad_norm or math.inf)
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
@@ -309,7 +312,8 @@ class Policy:
         self._require_onloaded("logprobs")
         check_temperature(temperature)
         cut = Microbatching.of(microbatching, cuts)
-        batch, _, plan = self._agreed(batch, cut)
+        agreed = self._agreed(batch, cut)
+        batch, plan, spans = agreed.batch, agreed.microbatches, agreed.spans
         rows_total, seq = batch["input_ids"].shape
         out = torch.zeros((rows_total, seq), dtype=torch.float32, device=self.device)
         ent_out = torch.zeros_like(out) if entropy else None
@@ -317,7 +321,6 @@ class Policy:
         self.model.eval()
         try:
             with torch.no_grad():
-                spans = row_spans(batch["attention_mask"])
                 for rows in plan:
                     mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=cut.pack, spans=spans)
                     lp, ent = forward(self.model, self.mesh, mb, entropy=entropy, temperature=temperature)
@@ -465,7 +468,7 @@ class Policy:
             offloaded = " and ".join(self._memory.offloaded)
             raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
 
-    def _agreed(self, batch: Batch, cut: Microbatching) -> tuple[dict[str, torch.Tensor], BatchTotals, list[list[int]]]:
+    def _agreed(self, batch: Batch, cut: Microbatching) -> AgreedBatch:
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
         return agreed_batch(
             batch,

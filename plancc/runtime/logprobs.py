@@ -28,6 +28,7 @@ from .cp import CPContext, all_gather, context_of, load_balanced_indices, load_b
 from .document_attention import set_documents
 from .fused_logprobs import fused_logprobs
 from .mesh import MeshLike
+from .unpacked_rows import unpacked_rows
 from .vocab_stats import ChunkStats, combine_over_ranks, default_chunk
 
 
@@ -351,7 +352,7 @@ def _positions_logprobs(
     weight chunk by chunk, so no logits exist. Models whose logits are more than
     ``lm_head(hidden)`` take the logits path (log-probs only)."""
     if fusable(model):
-        with lm_head_bypassed(model) as seen:
+        with lm_head_bypassed(model) as seen, unpacked_rows(model, inputs):
             output = model(**inputs)
         result = fused_logprobs(
             seen["hidden"],
@@ -372,7 +373,9 @@ def _positions_logprobs(
             f"entropy, top_k and top_p need a model whose logits are lm_head(hidden); {type(model).__name__} "
             f"transforms them ({', '.join(_LOGIT_TRANSFORMS)})"
         )
-    local, group, start = vocab_layout(model(**inputs).logits, model, mesh)
+    with unpacked_rows(model, inputs):
+        logits = model(**inputs).logits
+    local, group, start = vocab_layout(logits, model, mesh)
     if temperature != 1.0:
         local = local / temperature
     lp = vocab_parallel_logprobs(

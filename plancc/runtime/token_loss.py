@@ -31,6 +31,7 @@ from .logprobs import (
     per_position,
     through_output,
 )
+from .unpacked_rows import unpacked_rows
 
 
 def evaluated_positions(
@@ -82,7 +83,7 @@ def model_token_loss(
     if flat.shape != evaluated.shape:
         raise ValueError(f"{evaluated.numel()} evaluated positions for {flat.numel()} tokens of this rank")
     targets = torch.where(evaluated >= 0, flat, torch.full_like(flat, IGNORE_INDEX)).view(targets.shape)
-    with lm_head_bypassed(model) as seen:
+    with lm_head_bypassed(model) as seen, unpacked_rows(model, inputs):
         output = model(**inputs)
     loss, _ = fused_token_loss(
         seen["hidden"], seen["weight"], targets, loss_fn, ignore_index=IGNORE_INDEX, temperature=temperature
