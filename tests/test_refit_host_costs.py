@@ -1,7 +1,8 @@
 """What a refit spends on the host, pinned by behaviour: a logger quieted for a block drops its
 records below the threshold and nothing else (without touching any logger's level), the
 reverse weight conversion gives what transformers gives while its mapping is found once per
-model, and a one-rank mesh's weights come out as they are (no gather)."""
+model, a refit's plan (the names streamed, the manifest) is found once per model and the next
+refit reads its state dict once, and a one-rank mesh's weights come out as they are (no gather)."""
 
 import logging
 
@@ -48,6 +49,36 @@ def test_the_reverse_conversion_is_transformers_own_with_its_mapping_found_once(
         got = streaming.reverted(model, dict(state))
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert len(calls) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_refits_plan_is_found_once_per_model_and_describes_what_is_streamed():
+    import torch
+
+    from plancc.engine import streaming
+    from plancc.models import build_model, load_config
+
+    model = build_model(load_config("tiny-qwen3-tied"), device="cpu")
+    reads = []
+    own = model.state_dict
+    model.state_dict = lambda *a, **k: reads.append(1) or own(*a, **k)
+    refits = []
+    for _ in range(2):
+        reads.clear()
+        manifest = streaming.manifest_buckets(model, bucket_bytes=4096)
+        streamed = [[(n, tuple(t.shape), t.dtype) for n, t in b] for b in streaming.weight_buckets(model, bucket_bytes=4096)]
+        refits.append((manifest, streamed, len(reads)))
+    (first, streamed, first_reads), (again, streamed_again, next_reads) = refits
+    assert first == streamed == again == streamed_again and len(first) > 4
+    # the next refit reads no state dict: the plan is known, the entries are the parameters themselves
+    assert (first_reads, next_reads) == (2, 0)
+    state = own()
+    values = [item for b in streaming.weight_buckets(model, bucket_bytes=4096) for item in b]
+    assert values and all(torch.equal(value, state[name]) and not value.requires_grad for name, value in values)
+    with torch.no_grad():  # a value changed in place is streamed as it is now
+        model.lm_head.weight.add_(1.0)
+    tied = dict(item for b in streaming.weight_buckets(model, bucket_bytes=4096) for item in b)
+    assert torch.equal(tied["model.embed_tokens.weight"], model.lm_head.weight)
 
 
 def test_a_model_with_nothing_to_convert_gets_its_state_back_as_is():

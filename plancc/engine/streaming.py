@@ -51,9 +51,10 @@ class WeightFormat:
         return given_or_keywords(cls, given, keywords, "weight_format")
 
 
-def exported_names(model: nn.Module) -> list[str]:
-    """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group."""
-    state = model.state_dict()
+def exported_names(model: nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+    """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group.
+    ``state``: the model's state dict, when the caller holds it already."""
+    state = model.state_dict() if state is None else state
     local = {name: local_tensor(value) for name, value in state.items()}
     kept = remove_tied_weights_from_state_dict(local, model)  # type: ignore[arg-type]
     return [name for name in state if name in kept]
@@ -84,6 +85,14 @@ def full_weights(
             yield bucket.pop()
 
 
+# What a refit plans from a model's structure alone -- the names it streams, a manifest's
+# buckets -- found once per model (its modules and their shapes do not change after it is
+# built): a state dict and transformers' tied-weight walk per refit cost more host time than
+# copying a 1B model's weights on the device.
+_STREAMED: weakref.WeakKeyDictionary[nn.Module, dict[bool, list[str]]] = weakref.WeakKeyDictionary()
+_MANIFESTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, list]] = weakref.WeakKeyDictionary()
+
+
 def _names(model: nn.Module, adapters_only: bool) -> tuple[list[str], Adapters | None]:
     """The state-dict names streamed, and the adapters to merge into them (None: none)."""
     adapters = adapters_of(model)
@@ -91,22 +100,53 @@ def _names(model: nn.Module, adapters_only: bool) -> tuple[list[str], Adapters |
         if adapters is None:
             raise ValueError("adapters_only=True, but this model has no LoRA adapters (construct it with lora=)")
         return adapters.parameter_names(), None
-    own = set(adapters.parameter_names()) if adapters is not None else set()
-    return [name for name in exported_names(model) if name not in own], adapters
+    known = _STREAMED.setdefault(model, {})
+    if adapters_only not in known:
+        own = set(adapters.parameter_names()) if adapters is not None else set()
+        known[adapters_only] = [name for name in exported_names(model) if name not in own]
+    return known[adapters_only], adapters
 
 
 def _plan(
     model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False
-) -> tuple[dict, list[list[str]], Adapters | None]:
+) -> tuple[Mapping[str, torch.Tensor], list[list[str]], Adapters | None]:
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    state = model.state_dict()
+    state = _state(model)
     names, adapters = _names(model, adapters_only)
 
     def nbytes(value: torch.Tensor) -> int:
         return value.numel() * (dtype or value.dtype).itemsize
 
     return state, buckets([(name, nbytes(state[name])) for name in names], bucket_bytes), adapters
+
+
+# model -> whether its parameters and buffers, by name, are its state dict's entries (checked once)
+_LIVE_STATE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _state(model: nn.Module) -> Mapping[str, torch.Tensor]:
+    """The model's state-dict entries by name: its parameters and buffers themselves where no
+    module changes what its state dict holds (no state-dict hook, no ``_save_to_state_dict`` of
+    its own: checked once per model), ``state_dict()`` otherwise. ``state_dict()`` detaches every
+    tensor -- a DTensor dispatch each, tens of microseconds a tensor on the host, every refit.
+    Non-persistent buffers are among them too; only the names a refit streams are looked up."""
+    live = _LIVE_STATE.get(model)
+    if live is None:
+        plain = all(
+            not m._state_dict_hooks
+            and not m._state_dict_pre_hooks
+            and type(m)._save_to_state_dict is nn.Module._save_to_state_dict
+            for m in model.modules()
+        )
+        entries = dict(_entries(model))
+        live = _LIVE_STATE[model] = plain and all(name in entries for name in model.state_dict())
+    return dict(_entries(model)) if live else model.state_dict()
+
+
+def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
 
 
 def bucket_count(
@@ -141,8 +181,9 @@ def weight_buckets(
                 agreement.note(exc)
             agreement.settle()
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
-        gathers = any(isinstance(state[name], DTensor) and state[name].device_mesh.size() > 1 for name in bucket)
-        with quiet_logger("torch.distributed.tensor") if gathers else nullcontext():
+        gathers = any(isinstance(t := state[name], DTensor) and t.device_mesh.size() > 1 for name in bucket)
+        # no_grad: the entries are the parameters themselves (``_state``), gathered as values
+        with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
             full = {name: _full_merged(state, name, merge.get(name), adapters, dtype) for name in bucket}
         if adapters_only:
             converted = [(peft_name(name), value) for name, value in full.items()]
@@ -156,7 +197,18 @@ def manifest_buckets(
     model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, adapters_only: bool = False
 ) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
     """What ``weight_buckets`` yields -- names, shapes, dtypes -- without gathering anything
-    (transformers' reverse conversion runs on meta tensors of the full shapes)."""
+    (transformers' reverse conversion runs on meta tensors of the full shapes); found once per
+    model and format."""
+    known = _MANIFESTS.setdefault(model, {})
+    key = (bucket_bytes, dtype, adapters_only)
+    if key not in known:
+        known[key] = _manifest_buckets(model, bucket_bytes, dtype, adapters_only)
+    return [list(bucket) for bucket in known[key]]
+
+
+def _manifest_buckets(
+    model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool
+) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
     state, plan, _ = _plan(model, bucket_bytes, dtype, adapters_only)
     out = []
     for bucket in plan:
@@ -197,7 +249,11 @@ def reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def _full_merged(
-    state: dict, name: str, pair: tuple[str, str] | None, adapters: Adapters | None, dtype: torch.dtype | None
+    state: Mapping[str, torch.Tensor],
+    name: str,
+    pair: tuple[str, str] | None,
+    adapters: Adapters | None,
+    dtype: torch.dtype | None,
 ) -> torch.Tensor:
     """The full tensor of ``name``; a base weight with adapters merged with them first."""
     if pair is None or adapters is None:
