@@ -24,7 +24,7 @@ grep -E "step: |Error|error" "$OUT/torchtitan_eager.log" | tail -2
 LAST=$((STEPS + WARMUP + 1))
 TTP="--profiling.enable_profiling --profiling.profile_freq $LAST --profiling.profiler_warmup 1 --profiling.profiler_active 1"
 [ "${TT_PROFILE:-1}" = 1 ] || { LAST=$((STEPS + WARMUP)); TTP=; }
-timeout ${TT_COMPILED_S:-150} torchrun --nproc-per-node 1 -m torchtitan.train $TT --training.steps $LAST --compile.enable \
+[ "${TT_COMPILED:-1}" = 1 ] && timeout ${TT_COMPILED_S:-150} torchrun --nproc-per-node 1 -m torchtitan.train $TT --training.steps $LAST --compile.enable \
   $TTP > "$OUT/torchtitan_compiled.log" 2>&1
 grep -E "step: |Error|error" "$OUT/torchtitan_compiled.log" | tail -2
 python3 bench/gpu/titan_gpu.py --merge "$OUT/titan_gpu.json" \

@@ -85,6 +85,54 @@ def print_classes(title: str, kernels: list[tuple[str, float]]) -> dict:
     return {kind: sum(s for _, s in found) for kind, found in by.items()}
 
 
+def print_idle(events) -> None:
+    """Where the device waits for the host in a profiled step: every gap between kernels (and
+    before the first), by what the host was running at the gap's end -- the CPU ops that hold
+    that moment, outermost to innermost (the one that launched the kernel after the gap is
+    among them), three levels -- summed, largest first."""
+    import bisect
+
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    every_cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    if not kernels or not every_cpu:
+        return
+
+    def chain(e) -> list:
+        out = []
+        while e is not None:
+            out.append(e)
+            e = e.cpu_parent
+        return out[::-1]  # outermost first
+
+    # the outer three levels of every thread's ops (the innermost of a thousand aten calls says little)
+    cpu = sorted((e for e in every_cpu if len(chain(e)) <= 3), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in cpu]
+    start = min(e.time_range.start for e in every_cpu)
+    gaps, busy_until = [], start
+    for k_start, k_end in kernels:
+        if k_start - busy_until > 5:  # microseconds: a launch's own latency is not counted
+            gaps.append((busy_until, k_start))
+        busy_until = max(busy_until, k_end)
+    by: dict[str, list[float]] = {}
+    for g_start, g_end in gaps:
+        moment = g_end - 1
+        last = bisect.bisect_right(starts, moment)
+        holding = [e for e in cpu[max(0, last - 400) : last] if e.time_range.end > moment]
+        latest = max(holding, key=lambda e: e.time_range.start, default=None)
+        where = " > ".join(e.name[:40] for e in chain(latest)) if latest is not None else "(no CPU op)"
+        slot = by.setdefault(where, [0.0, 0])
+        slot[0] += (g_end - g_start) / 1e3
+        slot[1] += 1
+    total = sum(v[0] for v in by.values())
+    print(
+        f"  device idle in the step: {total:.1f} ms in {len(gaps)} gaps (first kernel {(kernels[0][0] - start) / 1e3:.1f} ms in)"
+    )
+    for where, (ms, count) in sorted(by.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"    {ms:7.2f} ms  x{count:<4d} {where}")
+
+
 def table(result: dict, torchtitan_logs: list[str] | None, out: str | None) -> None:
     """Prints the ways side by side (torchtitan's from its logs, when given) and writes ``out``."""
     if torchtitan_logs:
@@ -211,7 +259,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
             policies[every[args.profile][0]].train(batch, token_loss=token_nll)
             torch.cuda.synchronize()
@@ -221,6 +269,10 @@ def main() -> None:
         kernels = [(e.name, e.device_time_total / 1e6) for e in prof.events() if e.device_type == DeviceType.CUDA]
         print(f"  profiled step of {args.profile}: wall {wall:.3f} s")
         print_classes(args.profile, kernels)
+        try:  # an analysis: its failure must not lose the run's figures
+            print_idle(prof.events())
+        except Exception as exc:
+            print(f"  device idle: not analysed ({type(exc).__name__}: {exc})")
     syncs: dict[str, int] = {}
     if args.profile and cuda:  # where a step waits for the device: each synchronizing call, by line
         import collections
