@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
 from ..models import load_config
-from ..runtime.gradnorm import global_grad_norm, scale_to_norm_
+from ..runtime.gradnorm import global_grad_norm, local_gradients, scale_local_to_norm_
 from ..runtime.lora import LoraSpec, adapters_disabled
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.stepping import require_stepped
@@ -265,15 +265,17 @@ class Policy:
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + value
             params = [p for p in self.model.parameters() if p.grad is not None]
-            # the norm is read with the step's verdicts and sums (one read of the device, not two)
+            # the norm is read with the step's verdicts and sums (one read of the device, not two);
+            # what clipping scales is found before that read, while the device runs the backward
             gradient_norm = global_grad_norm(params)
+            clipped = local_gradients(params)
             # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
             shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
             settled = settled_step(refused, finite, loss_sum, sums, shares, self.device, gradient_norm)
             loss_total, grad_norm, metric_sums = settled.loss, settled.grad_norm, settled.metrics
             if settled.not_finite or not math.isfinite(grad_norm):
                 raise_non_finite(self.model, finite, loss_total, grad_norm, self.device)
-            scale_to_norm_(params, grad_norm, self.max_grad_norm or math.inf)
+            scale_local_to_norm_(clipped, grad_norm, self.max_grad_norm or math.inf)
             require_stepped(self.model, self.optimizer, where=self.plan.loc)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept

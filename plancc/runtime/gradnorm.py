@@ -60,11 +60,22 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
 def scale_to_norm_(params: Iterable[torch.nn.Parameter], norm: float, max_norm: float) -> None:
     """Scale the gradients (whose global norm is ``norm``) in place to a norm of at most
     ``max_norm`` (torch's rule: by ``max_norm / (norm + 1e-6)`` when that is below 1)."""
+    scale_local_to_norm_(local_gradients(params), norm, max_norm)
+
+
+def local_gradients(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each gradient's storage on this rank (a DTensor's local tensor): what clipping scales --
+    the scale is the same on every shard, and a DTensor's own ``mul_`` would go through
+    DTensor's dispatch once a tensor. Found before the norm is read, this host work (tens of
+    microseconds a gradient) runs while the device still computes the backward."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
+def scale_local_to_norm_(local_grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    """``scale_to_norm_`` on ``local_gradients`` found already."""
     if not (math.isfinite(max_norm) and max_norm > 0):
         return
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
-        # local storage: the scale is the same on every shard (a DTensor's own mul_ would go
-        # through DTensor's dispatch once a tensor)
-        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+        torch._foreach_mul_(local_grads, coef)
