@@ -51,10 +51,9 @@ class WeightFormat:
         return given_or_keywords(cls, given, keywords, "weight_format")
 
 
-def exported_names(model: nn.Module, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
-    """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group.
-    ``state``: the model's state dict, when the caller holds it already."""
-    state = model.state_dict() if state is None else state
+def exported_names(model: nn.Module) -> list[str]:
+    """The model's state-dict names that ``save_pretrained`` keeps: one of each tied group."""
+    state = model.state_dict()
     local = {name: local_tensor(value) for name, value in state.items()}
     kept = remove_tied_weights_from_state_dict(local, model)  # type: ignore[arg-type]
     return [name for name in state if name in kept]
