@@ -45,14 +45,15 @@ def unpacked_rows(model: nn.Module, inputs: Mapping[str, Any]) -> Iterator[None]
         _KNOWN_UNPACKED.reset(token)
 
 
-# transformers' own check, as imported (the wrapper below takes its place in ``masking_utils``)
-_transformers_check = masking_utils.find_packed_sequence_indices
+# transformers' own check, as imported (the wrapper below takes its place in ``masking_utils``);
+# a release without it has nothing to answer: the hint is then nothing
+_transformers_check = getattr(masking_utils, "find_packed_sequence_indices", None)
 
 
 def _answered(position_ids: torch.Tensor) -> torch.Tensor | None:
     """transformers' ``find_packed_sequence_indices``: None inside ``unpacked_rows``, its own
     answer everywhere else."""
-    if _KNOWN_UNPACKED.get():
+    if _KNOWN_UNPACKED.get() or _transformers_check is None:
         return None
     return _transformers_check(position_ids)
 
@@ -60,5 +61,5 @@ def _answered(position_ids: torch.Tensor) -> torch.Tensor | None:
 def _install() -> None:
     """The wrapper in transformers' place, once per process (transformers looks the check up by
     name when it builds a mask, so the wrapper is what it calls)."""
-    if masking_utils.find_packed_sequence_indices is not _answered:
+    if _transformers_check is not None and masking_utils.find_packed_sequence_indices is not _answered:
         masking_utils.find_packed_sequence_indices = _answered
