@@ -85,6 +85,13 @@ def print_classes(title: str, kernels: list[tuple[str, float]]) -> dict:
     return {kind: sum(s for _, s in found) for kind, found in by.items()}
 
 
+def _is_kernel(event, device_type) -> bool:
+    """A kernel or copy on the device: not a user annotation drawn on the device's timeline (with
+    CPU activity recorded, ``Optimizer.step#AdamW.step`` and FSDP's ranges appear there too and
+    would be counted as device time, and would cover the gaps inside them)."""
+    return event.device_type == device_type.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def print_idle(events) -> None:
     """Where the device waits for the host in a profiled step: every gap between kernels (and
     before the first), by what the host was running at the gap's end -- the CPU ops that hold
@@ -94,7 +101,7 @@ def print_idle(events) -> None:
 
     from torch.autograd import DeviceType
 
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if _is_kernel(e, DeviceType))
     every_cpu = [e for e in events if e.device_type == DeviceType.CPU]
     if not kernels or not every_cpu:
         return
@@ -266,7 +273,7 @@ def main() -> None:
             wall = time.perf_counter() - started
         from torch.autograd import DeviceType
 
-        kernels = [(e.name, e.device_time_total / 1e6) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        kernels = [(e.name, e.device_time_total / 1e6) for e in prof.events() if _is_kernel(e, DeviceType)]
         print(f"  profiled step of {args.profile}: wall {wall:.3f} s")
         print_classes(args.profile, kernels)
         try:  # an analysis: its failure must not lose the run's figures
