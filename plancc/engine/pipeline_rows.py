@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .batches import BatchError, default_token_mask
+from .batches import BatchError, default_token_mask, from_host
 
 
 class RowGroup:
@@ -30,10 +30,10 @@ class RowGroup:
         self.rows, self.start, self.length = rows, start, length
         self.microbatches = len(rows) // per
         padded = -(-length // multiple) * multiple
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        idx = from_host(rows, torch.long, device)
         width = batch["input_ids"].shape[1]
         offsets = torch.arange(padded, device=device)
-        cols = (torch.tensor(start, dtype=torch.long, device=device)[:, None] + offsets).clamp(max=width - 1)
+        cols = (from_host(start, torch.long, device)[:, None] + offsets).clamp(max=width - 1)
         real = (offsets < length)[None, :]
         self.fields: dict[str, torch.Tensor] = {}
         for name, value in batch.items():
