@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..runtime.cp import CPContext, all_gather, load_balanced_indices
 from ..runtime.logprobs import IGNORE_INDEX
 from ..runtime.pipeline import PipelineRunner, next_token_targets
-from .batches import BatchError, from_host
+from .batches import BatchError
 from .loss_contract import call_loss
 from .pipeline_rows import RowGroup
 
@@ -127,14 +127,11 @@ class LastStageLogprobs:
         lp = logprobs_of(logits, ids, self.temperature, self.cp)
         if self.group.is_filler(local):
             return lp.sum() * 0
-        rows = from_host(self.group.rows, torch.long, lp.device)[local]
+        rows, cols = self.group.places(local, lp.device)
         length = self.group.length  # the row's own positions (not sequence parallelism's padding)
-        cols = from_host(self.group.start, torch.long, lp.device)[local][:, None] + torch.arange(
-            length, device=lp.device
-        )
-        self.out[0][rows[:, None], cols] = lp[:, :length]
+        self.out[0][rows, cols] = lp[:, :length]
         if self.entropy:
-            self.out[1][rows[:, None], cols] = entropy_of(logits, self.temperature, self.cp)[:, :length]
+            self.out[1][rows, cols] = entropy_of(logits, self.temperature, self.cp)[:, :length]
         return lp.sum() * 0
 
 
@@ -153,12 +150,8 @@ class LastStageLogits:
             full = all_gather(full, self.cp.group, dim=1)
         if self.group.is_filler(local):
             return full.sum() * 0
-        rows = from_host(self.group.rows, torch.long, full.device)[local]
-        length = self.group.length
-        cols = from_host(self.group.start, torch.long, full.device)[local][:, None] + torch.arange(
-            length, device=full.device
-        )
-        self.out[rows[:, None], cols] = full[:, :length].float()
+        rows, cols = self.group.places(local, full.device)
+        self.out[rows, cols] = full[:, : self.group.length].float()
         return full.sum() * 0
 
 

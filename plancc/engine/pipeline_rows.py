@@ -31,9 +31,11 @@ class RowGroup:
         self.microbatches = len(rows) // per
         padded = -(-length // multiple) * multiple
         idx = from_host(rows, torch.long, device)
+        self._starts = from_host(start, torch.long, device)
+        self._rows = idx
         width = batch["input_ids"].shape[1]
         offsets = torch.arange(padded, device=device)
-        cols = (from_host(start, torch.long, device)[:, None] + offsets).clamp(max=width - 1)
+        cols = (self._starts[:, None] + offsets).clamp(max=width - 1)
         real = (offsets < length)[None, :]
         self.fields: dict[str, torch.Tensor] = {}
         for name, value in batch.items():
@@ -70,6 +72,14 @@ class RowGroup:
         self.input_ids = self.fields["input_ids"]
         self.index = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)[:, None]
         self.microbatches = microbatches
+
+    def places(self, local: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a microbatch of real rows (``local``: their index in the group) goes in the
+        batch: its rows ``[n, 1]`` and their positions ``[n, length]`` (each row's own, not
+        sequence parallelism's padding), on ``device``, from the indices made once for the step."""
+        rows = self._rows.to(device)[local]
+        cols = self._starts.to(device)[local][:, None] + torch.arange(self.length, device=device)
+        return rows[:, None], cols
 
     def is_filler(self, index: torch.Tensor) -> bool:
         """Whether a microbatch (its rows' ``index``) is a filler: fillers are whole microbatches
