@@ -88,7 +88,7 @@ def full_weights(
 # buckets -- found once per model (its modules and their shapes do not change after it is
 # built): a state dict and transformers' tied-weight walk per refit cost more host time than
 # copying a 1B model's weights on the device.
-_STREAMED: weakref.WeakKeyDictionary[nn.Module, dict[bool, list[str]]] = weakref.WeakKeyDictionary()
+_STREAMED: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
 _MANIFESTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, list]] = weakref.WeakKeyDictionary()
 
 
@@ -99,11 +99,10 @@ def _names(model: nn.Module, adapters_only: bool) -> tuple[list[str], Adapters |
         if adapters is None:
             raise ValueError("adapters_only=True, but this model has no LoRA adapters (construct it with lora=)")
         return adapters.parameter_names(), None
-    known = _STREAMED.setdefault(model, {})
-    if adapters_only not in known:
+    if model not in _STREAMED:
         own = set(adapters.parameter_names()) if adapters is not None else set()
-        known[adapters_only] = [name for name in exported_names(model) if name not in own]
-    return known[adapters_only], adapters
+        _STREAMED[model] = [name for name in exported_names(model) if name not in own]
+    return _STREAMED[model], adapters
 
 
 def _plan(
@@ -131,6 +130,9 @@ def _state(model: nn.Module) -> Mapping[str, torch.Tensor]:
     tensor -- a DTensor dispatch each, tens of microseconds a tensor on the host, every refit.
     Non-persistent buffers are among them too; only the names a refit streams are looked up."""
     live = _LIVE_STATE.get(model)
+    if live is False:
+        return model.state_dict()
+    entries = dict(_entries(model))
     if live is None:
         plain = all(
             not m._state_dict_hooks
@@ -138,9 +140,8 @@ def _state(model: nn.Module) -> Mapping[str, torch.Tensor]:
             and type(m)._save_to_state_dict is nn.Module._save_to_state_dict
             for m in model.modules()
         )
-        entries = dict(_entries(model))
         live = _LIVE_STATE[model] = plain and all(name in entries for name in model.state_dict())
-    return dict(_entries(model)) if live else model.state_dict()
+    return entries if live else model.state_dict()
 
 
 def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
