@@ -267,8 +267,8 @@ class Policy:
             params = [p for p in self.model.parameters() if p.grad is not None]
             # the norm is read with the step's verdicts and sums (one read of the device, not two);
             # what clipping scales is found before that read, while the device runs the backward
-            gradient_norm = global_grad_norm(params)
             clipped = local_gradients(params)
+            gradient_norm = global_grad_norm(params, clipped)
             # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
             shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
             settled = settled_step(refused, finite, loss_sum, sums, shares, self.device, gradient_norm)

@@ -17,20 +17,22 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """The L2 norm of all gradients, as if the model were unsharded (fp32)."""
+def global_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], local_grads: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The L2 norm of all gradients, as if the model were unsharded (fp32). ``local_grads``:
+    their ``local_gradients``, when the caller has found them already."""
+    params = [p for p in parameters if p.grad is not None]
+    locals_ = local_grads if local_grads is not None else local_gradients(params)
     # (mesh, axes the gradient is sharded on) -> this rank's local gradients of that kind
     buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     device = None
-    for p in parameters:
+    for p, local in zip(params, locals_, strict=True):
         g = p.grad
-        if g is None:
-            continue
         mesh: DeviceMesh | None = None
         axes: tuple[int, ...] = ()
-        local = g
         if isinstance(g, DTensor):
-            mesh, local = g.device_mesh, g.to_local()
+            mesh = g.device_mesh
             # FSDP2 over a dim TP already shards places a _StridedShard on the dp axis, which in
             # torch 2.13 is no Shard (and says is_shard() False): missing it undercounted every
             # such gradient dp times, and clipping at dp x tp scaled the step wrongly
