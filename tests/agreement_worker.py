@@ -71,11 +71,17 @@ def _raised(call):
     return outcome, time.perf_counter() - started
 
 
-def _consume_failing_on(rank):
+CONSUMED: dict[str, int] = {}  # tensors each case's consumer took before it or its peer raised
+
+
+def _consume_failing_on(rank, agree_every=None):
     def consume(policy):
-        for index, (name, tensor) in enumerate(policy.weights(bucket_bytes=1 << 14)):
+        key = f"{rank}/{agree_every}"
+        CONSUMED[key] = 0
+        for index, (name, _) in enumerate(policy.weights(bucket_bytes=1 << 14, agree_every=agree_every)):
             if dist.get_rank() == rank and index == 3:
                 raise RuntimeError(f"the consumer on rank {rank} refused {name}")
+            CONSUMED[key] = index + 1
 
     return consume
 
@@ -99,6 +105,7 @@ def failures_agreed(plan, model_name, root):
         "export: rank 0's folder read-only": ("export:readonly@0", lambda: policy.export_hf(Path(root) / "out")),
         "weights(): the consumer raises on rank 0": ("", lambda: _consume_failing_on(0)(policy)),
         "weights(): the consumer raises on rank 1": ("", lambda: _consume_failing_on(1)(policy)),
+        "weights(agree_every=4): the consumer raises on rank 1": ("", lambda: _consume_failing_on(1, 4)(policy)),
     }
     out = {}
     for case, (fault, call) in cases.items():
@@ -110,6 +117,8 @@ def failures_agreed(plan, model_name, root):
         after = policy.logprobs(mine)
         out[case] = {"outcome": outcome, "seconds": seconds, "same_logprobs": bool(torch.equal(after, before))}
     out["saved after the failures"] = str(policy.save(Path(root) / "ck"))
+    out["consumed"] = dict(CONSUMED)
+    out["tensors per bucket"] = [len(b["tensors"]) for b in policy.weights_manifest(bucket_bytes=1 << 14)["buckets"]]
     return out
 
 

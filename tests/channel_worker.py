@@ -10,9 +10,10 @@ import time
 from .distributed import init_gloo
 
 
-def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir):
+def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir, in_flight=None, agree_every=None):
     """One training step, the manifest written for the receiver, the weights sent over the
-    channel (rank 0 sends, every rank gathers), then export_hf for the comparison."""
+    channel (rank 0 sends ``in_flight`` buckets at once, every rank gathers, the ranks agreeing
+    every ``agree_every`` buckets), then export_hf for the comparison."""
     import torch
 
     import plancc
@@ -32,11 +33,11 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir)
         import os
 
         os.replace(manifest_path + ".tmp", manifest_path)
-        channel = _open_on_any_port(port)  # a file the receiver reads the port from
+        channel = _open_on_any_port(port, in_flight)  # a file the receiver reads the port from
     else:
         channel = None
     try:
-        result["sent"] = policy.send_weights(channel, bucket_bytes=bucket_bytes)
+        result["sent"] = policy.send_weights(channel, bucket_bytes=bucket_bytes, agree_every=agree_every)
     except plancc.WeightChannelError as exc:
         result["error"] = str(exc)
     if channel is not None:
@@ -46,8 +47,11 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir)
     return result
 
 
-def receiver(port: str, manifest_path: str, out_path: str, tamper: bool, timeout: float = 60) -> int:
-    """Join the channel as rank 1 once the manifest is there; save what arrives."""
+def receiver(
+    port: str, manifest_path: str, out_path: str, tamper: bool, timeout: float = 60, in_flight: int | None = None
+) -> int:
+    """Join the channel as rank 1 once the manifest is there; save what arrives, and print the
+    buffers the tensors were views into (their count and bytes)."""
     import torch
 
     import plancc
@@ -65,17 +69,23 @@ def receiver(port: str, manifest_path: str, out_path: str, tamper: bool, timeout
             time.sleep(0.1)
     if tamper:  # a receiver that expects another model: one tensor of another shape
         manifest["buckets"][0]["tensors"][0]["shape"][0] += 1
-    channel = plancc.weight_channel("127.0.0.1", _port(port), rank=1, world_size=2, backend="gloo", timeout=timeout)
+    channel = plancc.weight_channel(
+        "127.0.0.1", _port(port), rank=1, world_size=2, backend="gloo", timeout=timeout, in_flight=in_flight
+    )
+    buffers: dict[int, int] = {}
     try:
-        received = {name: tensor.clone() for name, tensor in plancc.receive_weights(channel, manifest)}
+        received = {}
+        for name, tensor in plancc.receive_weights(channel, manifest):
+            storage = tensor.untyped_storage()
+            buffers[storage.data_ptr()] = storage.nbytes()
+            received[name] = tensor.clone()
     except plancc.WeightChannelError as exc:
         print(f"ERROR: {exc}", flush=True)
         channel.close()
         return 3
     channel.close()
     torch.save(received, out_path)
-    largest = max(int(b["bytes"]) for b in manifest["buckets"])
-    print(f"RECEIVED {len(received)} BUFFER {largest}", flush=True)
+    print(f"RECEIVED {len(received)} BUFFERS {len(buffers)} BYTES {sum(buffers.values())}", flush=True)
     return 0
 
 
@@ -96,7 +106,7 @@ def _port(value) -> int:
             time.sleep(0.05)
 
 
-def _open_on_any_port(port_path: str):
+def _open_on_any_port(port_path: str, in_flight: int | None = None):
     """Rank 0's channel on a port the system picks, written to ``port_path`` for the receiver."""
     import os
 
@@ -107,7 +117,9 @@ def _open_on_any_port(port_path: str):
             f.write(str(port))
         os.replace(port_path + ".tmp", port_path)
 
-    return plancc.weight_channel("127.0.0.1", 0, rank=0, world_size=2, backend="gloo", timeout=60, on_open=tell)
+    return plancc.weight_channel(
+        "127.0.0.1", 0, rank=0, world_size=2, backend="gloo", timeout=60, on_open=tell, in_flight=in_flight
+    )
 
 
 def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path, export_dir):
@@ -165,12 +177,14 @@ def dying_receiver(port: str, manifest_path: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``dying PORT MANIFEST`` or ``PORT MANIFEST OUT TAMPER [TIMEOUT]``: a receiver's exit code."""
+    """``dying PORT MANIFEST`` or ``PORT MANIFEST OUT TAMPER [TIMEOUT [IN_FLIGHT]]``: a receiver's
+    exit code."""
     if argv[0] == "dying":
         return dying_receiver(argv[1], argv[2])
     port, manifest_path, out_path, tamper = argv[0], argv[1], argv[2], argv[3] == "1"
     timeout = float(argv[4]) if len(argv) > 4 else 60
-    return receiver(port, manifest_path, out_path, tamper, timeout)
+    in_flight = int(argv[5]) if len(argv) > 5 else None
+    return receiver(port, manifest_path, out_path, tamper, timeout, in_flight)
 
 
 if __name__ == "__main__":

@@ -55,8 +55,19 @@ def test_one_ranks_failure_is_every_ranks_within_seconds_and_the_policy_goes_on(
             else:  # the peer is told who stopped, at its next settle
                 assert consumer["outcome"].startswith("AgreedRefitError"), consumer
                 assert f"rank {failing}, bucket" in consumer["outcome"] and "stopped taking weights" in consumer["outcome"]
+        # settled every 4 buckets: the peer takes the buckets up to the next settle after the
+        # failing rank's bucket b (before every bucket: it stops right after b), then raises
+        sizes, consumed = out["tensors per bucket"], out["consumed"]
+        failed_in = next(b for b in range(len(sizes)) if sum(sizes[: b + 1]) > 3)  # the 4th tensor's bucket
+        for every in (None, 4):
+            case = out[f"weights({'' if every is None else f'agree_every={every}'}): the consumer raises on rank 1"]
+            if rank == 0:
+                settled_at = min(-(-(failed_in + 1) // (every or 1)) * (every or 1), len(sizes))
+                assert f"rank 1, bucket {failed_in + 1}:" in case["outcome"], case
+                assert consumed[f"1/{every}"] == sum(sizes[:settled_at]), (every, consumed, sizes, failed_in)
+        assert sum(sizes[: -(-(failed_in + 1) // 4) * 4]) > sum(sizes[: failed_in + 1])  # the two cadences differ
         for case, row in out.items():
-            if isinstance(row, dict):
+            if isinstance(row, dict) and "outcome" in row:
                 assert row["seconds"] < GENEROUS_S and row["same_logprobs"], (rank, case, row)
         assert out["saved after the failures"].endswith("step-000000")
     assert (tmp_path / "ck" / "step-000000" / "plancc.json").is_file()

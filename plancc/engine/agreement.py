@@ -8,7 +8,15 @@ error that names nothing. So each rank notes its problem instead of leaving, and
 bucket's gather (and once at the end) the ranks settle: one all-reduce of a flag, and when
 any rank noted one, the earliest problem -- its rank, its bucket, its cause -- is raised on
 every rank as the same ``WeightChannelError``. No rank is then inside a collective another
-skipped. A resharded refit settles the same way before each gather and at the end; a policy
+skipped.
+
+A settle is a read of the device (the flag's value), so on a GPU it stops the host from queuing
+the next bucket's gathers while the last bucket is still on the wire. A refit may therefore
+settle every ``every`` buckets instead of before each one: a rank that noted a problem goes on
+taking part in the gathers (it hands nothing more out) until the next settle, where every rank
+raises it. The latency of a failure report is then at most ``every`` buckets' gathers.
+
+A resharded refit settles the same way before each gather and at the end; a policy
 rank whose point-to-point send failed stops sending, and the receiver waiting for it fails
 within the channel's timeout.
 """
@@ -39,6 +47,7 @@ class RefitAgreement:
     problem: str = ""
     at: int = 0  # the bucket the problem was noted at
     settled: bool = False  # a settle raised: every rank has left together, nothing more to agree
+    every: int = 1  # buckets between settles (the first bucket and the end always settle)
 
     def note(self, exc: BaseException) -> None:
         """This rank's problem at the current bucket (the first one counts)."""
@@ -48,6 +57,10 @@ class RefitAgreement:
             where = f"{self.unit} {self.bucket}" if self.bucket else f"before the first {self.unit}"
             self.problem = f"rank {dist.get_rank()}, {where}: {said(exc)}"
             self.at = self.bucket
+
+    def due(self, index: int) -> bool:
+        """Whether the ranks settle before the gather of bucket ``index`` (0-based)."""
+        return index % self.every == 0
 
     def settle(self) -> None:
         """Collective: every rank raises the first rank's problem when any rank noted one."""

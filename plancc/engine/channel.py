@@ -10,10 +10,15 @@ digests of their manifests, so a receiver expecting another model or plan fails 
 both sides instead of misreading bytes; every wait is bounded by the channel's timeout.
 
 A bucket travels as one flat byte buffer (the tensors of the bucket one after the other, in
-manifest order), broadcast from rank 0; the receiver keeps one buffer the size of the largest
-bucket and reuses it, so its memory is bounded by the bucket (vLLM's packed broadcast does the
-same). The tensors it yields are views into that buffer, valid until the next one is received:
-an engine's ``load_weights`` copies them into its parameters.
+manifest order), broadcast from rank 0. Each side keeps ``in_flight`` buffers, allocated once a
+refit and used in turn, so its memory is bounded by that many buckets (vLLM's packed broadcast
+does the same): with two (the default on nccl), the sender packs bucket k + 1 while bucket k is
+on the wire and a receiver's engine loads bucket k while k + 1 arrives. A buffer is filled again
+only once the broadcast that last used it is done; on nccl that wait orders the CUDA stream, not
+the host, which waits once a refit, for the last bucket, within the channel's timeout (a peer
+gone mid-refit is reported there, or by NCCL's watchdog at the same timeout). The tensors a
+receiver yields are views into a buffer, valid until the next bucket is asked for: an engine's
+``load_weights`` copies them into its parameters.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,6 +42,21 @@ FORMAT = "plancc-weights/1"
 
 class WeightChannelError(RuntimeError):
     """The channel could not carry the weights: a peer missing or gone, or manifests that differ."""
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """An op started on the channel and not yet waited for (``WeightChannel.start``)."""
+
+    work: Any
+    what: str
+    tensor: torch.Tensor | None  # what the op reads or fills: alive until it is done
+
+
+def _broadcast(tensor: torch.Tensor, root: int) -> Callable[[Any], Any]:
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = root, 0
+    return lambda group: group.broadcast([tensor], options)
 
 
 @dataclass(slots=True)
@@ -61,6 +82,8 @@ class WeightChannel:
     plans: dict[tuple[int, ...], Any] = field(default_factory=dict)
     # a receiver's own parallelized meta model by (manifest digest, plan, tp): built once
     receiver_layouts: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    # buckets on the wire at once, each in a buffer of its own (``weight_channel``)
+    in_flight: int = 1
 
     @property
     def port(self) -> int:
@@ -98,6 +121,11 @@ class WeightChannel:
 
     def _run(self, issue: Callable[[Any], Any], what: str) -> None:
         """``issue(group)`` (a collective or a point-to-point op), waited for within the timeout."""
+        self.finish(self.start(issue, what, None), on_host=True)
+
+    def start(self, issue: Callable[[Any], Any], what: str, tensor: torch.Tensor | None) -> InFlight:
+        """``issue(group)``, not waited for: ``finish`` it (``tensor``, the one it reads or
+        fills, is kept alive until then)."""
         if self.group is None:
             raise WeightChannelError(f"weight channel rank {self.rank}: {what}: the channel is closed")
         if self.broken:
@@ -106,29 +134,48 @@ class WeightChannel:
                 "close it and open a new one (plancc.weight_channel)"
             )
         try:
-            issue(self.group).wait(self.timeout)
+            return InFlight(issue(self.group), what, tensor)
+        except Exception as exc:
+            raise self._failed(what, exc) from None
+
+    def finish(self, flight: InFlight, *, on_host: bool) -> None:
+        """Wait for a started op: on the host within the timeout when ``on_host`` (and always on
+        gloo, whose ops are the host's work), else -- nccl -- by ordering the current CUDA stream
+        after it, so that the host goes on queuing work."""
+        try:
+            if on_host or self.device == "cpu":
+                flight.work.wait(self.timeout)
+            else:
+                flight.work.wait()
         except Exception as exc:  # gloo / nccl say "timed out" or "connection closed" in their words
-            self.broken = True
-            peer = "the receivers" if self.is_sender else "the policy (channel rank 0)"
-            raise WeightChannelError(
-                f"weight channel rank {self.rank}: {what}: no answer from {peer} within "
-                f"{self.timeout.total_seconds():g}s ({str(exc).splitlines()[0][:200]})"
-            ) from None
+            raise self._failed(flight.what, exc) from None
+
+    def _failed(self, what: str, exc: Exception) -> WeightChannelError:
+        self.broken = True
+        peer = "the receivers" if self.is_sender else "the policy (channel rank 0)"
+        return WeightChannelError(
+            f"weight channel rank {self.rank}: {what}: no answer from {peer} within "
+            f"{self.timeout.total_seconds():g}s ({str(exc).splitlines()[0][:200]})"
+        )
 
     def broadcast(self, tensor: torch.Tensor, what: str, *, root: int = 0) -> None:
         """``tensor`` from channel rank ``root`` to every member (in place on the others): the
         weights go from rank 0; a rollout engine may answer the same way (its rollouts)."""
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor = root, 0
-        self._run(lambda group: group.broadcast([tensor], options), what)
+        self._run(_broadcast(tensor, root), what)
 
-    def send(self, tensor: torch.Tensor, to: int, tag: int, what: str) -> None:
-        """``tensor`` to channel rank ``to`` alone (a resharded refit's point-to-point pieces)."""
-        self._run(lambda group: group.send([tensor], to, tag), what)
+    def start_broadcast(self, tensor: torch.Tensor, what: str) -> InFlight:
+        """``broadcast`` from rank 0, started and not waited for (``finish`` it)."""
+        return self.start(_broadcast(tensor, 0), what, tensor)
 
-    def recv(self, tensor: torch.Tensor, source: int, tag: int, what: str) -> None:
-        """Into ``tensor``, what channel rank ``source`` sends with ``tag``."""
-        self._run(lambda group: group.recv([tensor], source, tag), what)
+    def start_send(self, tensor: torch.Tensor, to: int, tag: int, what: str) -> InFlight:
+        """``tensor`` to channel rank ``to`` alone (a resharded refit's point-to-point pieces),
+        started and not waited for (``finish`` it)."""
+        return self.start(lambda group: group.send([tensor], to, tag), what, tensor)
+
+    def start_recv(self, tensor: torch.Tensor, source: int, tag: int, what: str) -> InFlight:
+        """Into ``tensor``, what channel rank ``source`` sends with ``tag``, started and not waited
+        for (``finish`` it)."""
+        return self.start(lambda group: group.recv([tensor], source, tag), what, tensor)
 
     def gather(self, value: int, what: str) -> list[int]:
         """Every member's ``value`` (an int64), in channel rank order."""
@@ -155,15 +202,21 @@ def weight_channel(
     backend: str | None = None,
     timeout: float = 60.0,
     on_open: Callable[[int], None] | None = None,
+    in_flight: int | None = None,
 ) -> WeightChannel:
     """Join (rank 0: open) the weight channel at ``host:port`` of ``world_size`` members: the
     policy's rank 0 as rank 0, receivers as 1..world_size-1. Rank 0 may pass port 0 and an
     ``on_open(port)`` that tells the receivers the port the system picked (before it waits for
     them): no port is chosen in advance and taken by someone else meanwhile.
     ``backend``: gloo or nccl (default: nccl when CUDA is available). Every member must join
-    within ``timeout`` seconds."""
+    within ``timeout`` seconds. ``in_flight``: buckets this member has on the wire at once, each
+    in a buffer of its own (default 2 on nccl, whose copies overlap the packing; 1 on gloo, where
+    packing the next bucket competes for the cores gloo sends with: ``docs/performance.md``);
+    each member chooses its own."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a channel of {world_size}")
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1):
+        raise ValueError(f"in_flight={in_flight!r}: a number of buckets, 1 or more")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     wait = timedelta(seconds=timeout)
     try:
@@ -186,7 +239,8 @@ def weight_channel(
     else:
         group = dist.ProcessGroupGloo(store, rank, world_size, wait)
         device = "cpu"
-    return WeightChannel(group, store, rank, world_size, device, wait)
+    depth = in_flight or (2 if backend == "nccl" else 1)
+    return WeightChannel(group, store, rank, world_size, device, wait, in_flight=depth)
 
 
 def nccl_options(timeout: timedelta) -> Any:
@@ -310,28 +364,52 @@ def send_buckets(
 def _send_each(
     channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
 ) -> int:
-    """Each bucket packed into one buffer allocated once (zeroed once: alignment gaps never carry
-    stale host memory) and broadcast; a bucket of one tensor goes as its own bytes, uncopied.
-    Waited for bucket by bucket: a second buffer in flight (packing k + 1 while k is on the
-    wire) measured slower on gloo and held two buckets more (``docs/performance.md``)."""
+    """Each bucket packed into one of ``channel.in_flight`` buffers, used in turn, and broadcast
+    without a wait: a buffer is packed again once the broadcast that last read it is done (the
+    oldest one in flight). A bucket of one tensor goes as its own bytes, uncopied (held until its
+    broadcast is done). The buffers are allocated once a refit, zeroed (alignment gaps never
+    carry stale memory), each as large as the largest bucket it packs."""
     count = len(manifest["buckets"])
-    largest = max((int(b["bytes"]) for b in manifest["buckets"]), default=0)
-    buffer: torch.Tensor | None = None
+    pool = _Buffers(manifest, channel.in_flight, channel.device)
+    flights: deque[InFlight] = deque()
     sent = 0
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
         names = [n for n, _ in bucket]
         if names != [t["name"] for t in expected["tensors"]]:
             raise WeightChannelError(f"bucket {index}: the weights do not follow the manifest ({names[:3]} ...)")
+        if len(flights) == channel.in_flight:  # the oldest broadcast's buffer is this bucket's
+            channel.finish(flights.popleft(), on_host=False)
         flat = _alone(bucket, int(expected["bytes"]), channel.device)
         if flat is None:
-            if buffer is None:  # only when some bucket packs several tensors
-                buffer = torch.zeros(largest, dtype=torch.uint8, device=channel.device)
-            flat = pack_into(buffer[: int(expected["bytes"])], bucket)
+            flat = pack_into(pool.slot(index, int(expected["bytes"])), bucket)
         faults.inject("send", rank=dist.get_rank() if dist.is_initialized() else 0, step=index + 1)
-        channel.broadcast(flat, f"bucket {index} of {count}")
+        flights.append(channel.start_broadcast(flat, f"bucket {index} of {count}"))
         sent += flat.numel()
         del flat
+    while flights:  # the host waits once: for the last bucket, and so for every one before it
+        channel.finish(flights.popleft(), on_host=not flights)
     return sent
+
+
+class _Buffers:
+    """A sender's byte buffers: bucket k is packed in buffer k % depth, allocated (zeroed) when
+    first needed, as large as the largest bucket of that turn that the manifest says packs
+    several tensors (a bucket of one tensor is usually sent as its own bytes)."""
+
+    def __init__(self, manifest: Mapping[str, Any], depth: int, device: str) -> None:
+        self.depth, self.device = depth, device
+        packed = [int(b["bytes"]) if len(b["tensors"]) > 1 else 0 for b in manifest["buckets"]]
+        self.sizes = [max(packed[turn::depth], default=0) for turn in range(depth)]
+        self.buffers: list[torch.Tensor | None] = [None] * depth
+
+    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of bucket ``index``'s buffer."""
+        turn = index % self.depth
+        buffer = self.buffers[turn]
+        if buffer is None or buffer.numel() < nbytes:  # a one-tensor bucket that must be packed grows it
+            buffer = torch.zeros(max(nbytes, self.sizes[turn]), dtype=torch.uint8, device=self.device)
+            self.buffers[turn] = buffer
+        return buffer[:nbytes]
 
 
 def _alone(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> torch.Tensor | None:
@@ -370,14 +448,29 @@ def unpack(flat: torch.Tensor, entries: list[Mapping[str, Any]]) -> Iterator[tup
 
 
 def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A receiver's side: ``(hf_name, tensor)`` of every weight the policy sends, one bucket in
-    flight at a time, each tensor a view into one reused buffer (valid until the next bucket)."""
+    """A receiver's side: ``(hf_name, tensor)`` of every weight the policy sends, each a view into
+    one of ``channel.in_flight`` buffers used in turn (valid until the next bucket is asked for).
+    The next buckets' broadcasts are started before a bucket is handed on, so they arrive while
+    the caller loads it; a buffer is filled again only once the caller has moved past its
+    bucket."""
     check_manifest(manifest)
     handshake(channel, manifest)
-    largest = max((int(b["bytes"]) for b in manifest["buckets"]), default=0)
-    buffer = torch.empty(largest, dtype=torch.uint8, device=channel.device)
-    count = len(manifest["buckets"])
+    sizes = [int(b["bytes"]) for b in manifest["buckets"]]
+    count, depth = len(sizes), channel.in_flight
+    pool = [
+        torch.empty(max(sizes[turn::depth]), dtype=torch.uint8, device=channel.device)
+        for turn in range(min(depth, count))
+    ]
+
+    def start(index: int) -> InFlight:
+        flat = pool[index % depth][: sizes[index]]
+        return channel.start_broadcast(flat, f"bucket {index} of {count}")
+
+    flights = deque(start(index) for index in range(min(depth, count)))
     for index, bucket in enumerate(manifest["buckets"]):
-        flat = buffer[: int(bucket["bytes"])]
-        channel.broadcast(flat, f"bucket {index} of {count}")
-        yield from unpack(flat, bucket["tensors"])
+        flight = flights.popleft()
+        channel.finish(flight, on_host=index == count - 1)  # the host waits for the last bucket alone
+        assert flight.tensor is not None  # a broadcast's buffer
+        yield from unpack(flight.tensor, bucket["tensors"])
+        if index + depth < count:  # the caller is done with this bucket's buffer
+            flights.append(start(index + depth))

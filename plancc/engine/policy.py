@@ -358,16 +358,14 @@ class Policy:
         out = WeightFormat.of(weight_format, options)
         self._require_onloaded("weights")
         shards.back_to_shards(self.model)
-        yield from self._transport.stream(
-            bucket_bytes=out.bucket_bytes, dtype=out.dtype, adapters_only=out.adapters_only
-        )
+        yield from self._transport.stream(out)
 
     def weights_manifest(self, weight_format: WeightFormat | None = None, **options: Any) -> dict[str, Any]:
         """What ``send_weights`` will send, as JSON-serialisable data for the receiver (every
         tensor's name, shape and dtype, bucket by bucket; with ``adapters_only`` the adapters'
         PEFT config too). Local: nothing is gathered."""
         out = WeightFormat.of(weight_format, options)
-        return self._transport.manifest(bucket_bytes=out.bucket_bytes, dtype=out.dtype, adapters_only=out.adapters_only)
+        return self._transport.manifest(out)
 
     def send_weights(
         self,
@@ -389,9 +387,7 @@ class Policy:
         out = WeightFormat.of(weight_format, options)
         self._require_onloaded("send_weights")
         shards.back_to_shards(self.model)
-        return self._transport.send(
-            channel, bucket_bytes=out.bucket_bytes, dtype=out.dtype, reshard=reshard, adapters_only=out.adapters_only
-        )
+        return self._transport.send(channel, out, reshard=reshard)
 
     def share_weights(
         self, connection: Any, weight_format: WeightFormat | None = None, *, timeout: float = 60.0, **options: Any
@@ -404,9 +400,7 @@ class Policy:
         out = WeightFormat.of(weight_format, options)
         self._require_onloaded("share_weights")
         shards.back_to_shards(self.model)
-        return self._transport.share(
-            connection, bucket_bytes=out.bucket_bytes, dtype=out.dtype, timeout=timeout, adapters_only=out.adapters_only
-        )
+        return self._transport.share(connection, out, timeout=timeout)
 
     def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place);

@@ -24,6 +24,11 @@ never all of them together.
 
 ``dtype`` (the manifest's, from ``send_weights(dtype=)``): floating pieces are sent in it and
 the receivers' shards are made in it.
+
+No piece is waited for on its own: a policy rank starts its sends and waits for the oldest only
+once ``in_flight`` buckets' bytes are on the wire, and a receiver starts every receive of a
+parameter before it waits for the first. On nccl those waits order the CUDA stream; the host
+waits once a refit, for the last piece (``engine.channel``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +52,7 @@ from ..runtime import faults
 from ..runtime.local_tensors import local_tensor
 from ..runtime.lora import adapters_of, merged
 from .agreement import RefitAgreement
-from .channel import WeightChannel, WeightChannelError, digest
+from .channel import InFlight, WeightChannel, WeightChannelError, digest
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 
@@ -183,11 +189,14 @@ def send_shards(
     receivers: int,
     dtype: torch.dtype | None = None,
     device: str = "cpu",
+    bucket_bytes: int = 512 * 2**20,
 ) -> int:
     """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
-    this rank sent. A problem on any policy rank is raised on every one (``engine.agreement``;
+    this rank sent, with at most ``channel.in_flight * bucket_bytes`` of them unfinished at a
+    time. A problem on any policy rank is raised on every one (``engine.agreement``;
     ``device``: the policy's process group's)."""
     agreement = RefitAgreement(device, unit="transfer")
+    flights = _Sends(channel, agreement, channel.in_flight * bucket_bytes)
     params = dict(model.named_parameters())
     # LoRA: the receivers hold the base model; each adapted weight goes out merged, piece by
     # piece (a piece's block of B @ A from the adapters, gathered whole first: r x (in + out))
@@ -226,15 +235,46 @@ def send_shards(
                 if dtype is not None and piece.is_floating_point():
                     piece = piece.to(dtype)
                 piece = piece.contiguous().to(channel.device)
-                channel.send(piece, r, index, f"{name} to channel rank {r}")
+                flights.send(piece, r, index, f"{name} to channel rank {r}")
                 sent += piece.numel() * piece.element_size()
                 del piece
             except Exception as exc:
                 agreement.note(exc)
         if name == held_name and index == last[name]:
             gathered, held_name = None, None  # its last transfer: dropped before the next gather
+    flights.drain()
     agreement.settle()
     return sent
+
+
+class _Sends:
+    """A policy rank's sends in flight, oldest first, finished once their bytes pass ``budget``
+    and all at the end; a failed one is noted (raised on every rank at the next settle)."""
+
+    def __init__(self, channel: WeightChannel, agreement: RefitAgreement, budget: int) -> None:
+        self.channel, self.agreement, self.budget = channel, agreement, budget
+        self.flights: deque[InFlight] = deque()
+        self.held = 0
+
+    def send(self, piece: torch.Tensor, to: int, tag: int, what: str) -> None:
+        self.flights.append(self.channel.start_send(piece, to, tag, what))
+        self.held += piece.numel() * piece.element_size()
+        while self.held > self.budget and len(self.flights) > 1:
+            self._finish_oldest(on_host=False)
+
+    def drain(self) -> None:
+        """Every send finished; the host waits for the last (and so for every one before it)."""
+        while self.flights:
+            self._finish_oldest(on_host=len(self.flights) == 1)
+
+    def _finish_oldest(self, *, on_host: bool) -> None:
+        flight = self.flights.popleft()
+        assert flight.tensor is not None  # a send's piece
+        self.held -= flight.tensor.numel() * flight.tensor.element_size()
+        try:
+            self.channel.finish(flight, on_host=on_host)
+        except Exception as exc:  # the receiver is gone: this rank sends no more
+            self.agreement.note(exc)
 
 
 def receive_shards(
@@ -253,22 +293,26 @@ def receive_shards(
             )
         mine[name] = {"box": [list(box[0]), list(box[1])], "owner": True}
     plan = transfer_plan(channel, mine, list(params), policy_world)
-    current, shard, got = None, torch.empty(0, device=channel.device), 0
+    incoming: dict[str, list[tuple[int, int, Box]]] = {}  # this receiver's transfers by parameter, in order
     for index, (name, p, r, part) in enumerate(plan.transfers):
-        if r != channel.rank:
-            continue
-        if name != current:
-            if current is not None:
-                yield current, shard, got
-            current, got = name, 0
-            box = _box(mine[name]["box"])
-            kind = params[name].dtype
-            shard = torch.empty(
-                box[1], dtype=dtype if dtype is not None and kind.is_floating_point else kind, device=channel.device
-            )
-        piece = torch.empty(part[1], dtype=shard.dtype, device=channel.device)
-        channel.recv(piece, p, index, f"{name} from channel rank {p}")
-        shard[_slices(part, _box(mine[name]["box"]))] = piece
-        got += piece.numel() * piece.element_size()
-    if current is not None:
-        yield current, shard, got
+        if r == channel.rank:
+            incoming.setdefault(name, []).append((index, p, part))
+    for position, (name, pieces) in enumerate(incoming.items()):
+        box = _box(mine[name]["box"])
+        kind = params[name].dtype
+        wanted = dtype if dtype is not None and kind.is_floating_point else kind
+        shard = torch.empty(box[1], dtype=wanted, device=channel.device)
+        started = []
+        for index, p, part in pieces:  # all of the parameter's pieces on the wire at once
+            whole = part == box  # one piece is the whole shard: received in place
+            piece = shard if whole else torch.empty(part[1], dtype=wanted, device=channel.device)
+            started.append((channel.start_recv(piece, p, index, f"{name} from channel rank {p}"), part))
+        got = 0
+        for number, (flight, part) in enumerate(started):
+            last = position == len(incoming) - 1 and number == len(started) - 1
+            channel.finish(flight, on_host=last)  # the host waits for the refit's last piece alone
+            assert flight.tensor is not None  # a receive's buffer
+            if flight.tensor is not shard:
+                shard[_slices(part, box)] = flight.tensor
+            got += flight.tensor.numel() * flight.tensor.element_size()
+        yield name, shard, got

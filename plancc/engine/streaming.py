@@ -32,18 +32,30 @@ from .values import given_or_keywords
 
 # a bucket of weights out (``Policy.weights``, ``send_weights``, ``share_weights``) unless told
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+# buckets between the refit's failure agreements on a GPU unless told: a failure is reported at
+# most 8 buckets (4 GiB at the default size) after it arose, and the host queues 8 buckets'
+# gathers between two reads of the device
+GPU_AGREE_EVERY = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WeightFormat:
     """How a policy's weights go out (``weights``, ``weights_manifest``, ``send_weights``,
     ``share_weights``): gathered ``bucket_bytes`` at a time, floating tensors in ``dtype`` (None:
-    their own), with LoRA the adapters alone under PEFT's names (``adapters_only``) or merged.
-    The same as the keywords of the same names."""
+    their own), with LoRA the adapters alone under PEFT's names (``adapters_only``) or merged,
+    the ranks agreeing on failures every ``agree_every`` buckets (``engine.agreement``; None:
+    before every bucket on the CPU, every ``GPU_AGREE_EVERY``-th on a GPU, where each agreement
+    is a read of the device). The same as the keywords of the same names."""
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     dtype: torch.dtype | None = None
     adapters_only: bool = False
+    agree_every: int | None = None
+
+    def __post_init__(self) -> None:
+        every = self.agree_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"agree_every={every!r}: a number of buckets, 1 or more (or None for the default)")
 
     @classmethod
     def of(cls, given: WeightFormat | None, keywords: Mapping[str, Any]) -> WeightFormat:
@@ -165,8 +177,8 @@ def weight_buckets(
     adapters_only: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``. With an
-    ``agreement``, the ranks settle before each bucket's gather (a problem any rank noted is
-    raised on every rank there, before anyone enters the gather)."""
+    ``agreement``, the ranks settle before the gather of every ``agreement.every``-th bucket (a
+    problem any rank noted is raised on every rank there, before anyone enters the gather)."""
     state, plan, adapters = _plan(model, bucket_bytes, dtype, adapters_only)
     merge = adapters.by_base_weight() if adapters is not None else {}
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -179,7 +191,8 @@ def weight_buckets(
                 faults.inject("gather", rank=rank, step=index + 1)
             except Exception as exc:
                 agreement.note(exc)
-            agreement.settle()
+            if agreement.due(index):
+                agreement.settle()
         # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
         gathers = any(isinstance(t := state[name], DTensor) and t.device_mesh.size() > 1 for name in bucket)
         # no_grad: the entries are the parameters themselves (``_state``), gathered as values

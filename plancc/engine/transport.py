@@ -31,7 +31,7 @@ from .agreement import AgreedRefitError, RefitAgreement, first_problem
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
 from .reshard import send_shards
-from .streaming import manifest_buckets, weight_buckets
+from .streaming import GPU_AGREE_EVERY, WeightFormat, manifest_buckets, weight_buckets
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
@@ -42,20 +42,16 @@ class WeightTransport:
     def __init__(self, model: nn.Module, config: PretrainedConfig, device: str) -> None:
         self.model, self.config, self.device = model, config, device
 
-    def stream(
-        self, *, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, out: WeightFormat) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)``, gathered one bucket at a time (collective), under the one
-        failure rule: the ranks settle before each bucket's gather and at the end. A consumer
-        that raises (or stops iterating) on one rank closes its generator there (CPython closes
-        it as the exception leaves the loop that held it): that rank notes it and settles once,
-        so its peers raise an ``AgreedRefitError`` naming it at their next settle instead of
-        waiting in the next gather for the process group's timeout; the consumer's own
-        exception goes on on its rank."""
-        agreement = RefitAgreement(self.device)
-        buckets = weight_buckets(
-            self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement, adapters_only=adapters_only
-        )
+        failure rule: the ranks settle before every ``agree_every``-th bucket's gather and at the
+        end. A consumer that raises (or stops iterating) on one rank closes its generator there
+        (CPython closes it as the exception leaves the loop that held it): that rank notes it and
+        goes on with the gathers to the next settle, so its peers raise an ``AgreedRefitError``
+        naming it there instead of waiting in a gather for the process group's timeout; the
+        consumer's own exception goes on on its rank."""
+        agreement = self._agreement(out)
+        buckets = self._buckets(out, agreement)
         try:
             for bucket in buckets:
                 bucket.reverse()
@@ -65,45 +61,50 @@ class WeightTransport:
             if not agreement.settled:  # the consumer left mid-stream; the peers are at a settle
                 agreement.note(WeightChannelError("the consumer stopped taking weights (it raised or broke off)"))
                 with contextlib.suppress(AgreedRefitError):
+                    for _ in buckets:  # the peers' gathers, up to the settle that raises on every rank
+                        pass
                     agreement.settle()
             raise
         agreement.settle()
 
-    def manifest(self, *, bucket_bytes: int, dtype: torch.dtype | None, adapters_only: bool = False) -> dict[str, Any]:
+    def manifest(self, out: WeightFormat) -> dict[str, Any]:
         """What ``send`` sends, as JSON-serialisable data (local: nothing is gathered)."""
-        buckets = manifest_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
-        manifest = make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
+        buckets = manifest_buckets(
+            self.model, bucket_bytes=out.bucket_bytes, dtype=out.dtype, adapters_only=out.adapters_only
+        )
+        manifest = make_manifest(
+            buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=out.dtype
+        )
         adapters = adapters_of(self.model)
-        if adapters_only and adapters is not None:  # what the engine's LoRA loader needs beside the tensors
+        if out.adapters_only and adapters is not None:  # what the engine's LoRA loader needs beside the tensors
             manifest["adapter_config"] = adapters.spec.peft_config(adapters.modules)
         return manifest
 
-    def send(
-        self,
-        channel: WeightChannel | None,
-        *,
-        bucket_bytes: int,
-        dtype: torch.dtype | None,
-        reshard: bool,
-        adapters_only: bool = False,
-    ) -> int:
+    def send(self, channel: WeightChannel | None, out: WeightFormat, *, reshard: bool) -> int:
         """Plain (rank 0 passes the channel) or resharded (every rank passes it). Bytes sent.
         A refit that fails after the manifest handshake leaves the channel broken
         (``WeightChannel.broken``): its receivers are mid-transfer or gone, so it carries nothing
         more and closes without waiting the timeout for them."""
         if reshard:
             self._require(
-                not adapters_only,
+                not out.adapters_only,
                 "a resharded refit sends the merged weights (the receivers' model has no adapters): "
                 "send adapters_only=True plain, from rank 0",
             )
             self._require(channel is not None, "a resharded refit sends from every policy rank: each joins the channel")
             assert channel is not None  # _require raised on every rank otherwise
             # manifests that differ fail on both sides alike: the channel stays whole
-            handshake(channel, self.manifest(bucket_bytes=bucket_bytes, dtype=dtype))
+            handshake(channel, self.manifest(out))
             try:
                 receivers = channel.world_size - dist.get_world_size()
-                return send_shards(channel, self.model, receivers=receivers, dtype=dtype, device=self.device)
+                return send_shards(
+                    channel,
+                    self.model,
+                    receivers=receivers,
+                    dtype=out.dtype,
+                    device=self.device,
+                    bucket_bytes=out.bucket_bytes,
+                )
             except Exception:
                 channel.broken = True
                 raise
@@ -115,49 +116,44 @@ class WeightTransport:
                 )
             return send_buckets(channel, manifest, buckets)
 
-        return self._from_rank0(send, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+        return self._from_rank0(send, out)
 
-    def share(
-        self,
-        connection: Any,
-        *,
-        bucket_bytes: int,
-        dtype: torch.dtype | None,
-        timeout: float,
-        adapters_only: bool = False,
-    ) -> int:
+    def share(self, connection: Any, out: WeightFormat, *, timeout: float) -> int:
         """Colocated: rank 0 shares each bucket by handle over ``connection``. Bytes shared."""
 
         def share(manifest: dict[str, Any], buckets: Buckets) -> int:
             return share_buckets(connection, manifest, buckets, self.device, timeout=timeout)
 
-        return self._from_rank0(share, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
+        return self._from_rank0(share, out)
 
-    def _from_rank0(
-        self,
-        hand_out: Callable[[dict[str, Any], Buckets], int],
-        *,
-        bucket_bytes: int,
-        dtype: torch.dtype | None,
-        adapters_only: bool = False,
-    ) -> int:
+    def _from_rank0(self, hand_out: Callable[[dict[str, Any], Buckets], int], out: WeightFormat) -> int:
         """Every rank gathers the weights bucket by bucket (collective); rank 0 hands each one
         out as it comes. Any exception on any rank is raised on every rank, agreed."""
-        agreement = RefitAgreement(self.device)
-        buckets = weight_buckets(
-            self.model, bucket_bytes=bucket_bytes, dtype=dtype, agreement=agreement, adapters_only=adapters_only
-        )
+        agreement = self._agreement(out)
+        buckets = self._buckets(out, agreement)
         sent = 0
         if dist.get_rank() == 0:
             try:
-                manifest = self.manifest(bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only)
-                sent = hand_out(manifest, buckets)
+                sent = hand_out(self.manifest(out), buckets)
             except Exception as exc:  # noted; raised on every rank at the next settle
                 agreement.note(exc)
         for _ in buckets:  # the gathers are collective: every rank runs them until a settle says stop
             pass
         agreement.settle()
         return sent
+
+    def _agreement(self, out: WeightFormat) -> RefitAgreement:
+        every = out.agree_every or (1 if torch.device(self.device).type == "cpu" else GPU_AGREE_EVERY)
+        return RefitAgreement(self.device, every=every)
+
+    def _buckets(self, out: WeightFormat, agreement: RefitAgreement) -> Buckets:
+        return weight_buckets(
+            self.model,
+            bucket_bytes=out.bucket_bytes,
+            dtype=out.dtype,
+            agreement=agreement,
+            adapters_only=out.adapters_only,
+        )
 
     def _require(self, holds: bool, problem: str) -> None:
         """Collective: a ``WeightChannelError`` on every rank when ``holds`` is false on any."""
