@@ -660,11 +660,16 @@ def reference_places(plan, model_name, layout_kwargs):
         before = policy.logprobs(local)
         policy.train(local, nll)
         kept = [t.clone() for t in policy._shards()]
+        storage = [t.untyped_storage().data_ptr() for t in policy._shards()]
         found[place] = {
             "kept": policy._reference.weights[0].dtype,
             "reference": policy.reference_logprobs(local),
             "before": before,
             "bitwise_after": all(torch.equal(a, b) for a, b in zip(kept, policy._shards(), strict=True)),
+            # on the device the flat shards FSDP gathers from trade places: no buffer for the
+            # policy's weights, and its parameters keep their own storage
+            "by_reference": policy._reference.held is not None and not policy._reference.kept,
+            "same_storage": storage == [t.untyped_storage().data_ptr() for t in policy._shards()],
         }
     torch.distributed.destroy_process_group()
     device, host = found["device"], found["host"]
@@ -673,4 +678,6 @@ def reference_places(plan, model_name, layout_kwargs):
         "same": torch.equal(device["reference"], host["reference"]),
         "initial": torch.equal(device["reference"], device["before"]),
         "bitwise_after": device["bitwise_after"] and host["bitwise_after"],
+        "swapped_by_reference": (device["by_reference"], host["by_reference"]),
+        "same_storage": device["same_storage"] and host["same_storage"],
     }

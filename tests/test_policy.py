@@ -134,13 +134,17 @@ def test_a_loss_normalized_per_rank_is_not_the_global_batch_loss():
 def test_the_reference_on_the_device_in_bf16_gives_the_host_fp32_references_logprobs_bitwise():
     """``reference="device"`` (the default) keeps the reference in the compute dtype on the
     device, ``"host"`` in fp32 host memory: under bf16 compute FSDP casts either to the same bf16
-    weights, so the reference's log-probs are the same bits, and the initial weights' own."""
+    weights, so the reference's log-probs are the same bits, and the initial weights' own. On the
+    device the swap trades the flat shards FSDP gathers from (no bytes copied, no buffer for the
+    policy's weights); in host memory it copies. Either way the policy's parameters keep their
+    storage and come back bitwise."""
     from .distributed import launch
     from .policy_worker import reference_places
 
     for rank, r in launch(reference_places, 2, "plans/qwen3.yaml", "tiny-qwen3", {"dp": 2}).items():
         assert r["dtypes"] == ("torch.bfloat16", "torch.float32"), (rank, r)
         assert r["same"] and r["initial"] and r["bitwise_after"], (rank, r)
+        assert r["swapped_by_reference"] == (True, False) and r["same_storage"], (rank, r)
 
 
 @pytest.mark.slow

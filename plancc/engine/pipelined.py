@@ -116,7 +116,7 @@ class PipelinePolicy:
         self.max_grad_norm = max_grad_norm
         self.step = 0
         place = reference_place(reference)
-        self._reference = ReferenceWeights(self._shards(), place=place, dtype=dtype) if place else None
+        self._reference = ReferenceWeights(self.model, place=place, dtype=dtype) if place else None
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,
@@ -364,7 +364,7 @@ class PipelinePolicy:
         policy's weights are put back bitwise."""
         if self._reference is None:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
-        with self._reference.swapped_into(self._shards):
+        with self._reference.swapped_into(self.model):
             return self.logprobs(batch, **options)
 
     def _shards(self) -> list[torch.Tensor]:

@@ -162,7 +162,7 @@ class Policy:
         # with LoRA the frozen base is the reference: nothing to copy
         place = reference_place(reference)
         self._reference = (
-            ReferenceWeights(self._shards(), place=place, dtype=dtype) if place and self.lora is None else None
+            ReferenceWeights(self.model, place=place, dtype=dtype) if place and self.lora is None else None
         )
         # the roles beside training (each its own module): weights out, memory
         self._transport = WeightTransport(self.model, self.config, self.device)
@@ -340,7 +340,7 @@ class Policy:
         if self.lora is not None:
             reference: AbstractContextManager[None] = adapters_disabled(self.model)
         elif self._reference is not None:
-            reference = self._reference.swapped_into(self._shards)
+            reference = self._reference.swapped_into(self.model)
         else:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with reference:
