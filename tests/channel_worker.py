@@ -125,7 +125,8 @@ def _open_on_any_port(port_path: str, in_flight: int | None = None):
 def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path, export_dir):
     """The weights sent to a receiver that dies after the first bucket (every policy rank gets one
     error naming the bucket and the peer, the weights stay as they were), then over a new channel
-    to a receiver that takes them all."""
+    to a receiver that takes them all; two buckets in flight on the policy's side, the ranks
+    agreeing every 2 buckets (the pipelined sender's failure path)."""
     import os
 
     import torch
@@ -146,9 +147,9 @@ def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path,
     before = _full_state(policy.model)
     result = {}
     for attempt, port_path in enumerate(port_paths):
-        channel = _open_on_any_port(port_path) if rank0 else None
+        channel = _open_on_any_port(port_path, in_flight=2) if rank0 else None
         try:
-            result[f"sent_{attempt}"] = policy.send_weights(channel, bucket_bytes=bucket_bytes)
+            result[f"sent_{attempt}"] = policy.send_weights(channel, bucket_bytes=bucket_bytes, agree_every=2)
             if channel is not None:
                 channel.close()
         except plancc.WeightChannelError as exc:
