@@ -40,6 +40,7 @@ from ..layout import Layout, LayoutError
 from ..models import MASTER_DTYPE, architecture_of, build_model, load_config
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
+from ..runtime.local_step import optimizer_step
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
@@ -216,7 +217,7 @@ class PipelinePolicy:
             self.optimizer.zero_grad(set_to_none=True)
             raise
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        optimizer_step(self.optimizer)  # on the local shards where that is the same update
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

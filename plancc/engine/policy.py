@@ -33,6 +33,7 @@ from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
 from ..models import load_config
 from ..runtime.gradnorm import global_grad_norm, local_gradients, scale_local_to_norm_
+from ..runtime.local_step import optimizer_step
 from ..runtime.lora import LoraSpec, adapters_disabled
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.stepping import require_stepped
@@ -282,7 +283,7 @@ class Policy:
             shards.back_to_shards(self.model)
             raise
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        optimizer_step(self.optimizer)  # on the local shards where that is the same update
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
