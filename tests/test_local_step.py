@@ -11,7 +11,7 @@ LAYOUTS = {"dp2": {"dp": 2}, "tp2-sp": {"tp": 2, "sp": True}}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("layout", "optimizer"),
-    [("dp2", "adamw"), ("tp2-sp", "adamw-fused"), ("dp2", "sgd-momentum")],
+    [("dp2", "adamw-scheduled"), ("tp2-sp", "adamw-fused"), ("dp2", "sgd-momentum")],
 )
 def test_a_step_on_the_local_shards_is_the_dtensor_step_bitwise(layout, optimizer):
     from .distributed import launch
@@ -23,6 +23,10 @@ def test_a_step_on_the_local_shards_is_the_dtensor_step_bitwise(layout, optimize
         assert any(k.startswith("dtensor:") for k in r["kept_as"]), (rank, r)
         # the local way built a twin; the other built none, and the first policy's went with it
         assert r["twins"] == (1, 0), (rank, r)
+        # every step of the optimizer's class ran on plain local tensors one way, on DTensors the
+        # other (a schedule's wrapper of the optimizer's step diverts neither); no schedule warning
+        assert r["steps_on_dtensors"] == ([False] * 3, [True] * 3), (rank, r)
+        assert r["schedule_warned"] == (False, False), (rank, r)
 
 
 def test_an_optimizer_of_another_kind_steps_as_it_is():

@@ -14,8 +14,10 @@ the optimizer's hyperparameters (the schedule's learning rate included) over the
 its state the local tensors of the optimizer's state (the same storage, updated in place). The
 optimizer itself keeps its DTensor state -- checkpoints, offloading and resharding read it --
 and state the twin creates on the first step is handed back to it as DTensors over the twin's
-storage, laid out like their parameters. Any other optimizer (a user's own class, or one whose
-update mixes elements) steps as it is.
+storage, laid out like their parameters. A learning-rate schedule's wrapper of the optimizer's
+``step`` is told it stepped; step hooks registered on the optimizer run with the twin (its
+groups hold the local tensors). Any other optimizer (a user's own class, or one whose update
+mixes elements) steps as it is.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
         pairs, new = _lend(optimizer, twin)
         try:
             twin.step()
+            optimizer._opt_called = True  # type: ignore[attr-defined]  # what a schedule's wrapper notes: it stepped
             _hand_back(optimizer, twin, new)
         finally:
             for _, local in pairs:
@@ -59,6 +62,9 @@ def _twin_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     twin is given only when it steps."""
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
+    # a learning-rate schedule wraps the optimizer's own ``step`` (an attribute of the instance,
+    # bound to the optimizer): the twin steps with its class's
+    twin.__dict__.pop("step", None)
     twin.param_groups = [dict(group) for group in optimizer.param_groups]
     twin.state = defaultdict(dict)  # the step reads a parameter's state as ``state[p]``, made when new
     return twin
