@@ -391,6 +391,12 @@ def _send_each(
     return sent
 
 
+def largest_of_each_turn(sizes: list[int], depth: int) -> list[int]:
+    """The size of each of ``depth`` buffers used in turn (bucket k in buffer k % depth): the
+    largest bucket of its turn (0 for a turn no bucket has)."""
+    return [max(sizes[turn::depth], default=0) for turn in range(depth)]
+
+
 class _Buffers:
     """A sender's byte buffers: bucket k is packed in buffer k % depth, allocated (zeroed) when
     first needed, as large as the largest bucket of that turn that the manifest says packs
@@ -399,7 +405,7 @@ class _Buffers:
     def __init__(self, manifest: Mapping[str, Any], depth: int, device: str) -> None:
         self.depth, self.device = depth, device
         packed = [int(b["bytes"]) if len(b["tensors"]) > 1 else 0 for b in manifest["buckets"]]
-        self.sizes = [max(packed[turn::depth], default=0) for turn in range(depth)]
+        self.sizes = largest_of_each_turn(packed, depth)
         self.buffers: list[torch.Tensor | None] = [None] * depth
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
@@ -457,10 +463,7 @@ def receive_buckets(channel: WeightChannel, manifest: Mapping[str, Any]) -> Iter
     handshake(channel, manifest)
     sizes = [int(b["bytes"]) for b in manifest["buckets"]]
     count, depth = len(sizes), channel.in_flight
-    pool = [
-        torch.empty(max(sizes[turn::depth]), dtype=torch.uint8, device=channel.device)
-        for turn in range(min(depth, count))
-    ]
+    pool = [torch.empty(size, dtype=torch.uint8, device=channel.device) for size in largest_of_each_turn(sizes, depth)]
 
     def start(index: int) -> InFlight:
         flat = pool[index % depth][: sizes[index]]

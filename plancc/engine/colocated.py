@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import faults
-from .channel import WeightChannelError, check_manifest, pack_into, unpack
+from .channel import WeightChannelError, check_manifest, largest_of_each_turn, pack_into, unpack
 
 
 def share_buckets(
@@ -69,8 +69,7 @@ def _buffers(manifest: Mapping[str, Any], device: str) -> list[torch.Tensor]:
     tensor -- then costs one buffer of its size, not two); shared memory on the CPU."""
     sizes = [int(b["bytes"]) for b in manifest["buckets"]]
     pool = []
-    for parity in (0, 1):
-        size = max(sizes[parity::2], default=0)
+    for size in largest_of_each_turn(sizes, 2):
         if size:
             flat = torch.empty(size, dtype=torch.uint8, device=device)
             pool.append(flat.share_memory_() if flat.device.type == "cpu" else flat)

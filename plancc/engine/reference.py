@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from .shards import back_to_shards, local_shards
+from .shards import back_to_shards, fsdp_units, local_shards
 
 PLACES = ("device", "host")
 
@@ -52,7 +51,8 @@ class ReferenceWeights:
         self.place = place
         self.held = _fsdp_params(model) if place == "device" else None
         if self.held is not None:  # the flat shards FSDP gathers from, swapped by reference
-            self.weights = [_flat(held).detach().to(dtype or _flat(held).dtype, copy=True) for held in self.held]
+            flats: list[torch.Tensor] = [held._sharded_param_data for held in self.held]
+            self.weights = [flat.detach().to(dtype or flat.dtype, copy=True) for flat in flats]
             self.kept: list[torch.Tensor] = []
             return
         shards = local_shards(model)
@@ -103,20 +103,13 @@ def _fsdp_params(model: nn.Module) -> list[Any] | None:
     (a tensor subclass with its own pre-all-gather)."""
     back_to_shards(model)
     found = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            for held in group.fsdp_params if group is not None else ():
-                found[id(held.sharded_param)] = held
+    for _, group in fsdp_units(model):
+        for held in group.fsdp_params if group is not None else ():
+            found[id(held.sharded_param)] = held
     every = [found.get(id(param)) for param in model.parameters()]
     if any(held is None or hasattr(held._sharded_local_tensor, "fsdp_pre_all_gather") for held in every):
         return None
     return every
-
-
-def _flat(held: Any) -> torch.Tensor:
-    flat: torch.Tensor = held._sharded_param_data
-    return flat
 
 
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:

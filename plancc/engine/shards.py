@@ -3,6 +3,9 @@ of every parameter (what ``engine.reference`` swaps and ``Policy.offload`` moves
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -20,12 +23,18 @@ def back_to_shards(model: nn.Module) -> None:
     does not reshard after forward (the plan's last layer, the root) -- its gathered parameters
     would stay in place of the shards, and the next ``reference_logprobs``, ``save`` or step
     would read them. Such a unit is marked idle first (FSDP2 keeps no other state of the pass)."""
+    for module, group in fsdp_units(model):
+        if group is not None and group._training_state == TrainingState.FORWARD:
+            group._training_state = TrainingState.IDLE
+        module.reshard()
+
+
+def fsdp_units(model: nn.Module) -> Iterator[tuple[FSDPModule, Any]]:
+    """Every FSDP unit of ``model`` and its parameter group (FSDP2's ``FSDPParamGroup``; None for
+    a unit that holds no parameter of its own)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            if group is not None and group._training_state == TrainingState.FORWARD:
-                group._training_state = TrainingState.IDLE
-            module.reshard()
+            yield module, module._get_fsdp_state()._fsdp_param_group
 
 
 def local_shards(model: nn.Module) -> list[torch.Tensor]:
