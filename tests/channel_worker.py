@@ -36,8 +36,16 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir,
         channel = _open_on_any_port(port, in_flight)  # a file the receiver reads the port from
     else:
         channel = None
+    from torch.distributed.tensor import DTensor
+
+    from .live_bytes import LiveBytes
+
+    held = [t._local_tensor if isinstance(t, DTensor) else t for t in [*policy.model.parameters(),
+                                                                      *policy.model.buffers()]]
     try:
-        result["sent"] = policy.send_weights(channel, bucket_bytes=bucket_bytes, agree_every=agree_every)
+        with LiveBytes(held) as counter:  # what the send makes and holds beside the model
+            result["sent"] = policy.send_weights(channel, bucket_bytes=bucket_bytes, agree_every=agree_every)
+        result["peak"] = counter.peak
     except plancc.WeightChannelError as exc:
         result["error"] = str(exc)
     if channel is not None:

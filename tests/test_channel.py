@@ -2,7 +2,8 @@
 weights bucket by bucket over a channel of its own (plancc.weight_channel). What arrives equals
 export_hf bitwise, with two buckets on the wire at once (the sender packing the next while one
 is sent, the receiver's next arriving while one is loaded) in two buffers of the receiver's,
-each at most the largest bucket of its turn; a receiver that expects another
+each at most the largest bucket of its turn, and the sender holding its two buffers and one
+gathered tensor at most; a receiver that expects another
 manifest fails on both sides with a clear error, one that never joins is an error within the
 timeout, and one that dies mid-transfer is an error on every policy rank naming the bucket and
 the peer, with the weights unchanged and a new channel working."""
@@ -21,7 +22,7 @@ def _receiver(*args):
     return ForkedProcess(main, [str(a) for a in args])
 
 
-def _run(tmp_path, tamper, in_flight=None, agree_every=None):
+def _run(tmp_path, tamper, in_flight=None, agree_every=None, bucket=BUCKET):
     from .channel_worker import policy_side
     from .distributed import launch
 
@@ -30,7 +31,7 @@ def _run(tmp_path, tamper, in_flight=None, agree_every=None):
     flight = [] if in_flight is None else ["60", in_flight]
     receiver = _receiver(f"file:{port}", manifest, received, "1" if tamper else "0", *flight)
     try:
-        results = launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, BUCKET, str(manifest),
+        results = launch(policy_side, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", port, bucket, str(manifest),
                          str(tmp_path / "hf"), in_flight, agree_every)
         out, _ = receiver.communicate(timeout=180)
     finally:
@@ -46,19 +47,27 @@ def test_the_receiver_gets_what_export_hf_writes_two_buckets_in_flight(tmp_path)
     import torch
     from safetensors.torch import load_file
 
+    from plancc.engine.channel import entry_nbytes
+
     # gloo's default is one bucket at a time; two (nccl's default) pipelined here, the policy's
     # ranks agreeing on failures every 3 buckets (a GPU's cadence) rather than before each
-    results, code, out, received = _run(tmp_path, tamper=False, in_flight=2, agree_every=3)
+    # buckets of several tensors each, so that holding one gathered bucket would show
+    results, code, out, received = _run(tmp_path, tamper=False, in_flight=2, agree_every=3, bucket=3 * BUCKET)
     assert code == 0, out
     assert "error" not in results[0] and results[0]["sent"] > 0, results
     got = torch.load(received)
     want = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
-    sizes = [int(b["bytes"]) for b in json.loads((tmp_path / "manifest.json").read_text())["buckets"]]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    sizes = [int(b["bytes"]) for b in manifest["buckets"]]
     assert len(sizes) > 3  # several turns of both buffers
     buffers, nbytes = int(out.split("BUFFERS")[1].split()[0]), int(out.split("BYTES")[1].split()[0])
     assert buffers == 2 and nbytes == max(sizes[0::2]) + max(sizes[1::2]), (out, sizes)
+    # the sender holds its two buffers and the tensor being gathered, never a whole gathered
+    # bucket beside them (which held 2 x 64 KiB more here: tensors gathered a bucket at a time)
+    largest = max(entry_nbytes(t) for b in manifest["buckets"] for t in b["tensors"])
+    assert nbytes < results[0]["peak"] <= nbytes + largest, (results[0]["peak"], nbytes, largest, sizes)
 
 
 @pytest.mark.slow

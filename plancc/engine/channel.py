@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import faults
+from .bucket import Pair, names_of, one_by_one
 
 FORMAT = "plancc-weights/1"
 
@@ -348,9 +349,7 @@ def handshake(channel: WeightChannel, manifest: Mapping[str, Any]) -> None:
         )
 
 
-def send_buckets(
-    channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
-) -> int:
+def send_buckets(channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[Iterable[Pair]]) -> int:
     """Rank 0's side: the manifest handshake, then each bucket as one buffer. Returns bytes sent."""
     check_manifest(manifest)
     handshake(channel, manifest)
@@ -361,25 +360,28 @@ def send_buckets(
         raise
 
 
-def _send_each(
-    channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[list[tuple[str, torch.Tensor]]]
-) -> int:
+def _send_each(channel: WeightChannel, manifest: Mapping[str, Any], buckets: Iterator[Iterable[Pair]]) -> int:
     """Each bucket packed into one of ``channel.in_flight`` buffers, used in turn, and broadcast
     without a wait: a buffer is packed again once the broadcast that last read it is done (the
-    oldest one in flight). A bucket of one tensor goes as its own bytes, uncopied (held until its
-    broadcast is done). The buffers are allocated once a refit, zeroed (alignment gaps never
-    carry stale memory), each as large as the largest bucket it packs."""
+    oldest one in flight). A bucket's tensors are taken one at a time (a ``Bucket`` gathers each
+    as it is taken) and each freed once packed: the peak is the buffers and one tensor. A bucket
+    of one tensor goes as its own bytes, uncopied (held until its broadcast is done). The
+    buffers are allocated once a refit, zeroed (alignment gaps never carry stale memory), each
+    as large as the largest bucket it packs."""
     count = len(manifest["buckets"])
     pool = _Buffers(manifest, channel.in_flight, channel.device)
     flights: deque[InFlight] = deque()
     sent = 0
     for index, (bucket, expected) in enumerate(zip(buckets, manifest["buckets"], strict=True)):
-        names = [n for n, _ in bucket]
+        names = names_of(bucket)
         if names != [t["name"] for t in expected["tensors"]]:
             raise WeightChannelError(f"bucket {index}: the weights do not follow the manifest ({names[:3]} ...)")
         if len(flights) == channel.in_flight:  # the oldest broadcast's buffer is this bucket's
             channel.finish(flights.popleft(), on_host=False)
-        flat = _alone(bucket, int(expected["bytes"]), channel.device)
+        flat = None
+        if len(names) == 1:  # taken (gathered) now: sent as its own bytes when they are the bucket's
+            bucket = list(bucket)
+            flat = _alone(bucket, int(expected["bytes"]), channel.device)
         if flat is None:
             flat = pack_into(pool.slot(index, int(expected["bytes"])), bucket)
         faults.inject("send", rank=dist.get_rank() if dist.is_initialized() else 0, step=index + 1)
@@ -418,7 +420,7 @@ class _Buffers:
         return buffer[:nbytes]
 
 
-def _alone(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> torch.Tensor | None:
+def _alone(bucket: list[Pair], nbytes: int, device: str) -> torch.Tensor | None:
     """A bucket of one tensor (one larger than a bucket, or the last) as its own bytes, with no
     copy, when they are the bucket's bytes exactly; else None."""
     if len(bucket) != 1:
@@ -430,13 +432,12 @@ def _alone(bucket: list[tuple[str, torch.Tensor]], nbytes: int, device: str) -> 
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def pack_into(flat: torch.Tensor, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+def pack_into(flat: torch.Tensor, bucket: Iterable[Pair]) -> torch.Tensor:
     """The bucket's tensors one after the other (each 8-byte aligned) in the byte buffer
-    ``flat``, each freed once copied: the bucket is held once, not twice. Empties ``bucket``."""
+    ``flat``, each taken (a ``Bucket`` gathers it then) and freed once copied: the bucket is
+    never held twice, and a ``Bucket`` never whole. Empties ``bucket``."""
     offset = 0
-    bucket.reverse()
-    while bucket:
-        _, tensor = bucket.pop()
+    for _, tensor in one_by_one(bucket):
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         flat[offset : offset + raw.numel()] = raw.to(flat.device)
         offset += aligned(raw.numel())

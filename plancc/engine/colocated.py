@@ -18,20 +18,21 @@ nothing is held between refits, when the GPU belongs to the rollout engine."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..runtime import faults
+from .bucket import Pair
 from .channel import WeightChannelError, check_manifest, largest_of_each_turn, pack_into, unpack
 
 
 def share_buckets(
     connection: Any,
     manifest: Mapping[str, Any],
-    buckets: Iterator[list[tuple[str, torch.Tensor]]],
+    buckets: Iterator[Iterable[Pair]],
     device: str,
     *,
     timeout: float = 60.0,

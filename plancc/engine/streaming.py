@@ -28,6 +28,7 @@ from ..runtime import faults
 from ..runtime.local_tensors import local_tensor
 from ..runtime.lora import Adapters, adapters_of, merged, peft_name
 from .agreement import RefitAgreement
+from .bucket import Bucket
 from .values import given_or_keywords
 
 # a bucket of weights out (``Policy.weights``, ``send_weights``, ``share_weights``) unless told
@@ -91,9 +92,7 @@ def full_weights(
     """``(hf_name, full tensor)`` of every exported weight, a bucket at a time. Collective: the
     full tensor of a sharded parameter is gathered over its mesh on every rank."""
     for bucket in weight_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only):
-        bucket.reverse()
-        while bucket:  # handed on one by one, so that none is still held when the next bucket is gathered
-            yield bucket.pop()
+        yield from bucket  # each gathered as it is taken, none held here once handed on
 
 
 # What a refit plans from a model's structure alone -- the names it streams, a manifest's
@@ -175,14 +174,31 @@ def weight_buckets(
     dtype: torch.dtype | None = None,
     agreement: RefitAgreement | None = None,
     adapters_only: bool = False,
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The exported weights bucket by bucket: each a list of ``(hf_name, full tensor)``. With an
-    ``agreement``, the ranks settle before the gather of every ``agreement.every``-th bucket (a
-    problem any rank noted is raised on every rank there, before anyone enters the gather)."""
+) -> Iterator[Bucket]:
+    """The exported weights bucket by bucket: each a ``Bucket`` of ``(hf_name, full tensor)``
+    whose tensors are gathered as they are taken (``engine.bucket``) -- all at once where
+    transformers' reverse conversions need a bucket whole. What a consumer leaves of a bucket
+    is gathered (and dropped) before the next one: every rank runs every gather, in order. With
+    an ``agreement``, the ranks settle before the gather of every ``agreement.every``-th bucket
+    (a problem any rank noted is raised on every rank there, before anyone enters the gather)."""
     state, plan, adapters = _plan(model, bucket_bytes, dtype, adapters_only)
     merge = adapters.by_base_weight() if adapters is not None else {}
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for index, bucket in enumerate(plan):
+    whole = not adapters_only and _conversions(model) is not None
+
+    def full(name: str) -> torch.Tensor:
+        # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
+        value = state[name]
+        gathers = isinstance(value, DTensor) and value.device_mesh.size() > 1
+        # no_grad: the entries are the parameters themselves (``_state``), gathered as values
+        with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
+            return _full_merged(state, name, merge.get(name), adapters, dtype)
+
+    def one_by_one(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            yield (peft_name(name) if adapters_only else name), full(name)
+
+    for index, names in enumerate(plan):
         if agreement is None:
             faults.inject("gather", rank=rank, step=index + 1)
         else:
@@ -193,17 +209,12 @@ def weight_buckets(
                 agreement.note(exc)
             if agreement.due(index):
                 agreement.settle()
-        # gathering strided TP x FSDP shards makes torch log a "suboptimal redistribute" warning
-        gathers = any(isinstance(t := state[name], DTensor) and t.device_mesh.size() > 1 for name in bucket)
-        # no_grad: the entries are the parameters themselves (``_state``), gathered as values
-        with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
-            full = {name: _full_merged(state, name, merge.get(name), adapters, dtype) for name in bucket}
-        if adapters_only:
-            converted = [(peft_name(name), value) for name, value in full.items()]
+        if whole:  # the reverse conversions map a bucket's tensors together: gathered at once
+            bucket = Bucket.of(list(reverted(model, {name: full(name) for name in names}).items()))
         else:
-            converted = list(reverted(model, full).items())
-        del full  # the caller alone holds the bucket: it may free each tensor as it goes
-        yield converted
+            bucket = Bucket([peft_name(n) for n in names] if adapters_only else list(names), one_by_one(names))
+        yield bucket
+        bucket.drain()  # what the consumer left: this rank's part in the bucket's gathers
 
 
 def manifest_buckets(
@@ -247,18 +258,23 @@ def reverted(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torc
     for a model not loaded by ``from_pretrained`` transformers finds it again on every call (a
     walk of every module, milliseconds a bucket); found here as it does, then handed to it the
     way ``from_pretrained`` does, on the model's ``_weight_conversions``."""
+    conversions = _conversions(model)
+    if conversions is None:
+        return state  # what transformers returns when there is nothing to convert
+    if getattr(model, "_weight_conversions", None) is None:
+        model._weight_conversions = conversions  # type: ignore[assignment]  # transformers keeps a list there
+    return revert_weight_conversion(model, state)  # type: ignore[arg-type]
+
+
+def _conversions(model: nn.Module) -> list | None:
+    """The model's reverse weight conversions (None: nothing to convert), found once per model."""
     if model not in _CONVERSIONS:
         found = getattr(model, "_weight_conversions", None)
         if found is None:  # transformers' rule for a model it did not load: no PrefixChange
             every = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
             found = [x for x in every if not isinstance(x, PrefixChange)] or None
         _CONVERSIONS[model] = found
-    conversions = _CONVERSIONS[model]
-    if conversions is None:
-        return state  # what transformers returns when there is nothing to convert
-    if getattr(model, "_weight_conversions", None) is None:
-        model._weight_conversions = conversions  # type: ignore[assignment]  # transformers keeps a list there
-    return revert_weight_conversion(model, state)  # type: ignore[arg-type]
+    return _CONVERSIONS[model]
 
 
 def _full_merged(

@@ -28,12 +28,13 @@ from transformers import PretrainedConfig
 from ..models import architecture_of
 from ..runtime.lora import adapters_of
 from .agreement import AgreedRefitError, RefitAgreement, first_problem
+from .bucket import Bucket
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
 from .reshard import send_shards
 from .streaming import GPU_AGREE_EVERY, WeightFormat, manifest_buckets, weight_buckets
 
-Buckets = Iterator[list[tuple[str, torch.Tensor]]]
+Buckets = Iterator[Bucket]
 
 
 class WeightTransport:
@@ -54,9 +55,7 @@ class WeightTransport:
         buckets = self._buckets(out, agreement)
         try:
             for bucket in buckets:
-                bucket.reverse()
-                while bucket:  # handed on one by one: none is still held when the next bucket is gathered
-                    yield bucket.pop()
+                yield from bucket  # each gathered as it is taken: none is held here once handed on
         except GeneratorExit:
             if not agreement.settled:  # the consumer left mid-stream; the peers are at a settle
                 agreement.note(WeightChannelError("the consumer stopped taking weights (it raised or broke off)"))
