@@ -194,7 +194,7 @@ def weight_buckets(
         with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
             return _full_merged(state, name, merge.get(name), adapters, dtype)
 
-    def one_by_one(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names:
             yield (peft_name(name) if adapters_only else name), full(name)
 
@@ -212,7 +212,7 @@ def weight_buckets(
         if whole:  # the reverse conversions map a bucket's tensors together: gathered at once
             bucket = Bucket.of(list(reverted(model, {name: full(name) for name in names}).items()))
         else:
-            bucket = Bucket([peft_name(n) for n in names] if adapters_only else list(names), one_by_one(names))
+            bucket = Bucket([peft_name(n) for n in names] if adapters_only else list(names), gathered(names))
         yield bucket
         bucket.drain()  # what the consumer left: this rank's part in the bucket's gathers
 
