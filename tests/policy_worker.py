@@ -670,6 +670,10 @@ def reference_places(plan, model_name, layout_kwargs):
             # policy's weights, and its parameters keep their own storage
             "by_reference": policy._reference.held is not None and not policy._reference.kept,
             "same_storage": storage == [t.untyped_storage().data_ptr() for t in policy._shards()],
+            # an offload moves the device reference with the parameters (a no-op on the CPU: the
+            # storages it would move are named here)
+            "offloaded_with_params": _storages(policy._reference.weights)
+            <= _storages(policy._memory.tensors("params")),
         }
     torch.distributed.destroy_process_group()
     device, host = found["device"], found["host"]
@@ -680,4 +684,9 @@ def reference_places(plan, model_name, layout_kwargs):
         "bitwise_after": device["bitwise_after"] and host["bitwise_after"],
         "swapped_by_reference": (device["by_reference"], host["by_reference"]),
         "same_storage": device["same_storage"] and host["same_storage"],
+        "offloaded_with_params": (device["offloaded_with_params"], host["offloaded_with_params"]),
     }
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}

@@ -137,7 +137,7 @@ def test_the_reference_on_the_device_in_bf16_gives_the_host_fp32_references_logp
     weights, so the reference's log-probs are the same bits, and the initial weights' own. On the
     device the swap trades the flat shards FSDP gathers from (no bytes copied, no buffer for the
     policy's weights); in host memory it copies. Either way the policy's parameters keep their
-    storage and come back bitwise."""
+    storage and come back bitwise; ``offload()`` moves a device reference with the parameters."""
     from .distributed import launch
     from .policy_worker import reference_places
 
@@ -145,6 +145,8 @@ def test_the_reference_on_the_device_in_bf16_gives_the_host_fp32_references_logp
         assert r["dtypes"] == ("torch.bfloat16", "torch.float32"), (rank, r)
         assert r["same"] and r["initial"] and r["bitwise_after"], (rank, r)
         assert r["swapped_by_reference"] == (True, False) and r["same_storage"], (rank, r)
+        # offload() takes the device reference off the device with the parameters; the host one is there
+        assert r["offloaded_with_params"] == (True, False), (rank, r)
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ Two policies from the same seed train side by side: A is offloaded and onloaded 
 steps, B is not; their weights must stay bitwise equal. Prints (and writes as JSON with --out):
 device memory before / after ``offload()`` and their ratio, the peak extra memory of
 ``weights()`` against its bound (bucket + the largest tensor), and the time and peak of the
-seed's way of getting the same tensors (``get_model_state_dict(full_state_dict=True)``).
+seed's way of getting the same tensors (``get_model_state_dict(full_state_dict=True)``); then
+a policy with its reference on the device: what ``offload()`` frees (the reference included)
+and the reference's log-probs after the round trip against before.
 """
 
 from __future__ import annotations
@@ -120,7 +122,22 @@ def main() -> None:
     torch.cuda.synchronize()
     result["seed_full_state_dict_s"] = time.perf_counter() - t0
     result["seed_full_state_dict_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-    del state
+    del state, a
+    torch.cuda.empty_cache()
+    # a policy with its reference on the device: offload takes the reference off too, and the
+    # reference's log-probs after the round trip are the same bits
+    c = plancc.Policy(args.plan, args.model, device="cuda", optimizer=adamw, reference=True)
+    c.train(batch, nll, micro_batch_size=2)
+    rows = {k: v[:2] for k, v in batch.items()}
+    reference_before = c.reference_logprobs(rows)
+    held = torch.cuda.memory_allocated()
+    reference_bytes = sum(t.numel() * t.element_size() for t in c._reference.device_tensors())
+    c.offload()
+    result["reference_bytes"] = reference_bytes
+    result["reference_policy_left_on_device_bytes"] = torch.cuda.memory_allocated()
+    result["reference_policy_freed_bytes"] = held - torch.cuda.memory_allocated()
+    c.onload()
+    result["reference_bitwise_after_round_trip"] = torch.equal(c.reference_logprobs(rows), reference_before)
     report(result, args.out)
     torch.distributed.destroy_process_group()
 

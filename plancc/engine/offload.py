@@ -10,7 +10,7 @@ free an FSDP model's memory between phases)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -97,8 +97,15 @@ class Offloader:
     """The memory role of ``plancc.Policy``: which parts of a model and its optimizer are in host
     memory now, and the pinned buffers a later ``offload`` reuses (pinning is the slow part)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        beside_params: Callable[[], Iterable[torch.Tensor]] = tuple,
+    ) -> None:
+        """``beside_params``: device tensors that go with the parameters (a device reference's
+        weights: ``ReferenceWeights.device_tensors``)."""
+        self.model, self.optimizer, self.beside_params = model, optimizer, beside_params
         self._host: dict[str, HostCopy] = {}  # while offloaded, per part ("params", "optimizer")
         self._pinned: dict[str, list[torch.Tensor]] = {}
 
@@ -110,14 +117,19 @@ class Offloader:
     def offload(self, *, params: bool, optimizer: bool) -> None:
         """The chosen parts to pinned host memory, the freed device memory back to the driver.
         The caller reshards the model first (an FSDP unit's gathered copy is no parameter)."""
-        parts = {
-            "params": (params, lambda: model_tensors(self.model)),
-            "optimizer": (optimizer, lambda: optimizer_tensors(self.optimizer)),
-        }
-        for part, (wanted, tensors) in parts.items():
+        for part, wanted in (("params", params), ("optimizer", optimizer)):
             if wanted and part not in self._host:
-                self._host[part] = HostCopy.offload(tensors(), reuse=self._pinned.get(part))
+                self._host[part] = HostCopy.offload(self.tensors(part), reuse=self._pinned.get(part))
         release_cached_memory()
+
+    def tensors(self, part: str) -> Iterator[torch.Tensor]:
+        """The tensors of ``part`` ("params": the model's with what goes beside them; "optimizer":
+        its state) whose device storage an offload moves."""
+        if part == "params":
+            yield from model_tensors(self.model)
+            yield from self.beside_params()
+        else:
+            yield from optimizer_tensors(self.optimizer)
 
     def onload(self) -> None:
         """Every part back where it was (every tensor object the same)."""

@@ -73,7 +73,7 @@ from .options import (
     the_layout,
 )
 from .pipelined import PipelinePolicy
-from .reference import ReferenceWeights, reference_place
+from .reference import ReferenceWeights, on_device, reference_place
 from .resume import load_state, save_state
 from .streaming import WeightFormat
 from .transport import WeightTransport
@@ -167,7 +167,7 @@ class Policy:
         )
         # the roles beside training (each its own module): weights out, memory
         self._transport = WeightTransport(self.model, self.config, self.device)
-        self._memory = Offloader(self.model, self.optimizer)
+        self._memory = Offloader(self.model, self.optimizer, beside_params=lambda: on_device(self._reference))
 
     # ------------------------------------------------------------------ layout
     @property
@@ -413,8 +413,9 @@ class Policy:
 
     # ------------------------------------------------------------------ memory
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        """Parameters (with their gradients and the buffers) and / or the optimizer's state to
-        pinned host memory while a rollout engine runs on the device, the freed memory handed
+        """Parameters (with their gradients, the buffers and a device reference's weights) and /
+        or the optimizer's state to pinned host memory while a rollout engine runs on the device,
+        the freed memory handed
         back to the driver (``torch.cuda.empty_cache``) so that another process can allocate it;
         ``onload`` brings everything back (``engine.offload`` says how). Nothing moves on CPU."""
         shards.back_to_shards(self.model)

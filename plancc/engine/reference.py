@@ -64,6 +64,12 @@ class ReferenceWeights:
             self.weights = [_host(t, pin) for t in shards]
             self.kept = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in shards]
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors it keeps on the parameters' device (none in place ``"host"``): what
+        ``Policy.offload`` moves to the host with the parameters, so that an offloaded policy
+        leaves the device to the rollout engine whole."""
+        return [*self.weights, *self.kept] if self.place == "device" else []
+
     @contextmanager
     def swapped_into(self, model: nn.Module) -> Iterator[None]:
         """``model`` computes with the reference inside; afterwards its weights are exactly what
@@ -95,6 +101,11 @@ class ReferenceWeights:
         assert self.held is not None
         for index, held in enumerate(self.held):
             held._sharded_param_data, self.weights[index] = self.weights[index], held._sharded_param_data
+
+
+def on_device(reference: ReferenceWeights | None) -> list[torch.Tensor]:
+    """``reference.device_tensors()``, or none without a reference."""
+    return reference.device_tensors() if reference is not None else []
 
 
 def _fsdp_params(model: nn.Module) -> list[Any] | None:
