@@ -471,7 +471,8 @@ def slices_that_do_not_fit(plan, model_name):
 
 def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
     """Training continued after offload/onload is bitwise the training without it; an offloaded
-    policy refuses to train; weights() equals export_hf (names and values) and gathers no more
+    policy refuses to train and to give the reference's log-probs (before it swaps weights);
+    weights() equals export_hf (names and values) and gathers no more
     than a bucket (or one larger tensor) at a time."""
     import torch
 
@@ -481,7 +482,7 @@ def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
 
     init_gloo()
     config = load_config(model_name)
-    a = plancc.Policy(plan, model_name, **layout_kwargs)
+    a = plancc.Policy(plan, model_name, reference=True, **layout_kwargs)
     b = plancc.Policy(plan, model_name, **layout_kwargs)
     batch = global_batch(ROWS_PER_RANK * a.dp_size, config.vocab_size, seed=11)
     local = {k: v[a.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
@@ -489,11 +490,12 @@ def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
     a.train(local, nll)
     b.train(local, nll)
     a.offload()
-    try:
-        a.train(local, nll)
-        out["offloaded_train"] = "accepted"
-    except RuntimeError as exc:
-        out["offloaded_train"] = str(exc)
+    for name, call in {"train": lambda: a.train(local, nll), "reference": lambda: a.reference_logprobs(local)}.items():
+        try:
+            call()
+            out[f"offloaded_{name}"] = "accepted"
+        except RuntimeError as exc:
+            out[f"offloaded_{name}"] = str(exc)
     a.onload()
     a.offload(params=False)  # the optimizer's state alone (a colocated engine short of memory)
     try:

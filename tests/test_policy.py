@@ -264,6 +264,7 @@ def test_offload_round_trip_and_weights_out(tmp_path, plan, model, layout):
 
     for rank, got in launch(offload_round_trip_and_weights, 2, plan, model, layout, str(tmp_path / "hf")).items():
         assert "offloaded" in got["offloaded_train"], (rank, got)
+        assert "reference_logprobs" in got["offloaded_reference"] and "offloaded" in got["offloaded_reference"], got
         assert "optimizer are offloaded" in got["optimizer_offloaded"], (rank, got)
         assert got["bitwise"], (rank, got)
         assert got["names_equal"] and got["bitwise_export"], (rank, got)

@@ -363,6 +363,7 @@ class PipelinePolicy:
     def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``logprobs`` under the initial weights (``reference=True``: ``engine.reference``); the
         policy's weights are put back bitwise."""
+        self._require_onloaded("reference_logprobs")  # before the swap, which reads both weights
         if self._reference is None:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with self._reference.swapped_into(self.model):

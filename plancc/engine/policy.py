@@ -338,6 +338,7 @@ class Policy:
         """``logprobs`` (the same options) under the frozen initial weights (``reference=True``;
         with LoRA, the base with its adapters disabled); the policy's weights and optimizer state
         are left bitwise as they were."""
+        self._require_onloaded("reference_logprobs")  # before the swap, which reads both weights
         if self.lora is not None:
             reference: AbstractContextManager[None] = adapters_disabled(self.model)
         elif self._reference is not None:
