@@ -304,11 +304,18 @@ def policy_calls(folder):
         policy.train(batch, nll)
         after = policy.logprobs(batch)
         policy.offload()  # while a rollout engine runs: refused until onload, then as it was
-        try:
-            policy.logprobs(batch)
-            refused = ""
-        except RuntimeError as exc:
-            refused = str(exc)
+        refused = ""
+        calls = {
+            "logprobs": lambda: policy.logprobs(batch),
+            "weights": lambda: next(policy.weights()),
+            "save": lambda: policy.save(folder),
+            "load": lambda: policy.load(folder),
+        }
+        for name, call in calls.items():  # each refused, naming itself, before it reads a weight
+            try:
+                call()
+            except RuntimeError as exc:
+                refused += f"{name}: {exc}\n" if f"Policy.{name}:" in str(exc) else ""
         policy.onload()
         back = (policy.logprobs(batch) - after).abs().max().item()
         reference = policy.reference_logprobs(batch)

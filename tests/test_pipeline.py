@@ -239,8 +239,8 @@ def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_the_whole_model(tmp_path):
-    """``Policy(pp=2)``: log-probs equal the unsharded model's (0 at padding); offloaded, refused
-    until onloaded, then the same bits; after a step the reference's are the initial weights' bit
+    """``Policy(pp=2)``: log-probs equal the unsharded model's (0 at padding); offloaded, its
+    log-probs, weights, save and load refused until onloaded, then the same bits; after a step the reference's are the initial weights' bit
     for bit; ``weights()`` yields every parameter of the whole model in its order; a save loads at
     pp=2 bit for bit and at pp=1 (dp=2) within fp32, and the next step's loss agrees (the
     optimizer's state came along)."""
@@ -255,6 +255,8 @@ def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_
         assert r["step"] == 1 and r["resumed"] == 0.0 and r["at_pp1"] <= 1e-5, (rank, r)
         assert r["second"] <= 1e-5, (rank, r)
         assert "offloaded; call onload() first" in r["refused"] and r["back"] == 0.0, (rank, r)
+        refused = [line.split(":")[0] for line in r["refused"].splitlines()]
+        assert refused == ["logprobs", "weights", "save", "load"], (rank, r)
 
 
 @pytest.mark.slow

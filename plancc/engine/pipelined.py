@@ -330,6 +330,7 @@ class PipelinePolicy:
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[rows, s, vocab]`` fp32 logits of this rank's rows (0 at padding) on every rank of
         the pipeline, the vocabulary whole: what ``--verify`` compares with the unsharded model."""
+        self._require_onloaded("logits")
         rows, _ = self._prepared(batch, Microbatching())
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
@@ -378,6 +379,7 @@ class PipelinePolicy:
         """Every tensor of the whole model's state as ``(name, full tensor)``, in the model's
         order, on every rank: the stage's ranks gather it (over tp and dp) and its pipeline rank
         broadcasts it. One tensor at a time is held beyond the shards."""
+        self._require_onloaded("weights")
         mine = self.model.state_dict()
         group = self.mesh["pp"].get_group()
         owners = self._owners(list(mine))
@@ -419,6 +421,7 @@ class PipelinePolicy:
         tensor gathered by its stage's ranks and broadcast over the pipeline, rank 0 (the one
         that passes the channel) sending each bucket once it is whole. Returns bytes sent.
         Resharded refits (``reshard=True``) under pp: not yet."""
+        self._require_onloaded("send_weights")
         out = WeightFormat.of(weight_format, options)
         dtype = out.dtype
         if reshard or out.adapters_only:
@@ -470,6 +473,7 @@ class PipelinePolicy:
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Any = None) -> Path:
         """A DCP checkpoint keyed by the model's names (loads at another pp, or none)."""
+        self._require_onloaded("save")
         info = checkpoint.CheckpointInfo(
             step=self.step,
             architecture=architecture_of(self.config),
@@ -488,6 +492,7 @@ class PipelinePolicy:
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
         """``save``'s newest checkpoint (any layout, any pp) into this rank's stages."""
+        self._require_onloaded("load")
         configured = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
         info = checkpoint.load(
             folder,
