@@ -692,3 +692,34 @@ def reference_places(plan, model_name, layout_kwargs):
 
 def _storages(tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def dropped_policies_freed(plan, model_name):
+    """Whether a Policy (with a device reference, trained a step) and its optimizer (the state:
+    twice the parameters' bytes) are freed as the last reference goes, with the garbage
+    collector off: a reference cycle through the policy would keep them until a collection.
+    (The model is not: FSDP2's hooks tie each module to its state, so torch's own cycles free it
+    at the next collection.)"""
+    import gc
+    import weakref
+
+    import plancc
+    from plancc.models import load_config
+
+    init_gloo()
+    batch = global_batch(ROWS_PER_RANK, load_config(model_name).vocab_size, seed=3)
+    freed = {}
+    gc.disable()
+    try:
+        for reference in (True, "host", False):
+            policy = plancc.Policy(plan, model_name, reference=reference)
+            policy.train(batch, nll)
+            alive = [weakref.ref(policy), weakref.ref(policy.optimizer)]
+            del policy
+            freed[str(reference)] = [ref() is None for ref in alive]
+    finally:
+        gc.enable()
+    import torch
+
+    torch.distributed.destroy_process_group()
+    return freed

@@ -309,6 +309,19 @@ def test_train_at_the_samplers_temperature_gives_a_ratio_of_exactly_one_at_step_
         assert "must be finite and > 0" in got["inf"], (rank, got)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_dropped_policy_is_freed_without_the_garbage_collector():
+    """An RL loop that builds a new Policy gets the old one's optimizer state back as it drops
+    it: no reference cycle through a policy (its offloader once held a closure over it) waits
+    for a collection."""
+    from .distributed import launch
+    from .policy_worker import dropped_policies_freed
+
+    for rank, freed in launch(dropped_policies_freed, 1, "plans/qwen3.yaml", "tiny-qwen3").items():
+        assert freed == {"True": [True] * 2, "host": [True] * 2, "False": [True] * 2}, (rank, freed)
+
+
 def test_divergence_is_not_bad_input():
     """A caller catching ``BatchError`` (a batch it can fix) does not swallow a diverged step."""
     from plancc.engine.policy import NonFiniteError

@@ -54,7 +54,7 @@ from .offload import Offloader
 from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
 from .pipeline_rows import PipelineRows, RowGroup, fingerprint
-from .reference import ReferenceWeights, on_device, reference_place
+from .reference import ReferenceWeights, reference_place
 from .resume import restore_schedule, schedule_state
 from .streaming import WeightFormat, manifest_buckets
 
@@ -113,11 +113,12 @@ class PipelinePolicy:
         seed_data_shard_streams(self.mesh, seed)
         self.optimizer = make_optimizer(optimizer, list(self.model.parameters()))
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
-        self._memory = Offloader(self.model, self.optimizer, beside_params=lambda: on_device(self._reference))
         self.max_grad_norm = max_grad_norm
         self.step = 0
         place = reference_place(reference)
         self._reference = ReferenceWeights(self.model, place=place, dtype=dtype) if place else None
+        beside = self._reference.device_tensors if self._reference is not None else tuple  # no cycle (Policy's)
+        self._memory = Offloader(self.model, self.optimizer, beside_params=beside)
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,

@@ -73,7 +73,7 @@ from .options import (
     the_layout,
 )
 from .pipelined import PipelinePolicy
-from .reference import ReferenceWeights, on_device, reference_place
+from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
 from .streaming import WeightFormat
 from .transport import WeightTransport
@@ -167,7 +167,10 @@ class Policy:
         )
         # the roles beside training (each its own module): weights out, memory
         self._transport = WeightTransport(self.model, self.config, self.device)
-        self._memory = Offloader(self.model, self.optimizer, beside_params=lambda: on_device(self._reference))
+        # the reference's bound method, not a closure over the policy: no cycle keeps a dropped
+        # policy's memory until the garbage collector runs
+        beside = self._reference.device_tensors if self._reference is not None else tuple
+        self._memory = Offloader(self.model, self.optimizer, beside_params=beside)
 
     # ------------------------------------------------------------------ layout
     @property

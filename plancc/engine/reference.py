@@ -103,11 +103,6 @@ class ReferenceWeights:
             held._sharded_param_data, self.weights[index] = self.weights[index], held._sharded_param_data
 
 
-def on_device(reference: ReferenceWeights | None) -> list[torch.Tensor]:
-    """``reference.device_tensors()``, or none without a reference."""
-    return reference.device_tensors() if reference is not None else []
-
-
 def _fsdp_params(model: nn.Module) -> list[Any] | None:
     """Every parameter's ``FSDPParam`` in ``model.parameters()`` order, or None when some
     parameter is not held by FSDP, or held in a way whose gather does not read its flat shard

@@ -86,15 +86,6 @@ def buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
     return out
 
 
-def full_weights(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None, adapters_only: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` of every exported weight, a bucket at a time. Collective: the
-    full tensor of a sharded parameter is gathered over its mesh on every rank."""
-    for bucket in weight_buckets(model, bucket_bytes=bucket_bytes, dtype=dtype, adapters_only=adapters_only):
-        yield from bucket  # each gathered as it is taken, none held here once handed on
-
-
 # What a refit plans from a model's structure alone -- the names it streams, a manifest's
 # buckets -- found once per model (its modules and their shapes do not change after it is
 # built): a state dict and transformers' tied-weight walk per refit cost more host time than
