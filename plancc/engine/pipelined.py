@@ -117,7 +117,8 @@ class PipelinePolicy:
         self.step = 0
         place = reference_place(reference)
         self._reference = ReferenceWeights(self.model, place=place, dtype=dtype) if place else None
-        beside = self._reference.device_tensors if self._reference is not None else tuple  # no cycle (Policy's)
+        # the reference's bound method, not a closure over the policy (a cycle: ``Policy``'s)
+        beside = self._reference.device_tensors if self._reference is not None else tuple
         self._memory = Offloader(self.model, self.optimizer, beside_params=beside)
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
