@@ -240,8 +240,8 @@ def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli,
 @pytest.mark.timeout(300)
 def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_the_whole_model(tmp_path):
     """``Policy(pp=2)``: log-probs equal the unsharded model's (0 at padding); offloaded, its
-    log-probs, weights, save and load refused until onloaded, then the same bits; after a step the reference's are the initial weights' bit
-    for bit; ``weights()`` yields every parameter of the whole model in its order; a save loads at
+    log-probs, weights, save and load refused until onloaded, then the same bits; after a step
+    the reference's are the initial weights' bit for bit; ``weights()`` yields every parameter of the whole model in its order; a save loads at
     pp=2 bit for bit and at pp=1 (dp=2) within fp32, and the next step's loss agrees (the
     optimizer's state came along)."""
     from .distributed import launch
