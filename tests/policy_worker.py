@@ -471,7 +471,8 @@ def slices_that_do_not_fit(plan, model_name):
 
 def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
     """Training continued after offload/onload is bitwise the training without it; an offloaded
-    policy refuses to train and to give the reference's log-probs (before it swaps weights);
+    policy refuses to train and to give the reference's log-probs (before it swaps weights),
+    one with its optimizer's state alone offloaded gives log-probs and refuses to train;
     weights() equals export_hf (names and values) and gathers no more
     than a bucket (or one larger tensor) at a time."""
     import torch
@@ -497,9 +498,12 @@ def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
         except RuntimeError as exc:
             out[f"offloaded_{name}"] = str(exc)
     a.onload()
+    on_device = a.logprobs(local)
     a.offload(params=False)  # the optimizer's state alone (a colocated engine short of memory)
+    # log-probs read the parameters alone: they run, the same bits; a step needs the state
+    out["optimizer_offloaded_logprobs"] = torch.equal(a.logprobs(local), on_device)
     try:
-        a.logprobs(local)
+        a.train(local, nll)
         out["optimizer_offloaded"] = "accepted"
     except RuntimeError as exc:
         out["optimizer_offloaded"] = str(exc)

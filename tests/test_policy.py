@@ -265,7 +265,8 @@ def test_offload_round_trip_and_weights_out(tmp_path, plan, model, layout):
     for rank, got in launch(offload_round_trip_and_weights, 2, plan, model, layout, str(tmp_path / "hf")).items():
         assert "offloaded" in got["offloaded_train"], (rank, got)
         assert "reference_logprobs" in got["offloaded_reference"] and "offloaded" in got["offloaded_reference"], got
-        assert "optimizer are offloaded" in got["optimizer_offloaded"], (rank, got)
+        assert "Policy.train: the policy's optimizer state is offloaded" in got["optimizer_offloaded"], (rank, got)
+        assert got["optimizer_offloaded_logprobs"], (rank, got)
         assert got["bitwise"], (rank, got)
         assert got["names_equal"] and got["bitwise_export"], (rank, got)
         assert got["buckets_bounded"], (rank, got)
@@ -320,6 +321,37 @@ def test_a_dropped_policy_is_freed_without_the_garbage_collector():
 
     for rank, freed in launch(dropped_policies_freed, 1, "plans/qwen3.yaml", "tiny-qwen3").items():
         assert freed == {"True": [True] * 2, "host": [True] * 2, "False": [True] * 2}, (rank, freed)
+
+
+def test_what_an_offloaded_policy_refuses_depends_on_what_each_call_reads():
+    """Log-probs and weights out read the parameters; a step and a checkpoint the optimizer's
+    state too. Each refusal names the call and what is away."""
+    import torch
+
+    from plancc.engine.offload import Offloader
+
+    model = torch.nn.Linear(2, 2)
+    memory = Offloader(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def refusal(what, **needs):
+        try:
+            memory.require_onloaded(what, **needs)
+        except RuntimeError as exc:
+            return str(exc)
+        return None
+
+    memory.offload(params=False, optimizer=True)
+    assert refusal("logprobs") is None
+    assert refusal("train", optimizer=True) == (
+        "Policy.train: the policy's optimizer state is offloaded; call onload() first"
+    )
+    memory.offload(params=True, optimizer=False)
+    assert refusal("weights") == "Policy.weights: the policy's parameters are offloaded; call onload() first"
+    assert refusal("save", optimizer=True) == (
+        "Policy.save: the policy's parameters and optimizer state are offloaded; call onload() first"
+    )
+    memory.onload()
+    assert refusal("train", optimizer=True) is None and memory.offloaded == []
 
 
 def test_divergence_is_not_bad_input():

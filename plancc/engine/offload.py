@@ -93,6 +93,9 @@ class HostCopy:
         return buffers
 
 
+_PART_NAMES = {"params": "parameters", "optimizer": "optimizer state"}
+
+
 class Offloader:
     """The memory role of ``plancc.Policy``: which parts of a model and its optimizer are in host
     memory now, and the pinned buffers a later ``offload`` reuses (pinning is the slow part)."""
@@ -113,6 +116,17 @@ class Offloader:
     def offloaded(self) -> list[str]:
         """The parts in host memory now, by name (empty when everything is on the device)."""
         return sorted(self._host)
+
+    def require_onloaded(self, what: str, *, optimizer: bool = False) -> None:
+        """Raise when what ``Policy.what`` reads is in host memory: the parameters always, the
+        optimizer's state when ``optimizer`` (a training step, a checkpoint). Log-probs and
+        weights out run with the optimizer's state alone offloaded (a colocated engine short of
+        memory keeps it on the host until the next step)."""
+        away = [part for part in ("params", "optimizer") if part in self._host and (optimizer or part == "params")]
+        if away:
+            names = " and ".join(_PART_NAMES[part] for part in away)
+            verb = "are" if away[0] == "params" else "is"  # "parameters ... are", "optimizer state is"
+            raise RuntimeError(f"Policy.{what}: the policy's {names} {verb} offloaded; call onload() first")
 
     def offload(self, *, params: bool, optimizer: bool) -> None:
         """The chosen parts to pinned host memory, the freed device memory back to the driver.

@@ -193,7 +193,7 @@ class PipelinePolicy:
         ``token_loss(logprobs [n], tokens, norm)`` its predicted tokens flat."""
         if (loss_fn is None) == (token_loss is None):
             raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
-        self._require_onloaded("train")
+        self._memory.require_onloaded("train", optimizer=True)
         check_temperature(temperature)
         started = time.perf_counter()
         rows, norm = self._prepared(batch, Microbatching.of(microbatching, cuts))
@@ -320,7 +320,7 @@ class PipelinePolicy:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows (0 at position 0 and padding) on
         every rank of the pipeline; with ``entropy=True`` a pair."""
-        self._require_onloaded("logprobs")
+        self._memory.require_onloaded("logprobs")
         check_temperature(temperature)
         rows, _ = self._prepared(batch, Microbatching.of(microbatching, cuts))
         shape = tuple(batch["input_ids"].shape)
@@ -332,7 +332,7 @@ class PipelinePolicy:
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[rows, s, vocab]`` fp32 logits of this rank's rows (0 at padding) on every rank of
         the pipeline, the vocabulary whole: what ``--verify`` compares with the unsharded model."""
-        self._require_onloaded("logits")
+        self._memory.require_onloaded("logits")
         rows, _ = self._prepared(batch, Microbatching())
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
@@ -366,7 +366,7 @@ class PipelinePolicy:
     def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``logprobs`` under the initial weights (``reference=True``: ``engine.reference``); the
         policy's weights are put back bitwise."""
-        self._require_onloaded("reference_logprobs")  # before the swap, which reads both weights
+        self._memory.require_onloaded("reference_logprobs")  # before the swap, which reads both weights
         if self._reference is None:
             raise ValueError("this Policy keeps no reference: construct it with reference=True")
         with self._reference.swapped_into(self.model):
@@ -381,7 +381,7 @@ class PipelinePolicy:
         """Every tensor of the whole model's state as ``(name, full tensor)``, in the model's
         order, on every rank: the stage's ranks gather it (over tp and dp) and its pipeline rank
         broadcasts it. One tensor at a time is held beyond the shards."""
-        self._require_onloaded("weights")
+        self._memory.require_onloaded("weights")
         mine = self.model.state_dict()
         group = self.mesh["pp"].get_group()
         owners = self._owners(list(mine))
@@ -423,7 +423,7 @@ class PipelinePolicy:
         tensor gathered by its stage's ranks and broadcast over the pipeline, rank 0 (the one
         that passes the channel) sending each bucket once it is whole. Returns bytes sent.
         Resharded refits (``reshard=True``) under pp: not yet."""
-        self._require_onloaded("send_weights")
+        self._memory.require_onloaded("send_weights")
         out = WeightFormat.of(weight_format, options)
         dtype = out.dtype
         if reshard or out.adapters_only:
@@ -467,15 +467,10 @@ class PipelinePolicy:
         """Everything ``offload`` moved, back where it was."""
         self._memory.onload()
 
-    def _require_onloaded(self, what: str) -> None:
-        if self._memory.offloaded:
-            offloaded = " and ".join(self._memory.offloaded)
-            raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
-
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Any = None) -> Path:
         """A DCP checkpoint keyed by the model's names (loads at another pp, or none)."""
-        self._require_onloaded("save")
+        self._memory.require_onloaded("save", optimizer=True)
         info = checkpoint.CheckpointInfo(
             step=self.step,
             architecture=architecture_of(self.config),
@@ -494,7 +489,7 @@ class PipelinePolicy:
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
         """``save``'s newest checkpoint (any layout, any pp) into this rank's stages."""
-        self._require_onloaded("load")
+        self._memory.require_onloaded("load", optimizer=True)
         configured = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
         info = checkpoint.load(
             folder,

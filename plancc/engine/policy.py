@@ -231,7 +231,7 @@ class Policy:
         rank), ``seconds``, and the loss's own metrics summed over every dp rank's microbatches,
         by name (a metric some ranks' loss does not give counts 0 there: ``agreed_names``).
         """
-        self._require_onloaded("train")
+        self._memory.require_onloaded("train", optimizer=True)
         check_temperature(temperature)
         if (loss_fn is None) == (token_loss is None):
             raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
@@ -315,7 +315,7 @@ class Policy:
         """``[rows, s]`` fp32 log-probs of this rank's rows under the policy (0 at position 0 and
         padding), at the sampler's ``temperature``; with ``entropy=True`` a pair. Microbatches
         as in ``train`` (rows, a token budget, packed)."""
-        self._require_onloaded("logprobs")
+        self._memory.require_onloaded("logprobs")
         check_temperature(temperature)
         cut = Microbatching.of(microbatching, cuts)
         agreed = self._agreed(batch, cut)
@@ -341,7 +341,7 @@ class Policy:
         """``logprobs`` (the same options) under the frozen initial weights (``reference=True``;
         with LoRA, the base with its adapters disabled); the policy's weights and optimizer state
         are left bitwise as they were."""
-        self._require_onloaded("reference_logprobs")  # before the swap, which reads both weights
+        self._memory.require_onloaded("reference_logprobs")  # before the swap, which reads both weights
         if self.lora is not None:
             reference: AbstractContextManager[None] = adapters_disabled(self.model)
         elif self._reference is not None:
@@ -361,7 +361,7 @@ class Policy:
         names (``base_model.model.<module>.lora_A.weight``). ``weight_format``: a
         ``WeightFormat``, or its fields as keywords (``dtype=torch.bfloat16``)."""
         out = WeightFormat.of(weight_format, options)
-        self._require_onloaded("weights")
+        self._memory.require_onloaded("weights")
         shards.back_to_shards(self.model)
         yield from self._transport.stream(out)
 
@@ -390,7 +390,7 @@ class Policy:
         its own global rank). Any rank's failure is raised on every rank as one
         ``WeightChannelError`` (``engine.transport``)."""
         out = WeightFormat.of(weight_format, options)
-        self._require_onloaded("send_weights")
+        self._memory.require_onloaded("send_weights")
         shards.back_to_shards(self.model)
         return self._transport.send(channel, out, reshard=reshard)
 
@@ -403,14 +403,14 @@ class Policy:
         Collective over the policy's ranks; rank 0, the only one that passes a connection,
         shares; the consumer has ``timeout`` seconds to take each bucket. Returns bytes shared."""
         out = WeightFormat.of(weight_format, options)
-        self._require_onloaded("share_weights")
+        self._memory.require_onloaded("share_weights")
         shards.back_to_shards(self.model)
         return self._transport.share(connection, out, timeout=timeout)
 
     def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
         """The weights as a ``save_pretrained`` folder (written whole, then moved into place);
         with LoRA merged, or with ``adapters_only`` PEFT's adapter folder."""
-        self._require_onloaded("export_hf")
+        self._memory.require_onloaded("export_hf")
         shards.back_to_shards(self.model)
         source = self.source if self.source is not None and Path(self.source).is_dir() else None
         export_hf(self.model, self.config, folder, source=source, adapters_only=adapters_only)
@@ -437,7 +437,7 @@ class Policy:
         layout). Returns the step folder. ``run``: JSON settings of the caller's run kept beside
         it (``load``'s ``CheckpointInfo.run``), e.g. the total steps a resume must reach;
         ``files``: text files written into the step folder with it (``plancc apply``'s run file)."""
-        self._require_onloaded("save")
+        self._memory.require_onloaded("save", optimizer=True)
         shards.back_to_shards(self.model)
         return save_state(
             folder,
@@ -458,18 +458,13 @@ class Policy:
         rate is this policy's configuration (the optimizer's ``lr`` as constructed: a resumed
         run may change it), applied at the restored position of the schedule. Returns what the
         checkpoint says of itself (its step, the layout it was saved at)."""
-        self._require_onloaded("load")
+        self._memory.require_onloaded("load", optimizer=True)
         shards.back_to_shards(self.model)
         info = load_state(folder, self.model, self.optimizer, self.scheduler, config=self.config, plan=self.plan.name)
         self.step = info.step
         return info
 
     # ------------------------------------------------------------------ internals
-    def _require_onloaded(self, what: str) -> None:
-        if self._memory.offloaded:
-            offloaded = " and ".join(self._memory.offloaded)
-            raise RuntimeError(f"Policy.{what}: the policy's {offloaded} are offloaded; call onload() first")
-
     def _agreed(self, batch: Batch, cut: Microbatching) -> AgreedBatch:
         vocab = getattr(self.config.get_text_config(), "vocab_size", None)
         return agreed_batch(
