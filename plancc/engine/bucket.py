@@ -21,29 +21,22 @@ class Bucket:
     """``(name, tensor)`` pairs, an iterator: each pair made when it is taken and held by the
     taker alone. ``names``: every name of the bucket, in order, before anything is taken."""
 
-    __slots__ = ("_pairs", "names", "taken")
+    __slots__ = ("_pairs", "names")
 
     def __init__(self, names: list[str], pairs: Iterator[Pair]) -> None:
         self.names = names
         self._pairs = pairs
-        self.taken = 0
 
     @classmethod
     def of(cls, pairs: list[Pair]) -> Bucket:
         """A bucket of tensors already made (the list is emptied as they are taken)."""
         return cls([name for name, _ in pairs], _popped(pairs))
 
-    def __len__(self) -> int:
-        """The pairs not yet taken."""
-        return len(self.names) - self.taken
-
     def __iter__(self) -> Bucket:
         return self
 
     def __next__(self) -> Pair:
-        pair = next(self._pairs)
-        self.taken += 1
-        return pair
+        return next(self._pairs)
 
     def drain(self) -> None:
         """Take (make and drop) every pair not yet taken: a rank's part in the bucket's gathers."""

@@ -421,11 +421,9 @@ class _Buffers:
 
 
 def _alone(bucket: list[Pair], nbytes: int, device: str) -> torch.Tensor | None:
-    """A bucket of one tensor (one larger than a bucket, or the last) as its own bytes, with no
-    copy, when they are the bucket's bytes exactly; else None."""
-    if len(bucket) != 1:
-        return None
-    tensor = bucket[0][1]
+    """A bucket of one tensor (one larger than a bucket, or the last; the caller checked it is
+    one) as its own bytes, with no copy, when they are the bucket's bytes exactly; else None."""
+    ((_, tensor),) = bucket
     if not tensor.is_contiguous() or tensor.numel() * tensor.element_size() != nbytes or tensor.device.type != device:
         return None
     bucket.clear()

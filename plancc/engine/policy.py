@@ -419,9 +419,9 @@ class Policy:
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
         """Parameters (with their gradients, the buffers and a device reference's weights) and /
         or the optimizer's state to pinned host memory while a rollout engine runs on the device,
-        the freed memory handed
-        back to the driver (``torch.cuda.empty_cache``) so that another process can allocate it;
-        ``onload`` brings everything back (``engine.offload`` says how). Nothing moves on CPU."""
+        the freed memory handed back to the driver (``torch.cuda.empty_cache``) so that another
+        process can allocate it; ``onload`` brings everything back (``engine.offload`` says how).
+        Nothing moves on CPU."""
         shards.back_to_shards(self.model)
         self._memory.offload(params=params, optimizer=optimizer)
 
