@@ -283,6 +283,8 @@ def train_cases(plan, model_name, layout_kwargs, cases):
                 "fp32_own": _own_errors(before, fp32, exact),
                 "microbatches": metrics["microbatches"],
                 "tokens": metrics["tokens"],
+                # the step's throughput counts every attended token of the global batch
+                "input_tokens": (metrics["input_tokens"], float(batch["attention_mask"].sum())),
                 "sequence_shards": sorted(shards),
             }
         )

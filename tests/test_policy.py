@@ -111,6 +111,8 @@ def test_one_train_call_equals_the_unsharded_model_on_the_whole_batch(ranks, pla
             assert row["sequence_shards"] == ([layout["cp"]] if layout.get("cp", 1) > 1 else []), (rank, row)
             assert row["loss_diff"] <= TOLERANCE, (rank, row)
             assert row["grad_norm_diff"] <= TOLERANCE, (rank, row)  # clipping would hide a scaled gradient
+            counted, attended = row["input_tokens"]  # the whole batch's, not the loss's nor this rank's
+            assert counted == attended > row["tokens"], (rank, row)
             ratio, name, error, bar, compared = row["gradient"]
             assert ratio <= 1.0 and compared > 0, (rank, row["loss"], row["cutting"], name, error, bar)
             bar = max(TOLERANCE, EXACT_FACTOR * row["fp32_update_diff"])

@@ -44,6 +44,9 @@ class AgreedBatch:
     totals: BatchTotals  # the global batch's normalizers
     microbatches: list[list[int]]  # this rank's rows, cut: as many cuts as on every other dp rank
     spans: list[RowSpan]  # every row's, read where the caller's rows were (the host for a CPU batch)
+    # every attended token of the global batch, prompts included, padding not: what a step's
+    # throughput counts, as torchtitan's tokens/s does (``totals.tokens`` counts what the loss counts)
+    input_tokens: float
 
 
 def agreed_batch(
@@ -74,7 +77,7 @@ def agreed_batch(
     # the GPU runs the last step's optimizer while this step is planned), then copied without
     # a wait for the device's queue; only the gather over several ranks reads the device.
     where = batch["input_ids"].device if not problem else torch.device("cpu")
-    mine = torch.zeros(8, dtype=torch.float64, device=where)
+    mine = torch.zeros(9, dtype=torch.float64, device=where)
     if problem:
         mine[0] = 1
     else:
@@ -98,6 +101,7 @@ def agreed_batch(
             (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
             sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=where),
             torch.tensor(len(plan), device=where),
+            mask.sum(),
         ]
         mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
     if dist.get_world_size() == 1:  # a group of one: its own verdict, no collective
@@ -130,7 +134,9 @@ def agreed_batch(
     # it has rows, so splitting always reaches the count: no rank runs an empty pass (whose
     # ``0 * log-prob`` backward would be NaN wherever a log-prob is -inf)
     assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
-    return AgreedBatch(batch=on_device, totals=norm, microbatches=spread, spans=spans)
+    return AgreedBatch(
+        batch=on_device, totals=norm, microbatches=spread, spans=spans, input_tokens=sum(v[8] for v in shares)
+    )
 
 
 def agree(check: Callable[[], Any], device: str) -> Any:

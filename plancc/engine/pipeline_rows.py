@@ -90,8 +90,11 @@ class RowGroup:
 class PipelineRows:
     """This rank's rows unpadded, grouped by length (each group one schedule step)."""
 
-    def __init__(self, groups: list[RowGroup], tokens: float, sequences: float, multiple: int = 1) -> None:
+    def __init__(
+        self, groups: list[RowGroup], tokens: float, sequences: float, multiple: int = 1, input_tokens: float = 0.0
+    ) -> None:
         self._groups, self.tokens, self.sequences, self.multiple = groups, tokens, sequences, multiple
+        self.input_tokens = input_tokens  # every attended token (what throughput counts)
 
     def groups(self) -> list[RowGroup]:
         return self._groups
@@ -144,7 +147,7 @@ class PipelineRows:
             per = rows_per_microbatch(len(members), length, micro_batch_size, max_tokens, microbatches)
             groups.append(RowGroup(batch, [r for r, _ in members], [s for _, s in members], length, per, multiple))
         sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
-        return cls(groups, float(token_mask.sum()), sequences, multiple)
+        return cls(groups, float(token_mask.sum()), sequences, multiple, input_tokens=float(sum(lengths)))
 
 
 def fingerprint(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:

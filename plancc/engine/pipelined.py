@@ -196,7 +196,7 @@ class PipelinePolicy:
         self._memory.require_onloaded("train", optimizer=True)
         check_temperature(temperature)
         started = time.perf_counter()
-        rows, norm = self._prepared(batch, Microbatching.of(microbatching, cuts))
+        rows, norm, input_tokens = self._prepared(batch, Microbatching.of(microbatching, cuts))
         self.model.train()
         recorded = Recorded()
         fn = per_token(token_loss) if token_loss is not None else loss_fn
@@ -230,6 +230,7 @@ class PipelinePolicy:
             "lr": lr,
             "tokens": norm.tokens,
             "sequences": norm.sequences,
+            "input_tokens": input_tokens,
             "microbatches": float(sum(g.microbatches for g in rows.groups())),
             "seconds": time.perf_counter() - started,
             **metrics,
@@ -254,9 +255,9 @@ class PipelinePolicy:
         loss = reduced.pop("")
         return loss, reduced, next((refusal for _, refusal in shares if refusal), "")
 
-    def _prepared(self, batch: Batch, cut: Microbatching) -> tuple[PipelineRows, Any]:
-        """This rank's rows unpadded and grouped by length, and the global batch's ``BatchTotals``;
-        the same ``BatchError`` on every rank when any rank's batch is refused."""
+    def _prepared(self, batch: Batch, cut: Microbatching) -> tuple[PipelineRows, Any, float]:
+        """This rank's rows unpadded and grouped by length, the global batch's ``BatchTotals`` and its
+        attended tokens; the same ``BatchError`` on every rank when any rank's batch is refused."""
         problem, rows = "", None
         rows_print: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         try:
@@ -280,7 +281,7 @@ class PipelinePolicy:
         mine = {
             "problem": problem,
             "print": rows_print,
-            "counts": (rows.tokens, rows.sequences) if rows is not None else (0.0, 0.0),
+            "counts": (rows.tokens, rows.sequences, rows.input_tokens) if rows is not None else (0.0, 0.0, 0.0),
             "steps": [g.microbatches for g in rows.groups()] if rows is not None else [],
         }
         every: list[Any] = [None] * dist.get_world_size()
@@ -301,12 +302,12 @@ class PipelinePolicy:
                     "same rows (pass rows policy.slice_of(global_rows) on each rank)"
                 )
         heads = [every[ranks[0]] for ranks in shares.values()]
-        tokens, sequences = (sum(h["counts"][i] for h in heads) for i in (0, 1))
+        tokens, sequences, input_tokens = (sum(h["counts"][i] for h in heads) for i in (0, 1, 2))
         # FSDP gathers a stage's weights over dp for every microbatch: every dp rank runs as many
         # schedule steps, each of as many microbatches (fillers, computed and not counted, where
         # a rank has fewer rows of that length, or no such step)
         rows.align([h["steps"] for h in heads])
-        return rows, BatchTotals(tokens=float(tokens), sequences=float(sequences))
+        return rows, BatchTotals(tokens=float(tokens), sequences=float(sequences)), float(input_tokens)
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(
@@ -322,7 +323,7 @@ class PipelinePolicy:
         every rank of the pipeline; with ``entropy=True`` a pair."""
         self._memory.require_onloaded("logprobs")
         check_temperature(temperature)
-        rows, _ = self._prepared(batch, Microbatching.of(microbatching, cuts))
+        rows, _, _ = self._prepared(batch, Microbatching.of(microbatching, cuts))
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy, self.runner.cp))
@@ -333,7 +334,7 @@ class PipelinePolicy:
         """``[rows, s, vocab]`` fp32 logits of this rank's rows (0 at padding) on every rank of
         the pipeline, the vocabulary whole: what ``--verify`` compares with the unsharded model."""
         self._memory.require_onloaded("logits")
-        rows, _ = self._prepared(batch, Microbatching())
+        rows, _, _ = self._prepared(batch, Microbatching())
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogits(group, out, self.runner.cp))

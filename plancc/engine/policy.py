@@ -227,9 +227,11 @@ class Policy:
         log-probs is exactly 1 before the first step).
 
         Returns ``loss`` (of the global batch), ``grad_norm`` (before clipping), ``lr`` (this
-        step's), ``tokens`` and ``sequences`` (the global normalizers), ``microbatches`` (per
-        rank), ``seconds``, and the loss's own metrics summed over every dp rank's microbatches,
-        by name (a metric some ranks' loss does not give counts 0 there: ``agreed_names``).
+        step's), ``tokens`` and ``sequences`` (the global normalizers), ``input_tokens`` (every
+        attended token of the global batch, prompts included: what throughput counts),
+        ``microbatches`` (per rank), ``seconds``, and the loss's own metrics summed over every dp
+        rank's microbatches, by name (a metric some ranks' loss does not give counts 0 there:
+        ``agreed_names``).
         """
         self._memory.require_onloaded("train", optimizer=True)
         check_temperature(temperature)
@@ -297,6 +299,7 @@ class Policy:
             "lr": lr,
             "tokens": norm.tokens,
             "sequences": norm.sequences,
+            "input_tokens": agreed.input_tokens,
             "microbatches": float(len(plan)),
             "seconds": time.perf_counter() - started,
             **metric_sums,

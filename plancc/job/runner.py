@@ -228,7 +228,8 @@ class _Trainer:
             "loss": row["loss"],
             "grad_norm": row["grad_norm"],
             "lr": row["lr"],
-            "tokens_per_s": row["tokens"] / row["seconds"],
+            # every token the step read (prompts too), as torchtitan and `plancc suggest` count
+            "tokens_per_s": row["input_tokens"] / row["seconds"],
         }
 
     def run(self) -> list[dict[str, float]]:
