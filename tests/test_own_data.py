@@ -184,6 +184,45 @@ def test_prompt_and_completion_count_the_completion_and_text_counts_everything(c
     assert ds.unused == ()
 
 
+def test_chats_as_datasets_hold_them_text_parts_and_tool_calls_train_and_the_rest_is_named(chat_folder, tmp_path):
+    """OpenAI-style content parts are the text they hold, joined by newlines as vLLM renders them
+    for a text model (the prompt a rollout saw); an assistant turn of tool calls has no content;
+    an image part, a content of another kind and an empty chat are each named at their line."""
+    from plancc.job.data import DataError, Tokenizer, read_jsonl
+
+    def parts(*texts):
+        return [{"type": "text", "text": t} for t in texts]
+
+    as_strings = [{"role": "user", "content": "hello\nworld"}, {"role": "assistant", "content": "the quick fox"}]
+    as_parts = [{"role": "user", "content": parts("hello", "world")},
+                {"role": "assistant", "content": parts("the quick fox")}]
+    calls = [{"role": "user", "content": "hello"},
+             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+             {"role": "tool", "content": "world"}, {"role": "assistant", "content": "lazy dog"}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (as_strings, as_parts, calls)))
+    ds = read_jsonl(data, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder)))
+    assert ds.sequences[0] == ds.sequences[1] and ds.masks[0] == ds.masks[1] and 1 in ds.masks[0]
+    assert sum(ds.masks[2]) > 0  # the turn after the tool's answer counts
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (
+        as_strings,
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": 5}],
+        [],
+        "hello",
+    )))
+    with pytest.raises(DataError) as caught:
+        read_jsonl(bad, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder)))
+    found = {d.loc.line: d.message for d in caught.value.diagnostics}
+    assert sorted(found) == [2, 3, 4, 5] and all(d.rule == "data-messages" for d in caught.value.diagnostics)
+    assert "messages[0]'s content holds a part of type 'image_url'" in found[2]
+    assert "messages[0]'s content is a number" in found[3]
+    assert "found an empty list" in found[4] and "found a string" in found[5]
+    assert all(d.fix and "input_ids" not in d.fix for d in caught.value.diagnostics)
+
+
 def test_text_without_a_tokenizer_is_refused_at_its_line(cli, tmp_path):
     data = tmp_path / "text.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")

@@ -117,28 +117,75 @@ def _tokenized(record: dict, fields: DataFields, tokenizer: Tokenizer) -> tuple[
     )
 
 
+_MESSAGE_FIX = 'write each message as {"role": "user", "content": "..."}'
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else "true / false"
+    kinds = ((str, "a string"), ((int, float), "a number"), (list, "a list"), (dict, "an object"))
+    return next((kind for types, kind in kinds if isinstance(value, types)), f"a {type(value).__name__}")
+
+
+def _message(message: Any, where: str) -> dict:
+    """One chat message as the template reads it: ``content`` a string -- a list of text parts
+    (``[{"type": "text", "text": ...}]``, as OpenAI-style datasets hold them) joined by newlines,
+    as vLLM renders them for a text model's template, so that training sees the prompt its
+    rollouts saw -- or null beside ``tool_calls``. Other keys (``tool_calls``, ``name``, ...) go
+    to the template as they are."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRecord(
+            "data-messages", f"{where} must be an object with a 'role' string; found {_kind(message)}", _MESSAGE_FIX
+        )
+    content = message.get("content")
+    if isinstance(content, str) or (content is None and message.get("tool_calls")):
+        return message
+    if isinstance(content, list) and content and all(isinstance(part, dict) for part in content):
+        other = [part for part in content if part.get("type") != "text" or not isinstance(part.get("text"), str)]
+        if not other:
+            return {**message, "content": "\n".join(part["text"] for part in content)}
+        raise BadRecord(
+            "data-messages",
+            f"{where}'s content holds a part of type {other[0].get('type')!r}: plancc trains text models, "
+            "whose parts are {'type': 'text', 'text': ...}",
+            "drop the line, or its parts that are not text",
+        )
+    raise BadRecord(
+        "data-messages",
+        f"{where}'s content is {_kind(content)}: a string, a list of text parts, or null beside 'tool_calls'",
+        _MESSAGE_FIX,
+    )
+
+
 def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...]]:
     """A chat rendered with the tokenizer's template; the loss counts the assistant's turns:
     each turn's tokens are those its rendering adds to the conversation before it rendered with
     the generation prompt (the prefix each reply is sampled after, as TRL masks them)."""
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
+    if not isinstance(messages, list) or not messages:
+        found = "an empty list" if isinstance(messages, list) else _kind(messages)
+        raise BadRecord(
+            "data-messages",
+            f"{name!r} must be a non-empty list of messages; found {found}",
+            "drop the line, or give it its messages",
         )
-    ):
-        raise BadRecord("data-messages", f"{name!r} must be a list of {{'role': ..., 'content': ...}} with strings")
+    messages = [_message(m, f"{name}[{i}]") for i, m in enumerate(messages)]
     if not getattr(tok, "chat_template", None):
-        raise BadRecord("data-messages", "the tokenizer has no chat template to render messages with")
+        raise BadRecord(
+            "data-messages",
+            "the tokenizer has no chat template to render messages with",
+            "give --model a folder whose tokenizer has one (chat_template.jinja), or the lines as text / prompt + "
+            "completion",
+        )
 
     def render(part: list[dict], prompt: bool) -> list[int]:
         try:
             return _token_ids(tok.apply_chat_template(part, tokenize=True, add_generation_prompt=prompt))
         except Exception as exc:  # the template's own refusal (a role it does not know)
             raise BadRecord(
-                "data-messages", f"the chat template failed: {type(exc).__name__}: {str(exc)[:200]}"
+                "data-messages",
+                f"the chat template failed: {type(exc).__name__}: {str(exc)[:200]}",
+                "give the messages the roles and keys the model's template renders",
             ) from None
 
     ids = render(messages, False)
