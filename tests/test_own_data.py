@@ -187,7 +187,8 @@ def test_prompt_and_completion_count_the_completion_and_text_counts_everything(c
 def test_chats_as_datasets_hold_them_text_parts_and_tool_calls_train_and_the_rest_is_named(chat_folder, tmp_path):
     """OpenAI-style content parts are the text they hold, joined by newlines as vLLM renders them
     for a text model (the prompt a rollout saw); an assistant turn of tool calls has no content;
-    an image part, a content of another kind and an empty chat are each named at their line."""
+    an image part, a content of another kind, an empty chat and ShareGPT's messages are each named
+    at their line."""
     from plancc.job.data import DataError, Tokenizer, read_jsonl
 
     def parts(*texts):
@@ -212,14 +213,16 @@ def test_chats_as_datasets_hold_them_text_parts_and_tool_calls_train_and_the_res
         [{"role": "user", "content": 5}],
         [],
         "hello",
+        [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "world"}],
     )))
     with pytest.raises(DataError) as caught:
         read_jsonl(bad, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder)))
     found = {d.loc.line: d.message for d in caught.value.diagnostics}
-    assert sorted(found) == [2, 3, 4, 5] and all(d.rule == "data-messages" for d in caught.value.diagnostics)
+    assert sorted(found) == [2, 3, 4, 5, 6] and all(d.rule == "data-messages" for d in caught.value.diagnostics)
     assert "messages[0]'s content holds a part of type 'image_url'" in found[2]
     assert "messages[0]'s content is a number" in found[3]
     assert "found an empty list" in found[4] and "found a string" in found[5]
+    assert "messages[0] is a ShareGPT message" in found[6]
     assert all(d.fix and "input_ids" not in d.fix for d in caught.value.diagnostics)
 
 

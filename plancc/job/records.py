@@ -134,6 +134,13 @@ def _message(message: Any, where: str) -> dict:
     as vLLM renders them for a text model's template, so that training sees the prompt its
     rollouts saw -- or null beside ``tool_calls``. Other keys (``tool_calls``, ``name``, ...) go
     to the template as they are."""
+    if isinstance(message, dict) and "role" not in message and {"from", "value"} <= message.keys():
+        raise BadRecord(
+            "data-messages",
+            f"{where} is a ShareGPT message ({{'from': ..., 'value': ...}}); "
+            "plancc reads {'role': ..., 'content': ...}",
+            "rename from -> role (human -> user, gpt -> assistant) and value -> content, e.g. with datasets' map()",
+        )
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise BadRecord(
             "data-messages", f"{where} must be an object with a 'role' string; found {_kind(message)}", _MESSAGE_FIX
