@@ -226,6 +226,56 @@ def test_chats_as_datasets_hold_them_text_parts_and_tool_calls_train_and_the_res
     assert all(d.fix and "input_ids" not in d.fix for d in caught.value.diagnostics)
 
 
+# Qwen3's behaviour (not its text): the last assistant turn after the last user message renders
+# an empty thinking block, an earlier one none -- a conversation that is no extension of its
+# prefixes. GEN / ENDGEN: where a training template puts transformers' generation marks.
+QWEN3_LIKE = (
+    "{% set ns = namespace(last=0) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}GEN"
+    "{% if loop.index0 > ns.last and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{{ m['content'] + '<|im_end|>' }}ENDGEN"
+    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_marking_the_assistants_turns_is_read_where_its_prefixes_do_not_extend(chat_folder, tmp_path):
+    """A multi-turn chat under a Qwen3-like template: refused (the turns cannot be told apart
+    from prefixes), naming the way out; with ``{% generation %}`` marks in the same template, the
+    loss counts what the marks enclose -- each turn as the whole conversation renders it, the
+    last one's thinking block included."""
+    from transformers import AutoTokenizer
+
+    from plancc.job.data import DataError, Tokenizer, read_jsonl
+
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick fox"},
+            {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "lazy dog"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n")
+    tok = AutoTokenizer.from_pretrained(chat_folder)
+    for name, template in (("plain", QWEN3_LIKE.replace("ENDGEN", "").replace("GEN", "")),
+                           ("marked", QWEN3_LIKE.replace("ENDGEN", "{% endgeneration %}").replace("GEN", "{% generation %}"))):
+        tok.chat_template = template
+        tok.save_pretrained(tmp_path / name)
+    with pytest.raises(DataError) as caught:
+        read_jsonl(data, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(tmp_path / "plain")))
+    (found,) = caught.value.diagnostics
+    assert "does not render message 1 as an extension" in found.message and "{% generation %}" in found.fix
+
+    ds = read_jsonl(data, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(tmp_path / "marked")))
+    ids, mask = ds.sequences[0], ds.masks[0]
+    spans, start = [], None
+    for i, counted in enumerate((*mask, 0)):
+        if counted and start is None:
+            start = i
+        elif not counted and start is not None:
+            spans.append(tok.decode(ids[start:i]))
+            start = None
+    assert spans == ["the quick fox<|im_end|>", "<think>\n\n</think>\n\nlazy dog<|im_end|>"]
+
+
 def test_text_without_a_tokenizer_is_refused_at_its_line(cli, tmp_path):
     data = tmp_path / "text.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")

@@ -10,6 +10,7 @@ counts), ``messages`` rendered with its chat template (the assistant's turns cou
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,7 @@ def _tokenized(record: dict, fields: DataFields, tokenizer: Tokenizer) -> tuple[
 
 
 _MESSAGE_FIX = 'write each message as {"role": "user", "content": "..."}'
+_GENERATION_MARK = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' mark of what the assistant says
 
 
 def _kind(value: Any) -> str:
@@ -166,9 +168,11 @@ def _message(message: Any, where: str) -> dict:
 
 
 def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...]]:
-    """A chat rendered with the tokenizer's template; the loss counts the assistant's turns:
-    each turn's tokens are those its rendering adds to the conversation before it rendered with
-    the generation prompt (the prefix each reply is sampled after, as TRL masks them)."""
+    """A chat rendered with the tokenizer's template; the loss counts the assistant's turns. A
+    template that marks them (``{% generation %}``) says which tokens they are; otherwise each
+    turn's tokens are those its rendering adds to the conversation before it rendered with the
+    generation prompt (the prefix each reply is sampled after), which needs a template that renders
+    a conversation as an extension of each of its prefixes."""
     if not isinstance(messages, list) or not messages:
         found = "an empty list" if isinstance(messages, list) else _kind(messages)
         raise BadRecord(
@@ -185,9 +189,9 @@ def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...
             "completion",
         )
 
-    def render(part: list[dict], prompt: bool) -> list[int]:
+    def render(part: list[dict], prompt: bool, **extra: Any) -> Any:
         try:
-            return _token_ids(tok.apply_chat_template(part, tokenize=True, add_generation_prompt=prompt))
+            return tok.apply_chat_template(part, tokenize=True, add_generation_prompt=prompt, **extra)
         except Exception as exc:  # the template's own refusal (a role it does not know)
             raise BadRecord(
                 "data-messages",
@@ -195,18 +199,24 @@ def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...
                 "give the messages the roles and keys the model's template renders",
             ) from None
 
-    ids = render(messages, False)
+    if isinstance(tok.chat_template, str) and _GENERATION_MARK.search(tok.chat_template):
+        # the template says which tokens the assistant generates: transformers' assistant mask
+        out = render(messages, False, return_dict=True, return_assistant_tokens_mask=True)
+        return _token_ids(out), tuple(int(m) for m in out["assistant_masks"])
+    ids = _token_ids(render(messages, False))
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, through = render(messages[:turn], True), render(messages[: turn + 1], False)
+        before, through = _token_ids(render(messages[:turn], True)), _token_ids(render(messages[: turn + 1], False))
         if through[: len(before)] != before or ids[: len(through)] != through:
             raise BadRecord(
                 "data-messages",
-                f"the chat template does not render message {turn} as an extension of the ones before it: "
-                "the assistant's tokens cannot be told apart",
-                "use a template that renders a conversation turn by turn, or tokenize with labels yourself",
+                f"the chat template does not render message {turn} as an extension of the ones before it (as "
+                "Qwen3's renders a last turn's thinking and drops an earlier one's): the assistant's tokens "
+                "cannot be told apart",
+                "give the tokenizer a template with {% generation %} ... {% endgeneration %} around the assistant's "
+                "turns (transformers' assistant mask, which plancc then reads), or tokenize with labels yourself",
             )
         mask[len(before) : len(through)] = [1] * (len(through) - len(before))
     return ids, tuple(mask)
