@@ -303,6 +303,41 @@ def test_a_parquet_dataset_of_chats_trains_as_the_same_jsonl(chat_folder, tmp_pa
     assert losses[0] == losses[1] == losses[2]
 
 
+def test_a_folder_laid_out_as_the_hub_lays_a_dataset_trains_on_its_train_split_alone(tmp_path):
+    """``data/train-*.parquet`` beside ``data/test-*.parquet`` (or ``train/`` beside ``validation/``):
+    the train split is read and the others said left out on the log's data line; a folder of
+    splits none of which is train is refused; a folder whose files name no split is read whole."""
+    import datasets
+
+    from plancc.job.data import DataError, read_jsonl
+    from plancc.job.hf_datasets import split_note
+
+    def parquet(path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list([{"input_ids": r} for r in rows]).to_parquet(str(path))
+
+    parquet(tmp_path / "hub/data/train-00000-of-00002.parquet", [[1, 2, 3], [4, 5]])
+    parquet(tmp_path / "hub/data/train-00001-of-00002.parquet", [[6, 7]])
+    parquet(tmp_path / "hub/data/test-00000-of-00001.parquet", [[9, 9, 9]])
+    parquet(tmp_path / "dirs/train/a.parquet", [[1, 2]])
+    parquet(tmp_path / "dirs/validation/a.parquet", [[9, 9]])
+    parquet(tmp_path / "held-out/test-0.parquet", [[9, 9]])
+    parquet(tmp_path / "held-out/validation-0.parquet", [[8, 8]])
+    parquet(tmp_path / "shards/part-0.parquet", [[1, 2]])
+    parquet(tmp_path / "shards/part-1.parquet", [[3, 4]])
+
+    for folder, want, note in (("hub", [(1, 2, 3), (4, 5), (6, 7)], " (its train split; test left out)"),
+                               ("hub/data", [(1, 2, 3), (4, 5), (6, 7)], " (its train split; test left out)"),
+                               ("dirs", [(1, 2)], " (its train split; validation left out)"),
+                               ("shards", [(1, 2), (3, 4)], "")):
+        ds = read_jsonl(tmp_path / folder, vocab_size=256)
+        assert sorted(ds.sequences) == want and split_note(tmp_path / folder) == note, folder
+    with pytest.raises(DataError) as caught:
+        read_jsonl(tmp_path / "held-out", vocab_size=256)
+    (found,) = caught.value.diagnostics
+    assert found.rule == "data-file" and "the splits test, validation and none named train" in found.message
+
+
 def test_a_bad_row_of_a_parquet_file_is_named_by_its_row(tmp_path):
     import datasets
 

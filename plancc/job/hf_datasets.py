@@ -10,6 +10,7 @@ of them, as a JSONL file's are at its lines. Needs the ``datasets`` package (``p
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +48,7 @@ def dataset_rows(path: str | Path) -> Iterator[Any]:
                 loaded = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
             yield from loaded
             return
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in KINDS)
+        files = [p] if p.is_file() else folder_split(p)[1]
         kinds = {KINDS[f.suffix.lower()] for f in files}
         if len(kinds) != 1:
             found = ", ".join(sorted(kinds)) or "none"
@@ -65,6 +66,47 @@ def dataset_rows(path: str | Path) -> Iterator[Any]:
             f"datasets could not read {path}: {type(exc).__name__}: {text[0][:200] if text else ''}",
             "check the file (a damaged parquet footer, a JSON that is not one record per row)",
         ) from None
+
+
+def folder_split(folder: Path) -> tuple[str, list[Path], list[str]]:
+    """(split, its data files, the other splits) of a folder of data files, by ``datasets``' own
+    split naming -- ``train-00000-of-00002.parquet``, a ``train/`` folder: how the hub lays a
+    dataset out -- the ``train`` split where several are named (a test split is never trained on);
+    every data file where none is."""
+    from datasets.data_files import DataFilesDict, get_data_patterns  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    try:
+        named = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except Exception:  # no file datasets would read: every data file below, as before
+        named = {"train": [str(f) for f in folder.rglob("*") if f.is_file()]}
+    splits = {
+        str(name): sorted(Path(f) for f in files if Path(f).suffix.lower() in KINDS) for name, files in named.items()
+    }
+    splits = {name: files for name, files in splits.items() if files}
+    if len(splits) > 1 and "train" not in splits:
+        raise DatasetProblem(
+            f"{folder} holds the splits {', '.join(sorted(splits))} and none named train",
+            "pass --data the folder or files of the split to train on",
+        )
+    split = "train" if "train" in splits or not splits else next(iter(splits))
+    return split, splits.get(split, []), sorted(name for name in splits if name != split)
+
+
+def split_note(path: str | Path) -> str:
+    """Which split of a folder a run reads, for the log's ``data:`` line ("" where it has one)."""
+    p = Path(path)
+    if not p.is_dir() or (p / "state.json").is_file():
+        return ""
+    try:
+        if (p / "dataset_dict.json").is_file():  # a saved DatasetDict: dataset_rows reads train, or the first
+            names = [str(n) for n in json.loads((p / "dataset_dict.json").read_text())["splits"]]
+            split = "train" if "train" in names else names[0]
+            others = [n for n in names if n != split]
+        else:
+            split, _, others = folder_split(p)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, ImportError, DatasetProblem):
+        return ""  # the read itself reports what is wrong with the folder
+    return f" (its {split} split; {', '.join(others)} left out)" if others else ""
 
 
 class DatasetProblem(Exception):

@@ -54,6 +54,7 @@ from .data import (
     synthetic_batch,
     truncated,
 )
+from .hf_datasets import split_note
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .reporting import MetricsFile, RunProgress, log
 from .run_file import RUN_FILE
@@ -424,7 +425,8 @@ def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
         if dataset.masks is not None
         else "every token after the first"
     )
-    return f"data: {dataset.path}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}"
+    split = split_note(dataset.path)
+    return f"data: {dataset.path}{split}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}"
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
