@@ -276,6 +276,32 @@ def test_a_template_marking_the_assistants_turns_is_read_where_its_prefixes_do_n
     assert spans == ["the quick fox<|im_end|>", "<think>\n\n</think>\n\nlazy dog<|im_end|>"]
 
 
+def test_a_conversational_prompt_and_completion_counts_the_completions_turns_alone(chat_folder, tmp_path):
+    """TRL's conversational prompt-completion (both lists of messages): the chat they make, its
+    loss counting the completion's assistant turns and not the prompt's -- read from a template's
+    generation marks and from its prefixes alike."""
+    from transformers import AutoTokenizer
+
+    from plancc.job.data import Tokenizer, read_jsonl
+
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick fox"},
+            {"role": "user", "content": "how are you"}, {"role": "assistant", "content": "lazy dog"}]
+    data = tmp_path / "pc.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n"
+                    + json.dumps({"prompt": chat[:3], "completion": chat[3:]}) + "\n"
+                    + json.dumps({"prompt": chat[:1], "completion": chat[1:2]}) + "\n"
+                    + json.dumps({"messages": chat[:2]}) + "\n")
+    tok = AutoTokenizer.from_pretrained(chat_folder)
+    tok.chat_template = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tok.save_pretrained(tmp_path / "unmarked")
+    for folder in (chat_folder, tmp_path / "unmarked"):
+        ds = read_jsonl(data, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(folder)))
+        whole, completion, single, single_chat = ((ds.sequences[i], ds.masks[i]) for i in range(4))
+        assert completion[0] == whole[0] and single == single_chat, folder
+        first_turn = single_chat[1].index(1) + sum(single_chat[1])  # where the chat's first reply ends
+        assert completion[1] == (0,) * first_turn + whole[1][first_turn:] and sum(completion[1]) < sum(whole[1])
+
+
 def test_text_without_a_tokenizer_is_refused_at_its_line(cli, tmp_path):
     data = tmp_path / "text.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")

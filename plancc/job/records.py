@@ -105,8 +105,17 @@ def _tokenized(record: dict, fields: DataFields, tokenizer: Tokenizer) -> tuple[
         return _chat(record[fields.messages], fields.messages, tokenizer.get())
     if fields.prompt in record and fields.completion in record:
         prompt, completion = record[fields.prompt], record[fields.completion]
+        if isinstance(prompt, list) and isinstance(completion, list):  # TRL's conversational prompt-completion
+            chat = [_message(m, f"{fields.prompt}[{i}]") for i, m in enumerate(prompt)]
+            chat += [_message(m, f"{fields.completion}[{i}]") for i, m in enumerate(completion)]
+            return _chat(chat, f"{fields.prompt} + {fields.completion}", tokenizer.get(), counted_from=len(prompt))
         if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise BadRecord("data-text", f"{fields.prompt!r} and {fields.completion!r} must be strings")
+            raise BadRecord(
+                "data-text",
+                f"{fields.prompt!r} and {fields.completion!r} must be strings (text) or lists of messages (a chat); "
+                f"found {_kind(prompt)} and {_kind(completion)}",
+                "give both as text, or both as lists of messages",
+            )
         tok = tokenizer.get()
         head = _token_ids(tok(prompt))
         tail = _with_eos(_token_ids(tok(completion, add_special_tokens=False)), tok)
@@ -167,8 +176,9 @@ def _message(message: Any, where: str) -> dict:
     )
 
 
-def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...]]:
-    """A chat rendered with the tokenizer's template; the loss counts the assistant's turns. A
+def _chat(messages: Any, name: str, tok: Any, counted_from: int = 0) -> tuple[list[int], tuple[int, ...]]:
+    """A chat rendered with the tokenizer's template; the loss counts the assistant's turns (from
+    message ``counted_from`` on: a conversational completion's, not its prompt's). A
     template that marks them (``{% generation %}``) says which tokens they are; otherwise each
     turn's tokens are those its rendering adds to the conversation before it rendered with the
     generation prompt (the prefix each reply is sampled after), which needs a template that renders
@@ -202,24 +212,34 @@ def _chat(messages: Any, name: str, tok: Any) -> tuple[list[int], tuple[int, ...
     if isinstance(tok.chat_template, str) and _GENERATION_MARK.search(tok.chat_template):
         # the template says which tokens the assistant generates: transformers' assistant mask
         out = render(messages, False, return_dict=True, return_assistant_tokens_mask=True)
-        return _token_ids(out), tuple(int(m) for m in out["assistant_masks"])
+        ids, marked = _token_ids(out), [int(m) for m in out["assistant_masks"]]
+        if counted_from:  # a conversational completion: its prompt's turns do not count
+            prompt = _token_ids(render(messages[:counted_from], True))
+            if ids[: len(prompt)] != prompt:
+                raise _not_an_extension(counted_from)
+            marked[: len(prompt)] = [0] * len(prompt)
+        return ids, tuple(marked)
     ids = _token_ids(render(messages, False))
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or turn < counted_from:
             continue
         before, through = _token_ids(render(messages[:turn], True)), _token_ids(render(messages[: turn + 1], False))
         if through[: len(before)] != before or ids[: len(through)] != through:
-            raise BadRecord(
-                "data-messages",
-                f"the chat template does not render message {turn} as an extension of the ones before it (as "
-                "Qwen3's renders a last turn's thinking and drops an earlier one's): the assistant's tokens "
-                "cannot be told apart",
-                "give the tokenizer a template with {% generation %} ... {% endgeneration %} around the assistant's "
-                "turns (transformers' assistant mask, which plancc then reads), or tokenize with labels yourself",
-            )
+            raise _not_an_extension(turn)
         mask[len(before) : len(through)] = [1] * (len(through) - len(before))
     return ids, tuple(mask)
+
+
+def _not_an_extension(turn: int) -> BadRecord:
+    return BadRecord(
+        "data-messages",
+        f"the chat template does not render message {turn} as an extension of the ones before it (as "
+        "Qwen3's renders a last turn's thinking and drops an earlier one's): the assistant's tokens "
+        "cannot be told apart",
+        "give the tokenizer a template with {% generation %} ... {% endgeneration %} around the assistant's "
+        "turns (transformers' assistant mask, which plancc then reads), or tokenize with labels yourself",
+    )
 
 
 def _loss_mask(record: dict, ids: list[int]) -> tuple[int, ...] | None:
