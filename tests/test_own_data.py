@@ -214,15 +214,17 @@ def test_chats_as_datasets_hold_them_text_parts_and_tool_calls_train_and_the_res
         [],
         "hello",
         [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "world"}],
+        [{"speaker": "user", "text": "hello"}],
     )))
     with pytest.raises(DataError) as caught:
         read_jsonl(bad, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder)))
     found = {d.loc.line: d.message for d in caught.value.diagnostics}
-    assert sorted(found) == [2, 3, 4, 5, 6] and all(d.rule == "data-messages" for d in caught.value.diagnostics)
+    assert sorted(found) == [2, 3, 4, 5, 6, 7] and all(d.rule == "data-messages" for d in caught.value.diagnostics)
     assert "messages[0]'s content holds a part of type 'image_url'" in found[2]
     assert "messages[0]'s content is a number" in found[3]
     assert "found an empty list" in found[4] and "found a string" in found[5]
     assert "messages[0] is a ShareGPT message" in found[6]
+    assert "messages[0] must be an object with a 'role' string; found an object of the keys 'speaker', 'text'" in found[7]
     assert all(d.fix and "input_ids" not in d.fix for d in caught.value.diagnostics)
 
 

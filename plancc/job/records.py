@@ -153,8 +153,13 @@ def _message(message: Any, where: str) -> dict:
             "rename from -> role (human -> user, gpt -> assistant) and value -> content, e.g. with datasets' map()",
         )
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        found = (
+            f"an object of the keys {', '.join(map(repr, sorted(message)[:8]))}" if isinstance(message, dict) else ""
+        )
         raise BadRecord(
-            "data-messages", f"{where} must be an object with a 'role' string; found {_kind(message)}", _MESSAGE_FIX
+            "data-messages",
+            f"{where} must be an object with a 'role' string; found {found or _kind(message)}",
+            _MESSAGE_FIX,
         )
     content = message.get("content")
     if isinstance(content, str) or (content is None and message.get("tool_calls")):
