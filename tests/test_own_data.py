@@ -366,6 +366,38 @@ def test_a_folder_laid_out_as_the_hub_lays_a_dataset_trains_on_its_train_split_a
     assert found.rule == "data-file" and "the splits test, validation and none named train" in found.message
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_resume_on_other_rows_than_the_checkpoints_run_says_so(tmp_path):
+    """A checkpoint keeps a digest of the rows its run trained on; a resume on the same rows says
+    nothing, one on other rows -- a row changed, a row added, no --data -- says in one note that
+    the steps after the checkpoint are not the saved run's."""
+    lines = _lines()
+    same, changed, longer = (tmp_path / f"{name}.jsonl" for name in ("same", "changed", "longer"))
+    same.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    edited = [dict(line) for line in lines]
+    edited[2]["input_ids"] = [(t + 1) % 256 for t in edited[2]["input_ids"]]
+    changed.write_text("".join(json.dumps(line) + "\n" for line in edited))
+    longer.write_text(same.read_text() + json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    run = ("apply", QWEN3, "--steps", 2, "--batch-size", 2, "--nproc-per-node", 1)
+    code, out, err = forked_cli(*run, "--data", same, "--save", tmp_path / "ck", "--save-every", 1)
+    assert code == 0, err
+    notes = {}
+    for name, data in (("same", ["--data", same]), ("changed", ["--data", changed]), ("longer", ["--data", longer]),
+                       ("synthetic", [])):
+        code, out, err = forked_cli(*run, *data, "--resume", tmp_path / "ck" / "step-000001")
+        assert code == 0 and "resumed from step 1" in out, err
+        notes[name] = [line for line in out.splitlines() if line.startswith("note:")]
+    assert notes["same"] == []
+    assert notes["changed"] == ["note: the data holds other rows than the checkpoint's run's (4 rows either way): "
+                                "the steps after 1 train on other batches than the run that saved the checkpoint "
+                                "would have"]
+    (added,) = notes["longer"]
+    assert "4 rows of 34 tokens -> 5 of 37" in added
+    (synthetic,) = notes["synthetic"]
+    assert "the checkpoint's run trained on --data (4 rows), this one on synthetic rows" in synthetic
+
+
 def test_a_bad_row_of_a_parquet_file_is_named_by_its_row(tmp_path):
     import datasets
 

@@ -8,6 +8,7 @@ loss curve continue exactly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from array import array
 from collections.abc import Iterator
@@ -49,6 +50,23 @@ class TokenDataset:
     @property
     def longest(self) -> int:
         return max(self.lengths(), default=0)
+
+
+SYNTHETIC = "synthetic"  # the digest of a run on the synthetic rows of a preset (no --data)
+
+
+def data_identity(data: TokenDataset | None) -> dict[str, Any]:
+    """What a checkpoint keeps of the rows its run trained on -- their count, their tokens and a
+    digest of every token id and loss mask -- so that a resume on other rows says so (the steps
+    after the checkpoint are then not the uninterrupted run's)."""
+    if data is None:
+        return {"data_digest": SYNTHETIC}
+    digest = hashlib.blake2b(digest_size=16)
+    for rows in (data.sequences, data.masks):
+        digest.update(b"rows" if rows is not None else b"none")
+        if rows is not None:
+            rows.fold_into(digest)
+    return {"data_rows": len(data.sequences), "data_tokens": sum(data.lengths()), "data_digest": digest.hexdigest()}
 
 
 _UTF8 = 'pass a UTF-8 JSONL file with one {"input_ids": [...]} per line'

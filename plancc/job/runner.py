@@ -44,9 +44,11 @@ from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_p
 from . import reporting
 from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
 from .data import (
+    SYNTHETIC,
     DataFields,
     TokenDataset,
     Tokenizer,
+    data_identity,
     dataset_batch,
     padded_rows,
     read_jsonl,
@@ -165,6 +167,14 @@ class _Trainer:
     done: int = 0  # the global step after the last finished step
     interrupted: int = 0  # the signal that stopped the run early, or 0
     last_checkpoint: int = -1  # the step of the newest checkpoint this run wrote
+    _data: dict[str, Any] | None = None  # data_identity of the rows, found once
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this run's rows (``data_identity``), found the first time."""
+        if self._data is None:
+            self._data = data_identity(self.job.dataset)
+        return self._data
 
     @property
     def model(self) -> nn.Module:
@@ -191,6 +201,12 @@ class _Trainer:
             changed = schedule_changes(info.run, run_settings(self.cfg))
             if changed:
                 log(f"note: this run's {changed}: the learning rate follows this run's schedule from step {info.step}")
+            other_rows = data_changes(info.run, self.data)
+            if other_rows:
+                log(
+                    f"note: {other_rows}: the steps after {info.step} train on other batches than the run that "
+                    "saved the checkpoint would have"
+                )
             if info.step >= self.total:
                 log(f"note: the checkpoint is at step {info.step}, --steps {self.total}: nothing left to train")
 
@@ -273,7 +289,7 @@ class _Trainer:
         if not self.cfg.save or self.last_checkpoint == self.done:
             return
         files = {RUN_FILE: self.cfg.run_file} if self.cfg.run_file else None
-        path = self.policy.save(self.cfg.save, run=run_settings(self.cfg), files=files)
+        path = self.policy.save(self.cfg.save, run={**run_settings(self.cfg), **self.data}, files=files)
         self.last_checkpoint = self.done
         keep, folder = self.cfg.keep, self.cfg.save
         if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.agreement)
@@ -369,6 +385,24 @@ def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
         f"{flag} {saved[key]} -> {now[key]}" for key, flag in flags.items() if key in saved and saved[key] != now[key]
     ]
     return ", ".join(changed)
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """What differs between the rows a checkpoint's run trained on and this run's ("" when the
+    same, or when the checkpoint kept none: one of an older plancc, or of a caller's own loop)."""
+    if saved.get("data_digest", now["data_digest"]) == now["data_digest"]:
+        return ""
+    if SYNTHETIC in (saved["data_digest"], now["data_digest"]):
+
+        def said(run: dict[str, Any]) -> str:
+            return "synthetic rows" if run["data_digest"] == SYNTHETIC else f"--data ({run.get('data_rows')} rows)"
+
+        return f"the checkpoint's run trained on {said(saved)}, this one on {said(now)}"
+    counts = (saved.get("data_rows"), saved.get("data_tokens")), (now["data_rows"], now["data_tokens"])
+    if counts[0] == counts[1]:
+        return f"the data holds other rows than the checkpoint's run's ({now['data_rows']} rows either way)"
+    (rows, tokens), (rows_now, tokens_now) = counts
+    return f"the data differs from the checkpoint's run's: {rows} rows of {tokens} tokens -> {rows_now} of {tokens_now}"
 
 
 def _schedule(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:

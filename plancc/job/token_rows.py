@@ -67,6 +67,17 @@ class TokenRows(Sequence[Any]):
     def nbytes(self) -> int:
         return self.offsets[-1] * array(self.code).itemsize
 
+    def fold_into(self, digest: Any) -> None:
+        """Every row's values and bounds into a ``hashlib`` digest (the file read in pieces)."""
+
+        class _Into:
+            write = digest.update
+
+        digest.update(self.offsets.tobytes())
+        if self.present is not None:
+            digest.update(self.present.tobytes())
+        self.copy_to(_Into())
+
     def copy_to(self, out: Any) -> None:
         """The flat values, written to an open binary file (in pieces: never all in memory)."""
         with open(self.path, "rb") as f:
