@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import socket
@@ -46,8 +47,30 @@ def _method_name(depth: int = 2) -> str:
 dynamic_rendezvous.get_method_name = _method_name
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range. A port the kernel handed out for
+    ``bind(0)`` is one it also hands to outgoing connections -- and the suite's gloo groups open
+    many: between this call and the server's own bind, one took it (EADDRINUSE, seen once in a
+    weight channel's rendezvous). A port below the range is only ever taken by another bind."""
+    low, _ = _ephemeral_range()
+    picker = random.Random()  # the tests' seeded global stream must not pick the same ports
+    for _ in range(200):
+        port = picker.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a host with the range taken: the kernel's pick, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
