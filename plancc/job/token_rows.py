@@ -17,6 +17,7 @@ import weakref
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, overload
 
 FLUSH = 1 << 20  # values buffered before they go to the file
@@ -69,14 +70,10 @@ class TokenRows(Sequence[Any]):
 
     def fold_into(self, digest: Any) -> None:
         """Every row's values and bounds into a ``hashlib`` digest (the file read in pieces)."""
-
-        class _Into:
-            write = digest.update
-
         digest.update(self.offsets.tobytes())
         if self.present is not None:
             digest.update(self.present.tobytes())
-        self.copy_to(_Into())
+        self.copy_to(SimpleNamespace(write=digest.update))
 
     def copy_to(self, out: Any) -> None:
         """The flat values, written to an open binary file (in pieces: never all in memory)."""
