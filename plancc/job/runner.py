@@ -171,9 +171,10 @@ class _Trainer:
 
     @property
     def data(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this run's rows (``data_identity``), found the first time."""
+        """What a checkpoint keeps of this run's rows (``data_identity``), found the first time, on
+        rank 0 alone: it writes a checkpoint's ``plancc.json`` and the log (the others: {})."""
         if self._data is None:
-            self._data = data_identity(self.job.dataset)
+            self._data = data_identity(self.job.dataset) if dist.get_rank() == 0 else {}
         return self._data
 
     @property
@@ -201,7 +202,7 @@ class _Trainer:
             changed = schedule_changes(info.run, run_settings(self.cfg))
             if changed:
                 log(f"note: this run's {changed}: the learning rate follows this run's schedule from step {info.step}")
-            other_rows = data_changes(info.run, self.data)
+            other_rows = data_changes(info.run, self.data) if self.data else ""
             if other_rows:
                 log(
                     f"note: {other_rows}: the steps after {info.step} train on other batches than the run that "
