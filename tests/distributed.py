@@ -47,12 +47,12 @@ def _method_name(depth: int = 2) -> str:
 dynamic_rendezvous.get_method_name = _method_name
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (what ``bind(0)`` and outgoing connections get)."""
     try:
-        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -60,7 +60,7 @@ def free_port() -> int:
     ``bind(0)`` is one it also hands to outgoing connections -- and the suite's gloo groups open
     many: between this call and the server's own bind, one took it (EADDRINUSE, seen once in a
     weight channel's rendezvous). A port below the range is only ever taken by another bind."""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     picker = random.Random()  # the tests' seeded global stream must not pick the same ports
     for _ in range(200):
         port = picker.randrange(max(1024, low - 12000), low)

@@ -85,7 +85,8 @@ def agreed_batch(
         # every field beside the rows' ids (a caller may mix devices: each was copied to ``device``)
         beside = {name: value.to(where) for name, value in batch.items() if name != "input_ids"}
         ids, mask = batch["input_ids"], beside["attention_mask"]
-        plan = plan_microbatches(mask.sum(1).tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        lengths = mask.sum(1).tolist()  # every row's attended tokens, on the host
+        plan = plan_microbatches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
         spans = row_spans(mask)  # for cutting and packing the microbatches: read here, not on the device
         token_mask, sample_mask = beside.get("token_mask"), beside.get("sample_mask")
         weights = torch.arange(1, ids.numel() + 1, device=where).reshape(ids.shape)
@@ -101,7 +102,7 @@ def agreed_batch(
             (token_mask if token_mask is not None else default_token_mask(mask)).sum(),
             sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=where),
             torch.tensor(len(plan), device=where),
-            mask.sum(),
+            torch.tensor(sum(lengths), device=where),
         ]
         mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
     if dist.get_world_size() == 1:  # a group of one: its own verdict, no collective

@@ -45,7 +45,7 @@ def dataset_rows(path: str | Path) -> Iterator[Any]:
         if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
             loaded = datasets.load_from_disk(str(p))
             if isinstance(loaded, datasets.DatasetDict):
-                loaded = loaded["train"] if "train" in loaded else loaded[next(iter(loaded))]
+                loaded = loaded[split_read(list(loaded))]
             yield from loaded
             return
         files = [p] if p.is_file() else folder_split(p)[1]
@@ -68,6 +68,12 @@ def dataset_rows(path: str | Path) -> Iterator[Any]:
         ) from None
 
 
+def split_read(names: list[str]) -> str:
+    """The split of several a run trains on: ``train``, or the first where none is (a dataset
+    of one split)."""
+    return "train" if "train" in names or not names else names[0]
+
+
 def folder_split(folder: Path) -> tuple[str, list[Path], list[str]]:
     """(split, its data files, the other splits) of a folder of data files, by ``datasets``' own
     split naming -- ``train-00000-of-00002.parquet``, a ``train/`` folder: how the hub lays a
@@ -88,7 +94,7 @@ def folder_split(folder: Path) -> tuple[str, list[Path], list[str]]:
             f"{folder} holds the splits {', '.join(sorted(splits))} and none named train",
             "pass --data the folder or files of the split to train on",
         )
-    split = "train" if "train" in splits or not splits else next(iter(splits))
+    split = split_read(list(splits))
     return split, splits.get(split, []), sorted(name for name in splits if name != split)
 
 
@@ -100,7 +106,7 @@ def split_note(path: str | Path) -> str:
     try:
         if (p / "dataset_dict.json").is_file():  # a saved DatasetDict: dataset_rows reads train, or the first
             names = [str(n) for n in json.loads((p / "dataset_dict.json").read_text())["splits"]]
-            split = "train" if "train" in names else names[0]
+            split = split_read(names)
             others = [n for n in names if n != split]
         else:
             split, _, others = folder_split(p)
