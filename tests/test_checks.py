@@ -53,7 +53,7 @@ def test_missing_o_proj_is_a_pairing_error(write_plan):
     plan = plancc.load_plan(write_plan(text))
     diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.rule == "layout-pairing"]
     assert len(diags) == 1
-    assert "q_proj" in diags[0].message and "o_proj left whole" in diags[0].message
+    assert "q_proj" in diags[0].message and "o_proj (left whole)" in diags[0].message
     assert "'model.layers.*.self_attn.o_proj: rowwise'" in diags[0].fix
 
 
@@ -72,7 +72,7 @@ def test_sp_overlay_without_gathering_attention_is_a_pairing_error(write_plan):
     diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2, sequence_parallel=True) if d.is_error]
     assert {d.rule for d in diags} == {"layout-pairing"}
     assert "'model.layers.*.self_attn: gather_seq_input'" in diags[0].fix
-    assert "q_proj" in diags[0].message
+    assert "self_attn (shared_input)" in diags[0].message and "sequence" in diags[0].message
 
 
 def test_style_on_wrong_module_kind(write_plan):

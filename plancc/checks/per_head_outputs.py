@@ -56,20 +56,31 @@ def _heads_split(ctx: CheckContext, block: str) -> bool:
     return False
 
 
-def check(ctx: CheckContext) -> Iterator[Problem]:
-    if ctx.tp == 1:
-        return
+def per_head_reducers(ctx: CheckContext) -> Iterator[tuple[str, int]]:
+    """(module, its outputs) of each rowwise projection that all-reduces one output per head
+    inside a head-split attention block."""
     heads = head_counts(ctx.config)
-    reported: set[str] = set()
-    for name, module, rule, lay in ctx.assigned():
+    for name, module, _rule, lay in ctx.assigned():
         weight = getattr(module, "weight", None)  # a skeleton's Linear has its weight's shape only
-        if rule.pattern in reported or kind_of(module) is not ModuleKind.LINEAR or weight is None:
+        if kind_of(module) is not ModuleKind.LINEAR or weight is None:
             continue
         outputs = weight.shape[0]
         rowwise = lay.weight is not None and lay.weight.get(ModuleKind.LINEAR) == Shard(1)
-        if not (rowwise and isinstance(lay.output, Replicate) and outputs in heads):
-            continue
-        if not _heads_split(ctx, name.rpartition(".")[0]):
+        if rowwise and isinstance(lay.output, Replicate) and outputs in heads and _heads_split(ctx, _parent(name)):
+            yield name, int(outputs)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def check(ctx: CheckContext) -> Iterator[Problem]:
+    # at any tp, as the layout trace it shares its finding with (checks.layout_flow)
+    reported: set[str] = set()
+    for name, outputs in per_head_reducers(ctx):
+        rule = ctx.rule_for(name)
+        assert rule is not None  # assigned modules have their rule
+        if rule.pattern in reported:
             continue
         reported.add(rule.pattern)
         yield Problem(

@@ -24,6 +24,7 @@ from ..compiler.styles import canonical_style, style_layouts
 from ..errors import Severity
 from .context import CheckContext, Problem, flow_of, head_counts
 from .example import Example
+from .layout_flow import in_conflict
 
 ID = "sharded-region-params"
 
@@ -75,7 +76,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
 
     def problem(owner: str, params: list[str], sources: list[str]) -> Iterator[Problem]:
         key = generalize(owner)
-        if key in reported:
+        if key in reported or in_conflict(ctx, owner):  # a layout problem there is reported as such
             return
         reported.add(key)
         producer = origin[sources[0]]

@@ -30,11 +30,12 @@ from torch import nn
 
 from ..compiler.globs import generalize
 from ..compiler.placements import Replicate, Shard
-from ..compiler.styles import Layouts, ModuleKind, canonical_style, style_layouts
+from ..compiler.styles import ModuleKind, style_layouts
 from ..dataflow import Flow
 from ..errors import Severity
 from .context import CheckContext, Problem, flow_of, kind_of
 from .example import Example
+from .layout_flow import flow_problems
 
 IDS = ("mixed-shards", "dtensor-output", "shared-input")
 
@@ -76,56 +77,6 @@ def _is_projection(module: nn.Module) -> bool:
     if kind_of(module) is ModuleKind.LINEAR:
         return int(getattr(module, "out_features", 2)) > 1
     return kind_of(module) is ModuleKind.EMBEDDING
-
-
-def _splits_features(lay: Layouts, module: nn.Module | None) -> bool:
-    """Whether a style shards its module's weight and hands on a shard of the features (colwise)."""
-    out = lay.output
-    weight = lay.weight.get(kind_of(module)) if lay.weight is not None and module is not None else None
-    return isinstance(out, Shard) and out.dim in _FEATURE_DIMS and isinstance(weight, Shard)
-
-
-def _mixed(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
-    modules = ctx.modules
-    split: dict[str, frozenset[str]] = {}  # leaf -> the colwise projections its output is a shard of
-    whole: dict[str, frozenset[str]] = {}  # leaf -> the projections left whole whose features it carries
-    reported: set[str] = set()
-    for call in flow.calls:
-        reader, module, rule = call.reader, modules.get(call.reader), ctx.rule_for(call.reader)
-        shards = _union(split.get(s, frozenset()) for s in call.sources)
-        wholes = _union(whole.get(s, frozenset()) for s in call.sources)
-        if shards and wholes and generalize(reader) not in reported:
-            reported.add(generalize(reader))
-            yield _mixed_problem(ctx, reader, sorted(shards), sorted(wholes))
-        left_whole = rule is None or canonical_style(rule.style.name).name == "replicate"
-        lay = style_layouts(rule.style) if rule is not None else None
-        if module is not None and kind_of(module) is ModuleKind.ROTARY:
-            continue  # cos/sin carry positions, not the features of what it read
-        if lay is not None and _splits_features(lay, module):
-            split[reader] = frozenset({reader})
-        elif left_whole and module is not None and _is_projection(module):
-            if not shards:  # one reading a shard is layout-pairing's (no consumer) problem
-                whole[reader] = frozenset({reader})
-        elif left_whole or (lay is not None and lay.input == lay.output):
-            # a norm or an activation (qk_norm: the same, gradients summed) hands on what it reads
-            split[reader], whole[reader] = shards, wholes
-
-
-def _mixed_problem(ctx: CheckContext, reader: str, shards: list[str], wholes: list[str]) -> Problem:
-    rule = ctx.rule_for(reader) or ctx.rule_for(shards[0])
-    assert rule is not None, "split projections are styled"
-    style = ctx.rule_for(shards[0])
-    assert style is not None
-    short = lambda names: ", ".join(n.rpartition(".")[2] for n in names)  # noqa: E731
-    wanted = style.style.describe()
-    return Problem(
-        rule="mixed-shards",
-        loc=rule.loc,
-        message=f"{generalize(reader)} reads what {short(shards)} ({wanted}: split over tp) and {short(wholes)} "
-        f"(left whole) compute together: each rank would combine its share of {short(shards)}'s heads or "
-        f"features with all of {short(wholes)}'s",
-        fix=" and ".join(f"add '{generalize(w)}: {wanted}'" for w in wholes) + f" (or leave {short(shards)} whole too)",
-    )
 
 
 def _readers_of(flow: Flow, name: str, leaf: bool) -> list[str]:
@@ -240,11 +191,16 @@ def _unshared_inputs(ctx: CheckContext, flow: Flow) -> Iterator[Problem]:
 
 
 def check(ctx: CheckContext) -> Iterator[Problem]:
-    if ctx.resolved is None or ctx.tp == 1:
+    if ctx.resolved is None:
         return
     flow = flow_of(ctx)
     if isinstance(flow, str):
         return  # sharded-region-params warns that the wiring could not be traced
-    yield from _mixed(ctx, flow)
-    yield from _dtensor_outputs(ctx, flow)
-    yield from _unshared_inputs(ctx, flow)
+    # values that meet in different layouts, found by following every layout (checks.layout_flow)
+    yield from flow_problems(ctx, "mixed")
+    found = list(_dtensor_outputs(ctx, flow))
+    yield from found
+    if not found:  # the trace's DTensor problems are the same mistakes, seen where they land
+        yield from flow_problems(ctx, "dtensor")
+    if ctx.tp > 1:
+        yield from _unshared_inputs(ctx, flow)
