@@ -166,7 +166,7 @@ def compiled_signature(report: Any, sp: bool) -> str:
     import hashlib
 
     resolved = report.resolved_for(sp) or report.resolved_for(False)
-    if resolved is None:
+    if resolved is None or any(d.rule in _BINDING for d in report.diagnostics):
         return "unbound: " + ",".join(sorted({d.rule for d in report.diagnostics if d.is_error}))
     parts = sorted(f"{name}={rule.style.describe()}" for name, rule in resolved.assignments.items())
     parts += [f"unit:{u}" for u in resolved.fsdp_units] + [f"ac:{a}" for a in resolved.activation_checkpointing]
@@ -189,6 +189,26 @@ def ground_truth(m: Mutation, path: Path) -> dict[str, Any]:
     exact = rc == 0 and "verify: OK" in out
     detail = next((line for line in out.splitlines() if "error:" in line), "") if not exact else ""
     return {"exact": exact, "rc": rc, "detail": detail[-300:], "seconds": round(time.perf_counter() - start, 1)}
+
+
+def ground_truths(batch: list[tuple[Mutation, Path]]) -> list[dict[str, Any]] | None:
+    """The ground truth of many mutations in one 2-rank launch (~2 s each, not ~11 s of start-up),
+    or None where the launch itself failed (a rank hung or died): then one launch each."""
+    from tests.distributed import launch
+    from tests.mutation_worker import verify_unchecked
+
+    cases = [(str(path), TINY[m.plan], m.sp) for m, path in batch]
+    try:
+        results = launch(verify_unchecked, 2, cases, timeout_s=600)
+    except Exception:  # a case that hangs or kills a rank: fall back to a launch per case
+        return None
+    ranks = [results[0], results[1]]
+    # exact only where both ranks found it so (a rank's crash is the case's)
+    return [
+        {**ranks[0][i], "exact": ranks[0][i]["exact"] and ranks[1][i]["exact"],
+         "detail": ranks[0][i]["detail"] or ranks[1][i]["detail"]}
+        for i in range(len(cases))
+    ]
 
 
 def _unchecked_cli(argv: list[str]) -> None:
@@ -220,10 +240,13 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=CACHE)
     parser.add_argument("--markdown", type=Path, help="write the per-plan table here")
     parser.add_argument("--json", type=Path, help="write every mutation's verdicts here")
+    parser.add_argument("--batch", type=int, default=16, help="mutations judged per 2-rank launch")
     args = parser.parse_args()
     cache: dict[str, Any] = json.loads(args.cache.read_text()) if args.cache.exists() else {}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.truth:
+            _fill_truths(args.plans, Path(tmp) / "truth", cache, args.cache, args.batch)
         for plan in args.plans:
             for i, m in enumerate(mutations(plan)):
                 folder = Path(tmp) / f"{plan}-{i}"
@@ -231,9 +254,9 @@ def main() -> None:
                 path = write_mutated(m, folder)
                 verdict = validate_verdict(m, path)
                 truth = cache.get(verdict["signature"])
-                if truth is None and args.truth:
-                    truth = cache[verdict["signature"]] = {"first": m.key, **ground_truth(m, path)}
-                    args.cache.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
+                if verdict["signature"].startswith(("unreadable", "unbound")):
+                    # the runtime loads and binds the plan as validate does: it cannot run at all
+                    truth = {"exact": False, "detail": verdict["signature"]}
                 row = {"key": m.key, **verdict, "exact": None if truth is None else truth["exact"]}
                 if truth is not None:
                     row["truth_detail"] = truth["detail"]
@@ -250,6 +273,30 @@ def main() -> None:
         args.markdown.write_text(table + "\n")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _fill_truths(plans: list[str], folder: Path, cache: dict[str, Any], cache_path: Path, size: int) -> None:
+    """The ground truth of every mutation whose compiled plan the cache has not judged, in batches."""
+    todo: dict[str, tuple[Mutation, Path]] = {}
+    for plan in plans:
+        for i, m in enumerate(mutations(plan)):
+            where = folder / f"{plan}-{i}"
+            where.mkdir(parents=True)
+            path = write_mutated(m, where)
+            signature = validate_verdict(m, path)["signature"]
+            if signature not in cache and signature not in todo and not signature.startswith(("unreadable", "unbound")):
+                todo[signature] = (m, path)
+    items = list(todo.items())
+    print(f"ground truth: {len(items)} compiled plans to judge", flush=True)
+    for start in range(0, len(items), size):
+        batch = items[start : start + size]
+        found = ground_truths([pair for _, pair in batch])
+        if found is None:
+            found = [ground_truth(m, path) for _, (m, path) in batch]
+        for (signature, (m, _)), truth in zip(batch, found):
+            cache[signature] = {"first": m.key, **truth}
+            print(f"  {m.key}: {'exact' if truth['exact'] else 'WRONG ' + truth['detail'][:120]}", flush=True)
+        cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True) + "\n")
 
 
 def summarize(rows: list[dict[str, Any]]) -> str:

@@ -15,7 +15,7 @@ without ``--tp`` checks the layouts the plan would run with at tp > 1.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..compiler.globs import generalize
@@ -80,6 +80,14 @@ def in_conflict(ctx: CheckContext, name: str) -> bool:
     trace = report.trace
     read = trace.inputs.get(name)
     return (read is not None and read.kind == "unknown") or any(c.consumer == name for c in trace.conflicts)
+
+
+def reads_head_shards(ctx: CheckContext, name: str) -> bool:
+    """Whether ``name`` reads a shard of heads (a per-head norm after colwise q/k): a style that
+    sums its weight gradients over tp is right there whatever dim it declares."""
+    report = flow_report(ctx)
+    read = report.trace.inputs.get(name) if report is not None else None
+    return read is not None and read.kind == "features"
 
 
 def _style_of(ctx: CheckContext) -> dict[str, Layouts]:
@@ -161,7 +169,7 @@ def _conflict_problems(ctx: CheckContext, trace: LayoutTrace, found: list[Repair
             rule=_IDS[kind],
             loc=loc,
             message=_message(ctx, conflict),
-            fix=_fix_text(ctx, conflict, fixes),
+            fix=fix_text(lambda glob: _rule_at(ctx, glob) is not None, fixes),
             suggestion=dict(fixes) if len(fixes) == 1 and fixes[0][1] != "(no style)" else None,
         )
         out.append((kind, problem))
@@ -209,6 +217,11 @@ def _makers(ctx: CheckContext, names: Iterable[str]) -> str:
 
 
 def _message(ctx: CheckContext, c: Conflict) -> str:
+    if c.kind == "output" and c.found[0].kind not in ("features", "sequence"):
+        return (
+            f"{_makers(ctx, c.makers)} splits the lm_head weight by its input features: plancc's log-probs and loss "
+            f"take {c.wanted} (the run fails at the first step)"
+        )
     if c.kind == "output":
         return (
             f"the model's output is {c.found[0].describe()}, made by {_makers(ctx, c.makers)}: the loss would read "
@@ -232,20 +245,19 @@ def _message(ctx: CheckContext, c: Conflict) -> str:
     )
 
 
-def _fix_text(ctx: CheckContext, conflict: Conflict, fixes: list[tuple[str, str]]) -> str:
+def fix_text(has_rule: Callable[[str], bool], fixes: list[tuple[str, str]]) -> str:
+    """The fix line: each one-rule change that clears the problem alone (``make`` a rule the plan
+    has, ``add`` one it lacks), or, with none, where to look."""
     if fixes:
-        said = [_edit_text(ctx, glob, style) for glob, style in fixes]
+        said = [
+            f"remove '{glob}'" if style == "(no style)" else f"{'make' if has_rule(glob) else 'add'} '{glob}: {style}'"
+            for glob, style in fixes
+        ]
         return " or ".join(said[:3]) + (" (each alone fixes it)" if len(said) > 1 else "")
     return (
         "give the modules between a colwise projection and its rowwise reducer matching styles "
         "(`plancc explain` shows every module's layouts)"
     )
-
-
-def _edit_text(ctx: CheckContext, glob: str, style: str) -> str:
-    if style == "(no style)":
-        return f"remove '{glob}'"
-    return f"{'make' if _rule_at(ctx, glob) is not None else 'add'} '{glob}: {style}'"
 
 
 def _waste_problems(ctx: CheckContext, trace: LayoutTrace) -> list[Problem]:

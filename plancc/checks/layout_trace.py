@@ -131,7 +131,17 @@ class _Tracer:
             out = self.meet("", [self.trace.values.get(s, _UNKNOWN) for s in model.output_sources])
             if out.kind in ("features", "sequence"):
                 self.conflict("output", "", (out,), "whole logits, or a DTensor (colwise_logits)")
+            elif any(self._rows_split(m) for m in out.makers):
+                # plancc's log-probs read the lm_head weight a vocabulary shard at a time (fused path)
+                self.conflict("output", "", (out,), "an lm_head whose weight is split by vocabulary rows or whole")
         return self.trace
+
+    def _rows_split(self, name: str) -> bool:
+        """A linear layer whose style splits its weight's input features (rowwise kinds)."""
+        lay, module = self.style_of(name), self.modules.get(name)
+        if lay is None or lay.weight is None or module is None or module_kind(module) is not ModuleKind.LINEAR:
+            return False
+        return lay.weight.get(ModuleKind.LINEAR) == Shard(1)
 
     def conflict(
         self,
@@ -215,9 +225,21 @@ class _Tracer:
         if value.kind in ("dtensor", "positions", "unknown") or lay.input is None:
             return value  # a DTensor is laid out by torch from its own placement
         wanted = _kind_of(lay.input)
+        if wanted == "sequence" and value.kind == "features" and self._per_token_norm_of_heads(name, lay, value):
+            return value  # shard(1) of [batch, seq, heads, head_dim]: any dim but the normalized one holds
         if wanted != "unknown" and value.kind != wanted:
             return self.conflict("pairing", name, (value,), _WANTED[wanted])
         return value
+
+    def _per_token_norm_of_heads(self, name: str, lay: Layouts, value: Value) -> bool:
+        """A norm of one head at a time, its weights replicated and gradients summed over tp
+        (``sequence_parallel`` on q_norm): the heads' shard it reads is as good as a sequence shard."""
+        module = self.modules.get(name)
+        if module is None or module_kind(module) is not ModuleKind.NORM or lay.weight is None:
+            return False
+        return (
+            lay.input == lay.output and lay.weight.get(ModuleKind.NORM) == Replicate() and self._per_head(module, value)
+        )
 
     def made(self, name: str, lay: Layouts, value: Value, module: nn.Module | None = None) -> Value:
         if lay.output is None:
@@ -226,7 +248,8 @@ class _Tracer:
         sharded = (
             lay.weight is not None and module is not None and isinstance(lay.weight.get(module_kind(module)), Shard)
         )
-        if kind == value.kind and not sharded and lay.local_output is not False:
+        keeps = kind == value.kind or lay.input == lay.output  # a style that lays out as it was handed
+        if keeps and not sharded and lay.local_output is not False:
             return value  # a norm that keeps the layout (qk_norm, sequence_parallel): the shard is its makers'
         width = _out_width(module)
         if lay.local_output is False:
@@ -322,6 +345,7 @@ def repairs(
     """The one-rule edits (each rule -- ``(section, pattern)`` -> its modules -- to each of its
     ``candidates``) that clear conflicts of ``before`` and make none that were not there."""
     known = {_key(c): i for i, c in enumerate(before.conflicts)}
+    at = {c.consumer for c in before.conflicts}  # another problem where one stood is no repair
     found: list[Repair] = []
     for (section, pattern), names in rules.items():
         decided = frozenset(names)
@@ -335,12 +359,24 @@ def repairs(
 
             after = trace_layouts(flow, modules, edited_style)
             keys = {_key(c) for c in after.conflicts}
-            if keys - known.keys():
-                continue  # it moves the problem elsewhere
+            if any(_moved(c, before, at, decided) for c in after.conflicts if _key(c) not in known):
+                continue  # it moves the problem elsewhere (not merely uncovers one a conflict hid)
             cleared = frozenset(i for k, i in known.items() if k not in keys)
             if cleared:
                 found.append(Repair(pattern=pattern, section=section, style=style, clears=cleared))
     return found
+
+
+def _moved(new: Conflict, before: LayoutTrace, at: set[str], edited: frozenset[str]) -> bool:
+    """Whether a conflict an edit makes is the old problem moved: not one that an earlier conflict
+    hid downstream of it (where the edited modules made none of what is read)."""
+    return not _masked(before, new.consumer) or new.consumer in at or bool(new.makers & edited)
+
+
+def _masked(trace: LayoutTrace, consumer: str) -> bool:
+    """Whether ``consumer`` read what an earlier conflict made unknown: its own problem, if any, was hidden."""
+    read = trace.inputs.get(consumer)
+    return read is not None and read.kind == "unknown"
 
 
 def _key(c: Conflict) -> tuple[str, str]:

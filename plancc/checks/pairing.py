@@ -31,8 +31,26 @@ from .layout_flow import flow_problems
 IDS = ("layout-pairing", "redundant-gather")
 
 
+_GATHERED = tuple(
+    ("tensor_parallel", f"model.layers.*.self_attn.{p}", "colwise_rep") for p in ("q_proj", "k_proj", "v_proj")
+)
+
 EXAMPLES = (
     Example(verdict="PASS", text="q/k/v_proj: colwise, o_proj: rowwise", args={"tp": 2}),
+    Example(
+        verdict="FAIL",
+        text="o_proj: colwise -> it reads q/k/v's head shards as whole (blamed on o_proj, fix: rowwise)",
+        args={"tp": 2},
+        edits=(("tensor_parallel", "model.layers.*.self_attn.o_proj", "colwise"),),
+    ),
+    Example(
+        verdict="WARN",
+        text="llama: q/k/v_proj: colwise_rep, o_proj: rowwise_rep -> exact, but gathered to be sliced again",
+        plan="llama.yaml",
+        model="llama-3.1-8b",
+        args={"tp": 2},
+        edits=(*_GATHERED, ("tensor_parallel", "model.layers.*.self_attn.o_proj", "rowwise_rep")),
+    ),
     Example(
         verdict="FAIL",
         text="q/k/v_proj: colwise, o_proj left out -> o_proj gets heads/tp features, a shape error",

@@ -11,7 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from ..compiler.plan import PipelineSpec, Plan, load_plan
+from ..compiler.globs import ModuleTree
+from ..compiler.plan import PartialPlan, PipelineSpec, Plan, load_plan_partially
 from ..compiler.resolve import ResolvedPlan, outside_users, resolve_sections
 from ..errors import Diagnostic
 from ..layout import Layout
@@ -172,7 +173,9 @@ def validate_plan(
     A built-in preset is checked on its shipped skeleton (``plancc.skeleton``: the same tree,
     shapes and config, without importing transformers' modeling code) unless ``skeleton`` is
     false; the report's model and config are then that skeleton's, which cannot run."""
-    plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
+    partial = PartialPlan(plan=plan_path, problems=(), left_out=()) if isinstance(plan_path, Plan) else None
+    partial = partial or load_plan_partially(plan_path)  # type: ignore[arg-type]
+    plan = partial.plan
     model = _model_or_default(plan, model)
     loaded = load_skeleton(model) if skeleton and isinstance(model, str) else None
     config: Any  # a transformers PretrainedConfig, or a skeleton's stand-in for one
@@ -187,6 +190,7 @@ def validate_plan(
         plan, layout, world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp
     )
     problems += check_at(plan, meta, layout, layout_problems, seq_len=seq_len, resolved=resolved)
+    problems = [*partial.problems, *independent_of(problems, _unbound_globs(plan, meta, partial.left_out))]
     problems.sort(key=lambda d: (not d.is_error, d.path, d.line, d.column))
     name = model if isinstance(model, str) else architecture_of(config)
     return ValidationReport(
@@ -198,6 +202,32 @@ def validate_plan(
         meta_model=meta,
         config=config,
     )
+
+
+# what is found once the plan is bound to the model: a rule refused before (a typo in its style
+# or its glob) may be the cause, not a problem of its own
+_DOWNSTREAM = frozenset({"glob-no-match", "rule-conflict", "mesh-sizes", "architecture-mismatch"})
+
+
+def _unbound_globs(plan: Plan, meta: nn.Module, left_out: tuple[tuple[str, str], ...]) -> set[str]:
+    """The globs of the rules that did not reach the model: left out by the schema, or matching
+    nothing (then the glob they were meant to be, where one is close)."""
+    tree = ModuleTree.of(meta)
+    found = {glob for _, glob in left_out}
+    for rule in (*plan.tensor_parallel, *plan.sequence_parallel):
+        if not rule.optional and not tree.match(rule.pattern):
+            found.update(tree.suggest(rule.pattern)[:1])
+    return found
+
+
+def independent_of(problems: list[Diagnostic], unbound: set[str]) -> list[Diagnostic]:
+    """The problems that do not name a module of a rule that never reached the model: those
+    are what its absence caused, and go once the rule is mended (reported: the rule itself)."""
+    if not unbound:
+        return problems
+    return [
+        d for d in problems if d.rule in _DOWNSTREAM or not any(glob in (d.message + (d.fix or "")) for glob in unbound)
+    ]
 
 
 def _pipeline_summary(spec: PipelineSpec) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from ..compiler.styles import ModuleKind
 from ..errors import Severity
 from .context import CheckContext, Problem, kind_of
 from .example import Example
+from .layout_flow import reads_head_shards
 
 ID = "sequence-parallel"
 
@@ -74,9 +75,9 @@ _WITHOUT_SP = {
 
 def _sequence_styles_without_sp(ctx: CheckContext) -> Iterator[Problem]:
     reported: set[str] = set()
-    for _name, module, rule, lay in ctx.assigned():
+    for name, module, rule, lay in ctx.assigned():
         reads, hands_on = lay.input == _SEQUENCE, lay.output == _SEQUENCE and lay.local_output is not False
-        if not (reads or hands_on) or rule.pattern in reported:
+        if not (reads or hands_on) or rule.pattern in reported or reads_head_shards(ctx, name):
             continue
         reported.add(rule.pattern)
         if reads:

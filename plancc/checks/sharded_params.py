@@ -56,6 +56,16 @@ def _left_whole(ctx: CheckContext, name: str) -> bool:
     return rule is None or canonical_style(rule.style.name).name == "replicate"
 
 
+def _params_whole(ctx: CheckContext, name: str) -> bool:
+    """Whether the style of ``name`` leaves its own parameters whole: none, or one that lays out
+    its input alone (``shared_input`` on an attention block holding per-head sinks)."""
+    rule = ctx.rule_for(name)
+    if rule is None:
+        return True
+    weight = style_layouts(rule.style).weight
+    return weight is None or not any(isinstance(p, Shard) for p in weight.values())
+
+
 def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.resolved is None or ctx.tp == 1:
         return
@@ -109,5 +119,5 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
     for use in flow.param_uses:
         fed = sorted(s for s in use.sources if s in origin)
         owner, _, param = use.reader.rpartition(".")
-        if fed and _left_whole(ctx, owner):
+        if fed and _params_whole(ctx, owner):
             yield from problem(owner, [param], fed)

@@ -4,16 +4,16 @@ every rule so later stages (resolve, checks, lowering) can point back at the use
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import Diagnostic, SourceLoc, raise_if_errors
+from ..errors import Diagnostic, PlanError, SourceLoc, raise_if_errors
 from ..schedules import stages_per_rank
 from .declarations import positional_count
 from .lora import LoraSpec
 from .schema import validate_doc
-from .source import SourceDoc, parse_yaml, read_yaml
+from .source import JsonPath, SourceDoc, parse_yaml, read_yaml
 from .styles import ALIASES, canonical_style, format_layout, parse_layout
 
 
@@ -321,6 +321,60 @@ def plan_from_doc(doc: SourceDoc) -> Plan:
     )
     raise_if_errors(problems)
     return plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartialPlan:
+    """A plan read without the rules the schema refused: what ``validate`` checks further, so
+    that one run reports the schema's problems and every problem of the rest of the plan."""
+
+    plan: Plan
+    problems: tuple[Diagnostic, ...]  # the schema's, each inside one of the rules left out
+    left_out: tuple[tuple[str, str], ...]  # (section, glob) of each rule left out
+
+
+_RULE_SECTIONS = ("tensor_parallel", "sequence_parallel")
+
+
+def _rule_lines(doc: SourceDoc) -> dict[int, tuple[str, str]]:
+    """Line -> the (section, glob) of the style rule written on it (its key, its value, the
+    keys of its mapping form)."""
+    lines: dict[int, tuple[str, str]] = {}
+    for section in _RULE_SECTIONS:
+        rules = doc.data.get(section) if isinstance(doc.data, dict) else None
+        if not isinstance(rules, dict):
+            continue
+        for glob, value in rules.items():
+            paths: list[JsonPath] = [(section, glob)]
+            if isinstance(value, dict):
+                paths += [(section, glob, key) for key in value]
+            for path in paths:
+                for loc in (doc.key_locs.get(path), doc.value_locs.get(path)):
+                    if loc is not None:
+                        lines.setdefault(loc.line, (section, glob))
+    return lines
+
+
+def load_plan_partially(path: str | Path | SourceDoc) -> PartialPlan:
+    """``load_plan``, except that schema problems each inside one style rule leave that rule
+    out (reported, not checked further) rather than stop the reading. Raises ``PlanError`` as
+    ``load_plan`` does for anything else (a missing key, a bad section, a bad file)."""
+    doc = path if isinstance(path, SourceDoc) else read_yaml(path)
+    problems = validate_doc(doc)
+    if not any(d.is_error for d in problems):
+        return PartialPlan(plan=plan_from_doc(doc), problems=tuple(problems), left_out=())
+    owners = _rule_lines(doc)
+    if not all(d.line in owners for d in problems if d.is_error):
+        raise PlanError(problems)
+    left_out = tuple(dict.fromkeys(owners[d.line] for d in problems if d.is_error))
+    data = {
+        key: ({g: v for g, v in value.items() if (key, g) not in left_out} if key in _RULE_SECTIONS else value)
+        for key, value in doc.data.items()
+    }
+    reduced = replace(doc, data=data)
+    if any(d.is_error for d in validate_doc(reduced)):  # the rules left out were not the only problem
+        raise PlanError(problems)
+    return PartialPlan(plan=plan_from_doc(reduced), problems=tuple(problems), left_out=left_out)
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from ..errors import Diagnostic, PlanError, SourceLoc, raise_if_errors
+from ..errors import Diagnostic, SourceLoc, raise_if_errors
 from .globs import ModuleTree, glob_matches, glob_problem
 from .plan import Plan, Rule, StyleRef, TargetList
 
@@ -274,11 +274,20 @@ def _resolve_shard_placement(plan: Plan, model: nn.Module, problems: list[Diagno
     return found
 
 
-def resolve_plan(plan: Plan, model: nn.Module | ModuleTree, *, sequence_parallel: bool = False) -> ResolvedPlan:
+def resolve_plan(
+    plan: Plan,
+    model: nn.Module | ModuleTree,
+    *,
+    sequence_parallel: bool = False,
+    problems: list[Diagnostic] | None = None,
+) -> ResolvedPlan:
     """Bind every glob of ``plan`` to module names of ``model``; raise ``PlanError`` on misses
-    and on two rules of one section that give one module different styles."""
+    and on two rules of one section that give one module different styles. With a
+    ``problems`` list they go there instead, and what could be bound is returned (``validate``
+    checks the rest of a plan whose globs have a typo)."""
     tree = model if isinstance(model, ModuleTree) else ModuleTree.of(model)
-    problems: list[Diagnostic] = []
+    collect = problems is not None
+    problems = problems if problems is not None else []
     resolved: list[ResolvedRule] = []
     assignments: dict[str, Rule] = {}
     sections = [plan.tensor_parallel] + ([plan.sequence_parallel] if sequence_parallel else [])
@@ -289,7 +298,8 @@ def resolve_plan(plan: Plan, model: nn.Module | ModuleTree, *, sequence_parallel
     fsdp_units = inner_first(_resolve_targets(plan.fsdp_units, tree, "fsdp unit", problems))
     ac, saves = _resolve_checkpointing(plan.activation_checkpointing, tree, problems)
     shard_dims = _resolve_shard_placement(plan, model, problems) if isinstance(model, nn.Module) else {}
-    raise_if_errors(problems)
+    if not collect:
+        raise_if_errors(problems)
     return ResolvedPlan(
         plan=plan,
         sequence_parallel=sequence_parallel,
@@ -309,9 +319,8 @@ def resolve_sections(plan: Plan, model: nn.Module) -> tuple[list[ResolvedPlan], 
     resolved: list[ResolvedPlan] = []
     problems: list[Diagnostic] = []
     for sp in (False, True) if plan.sequence_parallel else (False,):
-        try:
-            resolved.append(resolve_plan(plan, tree, sequence_parallel=sp))
-        except PlanError as exc:
-            problems += [d for d in exc.diagnostics if d not in problems]
+        found: list[Diagnostic] = []
+        resolved.append(resolve_plan(plan, tree, sequence_parallel=sp, problems=found))
+        problems += [d for d in found if d not in problems]
     shard_dims = _resolve_shard_placement(plan, model, problems)  # parameters: once, not per section
     return [replace(r, fsdp_shard_dims=shard_dims) for r in resolved], problems

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -33,7 +34,7 @@ from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
 from ..engine.policy import BatchTotals, NonFiniteError, Policy
-from ..errors import Diagnostic, PlanError, Severity, SourceLoc
+from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime import faults
@@ -701,9 +702,12 @@ def main(argv: list[str] | None = None) -> int:
     @record
     def worker() -> dict[str, Any]:
         try:
-            if cfg.mode == "logprobs":
-                return run_logprobs(cfg)
-            return run_verify(cfg) if cfg.verify else train(cfg)
+            # DTensor's shape propagation runs ops on fake tensors, which log a failure with its
+            # traceback at ERROR before raising it: the raised error is reported as one diagnostic
+            with quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
+                if cfg.mode == "logprobs":
+                    return run_logprobs(cfg)
+                return run_verify(cfg) if cfg.verify else train(cfg)
         except PlanError as exc:  # a diagnosed problem (every rank sees it): reported, not a traceback
             return {"ok": False, "diagnostics": [d.to_json() for d in exc.diagnostics]}
         finally:

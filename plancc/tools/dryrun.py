@@ -15,6 +15,7 @@ import contextlib
 import copy
 import logging
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -244,8 +245,17 @@ def layer_traffic(
     """One decoder layer's collectives at ``layout``, from two small copies of the model (first
     and last layers; one of them): ``dry_run``'s figure alone."""
     cuts = _layer_cuts(build_model(copy.deepcopy(config), device="meta", dtype=torch.float32))
-    with _fake_process_group(layout.world_size), quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
+    with _fake_process_group(layout.world_size), _quiet():
         return _one_layer(cuts, plan, layout, config, seq_len=seq_len, batch=batch)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Fake tensors log every op failure at ERROR and torch warns of what a fake world does (a
+    meta init, a fake group's collectives): here a failure becomes one diagnostic, nothing else."""
+    with quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 # The most fake ranks the dry run simulates: its cost grows with dp (FSDP cuts every parameter
@@ -272,8 +282,7 @@ def dry_run(
     started = time.perf_counter()
     diagnostics: list[Diagnostic] = []
     measured = _Measured()
-    # fake tensors log every op failure at ERROR; here the failure becomes a diagnostic instead
-    with _fake_process_group(layout.world_size), quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
+    with _fake_process_group(layout.world_size), _quiet():
         # fp32 master weights, as FSDP mixed-precision training keeps them
         model = build_model(copy.deepcopy(config), device="meta", dtype=torch.float32)
         cuts = _layer_cuts(model)  # before parallelize changes ``model``
