@@ -21,6 +21,30 @@ def test_the_schema_names_every_flag_of_apply():
     assert keys == options, "a flag of apply without a key (or a key without a flag): regenerate schemas/run.schema.json"
 
 
+def test_both_run_schemas_are_what_apply_s_flags_make():
+    """One definition: the packaged schema and the editors' copy are generated from apply's options
+    (types and bounds); `python -m plancc.cli.run_schema` rewrites them."""
+    from plancc.cli.run_schema import SCHEMA_FILES, schema_text
+
+    from .conftest import ROOT
+
+    for name in SCHEMA_FILES:
+        assert (ROOT / name).read_text() == schema_text(), f"{name}: run `python -m plancc.cli.run_schema`"
+
+
+@pytest.mark.parametrize("key,value,bound", [
+    ("steps", -5, ">= 0"), ("keep", 0, ">= 1"), ("save_every", 0, ">= 1"), ("log_every", 0, ">= 1"),
+    ("timeout", 1, ">= 10"), ("master_port", 0, ">= 1"), ("batch_size", 0, ">= 1"),
+    ("micro_batch_size", 0, ">= 1"), ("seq_len", 1, ">= 2"), ("master_port", 70000, "<= 65535"),
+])
+def test_a_run_file_is_held_to_the_flags_bounds_before_launch(cli, tmp_path, key, value, bound):
+    run = tmp_path / "run.yaml"
+    run.write_text(f"plancc_run: 1\nplan: {PLANS / 'qwen3.yaml'}\n{key}: {value}\n")
+    code, out, err = cli("apply", "--config", run)
+    assert code == 1 and "plancc apply:" not in out  # no worker started
+    assert f"{run}:3:{len(key) + 3}: error: {key} is {value}; allowed: {bound}" in err and "[run-file]" in err
+
+
 def test_a_bad_run_file_is_told_at_its_lines_before_anything_starts(cli, tmp_path):
     run = tmp_path / "run.yaml"
     run.write_text(f"plancc_run: 1\nplan: {PLANS / 'qwen3.yaml'}\nstep: 4\ntp: two\n")

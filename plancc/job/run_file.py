@@ -1,12 +1,13 @@
 """One file that reproduces a run: ``plancc apply --config run.yaml``.
 
 Every key is a flag of ``plancc apply`` (``--save-every N`` is ``save_every: N``; the plan is
-``plan``), checked against ``schemas/run.schema.json`` with the plans' ``file:line:col``
-diagnostics; a flag given on the command line overrides the file. A run with ``--save`` writes
-the settings it ran with -- the file's and the flags' together -- into every checkpoint
-(``SAVE/step-N/run.yaml``, published with it), so ``plancc apply --config
-SAVE/step-N/run.yaml --resume SAVE`` continues the same run. Paths in the file
-are taken as written (relative ones from the directory the command runs in, as flags are).
+``plan``), checked against ``schemas/run.schema.json`` -- made from the flags themselves, their
+types and bounds (``plancc.cli.run_schema``) -- with the plans' ``file:line:col`` diagnostics; a
+flag given on the command line overrides the file. A run with ``--save`` writes the settings it
+ran with -- the file's and the flags' together -- into every checkpoint (``SAVE/step-N/run.yaml``,
+published with it), so ``plancc apply --config SAVE/step-N/run.yaml --resume SAVE`` continues the
+same run. Paths in the file are taken as written (relative ones from the directory the command
+runs in, as flags are).
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ def _problems(doc: SourceDoc) -> list[Diagnostic]:
                     loc=SourceLoc(path=doc.path, line=1, column=1),
                     message=f"the run file has no {error.message.split()[0]}",
                     fix=f"add '{VERSION_KEY}: 1' and 'plan: PATH' at the top",
+                )
+            )
+        elif error.validator in ("minimum", "maximum") and at:
+            key = str(at[0])
+            flag = f"--{key.replace('_', '-')}"
+            bound = f">= {error.validator_value}" if error.validator == "minimum" else f"<= {error.validator_value}"
+            found.append(
+                Diagnostic(
+                    rule=RULE,
+                    loc=doc.loc(at),
+                    message=f"{key} is {error.instance!r}; allowed: {bound} (the bound of {flag})",
+                    fix=f"write {key}: as `plancc apply {flag}` takes it (a number {bound})",
                 )
             )
         else:
