@@ -1,5 +1,7 @@
 """Rank functions for tests/test_agreement.py: what every rank of a step must agree on."""
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -136,3 +138,64 @@ def dropout_streams(plan, model_name, layouts):
         dist.all_gather_object(drawn, torch.rand(6).tolist())
         out[str(layout)] = drawn
     return out
+
+
+# (name, value on the rank that misbehaves, whether only rank 1 misbehaves): a metric no step can sum
+BAD_METRICS = [
+    ("loss", 123456.0, False),  # would replace the step's own loss
+    ("grad_norm", 0.0, True),
+    ("", 1.0, False),
+    ("  ", 1.0, True),
+    (7, 1.0, True),  # not a string
+    ("clip", "high", True),  # a string value
+    ("clip", torch.ones(3), True),  # three elements
+    ("clip", None, True),
+]
+GOOD_METRICS = [("loss_fn_value", 2.5), ("ratio", torch.tensor([0.25])), ("count", 3), ("flag", True)]
+
+
+def metric_fuzz(plan, model_name, layouts):
+    """For each layout: every bad metric (on every rank, or on rank 1 alone) -> the outcome on this
+    rank, then whether the next step trains; the good ones' reported sums; and tp ranks handed
+    the same rows with different advantages or token masks -> the outcome."""
+    from plancc import Policy
+    from plancc.engine.batches import BatchError
+
+    batch = _global_batch()
+    out = {}
+    for layout in layouts:
+        policy = Policy(plan, model_name, device="cpu", **layout)
+        rows = policy.slice_of(batch["input_ids"].shape[0])
+        mine = {k: v[rows] for k, v in batch.items()}
+        found = out.setdefault(str(layout), {})
+        for name, value, one_rank in BAD_METRICS:
+
+            def loss(lp, mb, norm, name=name, value=value, one_rank=one_rank):
+                nll = -(lp * mb["attention_mask"]).sum() / norm.tokens
+                return nll, ({name: value} if not one_rank or dist.get_rank() == 1 else {})
+
+            try:
+                row = policy.train(mine, loss)
+                found[f"{name!r}={value!r}"] = f"accepted, loss {row['loss']}"
+            except BatchError as exc:
+                found[f"{name!r}={value!r}"] = f"BatchError: {exc}"
+            found[f"then {name!r}={value!r}"] = math.isfinite(policy.train(mine, _nll)["loss"])
+        row = policy.train(mine, lambda lp, mb, norm: (_nll(lp, mb, norm), dict(GOOD_METRICS)))
+        found["good"] = {name: row.get(name) for name, _ in GOOD_METRICS}
+        if layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1:
+            for field in ("advantages", "token_mask"):
+                value = torch.ones_like(mine["input_ids"], dtype=torch.float32)
+                if dist.get_rank() == 1:
+                    value[0, 2] = -1.0 if field == "advantages" else 0.0
+                try:
+                    policy.train({**mine, field: value}, _nll)
+                    found[field] = "accepted"
+                except BatchError as exc:
+                    found[field] = f"BatchError: {exc}"
+    return out
+
+
+def _nll(lp, mb, norm):
+    mask = mb["attention_mask"].clone()
+    mask[:, 0] = 0
+    return -(lp * mask).sum() / norm.tokens

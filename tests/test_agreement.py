@@ -104,3 +104,31 @@ def test_pruning_that_fails_on_rank_0_stops_the_run_with_one_line_on_every_rank(
     (line,) = [x for x in err.splitlines() if "[checkpoint]" in x]
     assert "removing checkpoints beyond --keep 1 failed: rank 0: OSError" in line and "Traceback" not in err
     assert (tmp_path / "ck" / "step-000002" / "plancc.json").is_file()  # the new checkpoint is complete
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_metric_no_step_can_sum_is_refused_on_every_rank_and_the_next_step_trains():
+    """A loss's metric named as the step's own keys (loss, grad_norm) or not a name, or a value that
+    is no scalar -- returned on every rank or on rank 1 alone -- is one BatchError on every rank,
+    naming it; the next step trains (at dp2, tp2 and pp2). At tp2 and pp2, ranks handed the same rows with other advantages or
+    another token mask are refused too (the loss reads those fields alike on every tp rank)."""
+    from .agreement_worker import BAD_METRICS, GOOD_METRICS, metric_fuzz
+    from .distributed import launch
+
+    results = launch(metric_fuzz, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3", [{"dp": 2}, {"tp": 2}, {"pp": 2}])
+    for rank, by_layout in results.items():
+        for layout, found in by_layout.items():
+            for name, value, _ in BAD_METRICS:
+                outcome = found[f"{name!r}={value!r}"]
+                assert outcome.startswith("BatchError") and repr(name) in outcome, (rank, layout, name, outcome)
+                assert found[f"then {name!r}={value!r}"] is True, (rank, layout, name)
+            # summed over the step's microbatches and dp shares: each good metric as often
+            good = found["good"]
+            times = {good[name] / float(value) for name, value in GOOD_METRICS}
+            assert len(times) == 1 and times.pop() >= 1, (rank, layout, good)
+        for layout in ("{'tp': 2}", "{'pp': 2}"):
+            for field in ("advantages", "token_mask"):
+                outcome = by_layout[layout][field]
+                assert outcome.startswith("BatchError") and "different values of their other fields" in outcome, (
+                    layout, outcome)

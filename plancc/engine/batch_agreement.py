@@ -77,7 +77,7 @@ def agreed_batch(
     # the GPU runs the last step's optimizer while this step is planned), then copied without
     # a wait for the device's queue; only the gather over several ranks reads the device.
     where = batch["input_ids"].device if not problem else torch.device("cpu")
-    mine = torch.zeros(9, dtype=torch.float64, device=where)
+    mine = torch.zeros(10, dtype=torch.float64, device=where)
     if problem:
         mine[0] = 1
     else:
@@ -103,6 +103,7 @@ def agreed_batch(
             sample_mask.sum() if sample_mask is not None else torch.tensor(ids.shape[0], device=where),
             torch.tensor(len(plan), device=where),
             torch.tensor(sum(lengths), device=where),
+            fields_fingerprint(batch, where),
         ]
         mine[1:] = torch.stack([count.to(torch.float64) for count in counts])
     if dist.get_world_size() == 1:  # a group of one: its own verdict, no collective
@@ -128,6 +129,8 @@ def agreed_batch(
                 f"the ranks {group} of one tp / cp group were given different rows: they must pass the same "
                 "rows, full length (the engine shards the sequence for cp itself)"
             )
+        if any(verdicts[r][9] != verdicts[group[0]][9] for r in group):
+            raise BatchError(different_fields(group, batch))
     shares = [verdicts[group[0]] for group in ranks]  # one per dp rank
     norm = BatchTotals(tokens=sum(v[5] for v in shares), sequences=sum(v[6] for v in shares))
     spread = split_to_count(plan, int(max(v[7] for v in shares)))
@@ -137,6 +140,36 @@ def agreed_batch(
     assert all(spread), "equal rows per dp rank split into as many microbatches on every rank"
     return AgreedBatch(
         batch=on_device, totals=norm, microbatches=spread, spans=spans, input_tokens=sum(v[8] for v in shares)
+    )
+
+
+def fields_fingerprint(batch: Batch, where: torch.device | str) -> torch.Tensor:
+    """Every field beside the rows' ids in one number (its name and its bits, wrapping below 2^52):
+    the ranks that compute one set of rows must hand the loss the same advantages, masks and
+    rewards, or its gradients are some mix of each rank's."""
+    total = torch.zeros((), dtype=torch.long, device=where)
+    for name in sorted(batch):
+        if name == "input_ids":
+            continue
+        value = batch[name].to(where).contiguous()
+        bits = value.to(torch.uint8) if value.dtype == torch.bool else value
+        if bits.is_floating_point() or bits.is_complex():
+            bits = bits.view(_SAME_WIDTH_INT[bits.element_size()])  # the exact bits, not a rounded sum
+        bits = bits.long().flatten()
+        weights = torch.arange(1, bits.numel() + 1, device=where)
+        total = total + zlib.crc32(name.encode()) + (bits * weights).sum() % FINGERPRINT_MODULUS
+    return total % FINGERPRINT_MODULUS
+
+
+_SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def different_fields(group: Sequence[int], batch: Batch) -> str:
+    fields = ", ".join(sorted(n for n in batch if n != "input_ids"))
+    return (
+        f"the ranks {group} of one tp / cp / pipeline group were given the same rows but different values of "
+        f"their other fields ({fields}): the loss reads them alike on every rank that computes those rows; pass "
+        "each field as the rows' slice of the global batch (policy.slice_of) on every rank of the group"
     )
 
 

@@ -57,9 +57,48 @@ def call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor]
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise BatchError(f"microbatch {index}: the loss must be a scalar tensor, got {shape}")
-    # a tensor metric stays where it is (summed there, read once per step)
-    kept = {k: v.detach().reshape(()) if isinstance(v, torch.Tensor) else float(v) for k, v in dict(metrics).items()}
-    return loss.reshape(()), kept
+    return loss.reshape(()), _checked_metrics(metrics, index)
+
+
+# what a step reports itself (``Policy.train``'s result): a loss's metric of one of these names would
+# replace the step's own figure in what the caller reads
+STEP_KEYS = frozenset({"loss", "grad_norm", "lr", "tokens", "sequences", "input_tokens", "microbatches", "seconds"})
+
+
+def _checked_metrics(metrics: Any, index: int) -> dict[str, torch.Tensor | float]:
+    """A loss's metrics as the step sums them, or a ``BatchError`` naming the one that cannot be
+    (refused on every rank after the loop, as a failing loss is): a name the step's own keys
+    use, a name that is not a word, a value that is no scalar."""
+    if not isinstance(metrics, Mapping):
+        raise BatchError(
+            f"microbatch {index}: the loss's metrics must be a mapping of names to scalars, got "
+            f"{type(metrics).__name__}"
+        )
+    kept: dict[str, torch.Tensor | float] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name.strip():
+            raise BatchError(
+                f"microbatch {index}: the loss returned a metric named {name!r}; a metric's name is a non-empty string"
+            )
+        if name in STEP_KEYS:
+            raise BatchError(
+                f"microbatch {index}: the loss returned a metric named {name!r}, which would replace "
+                f"the step's own {name!r} in what train() returns (the step's keys: "
+                f"{', '.join(sorted(STEP_KEYS))}); rename it (e.g. 'my_{name}')"
+            )
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            kept[name] = value.detach().reshape(())  # stays where it is: summed there, read once per step
+        elif isinstance(value, int | float):
+            kept[name] = float(value)
+        else:
+            what = (
+                f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            )
+            raise BatchError(
+                f"microbatch {index}: the loss's metric {name!r} is {what}; a metric is a number or a "
+                "one-element tensor (summed over the batch)"
+            )
+    return kept
 
 
 def check_temperature(temperature: float) -> None:

@@ -46,6 +46,7 @@ from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_p
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
 from . import checkpoint, shards
+from .batch_agreement import different_fields, fields_fingerprint
 from .batches import Batch, BatchError, Microbatching, balanced_dp_rows, check_batch, dp_slice
 from .build import from_folder, seeded_model
 from .channel import WeightChannel, make_manifest, send_buckets
@@ -259,7 +260,7 @@ class PipelinePolicy:
         """This rank's rows unpadded and grouped by length, the global batch's ``BatchTotals`` and its
         attended tokens; the same ``BatchError`` on every rank when any rank's batch is refused."""
         problem, rows = "", None
-        rows_print: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        rows_print: tuple[int, int, tuple[int, ...], int] = (0, 0, (), 0)  # rows, then their other fields
         try:
             micro_batch_size, max_tokens = cut.micro_batch_size, cut.max_tokens
             if cut.pack:
@@ -274,7 +275,8 @@ class PipelinePolicy:
                 microbatches=self.runner.microbatches,  # the plan's, or one per stage
                 multiple=self.layout.sequence_multiple,
             )
-            rows_print = fingerprint(on_device["input_ids"], on_device["attention_mask"])
+            ids, mask = on_device["input_ids"], on_device["attention_mask"]
+            rows_print = (*fingerprint(ids, mask), int(fields_fingerprint(on_device, ids.device)))
         except BatchError as exc:
             problem = str(exc)
         # one gather of every rank's verdict, rows' fingerprint, counts and schedule steps
@@ -296,11 +298,14 @@ class PipelinePolicy:
         for r in range(len(every)):
             shares.setdefault(share[r], []).append(r)
         for ranks in shares.values():
-            if any(every[r]["print"] != every[ranks[0]]["print"] for r in ranks):
+            first = every[ranks[0]]["print"]
+            if any(every[r]["print"][:3] != first[:3] for r in ranks):
                 raise BatchError(
                     f"the ranks {ranks} of one pipeline / tp group were given different rows: they must pass the "
                     "same rows (pass rows policy.slice_of(global_rows) on each rank)"
                 )
+            if any(every[r]["print"][3] != first[3] for r in ranks):
+                raise BatchError(different_fields(ranks, batch))
         heads = [every[ranks[0]] for ranks in shares.values()]
         tokens, sequences, input_tokens = (sum(h["counts"][i] for h in heads) for i in (0, 1, 2))
         # FSDP gathers a stage's weights over dp for every microbatch: every dp rank runs as many
