@@ -453,3 +453,56 @@ print(peak() - before)
 """
     grown = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
     assert grown < 48 * 2**20, f"{grown / 2**20:.0f} MiB"
+
+
+def _rows(data):
+    """(ids, mask or None) of every row, as plain lists."""
+    masks = list(data.masks) if data.masks is not None else [None] * len(data.sequences)
+    return [(list(ids), None if mask is None else list(mask)) for ids, mask in zip(data.sequences, masks)]
+
+
+def test_padding_its_attention_mask_marks_is_not_trained_on(cli, tmp_path):
+    """tokenizer(..., padding="max_length") rows: id 0 on the padding, attention_mask 0 there (right
+    or left). They read as the unpadded rows (the loss then is theirs: it was 5.6909 against 5.5622)."""
+    from plancc.job.data import DataError, read_jsonl
+
+    plain = [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11], "labels": [-100, 10, 11]}]
+    padded = [
+        {"input_ids": [5, 6, 7, 8, 0, 0], "attention_mask": [1, 1, 1, 1, 0, 0]},
+        {"input_ids": [0, 0, 9, 10, 11, 0], "attention_mask": [0, 0, 1, 1, 1, 0], "labels": [-100, -100, -100, 10, 11, -100]},
+    ]
+    for name, lines in (("plain", plain), ("padded", padded)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    read = {name: _rows(read_jsonl(tmp_path / f"{name}.jsonl", vocab_size=256, min_tokens=2)) for name in ("plain", "padded")}
+    assert read["padded"] == read["plain"] == [([5, 6, 7, 8], None), ([9, 10, 11], [0, 1, 1])]
+    # a hole inside the attended tokens (packed documents in one line) is refused at its line
+    (tmp_path / "holes.jsonl").write_text(json.dumps({"input_ids": [5, 6, 7, 8], "attention_mask": [1, 0, 1, 1]}) + "\n")
+    with pytest.raises(DataError) as caught:
+        read_jsonl(tmp_path / "holes.jsonl", vocab_size=256, min_tokens=2)
+    (found,) = caught.value.diagnostics
+    assert found.rule == "data-mask" and found.loc.line == 1 and "leaves out token 1" in found.message
+
+
+def test_a_parquet_made_from_valid_jsonl_reads_as_that_jsonl(tmp_path):
+    """Rows with labels, with loss_mask and with neither, through datasets' JSON reader to parquet:
+    the columns a row lacks come back null, and are read as absent (they were refused as "both
+    'labels' and 'loss_mask'")."""
+    import datasets
+
+    from plancc.job.data import read_jsonl
+
+    lines = [
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        {"input_ids": [8, 9, 10], "loss_mask": [0, 0, 1]},
+        {"input_ids": [11, 12]},
+        {"input_ids": [13, 14, 15], "attention_mask": [1, 1, 0]},
+    ]
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    datasets.Dataset.from_json(str(jsonl)).to_parquet(str(tmp_path / "mixed.parquet"))
+    as_jsonl = read_jsonl(jsonl, vocab_size=256, min_tokens=2)
+    as_parquet = read_jsonl(tmp_path / "mixed.parquet", vocab_size=256, min_tokens=2)
+    assert _rows(as_parquet) == _rows(as_jsonl) == [
+        ([5, 6, 7], [0, 1, 1]), ([8, 9, 10], [0, 0, 1]), ([11, 12], None), ([13, 14], None)
+    ]
+    assert as_parquet.unused == as_jsonl.unused == ()

@@ -272,6 +272,35 @@ def _loss_mask(record: dict, ids: list[int]) -> tuple[int, ...] | None:
     return None
 
 
+def _unpadded(record: dict) -> dict:
+    """A pre-tokenized record with its ``attention_mask`` honoured: the padding it marks 0
+    (``tokenizer(..., padding="max_length")``, left or right) cut off its ids, labels and loss
+    mask, so that the run trains on the tokens the mask attends, as transformers would."""
+    attention = record.get("attention_mask")
+    if attention is None:
+        return record
+    ids = record["input_ids"]
+    if not isinstance(attention, list) or not isinstance(ids, list) or len(attention) != len(ids):
+        raise BadRecord("data-mask", "'attention_mask' must be a list of 0 and 1 as long as 'input_ids'")
+    if any(m not in (0, 1) or m is True or m is False for m in attention):
+        raise BadRecord("data-mask", "'attention_mask' must be a list of 0 and 1 as long as 'input_ids'")
+    kept = [i for i, m in enumerate(attention) if m == 1]
+    if not kept:
+        raise BadRecord("data-mask", "the line's attention_mask attends no token", "drop the line")
+    start, end = kept[0], kept[-1] + 1
+    if len(kept) != end - start:
+        raise BadRecord(
+            "data-mask",
+            f"the line's attention_mask leaves out token {next(i for i in range(start, end) if attention[i] == 0)} "
+            "inside the attended tokens: plancc reads a row as one sequence, padded at its ends only",
+            "split the line where its mask breaks (packed documents: one line each), or drop attention_mask",
+        )
+    cut = {
+        key: record[key][start:end] for key in ("input_ids", "labels", "loss_mask") if isinstance(record.get(key), list)
+    }
+    return {**record, **cut}
+
+
 def parse_record(
     record: Any,
     vocab_size: int,
@@ -284,8 +313,12 @@ def parse_record(
     fields = fields or DataFields()
     if not isinstance(record, dict):
         raise BadRecord("data-input-ids", "the line is not a JSON object")
+    # a column a table holds for other rows is null in this one (datasets' JSON reader, a parquet
+    # made from JSON lines of several kinds): absent, as in the JSON line it was made from
+    record = {key: value for key, value in record.items() if value is not None}
     text_mask: tuple[int, ...] | None = None
     if "input_ids" in record:
+        record = _unpadded(record)
         ids = record["input_ids"]
     else:  # text, a chat, or a prompt and its completion: the model folder's tokenizer
         ids, text_mask = _tokenized(record, fields, tokenizer or Tokenizer(None))
