@@ -6,6 +6,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,18 @@ def test_verify_llama_dp2_tp2_sp_reports_differences(model):
                                 "--tp", 2, "--sp", "--verify", "--steps", 2)
     assert code == 0, err + out
     assert "verify: OK" in out and "logits  max |diff|" in out and "grads   max relative diff" in out
+
+
+def test_the_workers_import_the_installed_plancc_whatever_the_working_directory_holds(tmp_path):
+    """Run from the folder above a clone (a `plancc/` folder there): the workers, started as
+    `python -m plancc.job.runner`, imported that folder ("FileNotFoundError .../plancc/schemas")."""
+    (tmp_path / "plancc").mkdir()
+    (tmp_path / "plancc" / "__init__.py").write_text("")
+    script = shutil.which("plancc", path=str(Path(sys.executable).parent))  # the console script, as a user runs it
+    done = subprocess.run([script, "apply", str(PLANS / "qwen3.yaml"), "--steps", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert len(losses(done.stdout)) == 1
 
 
 def test_apply_through_an_explicit_c10d_rendezvous_endpoint():

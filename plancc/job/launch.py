@@ -82,6 +82,23 @@ def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list
 
 
 @contextmanager
+def _installed_plancc() -> Iterator[None]:
+    """The workers start as ``python -m plancc.job.runner``, which puts the working directory first
+    on the import path: run from the folder above a clone (a ``plancc/`` folder there), they would
+    import the clone's sources, or a folder of that name, not the plancc that launched them.
+    PYTHONSAFEPATH (Python 3.11) leaves the working directory off their path."""
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONSAFEPATH", None)
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
+
+
+@contextmanager
 def _prompt_shutdown(grace_s: int) -> Iterator[None]:
     """torch 2.13's process context stops the workers of a failed group with ``close()``'s
     default 30 s between SIGTERM and SIGKILL, whatever ``--shutdown-timeout`` says: a worker
@@ -122,7 +139,11 @@ def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: Toke
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             # the agent logs each failed worker at ERROR; the CLI names the failure itself
-            with quiet_logger("torch.distributed.elastic", logging.CRITICAL), _prompt_shutdown(SHUTDOWN_TIMEOUT_S):
+            with (
+                quiet_logger("torch.distributed.elastic", logging.CRITICAL),
+                _prompt_shutdown(SHUTDOWN_TIMEOUT_S),
+                _installed_plancc(),
+            ):
                 run(args)
         except ChildFailedError as exc:
             seen = []
