@@ -506,3 +506,28 @@ def test_a_parquet_made_from_valid_jsonl_reads_as_that_jsonl(tmp_path):
         ([5, 6, 7], [0, 1, 1]), ([8, 9, 10], [0, 0, 1]), ([11, 12], None), ([13, 14], None)
     ]
     assert as_parquet.unused == as_jsonl.unused == ()
+
+
+def test_a_chat_template_that_never_finishes_is_stopped_and_named(chat_folder, tmp_path, monkeypatch):
+    """A template is a program: two nested range(100000) loops rendered for ever, with no bound."""
+    import shutil
+
+    from plancc.job import records
+    from plancc.job.data import DataError, read_jsonl
+    from plancc.job.records import Tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(chat_folder, folder)
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CHAT_TEMPLATE
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = endless
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(endless)
+    monkeypatch.setattr(records, "TEMPLATE_SECONDS", 1)
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": CHATS[0]}) + "\n")
+    with pytest.raises(DataError) as caught:
+        read_jsonl(data, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(folder)))
+    (found,) = caught.value.diagnostics
+    assert found.rule == "data-messages" and found.loc.line == 1
+    assert "did not finish rendering" in found.message and "within 1 s" in found.message

@@ -11,6 +11,10 @@ counts), ``messages`` rendered with its chat template (the assistant's turns cou
 from __future__ import annotations
 
 import re
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,6 +185,35 @@ def _message(message: Any, where: str) -> dict:
     )
 
 
+# a chat template is user code, run once per line (a few per turn): generous for any real one
+TEMPLATE_SECONDS = 10
+
+
+class _TemplateTooSlow(Exception):
+    pass
+
+
+@contextmanager
+def _time_bound(seconds: float) -> Iterator[None]:
+    """Raise ``_TemplateTooSlow`` in this thread once ``seconds`` pass (a real-time timer: the
+    data is read on the launcher's main thread, before any worker starts). Elsewhere than the
+    main thread no signal can reach the code: unbounded there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum: int, _frame: Any) -> None:
+        raise _TemplateTooSlow
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 def _chat(messages: Any, name: str, tok: Any, counted_from: int = 0) -> tuple[list[int], tuple[int, ...]]:
     """A chat rendered with the tokenizer's template; the loss counts the assistant's turns (from
     message ``counted_from`` on: a conversational completion's, not its prompt's). A
@@ -206,7 +239,15 @@ def _chat(messages: Any, name: str, tok: Any, counted_from: int = 0) -> tuple[li
 
     def render(part: list[dict], prompt: bool, **extra: Any) -> Any:
         try:
-            return tok.apply_chat_template(part, tokenize=True, add_generation_prompt=prompt, **extra)
+            with _time_bound(TEMPLATE_SECONDS):
+                return tok.apply_chat_template(part, tokenize=True, add_generation_prompt=prompt, **extra)
+        except _TemplateTooSlow:
+            raise BadRecord(
+                "data-messages",
+                f"the chat template did not finish rendering this line's messages within {TEMPLATE_SECONDS} s "
+                "(a template is a program: one that loops without end never finishes)",
+                "fix the template's loops (chat_template.jinja in the --model folder), or give the lines as input_ids",
+            ) from None
         except Exception as exc:  # the template's own refusal (a role it does not know)
             raise BadRecord(
                 "data-messages",
