@@ -384,7 +384,8 @@ def test_a_resume_on_other_rows_than_the_checkpoints_run_says_so(tmp_path):
     assert code == 0, err
     notes = {}
     for name, data in (("same", ["--data", same]), ("changed", ["--data", changed]), ("longer", ["--data", longer]),
-                       ("synthetic", [])):
+                       ("synthetic", []), ("wider", ["--data", same, "--batch-size", 4]),
+                       ("cut", ["--data", same, "--seq-len", 8])):
         code, out, err = forked_cli(*run, *data, "--resume", tmp_path / "ck" / "step-000001")
         assert code == 0 and "resumed from step 1" in out, err
         notes[name] = [line for line in out.splitlines() if line.startswith("note:")]
@@ -396,6 +397,11 @@ def test_a_resume_on_other_rows_than_the_checkpoints_run_says_so(tmp_path):
     assert "4 rows of 34 tokens -> 5 of 37" in added
     (synthetic,) = notes["synthetic"]
     assert "the checkpoint's run trained on --data (4 rows), this one on synthetic rows" in synthetic
+    # the same rows, another batch shape: the steps after the checkpoint take other rows too
+    assert notes["wider"] == ["note: --batch-size 2 -> 4: the steps after 1 train on other batches than the run "
+                              "that saved the checkpoint would have"]
+    (cut,) = notes["cut"]
+    assert cut.startswith("note: --seq-len unset (rows as they are) -> 8:")
 
 
 def test_a_bad_row_of_a_parquet_file_is_named_by_its_row(tmp_path):

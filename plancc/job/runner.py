@@ -204,6 +204,7 @@ class _Trainer:
             if changed:
                 log(f"note: this run's {changed}: the learning rate follows this run's schedule from step {info.step}")
             other_rows = data_changes(info.run, self.data) if self.data else ""
+            other_rows = other_rows or shape_changes(info.run, batch_shape(self.cfg))  # the same rows, cut otherwise
             if other_rows:
                 log(
                     f"note: {other_rows}: the steps after {info.step} train on other batches than the run that "
@@ -291,7 +292,8 @@ class _Trainer:
         if not self.cfg.save or self.last_checkpoint == self.done:
             return
         files = {RUN_FILE: self.cfg.run_file} if self.cfg.run_file else None
-        path = self.policy.save(self.cfg.save, run={**run_settings(self.cfg), **self.data}, files=files)
+        run = {**run_settings(self.cfg), **self.data, **batch_shape(self.cfg)}
+        path = self.policy.save(self.cfg.save, run=run, files=files)
         self.last_checkpoint = self.done
         keep, folder = self.cfg.keep, self.cfg.save
         if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.agreement)
@@ -387,6 +389,23 @@ def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
         f"{flag} {saved[key]} -> {now[key]}" for key, flag in flags.items() if key in saved and saved[key] != now[key]
     ]
     return ", ".join(changed)
+
+
+def batch_shape(cfg: RunConfig) -> dict[str, Any]:
+    """Which rows a step takes besides the data itself: the global batch's rows and how long they
+    are cut (a resume with another --batch-size or --seq-len trains on other batches)."""
+    return {"batch_size": cfg.batch_size, "seq_len": cfg.seq_len if cfg.data else cfg.synthetic_seq_len}
+
+
+def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """``--batch-size 4 -> 8`` for each of them a resumed run changed ("" for a checkpoint that kept none)."""
+    flags = {"batch_size": "--batch-size", "seq_len": "--seq-len"}
+    said = lambda value: "unset (rows as they are)" if value is None else str(value)  # noqa: E731
+    return ", ".join(
+        f"{flag} {said(saved[key])} -> {said(now[key])}"
+        for key, flag in flags.items()
+        if key in saved and saved[key] != now[key]
+    )
 
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
