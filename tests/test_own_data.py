@@ -364,6 +364,16 @@ def test_a_folder_laid_out_as_the_hub_lays_a_dataset_trains_on_its_train_split_a
         read_jsonl(tmp_path / "held-out", vocab_size=256)
     (found,) = caught.value.diagnostics
     assert found.rule == "data-file" and "the splits test, validation and none named train" in found.message
+    # a folder of a held-out split alone (a test split, a saved DatasetDict of validation alone) is
+    # refused too: it was trained on without a word
+    parquet(tmp_path / "test-only/data/test-00000-of-00001.parquet", [[9, 9, 9]])
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list([{"input_ids": [8, 8]}])}).save_to_disk(
+        str(tmp_path / "saved-validation"))
+    for folder, split in (("test-only", "test"), ("saved-validation", "validation")):
+        with pytest.raises(DataError) as caught:
+            read_jsonl(tmp_path / folder, vocab_size=256)
+        (found,) = caught.value.diagnostics
+        assert found.rule == "data-file" and f"holds the {split} split alone" in found.message, folder
 
 
 @pytest.mark.slow

@@ -68,10 +68,23 @@ def dataset_rows(path: str | Path) -> Iterator[Any]:
         ) from None
 
 
+# the names datasets gives held-out splits: never trained on unasked
+HELD_OUT = frozenset({"test", "validation", "valid", "eval", "evaluation", "dev"})
+
+
 def split_read(names: list[str]) -> str:
     """The split of several a run trains on: ``train``, or the first where none is (a dataset
-    of one split)."""
-    return "train" if "train" in names or not names else names[0]
+    of one split) -- unless that one is a held-out split (a folder of ``test-*.parquet`` alone):
+    then a ``DatasetProblem``, as a run would train on the data meant to judge it."""
+    split = "train" if "train" in names or not names else names[0]
+    if split in HELD_OUT:
+        raise DatasetProblem(
+            f"the dataset holds the {split} split alone (no train split): a run would train on the rows held out "
+            "to judge it",
+            f"pass --data the train split; to train on these rows all the same, name them as such (rename "
+            f"{split}-*.parquet or the {split}/ folder to train)",
+        )
+    return split
 
 
 def folder_split(folder: Path) -> tuple[str, list[Path], list[str]]:
