@@ -729,3 +729,45 @@ def dropped_policies_freed(plan, model_name):
 
     torch.distributed.destroy_process_group()
     return freed
+
+
+def calls_out_of_step(plan, model_name, layout_kwargs):
+    """offload() on rank 0 alone, then train and logprobs on both ranks; then rank 0 logprobs while
+    rank 1 trains: each outcome (and how long it took) on this rank, and whether the policy trains
+    once both are in step again."""
+    import time
+
+    import torch.distributed as dist
+
+    import plancc
+
+    init_gloo()
+    try:
+        policy = plancc.Policy(plan, model_name, device="cpu", **layout_kwargs)
+        batch = global_batch(4, policy.config.vocab_size)
+        rows = policy.slice_of(batch["input_ids"].shape[0])
+        mine = {k: v[rows] for k, v in batch.items()}
+        policy.train(mine, nll)
+        out = {}
+
+        def outcome(name, call):
+            start = time.perf_counter()
+            try:
+                call()
+                out[name] = "ran"
+            except RuntimeError as exc:
+                out[name] = f"RuntimeError: {exc}"
+            out[f"{name} seconds"] = time.perf_counter() - start
+
+        if dist.get_rank() == 0:
+            policy.offload()
+        outcome("train", lambda: policy.train(mine, nll))
+        outcome("logprobs", lambda: policy.logprobs(mine))
+        if dist.get_rank() == 0:
+            policy.onload()
+        outcome("in step", lambda: policy.train(mine, nll))
+        outcome("different calls", (lambda: policy.logprobs(mine)) if dist.get_rank() == 0 else (lambda: policy.train(mine, nll)))
+        outcome("after", lambda: policy.train(mine, nll))
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -361,3 +361,23 @@ def test_divergence_is_not_bad_input():
     from plancc.engine.policy import NonFiniteError
 
     assert not issubclass(NonFiniteError, BatchError) and issubclass(NonFiniteError, ArithmeticError)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"pp": 2}])
+def test_offload_on_one_rank_or_calls_out_of_step_are_one_error_on_every_rank(layout):
+    """offload() called on rank 0 alone, then train and logprobs on both: rank 0 refused alone before
+    (its peer waited in a collective: "Connection closed by peer" at dp2, a hang at pp2). Now every
+    rank raises within seconds, naming the rank; ranks calling different methods are told so; the
+    next calls in step train."""
+    from .distributed import launch
+    from .policy_worker import calls_out_of_step
+
+    for rank, got in launch(calls_out_of_step, 2, "plans/qwen3.yaml", "tiny-qwen3", layout).items():
+        for call in ("train", "logprobs"):
+            assert got[call].startswith(f"RuntimeError: Policy.{call}: the policy's parameters"), (rank, got)
+            assert "offloaded on rank 0 (offload() was called there alone)" in got[call], (rank, got)
+            assert got[f"{call} seconds"] < 30, (rank, got)  # no collective waited for its timeout
+        assert got["in step"] == "ran" and got["after"] == "ran", (rank, got)
+        assert "the ranks called different methods (rank 0 logprobs, rank 1 train)" in got["different calls"], got

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..runtime.local_tensors import local_tensor
@@ -94,6 +95,19 @@ class HostCopy:
 
 
 _PART_NAMES = {"params": "parameters", "optimizer": "optimizer state"}
+# the Policy calls that check what is offloaded, by index in the ranks' agreement
+_CALLS = (
+    "train",
+    "logprobs",
+    "logits",
+    "reference_logprobs",
+    "weights",
+    "send_weights",
+    "share_weights",
+    "export_hf",
+    "save",
+    "load",
+)
 
 
 class Offloader:
@@ -105,10 +119,13 @@ class Offloader:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         beside_params: Callable[[], Iterable[torch.Tensor]] = tuple,
+        device: str | torch.device = "cpu",
     ) -> None:
         """``beside_params``: device tensors that go with the parameters (a device reference's
-        weights: ``ReferenceWeights.device_tensors``)."""
+        weights: ``ReferenceWeights.device_tensors``); ``device``: the policy's (where the ranks'
+        agreement on what is offloaded is gathered)."""
         self.model, self.optimizer, self.beside_params = model, optimizer, beside_params
+        self.device = device
         self._host: dict[str, HostCopy] = {}  # while offloaded, per part ("params", "optimizer")
         self._pinned: dict[str, list[torch.Tensor]] = {}
 
@@ -118,15 +135,50 @@ class Offloader:
         return sorted(self._host)
 
     def require_onloaded(self, what: str, *, optimizer: bool = False) -> None:
-        """Raise when what ``Policy.what`` reads is in host memory: the parameters always, the
-        optimizer's state when ``optimizer`` (a training step, a checkpoint). Log-probs and
-        weights out run with the optimizer's state alone offloaded (a colocated engine short of
-        memory keeps it on the host until the next step)."""
-        away = [part for part in ("params", "optimizer") if part in self._host and (optimizer or part == "params")]
+        """Raise when what ``Policy.what`` reads is in host memory on any rank: the parameters
+        always, the optimizer's state when ``optimizer`` (a training step, a checkpoint). Log-probs
+        and weights out run with the optimizer's state alone offloaded (a colocated engine short
+        of memory keeps it on the host until the next step).
+
+        Agreed by every rank before the call's first collective (one gather of each rank's call
+        and parts away): ``offload()`` called on some ranks only, or ranks calling different
+        methods, are one error on every rank -- not one rank refusing while its peers wait in a
+        collective it never joins (a hang, or "Connection closed by peer")."""
+        mine = [
+            _CALLS.index(what) if what in _CALLS else len(_CALLS),
+            "params" in self._host,
+            "optimizer" in self._host,
+        ]
+        rows = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            local = torch.tensor(mine, dtype=torch.int64, device=self.device)
+            every = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, local)
+            rows = torch.stack(every).tolist()
+        calls = {row[0] for row in rows}
+        if len(calls) > 1:
+            said = ", ".join(
+                f"rank {r} {_CALLS[row[0]] if row[0] < len(_CALLS) else '?'}" for r, row in enumerate(rows)
+            )
+            raise RuntimeError(
+                f"Policy.{what}: the ranks called different methods ({said}); every rank of a policy makes "
+                "the same calls in the same order"
+            )
+        away = [part for i, part in enumerate(("params", "optimizer"), start=1) if any(row[i] for row in rows)]
+        away = [part for part in away if optimizer or part == "params"]
         if away:
             names = " and ".join(_PART_NAMES[part] for part in away)
             verb = "are" if away[0] == "params" else "is"  # "parameters ... are", "optimizer state is"
-            raise RuntimeError(f"Policy.{what}: the policy's {names} {verb} offloaded; call onload() first")
+            index = 1 if away[0] == "params" else 2
+            ranks = [r for r, row in enumerate(rows) if row[index]]
+            where = (
+                ""
+                if len(ranks) == len(rows)
+                else f" on rank{'s' if len(ranks) > 1 else ''} "
+                + ", ".join(map(str, ranks))
+                + " (offload() was called there alone)"
+            )
+            raise RuntimeError(f"Policy.{what}: the policy's {names} {verb} offloaded{where}; call onload() first")
 
     def offload(self, *, params: bool, optimizer: bool) -> None:
         """The chosen parts to pinned host memory, the freed device memory back to the driver.

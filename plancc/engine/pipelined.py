@@ -120,7 +120,7 @@ class PipelinePolicy:
         self._reference = ReferenceWeights(self.model, place=place, dtype=dtype) if place else None
         # the reference's bound method, not a closure over the policy (a cycle: ``Policy``'s)
         beside = self._reference.device_tensors if self._reference is not None else tuple
-        self._memory = Offloader(self.model, self.optimizer, beside_params=beside)
+        self._memory = Offloader(self.model, self.optimizer, beside_params=beside, device=self.device)
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,

@@ -170,7 +170,7 @@ class Policy:
         # the reference's bound method, not a closure over the policy: no cycle keeps a dropped
         # policy's memory until the garbage collector runs
         beside = self._reference.device_tensors if self._reference is not None else tuple
-        self._memory = Offloader(self.model, self.optimizer, beside_params=beside)
+        self._memory = Offloader(self.model, self.optimizer, beside_params=beside, device=self.device)
 
     # ------------------------------------------------------------------ layout
     @property
