@@ -65,3 +65,20 @@ def test_compiled_blocks_verify_against_the_unsharded_eager_model(tmp_path, layo
     code, out, err = forked_cli("apply", _plan(tmp_path), "--nproc-per-node", 2, *layout, "--verify", "--steps", 1)
     assert code == 0, err + out
     assert "verify: OK" in out
+
+
+def test_compile_with_lora_is_one_answer_from_every_entry_point(tmp_path, cli, one_rank):
+    """The plan's lora: section was refused beside compile:, the --lora flags accepted: the same
+    refusal now from the plan, the flags and Policy(lora=...), at the compile: line."""
+    import plancc
+
+    path = _plan(tmp_path)
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), start=1) if text.startswith("compile:"))
+    code, _, err = cli("apply", path, "--lora-r", 4, "--lora-targets", "model.layers.*.self_attn.q_proj")
+    assert code == 1 and f"{path}:{line}:" in err and "[compile]" in err and "--lora-r/--lora-targets" in err
+    with_section = tmp_path / "lora.yaml"
+    with_section.write_text(path.read_text() + "lora: {r: 4, targets: [model.layers.*.self_attn.q_proj]}\n")
+    (found,) = [d for d in plancc.check_plan(plancc.load_plan(with_section), "tiny-qwen3") if d.rule == "compile"]
+    assert found.line == line and "LoRA adapters (the plan's lora: section)" in found.message
+    with pytest.raises(plancc.PlanError, match=r"LoRA adapters \(lora=\)"):
+        plancc.Policy(path, "tiny-qwen3", device="cpu", lora={"r": 4, "targets": ["model.layers.*.self_attn.q_proj"]})

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..compiler.plan import PipelineSpec
+from ..errors import SourceLoc
 from .context import CheckContext, Problem
 from .example import Example
 
@@ -38,6 +39,16 @@ EXAMPLES = (
 _SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 
 
+def with_lora(loc: SourceLoc, given: str) -> Problem:
+    """The one answer to compiled blocks with adapters, whichever way the adapters came (the plan's
+    ``lora:``, ``--lora-*``, ``Policy(lora=...)``)."""
+    return Problem(
+        loc=loc,
+        message=f"compiled blocks with LoRA adapters ({given}): not yet (adapters inside a compiled block)",
+        fix="drop compile: from the plan, or the adapters",
+    )
+
+
 def check(ctx: CheckContext) -> Iterator[Problem]:
     spec = ctx.plan.compile
     if spec is None:
@@ -51,11 +62,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             fix="drop compile: for this layout, or --ep 1",
         )
     if ctx.plan.lora is not None:
-        yield Problem(
-            loc=spec.loc,
-            message="compiled blocks with the plan's lora: section: not yet (adapters inside a compiled block)",
-            fix="drop compile: or lora:",
-        )
+        yield with_lora(spec.loc, "the plan's lora: section")
     schedule = (ctx.plan.pipeline or PipelineSpec()).schedule
     if layout.pp > 1 and schedule in _SPLIT_BACKWARD:
         yield Problem(

@@ -186,6 +186,7 @@ def lora_flags(
     """``--lora-*`` as a ``lora`` spec over the plan's ``lora:`` section (None: no flag given),
     checked against the model at this layout before anything launches (exit 1 with the
     diagnostics of ``plancc rules``' lora-targets)."""
+    from ..checks.compiled_blocks import with_lora  # lazy: loads torch
     from ..checks.lora_targets import lora_problems  # lazy: loads torch
 
     if r is None and alpha is None and targets is None:
@@ -213,6 +214,11 @@ def lora_flags(
         emit(exc.diagnostics, fmt)
         raise typer.Exit(EXIT_PLAN) from None
     assert checked is not None
+    compiled = report.plan.compile
+    if compiled is not None:  # the answer the plan's lora: section gets (checks.compiled_blocks)
+        problem = with_lora(compiled.loc, "--lora-r/--lora-targets")
+        emit([Diagnostic(rule="compile", loc=problem.loc, message=problem.message, fix=problem.fix)], fmt)
+        raise typer.Exit(EXIT_PLAN)
     if report.meta_model is not None:
         found = lora_problems(report.meta_model, checked, report.resolved_for(layout.sequence_parallel), layout.tp)
         if found:

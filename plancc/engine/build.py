@@ -13,8 +13,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PretrainedConfig
 
+from ..checks.compiled_blocks import with_lora
 from ..compiler.plan import Plan
-from ..errors import Diagnostic, Severity, SourceLoc
+from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import MASTER_DTYPE, build_model
 from ..runtime.document_attention import enable_document_attention
 from ..runtime.lora import LoraSpec, adapters_of, base_shapes, initial_adapter_state
@@ -93,6 +94,9 @@ def build_parallel_model(
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     # its own config (cp changes it; so does building at another dtype); fp32 masters whatever
     # the config's dtype, the compute dtype is ``param_dtype`` (FSDP2's mixed precision)
+    if lora is not None and plan.compile is not None:  # Policy(lora=...) gets the CLI's answer
+        problem = with_lora(plan.compile.loc, "lora=")
+        raise PlanError([Diagnostic(rule="compile", loc=problem.loc, message=problem.message, fix=problem.fix)])
     model = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
     parallelize(model, plan, mesh, param_dtype=param_dtype, lora=lora)
     # packed documents attend one at a time, no [T, T] mask (cp's attention does the same itself)
