@@ -21,10 +21,16 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 def compile_blocks(model: nn.Module, spec: CompileSpec | None) -> int:
     """Compile each decoder block of ``model`` in place (``nn.Module.compile``: the module keeps
-    its name, parameters and hooks; its forward runs compiled); returns how many."""
+    its name, parameters and hooks; its forward runs compiled); returns how many.
+
+    Static shapes (``dynamic=False``): a microbatch of a new length compiles the block anew, up
+    to dynamo's recompile limit (``torch._dynamo.config.recompile_limit``, 8 a block's code in
+    torch 2.13), past which that shape runs eagerly -- exact either way. Dynamic shapes, dynamo's
+    choice on the first recompile, traced the backward of TP's DTensor blocks into a chain too
+    deep for Python's stack (RecursionError at the second length, torch 2.13)."""
     if spec is None:
         return 0
     blocks = decoder_blocks(model)
     for block in blocks:
-        block.compile(backend=spec.backend, fullgraph=spec.fullgraph)
+        block.compile(backend=spec.backend, fullgraph=spec.fullgraph, dynamic=False)
     return len(blocks)
