@@ -214,3 +214,27 @@ def test_the_cuda_adapter_folds_query_groups_and_pads_the_log_sum_exp_as_the_ker
         _dense(rq, rk, rv, _allowed(positions, valid, window), rs)[:, :, index].backward(g)
         for mine, ref in ((qq.grad, rq.grad[:, :, index]), (kk.grad, rk.grad), (vv.grad, rv.grad), (ss.grad, rs.grad)):
             assert torch.allclose(mine, ref, atol=1e-10)
+
+
+@pytest.mark.parametrize("dqk,dv", [(24, 16), (16, 24)])
+def test_a_value_head_of_another_size_than_the_query_key_head_is_exact(dqk, dv):
+    """MLA's value head is narrower than its query/key head (DeepSeek-V3: 128 of 192), and the
+    kernels take one head size ("Q/K/V should have the same head size" since the block attention):
+    the narrower side is padded and the output cut. Outputs and gradients equal one dense softmax."""
+    spans = query_spans([0, 32], [0], 2, 0)
+    blocks = [blk for span in spans for blk in span_blocks(span, (0, 1), None)]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 16, dqk, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 32, dqk, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 32, dv, generator=gen, dtype=torch.float64, requires_grad=True)
+    got = block_attention(q, k, v, blocks)
+    index = load_balanced_indices(32, 2, 0)
+    allowed = (torch.arange(32).unsqueeze(0) <= index.unsqueeze(1))[None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    assert got.shape == want.shape == (1, 4, 16, dv)
+    torch.testing.assert_close(got, want)
+    grad = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    mine = torch.autograd.grad(got, (q, k, v), grad)
+    exact = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(mine, exact):
+        torch.testing.assert_close(a, b)

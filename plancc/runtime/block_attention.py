@@ -320,8 +320,23 @@ def block_attention(
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[B, H, Sq, D]`` queries against ``[B, Hkv, Sk, D]`` keys and values, block by block
-    (every query must be in at least one block). ``sinks``: one learned logit per head."""
+    """``[B, H, Sq, D]`` queries against ``[B, Hkv, Sk, D]`` keys and ``[B, Hkv, Sk, Dv]`` values,
+    block by block (every query must be in at least one block). ``sinks``: one learned logit per
+    head.
+
+    The kernels take one head size for queries, keys and values; MLA's value head is narrower
+    than its query/key head (DeepSeek-V3: 128 against 192). The narrower side is padded with
+    zeros to the wider and the output cut back: exact (a zero column of the values gives a zero
+    column of the output, and its gradient is dropped by the cut; zero columns of queries and
+    keys add nothing to their products, and the scale is the real head size's). The cost: the
+    padded tensor is that much larger (DeepSeek-V3's gathered values 1.5x) and the kernels'
+    value products as wide as the query's."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    dqk, dv = query.shape[-1], value.shape[-1]
+    if dv < dqk:
+        value = torch.nn.functional.pad(value, (0, dqk - dv))
+    elif dqk < dv:
+        query = torch.nn.functional.pad(query, (0, dv - dqk))
+        key = torch.nn.functional.pad(key, (0, dv - dqk))
     result: torch.Tensor = _BlockAttention.apply(query, key, value, sinks, blocks, scale)
-    return result
+    return result[..., :dv] if result.shape[-1] != dv else result
