@@ -52,17 +52,19 @@ TINY = {
     "gpt_oss": "tiny-gpt-oss",
 }
 
-# The styles a user reaches for, per module kind (the vocabulary's other styles need overrides
-# or name a special module: packed, MLA, experts, per-head parameters).
+# Each style a module kind takes without overrides it must be given (prepare_output and
+# prepare_input_output need their layouts; the sequence styles are the SP overlay's).
+_LINEAR = ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "replicate", "packed_colwise", "packed_rowwise",
+           "mla_kv_a_proj")
 CANDIDATES = {
-    "linear": ("colwise", "colwise_rep", "rowwise", "rowwise_rep", "replicate"),
-    "linear_sp": ("colwise", "colwise_seq", "rowwise", "rowwise_seq", "replicate"),
-    "embedding": ("embedding_rowwise", "colwise", "rowwise", "colwise_rep", "replicate"),
+    "linear": _LINEAR,
+    "linear_sp": (*_LINEAR, "colwise_seq", "rowwise_seq"),
+    "embedding": ("embedding_rowwise", "colwise", "rowwise", "colwise_rep", "rowwise_rep", "replicate"),
     "embedding_sp": ("embedding_rowwise", "embedding_seq", "replicate"),
     "norm": ("qk_norm", "sequence_parallel", "replicate"),
     "rotary": ("rotary_sp", "replicate"),
     "experts": ("moe_experts", "replicate"),
-    "other": ("shared_input", "gather_seq_input", "replicate"),
+    "other": ("shared_input", "gather_seq_input", "per_head_params", "prepare_input", "replicate"),
 }
 
 
