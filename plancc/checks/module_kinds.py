@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from ..compiler.kinds import own_parameters
 from ..compiler.styles import STYLES, canonical_style
+from ..errors import Severity
 from .context import CheckContext, Problem, kind_of
 from .example import Example
 
@@ -43,10 +44,12 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             continue
         if kind in spec.module_kinds and spec.name == "per_head_params" and not holds_parameters[rule.pattern]:
             reported.add((rule.pattern, rule.section))
+            # a warning: the block trains exactly as it would without the rule (bench/plan_mutations.py)
             yield Problem(
                 loc=rule.loc,
+                severity=Severity.WARNING,
                 message=f"{rule.pattern} ({type(module).__name__}) has no parameters of its own; 'per_head_params' "
-                "shards an attention block's own per-head parameters (learned sinks)",
+                "shards an attention block's own per-head parameters (learned sinks): here it does nothing",
                 fix="drop the rule (the block's projections carry its sharding)",
             )
             continue
