@@ -94,27 +94,24 @@ def _problems(doc: SourceDoc) -> list[Diagnostic]:
                     fix=f"add '{VERSION_KEY}: 1' and 'plan: PATH' at the top",
                 )
             )
-        elif error.validator in ("minimum", "maximum") and at:
-            key = str(at[0])
-            flag = f"--{key.replace('_', '-')}"
-            bound = f">= {error.validator_value}" if error.validator == "minimum" else f"<= {error.validator_value}"
-            found.append(
-                Diagnostic(
-                    rule=RULE,
-                    loc=doc.loc(at),
-                    message=f"{key} is {error.instance!r}; allowed: {bound} (the bound of {flag})",
-                    fix=f"write {key}: as `plancc apply {flag}` takes it (a number {bound})",
-                )
-            )
         else:
             key = str(at[0]) if at else "the run file"
-            expected = schema["properties"].get(key, {}).get("type", schema["properties"].get(key, {}).get("const"))
+            flag = f"--{key.replace('_', '-')}"
+            if error.validator in ("minimum", "maximum") and at:  # the flag's own bound
+                bound = f">= {error.validator_value}" if error.validator == "minimum" else f"<= {error.validator_value}"
+                takes, fix = (
+                    f"{bound} (the bound of {flag})",
+                    f"write {key}: as `plancc apply {flag}` takes it ({bound})",
+                )
+            else:
+                known = schema["properties"].get(key, {})
+                takes, fix = (
+                    _allowed(known.get("type", known.get("const"))),
+                    f"write {key}: as `plancc apply {flag}` takes it",
+                )
             found.append(
                 Diagnostic(
-                    rule=RULE,
-                    loc=doc.loc(at),
-                    message=f"{key} is {error.instance!r}; allowed: {_allowed(expected)}",
-                    fix=f"write {key}: as `plancc apply --{key.replace('_', '-')}` takes it",
+                    rule=RULE, loc=doc.loc(at), message=f"{key} is {error.instance!r}; allowed: {takes}", fix=fix
                 )
             )
     return sorted(found, key=lambda d: (d.line, d.column))
