@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -197,9 +198,11 @@ class _TemplateTooSlow(Exception):
 def _time_bound(seconds: float) -> Iterator[None]:
     """Raise ``_TemplateTooSlow`` in this thread once ``seconds`` pass (a real-time timer: the
     data is read on the launcher's main thread, before any worker starts). Elsewhere than the
-    main thread no signal can reach the code: unbounded there."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    main thread no signal can reach the code: unbounded there. A real-time alarm the caller set
+    (pytest-timeout's) is put back as it was, less the time taken."""
+    pending, interval = signal.getitimer(signal.ITIMER_REAL)
+    if threading.current_thread() is not threading.main_thread() or 0 < pending <= seconds:
+        yield  # no signal reaches this thread; or the caller's own alarm (a test's timeout) comes first
         return
 
     def expire(_signum: int, _frame: Any) -> None:
@@ -207,11 +210,14 @@ def _time_bound(seconds: float) -> Iterator[None]:
 
     before = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
+        if pending:  # the caller's alarm, with the time the render took off it
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 1e-3), interval)
 
 
 def _chat(messages: Any, name: str, tok: Any, counted_from: int = 0) -> tuple[list[int], tuple[int, ...]]:
