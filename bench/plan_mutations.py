@@ -119,12 +119,18 @@ def mutations(plan_name: str) -> Iterator[Mutation]:
     path = ROOT / "plans" / f"{plan_name}.yaml"
     doc = yaml.safe_load(path.read_text())
     kinds = _kinds(path, TINY[plan_name])
-    for section, sp in (("tensor_parallel", False), ("sequence_parallel", True)):
+    # the TP section's rules at --tp 2 and, where the plan has an SP overlay, at --tp 2 --sp too
+    # (there the overlay decides some of their modules); the overlay's rules at --sp
+    runs = [("tensor_parallel", False), ("sequence_parallel", True)]
+    if doc.get("sequence_parallel"):
+        runs.insert(1, ("tensor_parallel", True))
+    for section, sp in runs:
         for glob, value in (doc.get(section) or {}).items():
             style = value["style"] if isinstance(value, dict) else value
             matched = kinds.get((section, glob), set())
             kind = next(iter(matched)) if len(matched) == 1 else "other"
-            options = CANDIDATES.get(f"{kind}_sp" if sp else kind, CANDIDATES[kind] if kind in CANDIDATES else ())
+            overlay = section == "sequence_parallel"
+            options = CANDIDATES.get(f"{kind}_sp" if overlay else kind, CANDIDATES[kind] if kind in CANDIDATES else ())
             if glob == "lm_head" or glob.endswith(".lm_head"):
                 options = (*options, "colwise_logits_seq" if sp else "colwise_logits")
             for option in options:
