@@ -3,9 +3,10 @@ refusal stands at the rule to blame with every problem in one report.
 
 The mutations are bench/plan_mutations.py's: each rule of every shipped plan changed, one at a
 time, to each style its modules take (and removed, and its ``optional`` flipped; the TP rules at
---tp 2 and at --tp 2 --sp, the SP overlay's rules with --sp). Their ground truth -- one step of the mutated plan at tp=2 against the unsharded
-model, with plancc's checks switched off -- is recorded in docs/measurements/plan_mutations.json
-by the bench (it depends on the plan alone, never on the checks); a sample is re-run here live."""
+--tp 2 and at --tp 2 --sp, the SP overlay's rules with --sp). Their ground truth -- one step of
+the mutated plan at tp=2 against the unsharded model, with plancc's checks switched off -- is
+recorded in docs/measurements/plan_mutations.json by the bench (it depends on the plan alone,
+never on the checks); a sample is re-run here live."""
 
 from __future__ import annotations
 
