@@ -57,7 +57,7 @@ TINY = {
     "q_lora_rank": 32,
     "kv_lora_rank": 16,
     "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
+    "qk_nope_head_dim": 16,  # a query/key head of 24 beside a value head of 16: DeepSeek-V3's 192:128
     "v_head_dim": 16,
     # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-MoE-DSA): few, small heads
     "index_n_heads": 4,
