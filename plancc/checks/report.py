@@ -173,8 +173,10 @@ def validate_plan(
     A built-in preset is checked on its shipped skeleton (``plancc.skeleton``: the same tree,
     shapes and config, without importing transformers' modeling code) unless ``skeleton`` is
     false; the report's model and config are then that skeleton's, which cannot run."""
-    partial = PartialPlan(plan=plan_path, problems=(), left_out=()) if isinstance(plan_path, Plan) else None
-    partial = partial or load_plan_partially(plan_path)  # type: ignore[arg-type]
+    if isinstance(plan_path, Plan):
+        partial = PartialPlan(plan=plan_path, problems=(), left_out=())
+    else:  # the schema's refusals inside rules leave those rules out; the rest is checked
+        partial = load_plan_partially(plan_path)
     plan = partial.plan
     model = _model_or_default(plan, model)
     loaded = load_skeleton(model) if skeleton and isinstance(model, str) else None

@@ -23,14 +23,14 @@ DTensor", or computes on the DTensor's global view.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
 from ..compiler.globs import generalize
 from ..compiler.placements import Replicate, Shard
-from ..compiler.styles import ModuleKind, style_layouts
+from ..compiler.styles import style_layouts
 from ..dataflow import Flow
 from ..errors import Severity
 from .context import CheckContext, Problem, flow_of, kind_of
@@ -64,19 +64,6 @@ EXAMPLES = (
         edits=(("tensor_parallel", "model.layers.*.mlp.gate_proj", {"style": "colwise", "use_local_output": False}),),
     ),
 )
-
-_FEATURE_DIMS = frozenset({-1, 2})
-
-
-def _union(sets: Iterable[frozenset[str]]) -> frozenset[str]:
-    return frozenset().union(*sets)
-
-
-def _is_projection(module: nn.Module) -> bool:
-    """A module whose output is a vector of features per token (not a per-token scalar gate)."""
-    if kind_of(module) is ModuleKind.LINEAR:
-        return int(getattr(module, "out_features", 2)) > 1
-    return kind_of(module) is ModuleKind.EMBEDDING
 
 
 def _readers_of(flow: Flow, name: str, leaf: bool) -> list[str]:
