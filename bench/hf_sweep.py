@@ -62,6 +62,10 @@ TINY = {
     # DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-MoE-DSA): few, small heads
     "index_n_heads": 4,
     "index_head_dim": 16,
+    # ... and fewer keys kept than the 32-token rows have: the pick binds (real: 2048 of 128k)
+    "index_topk": 8,
+    # Doge's dynamic mask: the same, for its kept keys (real: 2048)
+    "keep_window_size": 8,
 }
 
 

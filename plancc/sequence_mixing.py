@@ -56,11 +56,44 @@ def sequence_mixing(module: nn.Module) -> str | None:
     cls = type(module).__name__
     if isinstance(module, nn.Conv1d) or "Conv" in cls:
         return f"({cls}) is a convolution over the sequence"
-    if cls.endswith("Indexer"):
-        return f"({cls}) picks each query's keys by its own scores over the whole sequence (sparse attention)"
-    if callable(getattr(module, "prepare_dynamic_mask", None)):
-        return f"({cls}) computes its attention mask from its activations (a dynamic mask)"
+    if cls.endswith("Indexer") and not is_indexer(module):
+        return (
+            f"({cls}) picks each query's keys by its own scores over the whole sequence (sparse attention), "
+            "and not through the cache's update_indexer, where the CP form hands it every rank's keys"
+        )
+    if hasattr(module, "indexer") and not _code_has(type(module), "indices="):
+        return f"({cls}) applies its indexer's picks itself instead of passing them to the attention interface"
+    if callable(getattr(module, "prepare_dynamic_mask", None)) and not has_dynamic_mask(module):
+        return f"({cls}) computes its attention mask from its activations (a dynamic mask), in a form not Doge's"
     return None
+
+
+def is_indexer(module: nn.Module) -> bool:
+    """A DeepSeek-sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): it scores every key
+    for each query, keeps the top ``index_topk``, and takes its keys through a cache's
+    ``update_indexer`` -- where ``runtime.cp_key_selection`` hands it the whole sequence's."""
+    cls = type(module)
+    return cls.__name__.endswith("Indexer") and hasattr(module, "index_topk") and _code_has(cls, "update_indexer(")
+
+
+def has_dynamic_mask(module: nn.Module) -> bool:
+    """Doge's attention: ``prepare_dynamic_mask(hidden_states, dt_states, keep_window_size,
+    attention_mask)`` masks from every key's ``dt`` (``runtime.cp_key_selection`` gathers it)."""
+    prepare = getattr(type(module), "prepare_dynamic_mask", None)
+    if not callable(prepare):
+        return False
+    try:
+        names = list(inspect.signature(prepare).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names == ["self", "hidden_states", "dt_states", "keep_window_size", "attention_mask"]
+
+
+def _code_has(cls: type, text: str) -> bool:
+    try:
+        return text in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
 
 
 # The kernels through which transformers' linear-attention and state-space layers mix positions

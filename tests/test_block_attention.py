@@ -15,12 +15,12 @@ from plancc.runtime.cp import load_balanced_indices, load_balanced_indices_packe
 from plancc.runtime.document_attention import attention_with_sinks
 
 
-def _dense(q, k, v, allowed, sinks):
+def _dense(q, k, v, allowed, sinks, softcap=None):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    if sinks is None:
+    if sinks is None and softcap is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-    return attention_with_sinks(q, k, v, allowed, sinks, dropout_p=0.0, scale=None)
+    return attention_with_sinks(q, k, v, allowed, sinks, dropout_p=0.0, scale=None, softcap=softcap)
 
 
 def _allowed(positions, valid, window):
@@ -47,9 +47,10 @@ def _allowed(positions, valid, window):
     window=st.sampled_from([None, 1, 3, 7, 100]),
     groups=st.sampled_from([1, 2]),
     sinks=st.booleans(),
+    softcap=st.sampled_from([None, None, 1.5]),
     seed=st.integers(0, 99),
 )
-def test_blocks_equal_the_dense_mask_for_every_rank(cp, docs, packed, pad, window, groups, sinks, seed):
+def test_blocks_equal_the_dense_mask_for_every_rank(cp, docs, packed, pad, window, groups, sinks, softcap, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = [2 * cp * n for n in docs]
     total = sum(lengths)
@@ -67,7 +68,7 @@ def test_blocks_equal_the_dense_mask_for_every_rank(cp, docs, packed, pad, windo
     q = torch.randn(batch, heads, total, 8, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(batch, 2, total, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     s = torch.randn(heads, generator=gen, dtype=torch.float64) if sinks else None
-    want = _dense(q, k, v, _allowed(positions, valid, window), s)
+    want = _dense(q, k, v, _allowed(positions, valid, window), s, softcap)
     segments = row_segments(positions, valid, bounds)
     assert segments is not None
     grad = torch.randn_like(want)
@@ -84,7 +85,7 @@ def test_blocks_equal_the_dense_mask_for_every_rank(cp, docs, packed, pad, windo
         assert not [b for b in blocks if b.kind is Kind.BAND and b.q1 - b.q0 > MAX_TILE]
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q[:, :, index], k, v))
         ss = None if s is None else s.clone().requires_grad_(True)
-        got = block_attention(qq, kk, vv, blocks, sinks=ss)
+        got = block_attention(qq, kk, vv, blocks, sinks=ss, softcap=softcap)
         real = valid[:, index]  # padded queries' outputs are ignored
         assert torch.allclose(
             got[real.unsqueeze(1).expand_as(got[..., 0])],
@@ -96,7 +97,7 @@ def test_blocks_equal_the_dense_mask_for_every_rank(cp, docs, packed, pad, windo
         got.backward(g)
         rq, rk, rv = (t.clone().requires_grad_(True) for t in (q, k, v))
         rs = None if s is None else s.clone().requires_grad_(True)
-        full = _dense(rq, rk, rv, _allowed(positions, valid, window), rs)
+        full = _dense(rq, rk, rv, _allowed(positions, valid, window), rs, softcap)
         full[:, :, index].backward(g)
         assert torch.allclose(qq.grad, rq.grad[:, :, index], atol=1e-10)
         assert torch.allclose(kk.grad, rk.grad, atol=1e-10) and torch.allclose(vv.grad, rv.grad, atol=1e-10)
@@ -188,7 +189,7 @@ def test_the_cuda_adapter_folds_query_groups_and_pads_the_log_sum_exp_as_the_ker
 
     monkeypatch.setattr(ba, "_EFFICIENT", _EfficientOnCpu.forward)
     monkeypatch.setattr(ba, "_EFFICIENT_BACKWARD", _EfficientOnCpu.backward)
-    monkeypatch.setattr(ba, "_kernels", lambda device: (ba._cuda_forward, ba._cuda_backward))
+    monkeypatch.setattr(ba, "_kernels", lambda device, softcap: (ba._cuda_forward, ba._cuda_backward))
     gen = torch.Generator().manual_seed(3)
     total, cp = 48, 2
     positions = torch.arange(total).expand(2, -1)
@@ -238,3 +239,37 @@ def test_a_value_head_of_another_size_than_the_query_key_head_is_exact(dqk, dv):
     exact = torch.autograd.grad(want, (q, k, v), grad)
     for a, b in zip(mine, exact):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_soft_capped_logits_run_in_bounded_tiles_and_equal_the_capped_softmax(monkeypatch, groups):
+    """Gemma 2's ``cap * tanh(score / cap)``: tiles of 3 queries x 5 keys (the real ones are 512
+    x 2048) cover each block's keys exactly once, and the merged result -- outputs, gradients of
+    queries, keys and values -- is the capped softmax over the dense mask, windows included."""
+    from plancc.runtime import block_attention as module
+
+    monkeypatch.setattr(module, "MAX_TILE", 3)
+    monkeypatch.setattr(module, "KEY_TILE", 5)
+    cp, total, window, cap = 2, 40, 7, 2.0
+    positions = torch.arange(total).unsqueeze(0)
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(groups)
+    q = torch.randn(1, 2 * groups, total, 8, generator=gen, dtype=torch.float64) * 2
+    k, v = (torch.randn(1, 2, total, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    for win in (None, window):
+        want = _dense(q, k, v, _allowed(positions, valid, win), None, cap)
+        grad = torch.randn_like(want)
+        for rank in range(cp):
+            index = load_balanced_indices(total, cp, rank)
+            blocks = [b for span in query_spans([0, total], [0], cp, rank) for b in span_blocks(span, (0, 1), win)]
+            pieces = module.tiled(blocks, 3, 5)
+            assert max((b.q1 - b.q0) for b in pieces) <= 3
+            assert max(b.k1 - b.k0 for b in pieces if b.kind is not Kind.BAND) <= 5
+            qq, kk, vv = (t.clone().requires_grad_(True) for t in (q[:, :, index], k, v))
+            got = block_attention(qq, kk, vv, blocks, softcap=cap)
+            assert torch.allclose(got, want[:, :, index], atol=1e-10)
+            got.backward(grad[:, :, index])
+            rq, rk, rv = (t.clone().requires_grad_(True) for t in (q, k, v))
+            _dense(rq, rk, rv, _allowed(positions, valid, win), None, cap)[:, :, index].backward(grad[:, :, index])
+            assert torch.allclose(qq.grad, rq.grad[:, :, index], atol=1e-10)
+            assert torch.allclose(kk.grad, rk.grad, atol=1e-10) and torch.allclose(vv.grad, rv.grad, atol=1e-10)

@@ -254,24 +254,80 @@ def test_cp_is_exact_with_a_sliding_window_from_the_config_and_with_learned_sink
             assert_matches(reports[i], f"rank {rank} {case}")
 
 
-@pytest.mark.parametrize("model_type,layers,culprit", [
-    ("doge", 2, "computes its attention mask from its activations"),
-    ("deepseek_v32", 2, "(DeepseekV32Indexer) picks each query's keys"),  # sparse attention
-])
-def test_cp_is_refused_at_the_plans_line_for_layers_that_mix_the_sequence_without_attention(
-        tmp_path, model_type, layers, culprit):
+def test_cp_is_refused_at_the_plans_line_for_a_model_whose_attention_it_cannot_replace(tmp_path):
     import plancc
     from plancc.checks import check_plan
     from plancc.tools.import_hf import import_hf
 
-    folder = _folder(tmp_path, model_type, sliding_window=None, num_hidden_layers=layers)
+    folder = _folder(tmp_path, "phi", sliding_window=None)
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(import_hf(str(folder)))
     plan = plancc.load_plan(plan_path)
     assert not [d for d in check_plan(plan, str(folder), tp=2) if d.is_error]  # tp alone stays fine
     (problem,) = [d for d in check_plan(plan, str(folder), cp=2) if d.is_error]
-    assert problem.rule == "context-parallel" and problem.loc.line > 0 and culprit in problem.message
+    assert problem.rule == "context-parallel" and problem.loc.line > 0
+    assert "no attention modules that call transformers' attention interface" in problem.message
     assert problem.fix and "--cp 1" in problem.fix
+
+
+def _key_pickers(tmp_path):
+    """Soft-capped logits (Gemma 2, a cap of 1 that binds on these scores, a window of 6), a
+    sparse-attention indexer keeping 6 keys (DeepSeek-V3.2) and Doge's dynamic mask keeping 6:
+    fewer than the 32-token rows verify trains on, so the picks bind across the shards."""
+    from plancc.tools.import_hf import import_hf
+
+    folders = {
+        "gemma2": _folder(tmp_path, "gemma2", sliding_window=6, attn_logit_softcapping=1.0),
+        "deepseek_v32": _folder(tmp_path, "deepseek_v32", index_topk=6),
+        # a KV head per head: A has a row per KV head, and 2 rows cannot split over tp2 x fsdp2
+        "doge": _folder(tmp_path, "doge", keep_window_size=6, sliding_window=None, num_key_value_heads=4),
+    }
+    built = {}
+    for name, folder in folders.items():
+        plan_path = tmp_path / f"{name}.yaml"
+        plan_path.write_text(import_hf(str(folder)))
+        built[name] = (str(plan_path), str(folder))
+    return built
+
+
+def test_cp_accepts_layers_that_pick_keys_and_says_what_their_mask_costs(tmp_path):
+    import plancc
+    from plancc.checks import check_plan
+
+    for name, (plan_path, folder) in _key_pickers(tmp_path).items():
+        found = [d for d in check_plan(plancc.load_plan(plan_path), folder, cp=2) if d.rule == "context-parallel"]
+        assert not [d for d in found if d.is_error], (name, found)
+        if name != "gemma2":  # the indexer and the dynamic mask attend under a dense [S/cp, S] mask
+            (warning,) = found
+            assert "[S/cp, S] mask" in warning.message and "keys" in warning.message, warning
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_soft_capped_logits_indexers_and_dynamic_masks_are_exact_under_cp(tmp_path):
+    """Logits, loss, every gradient and a step equal the unsharded model at cp=2 x dp=2 and at
+    cp=2 x tp=2: the soft cap in the block attention's tiled kernel, the indexer scoring every
+    rank's keys, Doge's mask from every key's dt (its gradient reduce-scattered back).
+
+    Doge is held to the fixed bars on its first forward and backward, not on the losses of the
+    steps after: its top-k of keys takes near-ties (``A`` starts at 0, every key's bias 1) that a
+    step's last-bit rounding flips, so its later losses move by ~1e-3 at plain dp=2 already,
+    without context parallelism (and agree to 1e-7 with the top-k off)."""
+    from .numerics_worker import verify_cases
+    from .test_numerics import assert_matches
+
+    built = _key_pickers(tmp_path)
+    cases = [(plan, folder, dp, 2, tp, False) for plan, folder in built.values() for dp, tp in ((2, 1), (1, 2))]
+    results = launch(verify_cases, 4, cases)
+    for rank, reports in results.items():
+        for i, case in enumerate(cases):
+            if "doge" in case[0]:
+                r = reports[i]
+                assert "error" not in r, r.get("trace")
+                assert r["logits_max_rel"] <= 1e-5 and r["loss_abs"] <= 1e-5 and r["grad_max_rel"] <= 1e-4, r
+                assert r["step_loss_abs"][0] <= 1e-5 and r["params_compared"] >= 20, r
+            else:
+                assert_matches(reports[i], f"rank {rank} {case}")
 
 
 # hybrids whose mixers shard by heads: gated delta nets, Mamba2 beside attention, Mamba

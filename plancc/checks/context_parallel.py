@@ -5,11 +5,13 @@ is exact because the CP attention gathers the keys and values; linear-attention 
 state-space layers (Qwen3-Next, Qwen3.5, Kimi-Linear, Nemotron-H, Granite hybrid, Jamba,
 MiniMax's lightning attention, ...) because they trade sequence shards for blocks of heads
 (``runtime.cp_mixers``), which needs their heads (and channels) divisible by cp; every other
-module must work position by position. A layer that mixes positions some other way -- a
-recurrence in code plancc does not know, an attention whose mask is computed from the
-activations (Doge's dynamic mask), a sparse-attention indexer that picks keys over the whole sequence
-(DeepSeek-V3.2) -- would compute on its shard alone, so cp > 1 is refused for such a model.
-(Whether the length shards evenly is ``sequence-length``'s.)
+module must work position by position. Layers that pick their keys from the keys' activations
+-- DeepSeek sparse attention's indexer, Doge's dynamic mask -- are handed every rank's keys
+(``runtime.cp_key_selection``) and attend under a dense ``[S/cp, S]`` mask, which a warning
+states. A layer that mixes positions some other way -- a recurrence in code plancc does not
+know, an indexer or a dynamic mask in a form plancc does not know -- would compute on its shard
+alone, so cp > 1 is refused for such a model. (Whether the length shards evenly is
+``sequence-length``'s.)
 
 This rule reads the layout's cp alone: ``plancc suggest`` walks the model for it once per cp
 size, not once per layout (``checks.layout_memo``).
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..compiler.placements import Shard
+from ..errors import Severity
 from ..sequence_mixing import CP_KERNELS, calls_attention_interface, is_cp_attention, sequence_mixing, shards_by_heads
 from .context import CheckContext, Problem, text_config
 from .example import Example
@@ -33,28 +36,42 @@ ID = "context-parallel"
 EXAMPLES = (
     Example(verdict="PASS", text="--cp 2 on Qwen3 (every layer's sequence mixing is its attention)", args={"cp": 2}),
     Example(
-        verdict="FAIL",
-        text="--cp 2 on a model with attention logit soft-capping (the CP attention has none)",
+        verdict="PASS",
+        text="--cp 2 on a model with attention logit soft-capping (its blocks run a tiled soft-capped kernel)",
         plan="gemma3.yaml",
         model="gemma-3-1b",
         config={"attn_logit_softcapping": 50.0},
         args={"cp": 2},
     ),
+    Example(
+        verdict="WARN",
+        text="--cp 2 on Doge (its dynamic mask picks keys per query: a dense [S/cp, S] mask per layer)",
+        model="tiny-doge",
+        args={"cp": 2},
+    ),
 )
+
+# What in a config says its layers pick keys per query from the keys' activations.
+_KEY_SELECTION = {
+    "index_topk": "a sparse-attention indexer keeps each query's top {} keys",
+    "keep_window_size": "a dynamic mask keeps each query's {} best keys",
+}
 
 
 def check(ctx: CheckContext) -> Iterator[Problem]:
     if ctx.layout.cp == 1:
         return
     cfg = text_config(ctx.config)
-    if getattr(cfg, "attn_logit_softcapping", None):
-        yield Problem(
-            loc=ctx.plan.loc,
-            message=f"context parallelism is not supported with attention logit soft-capping "
-            f"(attn_logit_softcapping={cfg.attn_logit_softcapping}): the CP attention uses scaled dot-product "
-            "attention, which has no soft-cap",
-            fix="use --cp 1 for this model",
-        )
+    for field, what in _KEY_SELECTION.items():
+        if isinstance(getattr(cfg, field, None), int):
+            yield Problem(
+                loc=ctx.plan.loc,
+                message=f"under context parallelism {what.format(getattr(cfg, field))} over the whole sequence: "
+                "its layers are handed every rank's keys and attend under a dense [S/cp, S] mask (a cp-th of "
+                "the unsharded layer's S x S), not the block attention whose memory is linear in S",
+                fix="nothing to change for exactness; at long lengths count S*S/cp mask elements per layer",
+                severity=Severity.WARNING,
+            )
     attention = [m for m in ctx.model.modules() if is_cp_attention(m)]
     mixers = [(name, m) for name, m in ctx.model.named_modules() if shards_by_heads(m)]
     yield from _head_counts(ctx, mixers)

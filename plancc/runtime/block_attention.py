@@ -18,7 +18,11 @@ What else a layer needs, without a dense mask:
   row; a query attends only to keys of its segment, so padding never reaches a real token;
 - learned sinks (gpt-oss): one more logit per head that takes probability mass and gives no
   value, added to the merged log-sum-exp (``out * exp(lse) / (exp(lse) + exp(sink))``);
-- grouped-query attention: the CPU kernel takes fewer key heads as they are (no repeat).
+- grouped-query attention: the CPU kernel takes fewer key heads as they are (no repeat);
+- logit soft-capping (Gemma 2, VaultGemma: ``cap * tanh(score / cap)`` before the softmax): no
+  fused kernel takes it, so those blocks run through a kernel written here in matrix products
+  (``_softcap_forward``/``_softcap_backward``), cut first into tiles of at most
+  ``MAX_TILE x KEY_TILE`` so that its scores, materialized per tile, stay bounded too.
 
 Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
 flash kernel SDPA uses there); on CUDA ``aten._scaled_dot_product_efficient_attention`` and its
@@ -32,12 +36,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
 
 # Queries per window tile: the band mask is T x (w - 1) elements, so T caps its size.
 MAX_TILE = 512
+# Keys per tile of the soft-capped kernel, which materializes its tile's scores.
+KEY_TILE = 2048
 
 
 class Kind(Enum):
@@ -228,8 +235,93 @@ def _cuda_backward(
     return dq, dk, dv
 
 
+# --------------------------------------------------------------------------- soft-capping
+def tiled(blocks: list[Block], queries: int, keys: int) -> list[Block]:
+    """The same attention as ``blocks`` in blocks of at most ``queries x keys`` (a band block is
+    already a tile: ``MAX_TILE`` queries and fewer keys than the window). A causal block's query
+    tile is its own causal diagonal plus the block's keys before it, unmasked."""
+    out: list[Block] = []
+
+    def full(blk: Block, q0: int, q1: int, k0: int, k1: int) -> None:
+        for a in range(q0, q1, queries):
+            for c in range(k0, k1, keys):
+                out.append(Block(blk.b0, blk.b1, a, min(q1, a + queries), c, min(k1, c + keys), Kind.FULL))
+
+    for blk in blocks:
+        if blk.kind is Kind.BAND:
+            out.append(blk)
+        elif blk.kind is Kind.FULL:
+            full(blk, blk.q0, blk.q1, blk.k0, blk.k1)
+        else:
+            for a in range(blk.q0, blk.q1, queries):
+                b = min(blk.q1, a + queries)
+                k = blk.k0 + (a - blk.q0)
+                out.append(Block(blk.b0, blk.b1, a, b, k, k + (b - a), Kind.CAUSAL))
+                full(blk, a, b, blk.k0, k)
+    return out
+
+
+def _softcap_scores(
+    q: torch.Tensor, k: torch.Tensor, block: Block, scale: float, cap: float
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(masked capped scores, ``tanh(raw / cap)``) ``[B, Hkv, G*t, n]`` in fp32 or wider: a
+    query group's rows sit under its key head, so no key is repeated."""
+    groups = q.shape[1] // k.shape[1]
+    acc = _accumulation_dtype(q.dtype)
+    raw = torch.matmul(_grouped(q, groups).to(acc), k.to(acc).transpose(-1, -2)) * scale
+    tanh = torch.tanh(raw / cap)
+    scores = tanh * cap
+    t, n = q.shape[2], k.shape[2]
+    if block.kind is Kind.CAUSAL:
+        i = torch.arange(t, device=q.device).repeat(groups).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(n, device=q.device).unsqueeze(0) > i, float("-inf"))
+    elif block.kind is Kind.BAND:
+        mask = block.band_mask(acc, q.device)
+        assert mask is not None, "a band block has its mask"
+        scores = scores + mask.repeat(1, 1, groups, 1)
+    return scores, tanh, groups
+
+
+def _softcap_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, scale: float, *, cap: float
+) -> _Forward:
+    scores, _, groups = _softcap_scores(q, k, block, scale, cap)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(scores.dtype))
+    return _ungrouped(out, groups), _ungrouped(lse, groups), ()
+
+
+def _softcap_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    scale: float,
+    saved: tuple[Any, ...],
+    *,
+    cap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash backward in matrix products, with the merged output and log-sum-exp (so ``p``
+    is this tile's share of the whole softmax), through the cap: ``d raw = d capped * (1 - tanh^2)``."""
+    scores, tanh, groups = _softcap_scores(q, k, block, scale, cap)
+    acc = scores.dtype
+    g, o = _grouped(grad.to(acc), groups), _grouped(out.to(acc), groups)
+    p = torch.exp(scores - _grouped(lse.to(acc).unsqueeze(-1), groups))
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    dp = torch.matmul(g, v.to(acc).transpose(-1, -2))
+    ds = p * (dp - (g * o).sum(-1, keepdim=True)) * (1 - tanh * tanh) * scale
+    dq = _ungrouped(torch.matmul(ds, k.to(acc)), groups)
+    dk = torch.matmul(ds.transpose(-1, -2), _grouped(q.to(acc), groups))
+    return dq, dk, dv
+
+
 # --------------------------------------------------------------------------- the merge
-def _kernels(device: torch.device) -> tuple[Any, Any]:
+def _kernels(device: torch.device, softcap: float | None) -> tuple[Any, Any]:
+    if softcap:
+        return partial(_softcap_forward, cap=softcap), partial(_softcap_backward, cap=softcap)
     return (_cuda_forward, _cuda_backward) if device.type == "cuda" else (_cpu_forward, _cpu_backward)
 
 
@@ -247,8 +339,9 @@ class _BlockAttention(torch.autograd.Function):
         sinks: torch.Tensor | None,
         blocks: list[Block],
         scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
-        forward_kernel, _ = _kernels(query.device)
+        forward_kernel, _ = _kernels(query.device, softcap)
         acc = _accumulation_dtype(query.dtype)
         out = query.new_zeros(query.shape[:-1] + value.shape[-1:], dtype=acc)
         lse = query.new_full(query.shape[:-1], float("-inf"), dtype=acc)
@@ -276,12 +369,13 @@ class _BlockAttention(torch.autograd.Function):
         result = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, result, lse, sinks)
         ctx.blocks, ctx.scale, ctx.extra, ctx.has_sinks = blocks, scale, saved, sinks is not None
+        ctx.softcap = softcap
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         query, key, value, out, lse, sinks = ctx.saved_tensors
-        _, backward_kernel = _kernels(query.device)
+        _, backward_kernel = _kernels(query.device, ctx.softcap)
         acc = _accumulation_dtype(query.dtype)
         grad = grad.contiguous()
         dq = torch.zeros_like(query, dtype=acc)
@@ -308,7 +402,7 @@ class _BlockAttention(torch.autograd.Function):
         if ctx.has_sinks:  # d loss / d sink = -sum_rows p_sink * <grad, out>
             weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
             dsinks = -(weight * (grad.to(acc) * out.to(acc)).sum(-1)).sum((0, 2)).to(sinks.dtype)
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dsinks, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dsinks, None, None, None
 
 
 def block_attention(
@@ -319,10 +413,11 @@ def block_attention(
     *,
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[B, H, Sq, D]`` queries against ``[B, Hkv, Sk, D]`` keys and ``[B, Hkv, Sk, Dv]`` values,
     block by block (every query must be in at least one block). ``sinks``: one learned logit per
-    head.
+    head; ``softcap``: the logits' cap (``cap * tanh(score / cap)``), through the tiled kernel.
 
     The kernels take one head size for queries, keys and values; MLA's value head is narrower
     than its query/key head (DeepSeek-V3: 128 against 192). The narrower side is padded with
@@ -338,5 +433,7 @@ def block_attention(
     elif dqk < dv:
         query = torch.nn.functional.pad(query, (0, dv - dqk))
         key = torch.nn.functional.pad(key, (0, dv - dqk))
-    result: torch.Tensor = _BlockAttention.apply(query, key, value, sinks, blocks, scale)
+    if softcap:
+        blocks = tiled(blocks, MAX_TILE, KEY_TILE)
+    result: torch.Tensor = _BlockAttention.apply(query, key, value, sinks, blocks, scale, softcap or None)
     return result[..., :dv] if result.shape[-1] != dv else result

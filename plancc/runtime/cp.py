@@ -46,6 +46,10 @@ from .document_attention import (
 )
 from .hooks import call_arguments
 
+# Marks an attention module whose layer picks its own keys (``runtime.cp_key_selection``): the
+# CP attention attends under the mask or the indices that layer passes, not its own blocks.
+SELECTS_KEYS = "_plancc_selects_keys"
+
 
 # --------------------------------------------------------------------------- layout
 def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -351,25 +355,50 @@ def cp_attention_forward(
     key = all_gather(key, ctx.group, dim=2, cu_seqlens=documents)
     value = all_gather(value, ctx.group, dim=2, cu_seqlens=documents)
     dropout_p = dropout if module.training else 0.0
-    sinks = kwargs.get("s_aux")
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     window = sliding_window(module, kwargs)
-    blocks = ctx.plan(window) if dropout_p == 0.0 and not ctx.dense else None
+    own = _layer_mask(module, ctx, attention_mask, kwargs.get("indices"), window)
+    blocks = ctx.plan(window) if own is None and dropout_p == 0.0 and not ctx.dense else None
     if blocks is not None:
-        out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
+        out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks, softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # the dense reference: gather the few KV heads, repeat after
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    if ctx.per_document and ctx.batch is not None and ctx.batch.bounds is not None:
-        out = _per_document(ctx.batch, ctx.size, query, key, value, window, sinks, dropout_p, scaling)
+    if own is None and ctx.per_document and ctx.batch is not None and ctx.batch.bounds is not None:
+        out = _per_document(ctx.batch, ctx.size, query, key, value, window, sinks, softcap, dropout_p, scaling)
         return out.transpose(1, 2).contiguous(), None
-    mask = ctx.mask(window)
-    if sinks is None:
+    mask = ctx.mask(window) if own is None else own
+    if sinks is None and not softcap:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling)
     else:
-        out = attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling)
+        assert mask.dtype == torch.bool, "only a layer without sinks or a cap passes an additive mask (Doge)"
+        out = attention_with_sinks(query, key, value, mask, sinks, dropout_p=dropout_p, scale=scaling, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_mask(
+    module: torch.nn.Module,
+    ctx: CPContext,
+    attention_mask: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor | None:
+    """The mask a layer that picks its own keys attends under (``[B, 1|H, S/cp, S]``: bool, or
+    Doge's additive one over the gathered keys), or None for every other layer (whatever mask
+    reaches them is the model's mask function's, which the CP attention replaces)."""
+    if not module.__dict__.get(SELECTS_KEYS):
+        return None
+    allowed = ctx.mask(window)
+    if indices is not None:  # the indexer's picks: indices into the gathered sequence
+        picked = torch.zeros((allowed.shape[0], *allowed.shape[2:]), dtype=torch.bool, device=allowed.device)
+        allowed = allowed & picked.scatter_(-1, indices.long(), True).unsqueeze(1)
+    if attention_mask is None:
+        return allowed
+    if attention_mask.dtype == torch.bool:
+        return allowed & attention_mask
+    return attention_mask  # additive: the layer folded the CP mask into it (Doge)
 
 
 def query_spans(bounds: list[int], segments: list[int], cp: int, rank: int) -> list[Span]:
@@ -435,6 +464,7 @@ def _per_document(
     value: torch.Tensor,
     window: int | None,
     sinks: torch.Tensor | None,
+    softcap: float | None,
     dropout_p: float,
     scale: float | None,
 ) -> torch.Tensor:
@@ -451,7 +481,9 @@ def _per_document(
         allowed &= batch.key_valid[:, None, k0:k1]
         return allowed.unsqueeze(1)
 
-    return attend_per_document(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
+    return attend_per_document(
+        query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks, softcap=softcap
+    )
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

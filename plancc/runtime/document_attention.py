@@ -136,13 +136,16 @@ def attend_per_document(
     dropout_p: float,
     scale: float | None,
     sinks: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[B, H, Sq, D]`` attention where each ``(q_start, q_end, k_start, k_end)`` span of
     queries attends only to its span of keys: ``mask_of(i)`` the span's ``[B?, 1, q, k]`` bool
     mask, or None for plain causal attention (queries and keys the same positions). ``key`` and
     ``value`` may have fewer heads (GQA)."""
     with sdpa_kernel(_ANY_LENGTH) if query.is_cuda else nullcontext():
-        return _attend_spans(query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks)
+        return _attend_spans(
+            query, key, value, spans, mask_of, dropout_p=dropout_p, scale=scale, sinks=sinks, softcap=softcap
+        )
 
 
 def _attend_spans(
@@ -155,18 +158,20 @@ def _attend_spans(
     dropout_p: float,
     scale: float | None,
     sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     parts = []
     for i, (q0, q1, k0, k1) in enumerate(spans):
         q, k, v = query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1]
         mask = mask_of(i)
-        if sinks is not None:
+        if sinks is not None or softcap:
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             causal = torch.ones((q1 - q0, k1 - k0), dtype=torch.bool, device=q.device).tril()
+            allowed = causal if mask is None else mask
             parts.append(
-                attention_with_sinks(q, k, v, causal if mask is None else mask, sinks, dropout_p=dropout_p, scale=scale)
+                attention_with_sinks(q, k, v, allowed, sinks, dropout_p=dropout_p, scale=scale, softcap=softcap)
             )
             continue
         parts.append(
@@ -268,22 +273,31 @@ def attention_with_sinks(
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor,
-    sinks: torch.Tensor,
+    sinks: torch.Tensor | None,
     *,
     dropout_p: float,
     scale: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention whose softmax also sums one learned logit per head (gpt-oss's sinks): the sink
-    takes probability mass and gives no value, as the models' own eager attention does it."""
+    """Attention under a bool ``mask`` whose softmax also sums one learned logit per head
+    (gpt-oss's sinks: the sink takes probability mass and gives no value), with the logits
+    soft-capped first where the model caps them (``cap * tanh(score / cap)``: Gemma 2) -- as the
+    models' own eager attention does both. The reference the kernels have no form of."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    logits = torch.cat([scores, sink], dim=-1)
+    logits = scores
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores, sink], dim=-1)
     # subtracting the row maximum, as the models do, keeps large sinks from overflowing
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = logits.softmax(dim=-1)[..., :-1].to(value.dtype)
-    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    probs = logits.softmax(dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    probs = F.dropout(probs.to(value.dtype), p=dropout_p, training=dropout_p > 0)
     return torch.matmul(probs, value)
 
 

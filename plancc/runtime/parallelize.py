@@ -29,6 +29,7 @@ from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import compile_blocks
 from .cp import enable_context_parallel
+from .cp_key_selection import select_keys_over_the_sequence
 from .cp_mixers import enable_mixer_context_parallel
 from .expert_parallel import ExpertParallel
 from .gradient_scale import fsdp_divisor
@@ -206,7 +207,9 @@ def parallelize(
     if lora is not None:  # after the tp styles (they shard the base), before FSDP (it shards both)
         add_adapters(model, lora, resolved, pm["tp"])
     if pm["cp"].size() > 1:
-        enable_mixer_context_parallel(model, enable_context_parallel(model, pm["cp"]))
+        cp = enable_context_parallel(model, pm["cp"])
+        enable_mixer_context_parallel(model, cp)
+        select_keys_over_the_sequence(model, cp)
     if activation_checkpointing is not False:
         if activation_checkpointing and not resolved.activation_checkpointing:
             raise PlanError(

@@ -49,6 +49,7 @@ from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_lay
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import compile_blocks
 from .cp import CPContext, cp_attention_context, load_balanced_indices
+from .cp_key_selection import select_keys_over_the_sequence
 from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
@@ -183,6 +184,8 @@ def parallelize_stages(
     held = rank_stages(mesh["pp"].get_local_rank(), layout.pp, spec.schedule, total // layout.pp)
     stages = [(i, DecoderStage(model, layers[i], first=i == 0, last=i == total - 1)) for i in held]
     cp = cp_attention_context(model, mesh["cp"]) if layout.cp > 1 else None
+    if cp is not None:
+        select_keys_over_the_sequence(model, cp)
     for _, stage in stages:
         stage.sequence_shards = layout.tp if layout.sequence_parallel else 1
         stage.cp = cp
