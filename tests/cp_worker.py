@@ -108,3 +108,26 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
                 "misuse": misuse}
     finally:
         dist.destroy_process_group()
+
+
+def logprobs_verify_every_plan(cases, data):
+    """``plancc logprobs --cp 2 --verify`` as the CLI's workers run it, for every (plan, preset)
+    of ``cases`` and packed and unpacked, in one process group: {case: (ok, max |diff|)}."""
+    import torch.distributed as dist
+
+    from plancc.job.config import RunConfig
+    from plancc.job.runner import run_logprobs
+    from plancc.layout import Layout
+
+    out = {}
+    try:
+        for plan, preset in cases:
+            for pack in (False, True):
+                cfg = RunConfig(plan=plan, model=preset, layout=Layout(cp=2), mode="logprobs", data=data,
+                                verify=True, pack=pack, batch_size=4, device="cpu", timeout_s=120)
+                result = run_logprobs(cfg)
+                out[f"{preset} {'packed' if pack else 'unpacked'}"] = (result["ok"], result["max_abs_diff"])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out

@@ -417,3 +417,33 @@ def test_cp_is_accepted_for_attention_models_with_windows_and_sinks(tmp_path):
 
     assert not [d for d in check_plan(plancc.load_plan(PLANS / "gpt_oss.yaml"), "tiny-gpt-oss", cp=2) if d.is_error]
     assert not [d for d in check_plan(plancc.load_plan(PLANS / "gemma3.yaml"), "tiny-gemma3", cp=2) if d.is_error]
+
+
+SHIPPED = {"qwen3.yaml": "tiny-qwen3", "llama.yaml": "tiny-llama", "gemma3.yaml": "tiny-gemma3",
+           "qwen3_moe.yaml": "tiny-qwen3-moe", "mixtral.yaml": "tiny-mixtral", "deepseek_v3.yaml": "tiny-deepseek-v3",
+           "gpt_oss.yaml": "tiny-gpt-oss", "phi3.yaml": "tiny-phi3"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_shipped_plan_verifies_its_log_probs_at_cp2_packed_and_unpacked(tmp_path):
+    """The guard the MLA regression lacked: every plan under ``plans/`` through ``plancc logprobs
+    --cp 2 --verify`` (the CLI's worker path), rows of 16 to 30 tokens -- padded to the batch's
+    longest, packed with every document padded to a multiple of 2*cp -- against the unsharded
+    model at the command's 1e-5. Gemma 3 and gpt-oss window them, gpt-oss adds sinks, DeepSeek-V3's
+    value head is narrower than its query/key head."""
+    import json
+
+    from .cp_worker import logprobs_verify_every_plan
+
+    plans = sorted(p.name for p in PLANS.glob("*.yaml"))
+    assert plans == sorted(SHIPPED), "a new shipped plan: give it its tiny preset here"
+    gen = torch.Generator().manual_seed(0)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(3, 250, (n,), generator=gen).tolist()}) + "\n"
+                            for n in (16, 30, 23, 17, 29, 20, 26, 18)))
+    cases = [(str(PLANS / plan), preset) for plan, preset in SHIPPED.items()]
+    results = launch(logprobs_verify_every_plan, 2, cases, str(data))
+    assert len(results[0]) == 2 * len(SHIPPED), results
+    for name, (ok, worst) in results[0].items():
+        assert ok and worst <= 1e-5, (name, worst)
