@@ -410,8 +410,9 @@ def test_a_resume_on_other_rows_than_the_checkpoints_run_says_so(tmp_path):
     # the same rows, another batch shape: the steps after the checkpoint take other rows too
     assert notes["wider"] == ["note: --batch-size 2 -> 4: the steps after 1 train on other batches than the run "
                               "that saved the checkpoint would have"]
+    # --seq-len 8 cuts the longer lines into rows (every token kept): other rows than the run's
     (cut,) = notes["cut"]
-    assert cut.startswith("note: --seq-len unset (rows as they are) -> 8:")
+    assert "4 rows of 34 tokens -> 6 of 36" in cut, cut
 
 
 def test_a_bad_row_of_a_parquet_file_is_named_by_its_row(tmp_path):
@@ -547,3 +548,88 @@ def test_a_chat_template_that_never_finishes_is_stopped_and_named(chat_folder, t
     (found,) = caught.value.diagnostics
     assert found.rule == "data-messages" and found.loc.line == 1
     assert "did not finish rendering" in found.message and "within 1 s" in found.message
+
+
+def test_a_document_longer_than_seq_len_becomes_rows_with_every_token_kept():
+    """Each row starts at the token the row before ended on: every token after the first is
+    predicted exactly once (a row's first position predicts nothing), and a row whose mask
+    counts nothing after its first position is left out."""
+    from plancc.job.records import rows_of
+
+    ids = tuple(range(100_000))
+    rows = rows_of(ids, None, 16384)
+    assert len(rows) == 7 and all(len(r) <= 16384 for r, _ in rows)
+    predicted = [t for r, _ in rows for t in r[1:]]
+    assert predicted == list(ids[1:])  # every token, once, in order
+    assert rows_of(ids[:10], None, 16) == [(ids[:10], None)]
+    mask = (0,) * 12 + (1,) * 8  # only the tail counts: the row of tokens 0..7 trains nothing
+    kept = rows_of(tuple(range(20)), mask, 8)
+    assert [r[0] for r, _ in kept] == [7, 14] and [m for _, m in kept] == [mask[7:15], mask[14:20]]
+
+
+def test_seq_len_cuts_text_and_token_ids_into_rows_and_refuses_a_longer_chat_at_its_line(chat_folder, tmp_path):
+    from plancc.job.data import DataError, read_jsonl, read_tokens, write_tokens
+    from plancc.job.records import Tokenizer
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(3, 103))}) + "\n"
+                    + json.dumps({"text": " ".join(CORPUS * 6)}) + "\n" + json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    ds = read_jsonl(data, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder)), row_length=16)
+    assert ds.documents == 3 and len(ds.sequences) > 3 and max(ds.lengths()) <= 16
+    first = [t for row in list(ds.sequences)[:7] for t in row[1:]]
+    assert first == list(range(4, 103))  # the 100 ids as 7 rows, every token predicted once
+    write_tokens(ds, tmp_path / "copy")  # the workers' copy keeps the count
+    assert read_tokens(tmp_path / "copy").documents == 3
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": " ".join(CORPUS)},
+                                             {"role": "assistant", "content": " ".join(CORPUS)}]}) + "\n")
+    with pytest.raises(DataError) as err:
+        read_jsonl(chat, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder)), row_length=16)
+    (problem,) = err.value.diagnostics
+    assert problem.rule == "data-too-long" and problem.loc.line == 1 and "never cut into rows" in problem.message
+    # without --seq-len the same chat trains whole
+    assert len(read_jsonl(chat, vocab_size=320, min_tokens=2, tokenizer=Tokenizer(str(chat_folder))).sequences) == 1
+    code, out, err = forked_cli("apply", QWEN3, "--data", _ids_only(data), "--seq-len", 16, "--steps", 1,
+                                "--nproc-per-node", 1)
+    assert code == 0, err
+    assert "2 documents as 8 rows of at most --seq-len 16 tokens (a longer document cut into rows" in out, out
+
+
+def _ids_only(path):
+    """The token-id lines of a data file (no tokenizer needed)."""
+    lines = [line for line in path.read_text().splitlines() if "input_ids" in line]
+    out = path.with_name("ids.jsonl")
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_long_document_trains_as_rows_under_cp_and_each_rows_loss_is_the_unsharded_models(tmp_path):
+    """A 3000-token document at --seq-len 512 --cp 2: 6 rows, a step each, every row's loss
+    equal to the unsharded model's (verify's per-step losses; ``--extended`` runs it at the
+    issue's 100k tokens and --seq-len 16384)."""
+    _long_document_verifies(tmp_path, tokens=3000, seq_len=512, steps=6)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_100k_token_document_trains_as_rows_of_16k_under_cp_exactly(tmp_path):
+    _long_document_verifies(tmp_path, tokens=100_000, seq_len=16384, steps=7)
+
+
+def _long_document_verifies(tmp_path, *, tokens, seq_len, steps):
+    from plancc.models import load_config
+
+    config = load_config("tiny-qwen3")
+    config.max_position_embeddings = 131072
+    config.save_pretrained(tmp_path / "model")
+    gen = torch.Generator().manual_seed(0)
+    data = tmp_path / "doc.jsonl"
+    data.write_text(json.dumps({"input_ids": torch.randint(3, 250, (tokens,), generator=gen).tolist()}) + "\n")
+    code, out, err = forked_cli("apply", QWEN3, "--model", tmp_path / "model", "--data", data, "--seq-len", seq_len,
+                                "--batch-size", 1, "--steps", steps, "--nproc-per-node", 2, "--cp", 2, "--verify")
+    assert code == 0 and "verify: OK" in out, out + err
+    losses = [line for line in out.splitlines() if "loss after step" in line]
+    assert len(losses) == steps  # the first row's loss is the "loss |diff|" line; each later row's a step's

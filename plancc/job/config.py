@@ -79,6 +79,12 @@ class RunConfig:
     log_dir: str | None = None  # where a failing rank writes its full traceback (rank-N.log)
 
     @property
+    def row_length(self) -> int | None:
+        """A training run's ``--seq-len`` with ``--data``: longer documents become rows of it
+        (``records.rows_of``); log-probs keep each line whole (one line of output per line)."""
+        return self.seq_len if self.mode == "train" and self.data else None
+
+    @property
     def synthetic_seq_len(self) -> int:
         """The length of a synthetic row (no --data)."""
         return self.seq_len or SYNTHETIC_SEQ_LEN

@@ -21,7 +21,7 @@ import torch
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..inputs import InputKind, read_lines
 from .hf_datasets import DatasetProblem, dataset_rows, is_dataset
-from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record
+from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record, rows_of
 from .token_rows import RowsWriter, TokenRows
 
 
@@ -42,6 +42,9 @@ class TokenDataset:
     path: str = "<synthetic>"
     masks: TokenRows | None = None
     unused: tuple[str, ...] = ()
+    # how many documents (lines, dataset rows) the rows came from: more rows than documents
+    # where ``--seq-len`` cut long ones into rows (``records.rows_of``); None: one row each
+    documents: int | None = None
 
     def lengths(self) -> list[int]:
         """Every row's length (from the rows' offsets: no row is read)."""
@@ -98,12 +101,15 @@ def read_jsonl(
     wait_s: float | None = None,
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
+    row_length: int | None = None,
 ) -> TokenDataset:
     """Read one record per line (``job.records``: ``{"input_ids": [...]}``, or text for the
     model folder's ``tokenizer``) -- or per row, where ``path`` is what Hugging Face ``datasets``
     reads (parquet, arrow, JSON, a folder of them, a saved dataset: ``job.hf_datasets``); report
     every bad one (the first ``MAX_REPORTED`` of them: the read stops there), then raise.
-    Training reads with ``min_tokens=2``: a sequence of one token has nothing to predict.
+    Training reads with ``min_tokens=2``: a sequence of one token has nothing to predict, and
+    with ``row_length`` (its ``--seq-len``): a longer document becomes rows of that many tokens,
+    every token kept (``records.rows_of``), a longer conversation is refused.
     ``path`` may be a pipe (``--data <(...)``, ``/dev/stdin``): it is read once, as it arrives
     (``plancc.inputs``)."""
     shown = str(path)
@@ -111,6 +117,7 @@ def read_jsonl(
     # the rows go to files as they are read (token_rows): only their offsets stay in memory
     sequences, masks = RowsWriter("q"), RowsWriter("b")
     unused: dict[str, None] = {}
+    documents = [0]
     dataset = is_dataset(path)
     try:
         _parse_lines(
@@ -124,6 +131,8 @@ def read_jsonl(
             fields=fields,
             tokenizer=tokenizer,
             records=dataset,
+            row_length=row_length,
+            documents=documents,
         )
     except DatasetProblem as exc:  # the dataset as a whole
         problems.append(exc.diagnostic(shown))
@@ -145,7 +154,11 @@ def read_jsonl(
     if problems:
         raise DataError(problems)
     return TokenDataset(
-        sequences=rows, path=shown, masks=masked if any(masked.present or ()) else None, unused=tuple(unused)
+        sequences=rows,
+        path=shown,
+        masks=masked if any(masked.present or ()) else None,
+        unused=tuple(unused),
+        documents=documents[0] if documents[0] != len(rows) else None,
     )
 
 
@@ -176,6 +189,8 @@ def _parse_lines(
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
     records: bool = False,
+    row_length: int | None = None,
+    documents: list[int] | None = None,
 ) -> None:
     """Each line (or, with ``records``, each row of a dataset) parsed into ``found``; the
     problems of the first ``MAX_REPORTED`` bad ones into ``problems``, each at its line."""
@@ -188,10 +203,14 @@ def _parse_lines(
                 if not line.strip():
                     continue
                 record = _decoded(line)
-            parsed = parse_record(record, vocab_size, min_tokens, max_tokens, fields, tokenizer)
-            found[0].append(parsed[0])
-            found[1].append(parsed[1])
+            parsed = parse_record(record, vocab_size, min_tokens, max_tokens, fields, tokenizer, row_length)
+            pieces = [parsed[:2]] if row_length is None else rows_of(parsed[0], parsed[1], row_length)
+            for ids, mask in pieces:
+                found[0].append(ids)
+                found[1].append(mask)
             found[2].update(dict.fromkeys(parsed[2]))
+            if documents is not None:
+                documents[0] += 1
         except UnicodeDecodeError as exc:
             problems.append(_bad(shown, line_no, "data-json", f"byte {exc.start + 1} is not valid UTF-8", _UTF8))
         except BadRecord as bad:
@@ -219,7 +238,13 @@ def write_tokens(data: TokenDataset, path: str | Path) -> None:
     bytes), then every row's offset, whether it has a mask, the masks and the tokens, each
     written from its own file in pieces: a dataset larger than memory passes through."""
     rows, masks = data.sequences, data.masks
-    head = {"path": data.path, "count": len(rows), "masked": masks is not None, "unused": list(data.unused)}
+    head = {
+        "path": data.path,
+        "count": len(rows),
+        "masked": masks is not None,
+        "unused": list(data.unused),
+        "documents": data.documents,
+    }
     line = json.dumps(head).encode()
     with open(path, "wb") as f:
         f.write(line + b" " * (-(len(line) + 1) % 8) + b"\n")
@@ -249,7 +274,13 @@ def read_tokens(path: str | Path) -> TokenDataset:
             present.fromfile(f, count)
             f.seek(f.tell() + (-count % 8))
             masks = TokenRows(path, mask_offsets, "b", start=f.tell(), present=present)
-    return TokenDataset(sequences=rows, path=head["path"], masks=masks, unused=tuple(head.get("unused", ())))
+    return TokenDataset(
+        sequences=rows,
+        path=head["path"],
+        masks=masks,
+        unused=tuple(head.get("unused", ())),
+        documents=head.get("documents"),
+    )
 
 
 def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:

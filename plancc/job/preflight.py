@@ -346,6 +346,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
                 # a row longer than the model takes is refused, by apply as by logprobs, unless
                 # --seq-len cuts it (to no more than the model takes: checked above)
                 max_tokens=longest if cfg.mode == "logprobs" or cfg.seq_len is None else None,
+                row_length=cfg.row_length,
             )
         except PlanError as exc:
             problems += exc.diagnostics

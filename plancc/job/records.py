@@ -355,8 +355,11 @@ def parse_record(
     max_tokens: int | None,
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
+    row_length: int | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None, list[str]]:
-    """(token ids, loss mask or None, the record's fields the run does not read)."""
+    """(token ids, loss mask or None, the record's fields the run does not read). With
+    ``row_length`` (a training run's ``--seq-len``) a chat or a prompt + completion longer than
+    it is refused: it is never cut into rows (``rows_of`` cuts documents: text and token ids)."""
     fields = fields or DataFields()
     if not isinstance(record, dict):
         raise BadRecord("data-input-ids", "the line is not a JSON object")
@@ -391,6 +394,15 @@ def parse_record(
             f"token id {out_of_range[0]} is outside the vocabulary [0, {vocab_size})",
             "tokenize with the model's own tokenizer",
         )
+    whole = "input_ids" not in record and fields.text not in record  # a chat, a prompt + completion
+    if whole and row_length is not None and len(ids) > row_length:
+        raise BadRecord(
+            "data-too-long",
+            f"the {'chat' if fields.messages in record else 'prompt + completion'} has {len(ids)} tokens, more "
+            f"than --seq-len {row_length}: a conversation is never cut into rows (a later row would lose the "
+            "turns it answers; text and token ids are)",
+            f"raise --seq-len to at least {len(ids)}, or drop or shorten the line",
+        )
     mask = _loss_mask(record, ids) if "input_ids" in record else text_mask
     if mask is not None and min_tokens > 1 and not any(mask[1:]):  # position 0 predicts nothing
         raise BadRecord(
@@ -400,3 +412,25 @@ def parse_record(
         )
     read = (*KNOWN_FIELDS, *fields.used())
     return tuple(ids), mask, [key for key in record if key not in read]
+
+
+def rows_of(
+    ids: tuple[int, ...], mask: tuple[int, ...] | None, length: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    """A document longer than ``length`` tokens as rows of ``length``, every token kept: each row
+    starts at the token the row before ended on (a row's first position predicts nothing, so
+    every token after the document's first is predicted exactly once, as in the whole
+    document -- each row sees only its own row as context). A row whose mask counts nothing
+    after its first position trains nothing and is left out."""
+    if len(ids) <= length:
+        return [(ids, mask)]
+    rows = []
+    start = 0
+    while True:
+        end = min(start + length, len(ids))
+        piece = None if mask is None else mask[start:end]
+        if piece is None or any(piece[1:]):
+            rows.append((ids[start:end], piece))
+        if end == len(ids):
+            return rows
+        start = end - 1

@@ -145,6 +145,7 @@ def _setup(cfg: RunConfig) -> _Job:
             min_tokens=2 if cfg.mode == "train" else 1,
             fields=DataFields.of(cfg.data_fields),
             tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
+            row_length=cfg.row_length,
         )
     return _Job(
         device=device,
@@ -470,11 +471,16 @@ def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
     """What each step trains on: its rows, their length, what the loss counts."""
     if dataset is None:
         return f"data: synthetic, {cfg.batch_size} rows of {cfg.synthetic_seq_len} tokens a step"
-    length = (
-        f"rows cut to --seq-len {cfg.seq_len} ({truncated(dataset, cfg.seq_len)} of {len(dataset.sequences)} longer)"
-        if cfg.seq_len is not None
-        else f"rows as they are (the longest {dataset.longest} tokens; --seq-len cuts them)"
-    )
+    if cfg.row_length is not None:
+        documents = dataset.documents or len(dataset.sequences)
+        length = f"{documents} documents as {len(dataset.sequences)} rows of at most --seq-len {cfg.seq_len} tokens" + (
+            " (a longer document cut into rows, every token kept)" if dataset.documents else ""
+        )
+    elif cfg.seq_len is not None:
+        longer = truncated(dataset, cfg.seq_len)
+        length = f"rows cut to --seq-len {cfg.seq_len} ({longer} of {len(dataset.sequences)} longer)"
+    else:
+        length = f"rows as they are (the longest {dataset.longest} tokens; --seq-len cuts them)"
     counted = (
         "the tokens its masks count (labels / loss_mask, a chat's assistant turns, a completion)"
         if dataset.masks is not None
