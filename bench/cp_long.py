@@ -14,6 +14,14 @@ the baseline). Rows:
   kernel (no mask): what a rank's share of the work costs without cp.
 The growth ratio of the longest two lengths shows the order: 4 for linear in S, 16 for
 quadratic. Results go in docs/performance.md.
+
+    python bench/cp_long.py --packed [--documents 4 64 512] [--tokens 16384] [--cp 2]
+
+Packed rows: ``--tokens`` tokens of 4, 64 and 512 documents (lengths drawn at random, each a
+multiple of 2*cp), the same layer's forward+backward at cp, the block attention batching each
+kind of block of the row into one kernel call (``BATCH_BLOCKS``, as it runs) against one call
+per block (the loop it replaced), side by side in one run: the kernel calls per layer, the
+median time of 3 steps and the peak memory, each in fresh processes.
 """
 
 from __future__ import annotations
@@ -84,6 +92,82 @@ def cp_worker(length: int, dense: bool) -> dict:
         dist.destroy_process_group()
 
 
+def _documents(count: int, tokens: int, cp: int) -> list[int]:
+    """``count`` document lengths, multiples of 2*cp, summing to ``tokens`` (a seeded draw)."""
+    import torch
+
+    unit = 2 * cp
+    weights = torch.rand(count, generator=torch.Generator().manual_seed(count)) + 0.1
+    lengths = [max(1, int(w)) * unit for w in (weights / weights.sum() * (tokens // unit - count) + 1)]
+    lengths[-1] += tokens - sum(lengths)
+    return lengths
+
+
+def packed_worker(lengths: list[int], batched: bool) -> dict:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from plancc.runtime import block_attention
+    from plancc.runtime.cp import enable_context_parallel
+    from plancc.runtime.mesh import build_mesh
+
+    block_attention.BATCH_BLOCKS = batched
+    init_gloo(timeout_s=3600)
+    torch.set_num_threads(1)
+    try:
+        mesh = build_mesh(cp=dist.get_world_size(), device_type="cpu")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config())
+        ctx = enable_context_parallel(model, mesh["cp"])
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        ids = torch.randint(0, 256, (1, int(cu[-1])), generator=torch.Generator().manual_seed(1))
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+
+        def step() -> None:
+            out = model(input_ids=ids, position_ids=positions, cu_seqlens=cu, use_cache=False)
+            out.logits.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        _step(model, WARMUP)
+        model.zero_grad(set_to_none=True)
+        base = _peak_mib()
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        blocks = ctx.plan(None)
+        assert blocks is not None, "packed rows without holes take the block attention"
+        calls = len(blocks) if not batched else sum(map(len, block_attention.batched(blocks, ids.device)))
+        return {"extra_mib": _peak_mib() - base, "seconds": statistics.median(times), "calls": calls}
+    finally:
+        dist.destroy_process_group()
+
+
+def packed(args: argparse.Namespace) -> None:
+    print(f"| {args.tokens} tokens at cp={args.cp}, one layer fwd+bwd | kernel calls a layer (fwd) | median s "
+          "| peak MiB above baseline |")
+    print("|---|---|---|---|")
+    for count in args.documents:
+        lengths = _documents(count, args.tokens, args.cp)
+        got = {}
+        for batched in (False, True):
+            ranks = launch(packed_worker, args.cp, lengths, batched).values()
+            got[batched] = {key: max(r[key] for r in ranks) for key in ("extra_mib", "seconds", "calls")}
+        loop, one = got[False], got[True]
+        print(
+            f"| {count} documents (longest {max(lengths)}) | {loop['calls']} -> {one['calls']} "
+            f"| {loop['seconds']:.2f} -> {one['seconds']:.2f} ({loop['seconds'] / one['seconds']:.1f}x) "
+            f"| {loop['extra_mib']:.0f} -> {one['extra_mib']:.0f} |",
+            flush=True,
+        )
+
+
 def unsharded_worker(length: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -103,7 +187,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--dense-up-to", type=int, default=16384)
+    parser.add_argument("--packed", action="store_true", help="packed rows: batched blocks against the loop")
+    parser.add_argument("--documents", type=int, nargs="+", default=[4, 64, 512])
+    parser.add_argument("--tokens", type=int, default=16384)
     args = parser.parse_args()
+    if args.packed:
+        packed(args)
+        return
     rows = {"blocks": {}, "dense": {}, "unsharded S/cp": {}}
     for length in args.lengths:
         got = launch(cp_worker, args.cp, length, False)

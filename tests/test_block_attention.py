@@ -273,3 +273,33 @@ def test_soft_capped_logits_run_in_bounded_tiles_and_equal_the_capped_softmax(mo
             _dense(rq, rk, rv, _allowed(positions, valid, win), None, cap)[:, :, index].backward(grad[:, :, index])
             assert torch.allclose(qq.grad, rq.grad[:, :, index], atol=1e-10)
             assert torch.allclose(kk.grad, rk.grad, atol=1e-10) and torch.allclose(vv.grad, rv.grad, atol=1e-10)
+
+
+def test_many_short_documents_run_in_a_few_kernel_calls_with_the_loops_numbers(monkeypatch):
+    """A packed row of 512 documents at cp=2: 1536 blocks on a rank, a dozen kernel calls (one
+    per kind and size class); a row of 40 documents of 4 to 60 tokens gives the one-call-per-block
+    loop's outputs and gradients (the padding never reaches a real query or key)."""
+    from plancc.runtime import block_attention as module
+
+    def blocks_of(lengths, cp, rank):
+        bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        return [b for span in query_spans(bounds, bounds[:-1], cp, rank) for b in span_blocks(span, (0, 1), None)]
+
+    gen = torch.Generator().manual_seed(0)
+    many = blocks_of((4 * torch.randint(1, 17, (512,), generator=gen)).tolist(), 2, 0)
+    batches, alone = module.batched(many, torch.device("cpu"))
+    assert len(many) >= 1024 and len(batches) + len(alone) <= 16
+    lengths = (4 * torch.randint(1, 16, (40,), generator=gen)).tolist()
+    total = sum(lengths)
+    q = torch.randn(1, 4, total // 2, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, total, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(1, 4, total // 2, 8, generator=gen, dtype=torch.float64)
+    results = []
+    for batch in (True, False):
+        monkeypatch.setattr(module, "BATCH_BLOCKS", batch)
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = block_attention(qq, kk, vv, blocks_of(lengths, 2, 1))
+        out.backward(grad)
+        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    for got, want in zip(*results, strict=True):
+        assert torch.allclose(got, want, atol=1e-12)

@@ -24,6 +24,11 @@ What else a layer needs, without a dense mask:
   (``_softcap_forward``/``_softcap_backward``), cut first into tiles of at most
   ``MAX_TILE x KEY_TILE`` so that its scores, materialized per tile, stay bounded too.
 
+Packed rows of many short documents make many small blocks; on the CPU those of one kind and
+size class run as one kernel call, their queries and keys gathered into a padded batch
+(``Batch``): 512 documents in 16k tokens at cp=2 take 15 calls a layer instead of 2048
+(``bench/cp_long.py --packed``; a large block still runs alone, unpadded).
+
 Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
 flash kernel SDPA uses there); on CUDA ``aten._scaled_dot_product_efficient_attention`` and its
 backward (any dtype; key heads are matched by folding the query groups into the query length
@@ -318,6 +323,154 @@ def _softcap_backward(
     return dq, dk, dv
 
 
+# --------------------------------------------------------------------------- batched blocks
+# Whether the CPU path runs each kind of block of a row group as one kernel call over all of them
+# (False: one call per block, the loop this replaced; ``bench/cp_long.py`` measures both).
+BATCH_BLOCKS = True
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Blocks of one kind over the same rows as one kernel call: each block is an entry of the
+    kernel's batch, its queries and keys gathered into ``[n, Q]`` / ``[n, K]`` slots padded on the
+    right (padding slots repeat the block's first index and are masked out or discarded).
+
+    Exact by construction: a causal block has as many queries as keys, so a padded query or key
+    comes after every real one and the causal mask keeps them apart; a full block's padded keys
+    get ``-inf`` from a ``[n, 1, 1, K]`` mask (every real query sees at least one real key);
+    padded queries' outputs are never read, and their gradient is zero."""
+
+    kind: Kind
+    b0: int
+    b1: int
+    q_index: torch.Tensor  # [n, Q] local query positions
+    q_valid: torch.Tensor  # [n, Q] bool
+    k_index: torch.Tensor  # [n, K] positions of the gathered keys
+    k_valid: torch.Tensor  # [n, K] bool
+
+    @property
+    def queries(self) -> torch.Tensor:
+        """The real query positions, each once (a kind's blocks never share a query)."""
+        return self.q_index[self.q_valid]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.k_index[self.k_valid]
+
+    def key_mask(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+        if self.kind is Kind.CAUSAL:
+            return None
+        mask = torch.zeros(self.k_valid.shape, dtype=dtype, device=self.k_valid.device)
+        mask.masked_fill_(~self.k_valid, float("-inf"))
+        n, k = mask.shape
+        return mask[:, None, None, None, :].expand(n, rows, 1, 1, k).reshape(n * rows, 1, 1, k)
+
+
+def _slots(starts: list[int], lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    first = torch.tensor(starts, device=device).unsqueeze(1)
+    length = torch.tensor(lengths, device=device).unsqueeze(1)
+    offset = torch.arange(max(lengths), device=device).unsqueeze(0)
+    valid = offset < length
+    return torch.where(valid, first + offset, first), valid
+
+
+# A block of at most this many query x key pairs is batched: below it the call's own cost
+# (dispatch, buffers) is a large share of its work; a larger block runs alone, unpadded.
+SMALL_BLOCK = 1 << 12
+
+
+def batched(blocks: list[Block], device: torch.device) -> tuple[list[Batch], list[Block]]:
+    """The small causal and full blocks of each row group as batches, one per kind and size
+    class (query and key counts within a power of two: the padding at most doubles a side),
+    and the blocks left to run one by one (band tiles, each with its own mask; large blocks; a
+    block alone in its class)."""
+    groups: dict[tuple[Kind, int, int, int, int], list[Block]] = {}
+    alone = []
+    for blk in blocks:
+        queries, keys = blk.q1 - blk.q0, blk.k1 - blk.k0
+        if blk.kind is Kind.BAND or queries * keys > SMALL_BLOCK:
+            alone.append(blk)
+        else:
+            groups.setdefault((blk.kind, blk.b0, blk.b1, queries.bit_length(), keys.bit_length()), []).append(blk)
+    batches = []
+    for (kind, b0, b1, *_), group in groups.items():
+        if len(group) == 1:
+            alone += group
+            continue
+        q_index, q_valid = _slots([b.q0 for b in group], [b.q1 - b.q0 for b in group], device)
+        k_index, k_valid = _slots([b.k0 for b in group], [b.k1 - b.k0 for b in group], device)
+        batches.append(Batch(kind, b0, b1, q_index, q_valid, k_index, k_valid))
+    return batches, alone
+
+
+def _gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S, D]`` at ``[n, Q]`` positions -> ``[n*B, H, Q, D]`` (a batch entry per block and row)."""
+    b, h = x.shape[:2]
+    n, q = index.shape
+    picked = x.index_select(2, index.reshape(-1)).reshape(b, h, n, q, *x.shape[3:])
+    return picked.movedim(2, 0).reshape(n * b, h, q, *x.shape[3:])
+
+
+def _real(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[n*B, H, Q, ...]`` kernel outputs -> ``[B, H, P, ...]`` at the batch's real queries."""
+    n = batch.q_index.shape[0]
+    per_block = x.reshape(n, -1, *x.shape[1:]).movedim(0, 2)  # [B, H, n, Q, ...]
+    return per_block[:, :, batch.q_valid]
+
+
+def _real_keys(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    n = batch.k_index.shape[0]
+    per_block = x.reshape(n, -1, *x.shape[1:]).movedim(0, 2)
+    return per_block[:, :, batch.k_valid]
+
+
+def _batch_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: Batch, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One CPU flash call for every block of the batch: (outputs, log-sum-exp) at its real queries."""
+    rows = slice(batch.b0, batch.b1)
+    q = _gathered(query[rows], batch.q_index)
+    k, v = _gathered(key[rows], batch.k_index), _gathered(value[rows], batch.k_index)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, batch.kind is Kind.CAUSAL, attn_mask=batch.key_mask(q.dtype, batch.b1 - batch.b0), scale=scale
+    )
+    return _real(out, batch), _real(lse, batch)
+
+
+def _batch_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    batch: Batch,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's gradients: of its real queries ``[B, H, P, D]``, of its real keys' slots
+    ``[B, Hkv, Pk, D]`` (a key two blocks share appears in both: the caller sums them)."""
+    rows = slice(batch.b0, batch.b1)
+    q = _gathered(query[rows], batch.q_index)
+    k, v = _gathered(key[rows], batch.k_index), _gathered(value[rows], batch.k_index)
+    real = batch.q_valid.repeat_interleave(batch.b1 - batch.b0, dim=0)[:, None, :]  # [n*B, 1, Q]
+    g = _gathered(grad[rows], batch.q_index) * real.unsqueeze(-1)  # a padded query has no gradient
+    # ... and a log-sum-exp no score reaches, so that its probabilities are 0, not exp(overflow)
+    kernel_lse = _gathered(lse[rows].unsqueeze(-1), batch.q_index).squeeze(-1).masked_fill(~real, 1e30)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g,
+        q,
+        k,
+        v,
+        _gathered(out[rows], batch.q_index),
+        kernel_lse.contiguous(),
+        0.0,
+        batch.kind is Kind.CAUSAL,
+        attn_mask=batch.key_mask(q.dtype, batch.b1 - batch.b0),
+        scale=scale,
+    )
+    return _real(dq, batch), _real_keys(dk, batch), _real_keys(dv, batch)
+
+
 # --------------------------------------------------------------------------- the merge
 def _kernels(device: torch.device, softcap: float | None) -> tuple[Any, Any]:
     if softcap:
@@ -345,6 +498,20 @@ class _BlockAttention(torch.autograd.Function):
         acc = _accumulation_dtype(query.dtype)
         out = query.new_zeros(query.shape[:-1] + value.shape[-1:], dtype=acc)
         lse = query.new_full(query.shape[:-1], float("-inf"), dtype=acc)
+        batches: list[Batch] = []
+        if BATCH_BLOCKS and query.device.type == "cpu" and not softcap:
+            batches, blocks = batched(blocks, query.device)
+        for batch in batches:
+            o, block_lse = _batch_forward(query, key, value, batch, scale)
+            at = batch.queries
+            rows = slice(batch.b0, batch.b1)
+            old = lse[rows].index_select(2, at)
+            block_lse = block_lse.to(acc)
+            new = torch.logaddexp(old, block_lse)
+            part = out[rows].index_select(2, at)
+            part = part * torch.exp(old - new).unsqueeze(-1) + o.to(acc) * torch.exp(block_lse - new).unsqueeze(-1)
+            out[rows].index_copy_(2, at, part)
+            lse[rows].index_copy_(2, at, new)
         saved = []
         for blk in blocks:
             rows = slice(blk.b0, blk.b1)
@@ -369,7 +536,7 @@ class _BlockAttention(torch.autograd.Function):
         result = out.to(query.dtype)
         ctx.save_for_backward(query, key, value, result, lse, sinks)
         ctx.blocks, ctx.scale, ctx.extra, ctx.has_sinks = blocks, scale, saved, sinks is not None
-        ctx.softcap = softcap
+        ctx.softcap, ctx.batches = softcap, batches
         return result
 
     @staticmethod
@@ -382,6 +549,12 @@ class _BlockAttention(torch.autograd.Function):
         dk = torch.zeros_like(key, dtype=acc)
         dv = torch.zeros_like(value, dtype=acc)
         kernel_lse = lse.to(torch.float32) if query.dtype != torch.float64 else lse
+        for batch in ctx.batches:
+            rows = slice(batch.b0, batch.b1)
+            gq, gk, gv = _batch_backward(grad, query, key, value, out, kernel_lse, batch, ctx.scale)
+            dq[rows].index_add_(2, batch.queries, gq.to(acc))
+            dk[rows].index_add_(2, batch.keys, gk.to(acc))
+            dv[rows].index_add_(2, batch.keys, gv.to(acc))
         for blk, extra in zip(ctx.blocks, ctx.extra, strict=True):
             rows, qs, ks = slice(blk.b0, blk.b1), slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
             gq, gk, gv = backward_kernel(

@@ -220,7 +220,9 @@ def document_attention_forward(
     window = sliding_window(module, kwargs)
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
-    if sinks is not None and dropout_p == 0.0:
+    # on the CPU (and for sinks anywhere) the block attention: a row's small documents batched
+    # into a few kernel calls; on CUDA a fused kernel per document (docs/gpu.md measured it)
+    if dropout_p == 0.0 and (sinks is not None or not query.is_cuda):
         blocks = [
             blk
             for s, e in zip(bounds, bounds[1:], strict=False)
