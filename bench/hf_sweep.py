@@ -38,7 +38,7 @@ TINY = {
     "num_hidden_layers": 2,
     "hidden_size": 64,
     "intermediate_size": 128,
-    "num_attention_heads": 4,
+    "num_attention_heads": 8,  # 4 query heads a KV head: Qwen3-8B's 32:8 (Llama 3 70B: 64:8)
     "num_key_value_heads": 2,
     "head_dim": 16,
     "vocab_size": 256,
