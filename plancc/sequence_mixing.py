@@ -90,10 +90,16 @@ def has_dynamic_mask(module: nn.Module) -> bool:
 
 
 def _code_has(cls: type, text: str) -> bool:
-    try:
-        return text in inspect.getsource(cls)
-    except (OSError, TypeError):
-        return False
+    key = (cls, text)
+    if key not in _HAS:  # read once per class: a decoder repeats its layers' classes in every layer
+        try:
+            _HAS[key] = text in inspect.getsource(cls)
+        except (OSError, TypeError):
+            _HAS[key] = False
+    return _HAS[key]
+
+
+_HAS: dict[tuple[type, str], bool] = {}
 
 
 # The kernels through which transformers' linear-attention and state-space layers mix positions

@@ -147,3 +147,16 @@ def test_hf_fused_projections_and_a_per_head_output_train_exactly_at_tp2(tmp_pat
         cases.append((str(plan), folder, 1, 2, False))
     # --verify's own bars (Doge's dynamic mask, exp of a softplus, is 3e-5 off in fp32 alone)
     assert_verified(launch(verify_cases, 2, cases), cases)
+
+
+def test_a_norm_whose_width_equals_a_head_count_is_no_per_head_parameter(tmp_path):
+    """Doge with 8 heads on a hidden of 64: its q/k norms are 8 wide (head_dim = 64 / 8), the
+    number of heads. import-hf once wrote them ``per_head_params`` -- a style for an attention
+    block's own parameters, which validate then refused on a norm: the import's plan must pass."""
+    folder = _tiny_config(tmp_path / "doge", "doge", num_attention_heads=8, num_key_value_heads=2, is_moe=False)
+    text = import_hf(folder)
+    plan = yaml.safe_load(text)["tensor_parallel"]
+    assert plan["model.layers.*.self_attn.q_norm"] in ("qk_norm", "replicated_with_grad_allreduce"), plan
+    path = tmp_path / "imported.yaml"
+    path.write_text(text)
+    assert [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error] == []

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..compiler.globs import generalize
+from ..compiler.kinds import ModuleKind
 from ..compiler.placements import Shard
 from ..compiler.styles import canonical_style, style_layouts
 from ..errors import Severity
-from .context import CheckContext, Problem, flow_of, head_counts
+from .context import CheckContext, Problem, flow_of, head_counts, kind_of
 from .example import Example
 from .layout_flow import in_conflict
 
@@ -94,8 +95,14 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
         assert rule is not None  # origins are styled modules
         kind = type(modules[owner]).__name__ if owner in modules else "module"
         heads = head_counts(ctx.config)
-        per_head = owner in modules and all(
-            getattr(modules[owner], p).dim() >= 1 and getattr(modules[owner], p).shape[0] in heads for p in params
+        # a norm's weight is one per feature, whatever its length: a qk-norm over head_dim 8 beside
+        # 8 heads (Doge's tiny config) is no per-head parameter
+        per_head = (
+            owner in modules
+            and kind_of(modules[owner]) is not ModuleKind.NORM
+            and all(
+                getattr(modules[owner], p).dim() >= 1 and getattr(modules[owner], p).shape[0] in heads for p in params
+            )
         )
         yield Problem(
             loc=rule.loc,
