@@ -218,6 +218,20 @@ def _model_error(model: str, message: str, fix: str) -> ModelSpecError:
     return ModelSpecError([Diagnostic(rule="unknown-model", loc=SourceLoc(path=model), message=message, fix=fix)])
 
 
+# Config fields with which a causal LM transforms the lm_head's output before returning it
+# (Gemma 2's soft-capping, Cohere's and Granite's scales): plancc's fused log-prob evaluator
+# applies the lm_head itself and would skip them, so such models take the logits path -- what the
+# runtime does and the checks must know (a split lm_head is fine where only logits are read).
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def transforms_logits(config: Any) -> bool:
+    """Whether the (text) config transforms the lm_head's output (``LOGIT_TRANSFORMS``)."""
+    get = getattr(config, "get_text_config", None)
+    text = get() if callable(get) else config
+    return any(getattr(text, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS)
+
+
 def load_config(model: str | Path | Any) -> PretrainedConfig:
     """A ``PretrainedConfig`` from a preset name, a model folder, a config.json, or a config."""
     from transformers import AutoConfig, PretrainedConfig

@@ -205,3 +205,19 @@ def test_a_config_checked_again_is_not_traced_again_but_a_model_handed_in_is(mon
     assert len(traced) == 2
     check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), build_meta_model(config), tp=2)
     assert len(traced) == 3
+
+
+def test_an_lm_head_split_by_its_input_is_refused_only_where_log_probs_read_its_weight(write_plan):
+    """plancc's fused log-probs read the lm_head's weight a vocabulary shard at a time, so a
+    rowwise_rep lm_head fails their first step; a model that transforms its logits (Gemma 2's
+    final soft-cap, Inkling2's) is read through its logits, which rowwise_rep gives whole: exact
+    (bench/hf_sweep.py: inkling2_text verifies at tp=2), and validate says nothing."""
+    from plancc.models import load_config
+
+    text = QWEN3.read_text().split("sequence_parallel:")[0].replace("  lm_head: colwise_logits\n", "  lm_head: rowwise_rep\n")
+    plan = plancc.load_plan(write_plan(text))
+    split = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.is_error]
+    assert split and "splits the lm_head weight by its input features" in split[0].message, split
+    capped = load_config("tiny-qwen3")
+    capped.final_logit_softcapping = 30.0
+    assert [d for d in check_plan(plan, capped, tp=2) if d.is_error] == []

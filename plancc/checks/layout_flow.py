@@ -22,6 +22,7 @@ from ..compiler.globs import generalize
 from ..compiler.plan import Rule
 from ..compiler.styles import Layouts, ModuleKind, module_kind, style_layouts
 from ..errors import Severity, SourceLoc
+from ..models import transforms_logits
 from .context import CheckContext, Problem, flow_of
 from .layout_trace import Conflict, LayoutTrace, Repair, repairs, trace_layouts
 from .per_head_outputs import per_head_reducers
@@ -103,7 +104,7 @@ def _report(ctx: CheckContext) -> FlowReport | None:
     if isinstance(flow, str):
         return None
     styles = _style_of(ctx)
-    trace = trace_layouts(flow, ctx.modules, styles.get)
+    trace = trace_layouts(flow, ctx.modules, styles.get, fused_head=not transforms_logits(ctx.config))
     problems: list[tuple[str, Problem]] = []
     if trace.conflicts:
         rules = _editable_rules(ctx, trace.conflicts)

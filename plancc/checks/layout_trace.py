@@ -105,6 +105,8 @@ class LayoutTrace:
     inputs: dict[str, Value] = field(default_factory=dict)  # leaf -> what it read
     # (reader, makers): a rowwise_rep reading what colwise_rep modules gathered (exact, wasteful)
     gathered_then_sliced: list[tuple[str, frozenset[str]]] = field(default_factory=list)
+    # whether plancc's log-probs read the lm_head's weight (the fused path), not its logits alone
+    fused_head: bool = True
 
 
 StyleOf = Callable[[str], Layouts | None]  # module name -> its style's layouts (None: no style)
@@ -114,11 +116,11 @@ _UNKNOWN = Value("unknown")
 
 
 class _Tracer:
-    def __init__(self, flow: Flow, modules: Mapping[str, nn.Module], style_of: StyleOf):
+    def __init__(self, flow: Flow, modules: Mapping[str, nn.Module], style_of: StyleOf, fused_head: bool):
         self.flow = flow
         self.modules = modules
         self.style_of = style_of
-        self.trace = LayoutTrace()
+        self.trace = LayoutTrace(fused_head=fused_head)
         self.sliced = {leaf for leaf, _ in flow.splits}
 
     def run(self) -> LayoutTrace:
@@ -131,8 +133,9 @@ class _Tracer:
             out = self.meet("", [self.trace.values.get(s, _UNKNOWN) for s in model.output_sources])
             if out.kind in ("features", "sequence"):
                 self.conflict("output", "", (out,), "whole logits, or a DTensor (colwise_logits)")
-            elif any(self._rows_split(m) for m in out.makers):
-                # plancc's log-probs read the lm_head weight a vocabulary shard at a time (fused path)
+            elif self.trace.fused_head and any(self._rows_split(m) for m in out.makers):
+                # plancc's log-probs read the lm_head weight a vocabulary shard at a time (fused path;
+                # a model that transforms its logits is read through them, whatever the split)
                 self.conflict("output", "", (out,), "an lm_head whose weight is split by vocabulary rows or whole")
         return self.trace
 
@@ -320,8 +323,10 @@ def gathers_whole(lay: Layouts | None, module: nn.Module | None) -> bool:
     return lay.output == Replicate() and lay.weight.get(ModuleKind.LINEAR) == Shard(0)
 
 
-def trace_layouts(flow: Flow, modules: Mapping[str, nn.Module], style_of: StyleOf) -> LayoutTrace:
-    return _Tracer(flow, modules, style_of).run()
+def trace_layouts(
+    flow: Flow, modules: Mapping[str, nn.Module], style_of: StyleOf, *, fused_head: bool = True
+) -> LayoutTrace:
+    return _Tracer(flow, modules, style_of, fused_head).run()
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +362,7 @@ def repairs(
             ) -> Layouts | None:
                 return edited if name in decided else style_of(name)
 
-            after = trace_layouts(flow, modules, edited_style)
+            after = trace_layouts(flow, modules, edited_style, fused_head=before.fused_head)
             keys = {_key(c) for c in after.conflicts}
             if any(_moved(c, before, at, decided) for c in after.conflicts if _key(c) not in known):
                 continue  # it moves the problem elsewhere (not merely uncovers one a conflict hid)

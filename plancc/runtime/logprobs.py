@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..models import LOGIT_TRANSFORMS, transforms_logits
 from .cp import CPContext, all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
 from .document_attention import set_documents
 from .fused_logprobs import fused_logprobs
@@ -190,12 +191,6 @@ def vocab_layout(
     return local, group, None
 
 
-# Config fields with which a causal LM transforms the lm_head's output before returning it
-# (Gemma2's soft-capping, Cohere's and Granite's scales): the fused evaluator applies the
-# lm_head itself and would skip them, so such models take the logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
 def _text_config(model: torch.nn.Module) -> Any:
     config: Any = getattr(model, "config", None)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -212,8 +207,7 @@ def fusable(model: torch.nn.Module) -> bool:
     head = get_head() if callable(get_head) else None
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return False
-    config = _text_config(model)
-    return all(getattr(config, name, None) in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS)
+    return not transforms_logits(_text_config(model))
 
 
 @contextmanager
@@ -371,7 +365,7 @@ def _positions_logprobs(
     if entropy or top_k is not None or top_p is not None:
         raise ValueError(
             f"entropy, top_k and top_p need a model whose logits are lm_head(hidden); {type(model).__name__} "
-            f"transforms them ({', '.join(_LOGIT_TRANSFORMS)})"
+            f"transforms them ({', '.join(LOGIT_TRANSFORMS)})"
         )
     with unpacked_rows(model, inputs):
         logits = model(**inputs).logits
