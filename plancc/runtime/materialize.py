@@ -6,11 +6,14 @@ gives the shards storage and values.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def materialize(
@@ -36,8 +39,49 @@ def materialize(
     if full_state_dict is not None:
         # a copy: torch 2.13's set_model_state_dict replaces the caller's full tensors with
         # this rank's DTensor shards in the dict it is given
-        set_model_state_dict(model, dict(full_state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
+        rest = dict(full_state_dict)
+        uneven = _fill_uneven_strided(model, rest)
+        if uneven:  # the rest loads unstrictly: what strict loading checks, checked here
+            own = set(model.state_dict())
+            missing, unexpected = own - set(full_state_dict), set(full_state_dict) - own
+            if missing or unexpected:
+                raise RuntimeError(f"state dict keys missing: {sorted(missing)}; unexpected: {sorted(unexpected)}")
+        set_model_state_dict(model, rest, options=StateDictOptions(full_state_dict=True, strict=not uneven))
     return model
+
+
+def _fill_uneven_strided(model: nn.Module, full: dict[str, Any]) -> list[str]:
+    """Fill the parameters that FSDP shards over tp shards of the same dim (``_StridedShard``)
+    where the rows do not split evenly over both -- Doge's ``A``, one per KV head, or gpt-oss's
+    sinks at tp x fsdp beyond the head count -- and take them out of ``full``: torch 2.13's
+    ``distribute_tensor`` asserts on them (it pads a strided shard's pieces and wants them equal),
+    while a redistribution from a replicated tensor splits them as FSDP laid them out."""
+    filled = []
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) or name not in full:
+            continue
+        strided = [(i, p) for i, p in enumerate(param.placements) if isinstance(p, _StridedShard)]
+        if not strided:
+            continue
+        dims = {p.dim for _, p in strided}
+        shards = {
+            d: math.prod(
+                param.device_mesh.size(i)
+                for i, p in enumerate(param.placements)
+                if isinstance(p, (Shard, _StridedShard)) and p.dim == d
+            )
+            for d in dims
+        }
+        if all(param.shape[d] % n == 0 for d, n in shards.items()):
+            continue
+        whole = full.pop(name).to(device=param.device, dtype=param.dtype)
+        replicated = distribute_tensor(
+            whole, param.device_mesh, [Replicate()] * param.device_mesh.ndim, src_data_rank=None
+        )
+        with torch.no_grad():
+            param.to_local().copy_(replicated.redistribute(param.device_mesh, param.placements).to_local())
+        filled.append(name)
+    return filled
 
 
 def _is_non_persistent(model: nn.Module, name: str) -> bool:
