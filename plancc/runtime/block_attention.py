@@ -343,35 +343,41 @@ class Batch:
     kind: Kind
     b0: int
     b1: int
-    q_index: torch.Tensor  # [n, Q] local query positions
-    q_valid: torch.Tensor  # [n, Q] bool
-    k_index: torch.Tensor  # [n, K] positions of the gathered keys
-    k_valid: torch.Tensor  # [n, K] bool
-
-    @property
-    def queries(self) -> torch.Tensor:
-        """The real query positions, each once (a kind's blocks never share a query)."""
-        return self.q_index[self.q_valid]
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.k_index[self.k_valid]
+    q: Slots  # the blocks' queries: local positions
+    k: Slots  # their keys: positions of the gathered sequence
 
     def key_mask(self, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
         if self.kind is Kind.CAUSAL:
             return None
-        mask = torch.zeros(self.k_valid.shape, dtype=dtype, device=self.k_valid.device)
-        mask.masked_fill_(~self.k_valid, float("-inf"))
+        mask = torch.zeros(self.k.valid.shape, dtype=dtype, device=self.k.valid.device)
+        mask.masked_fill_(~self.k.valid, float("-inf"))
         n, k = mask.shape
         return mask[:, None, None, None, :].expand(n, rows, 1, 1, k).reshape(n * rows, 1, 1, k)
 
 
-def _slots(starts: list[int], lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    first = torch.tensor(starts, device=device).unsqueeze(1)
-    length = torch.tensor(lengths, device=device).unsqueeze(1)
-    offset = torch.arange(max(lengths), device=device).unsqueeze(0)
-    valid = offset < length
-    return torch.where(valid, first + offset, first), valid
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """Positions laid out a block per row ``[n, L]``, padded on the right; everything made from
+    the host's block list, so nothing reads a device (or needs values: a dry run's fake tensors)."""
+
+    index: torch.Tensor  # [n, L] positions; a padding slot repeats its block's first
+    valid: torch.Tensor  # [n, L] bool
+    real: torch.Tensor  # [P] the real slots' positions, block after block
+    flat: torch.Tensor  # [P] the real slots' places in the flattened [n * L]
+
+
+def _slots(starts: list[int], lengths: list[int], device: torch.device) -> Slots:
+    width = max(lengths)
+    index = [[s + i if i < n else s for i in range(width)] for s, n in zip(starts, lengths, strict=True)]
+    valid = [[i < n for i in range(width)] for n in lengths]
+    real = [s + i for s, n in zip(starts, lengths, strict=True) for i in range(n)]
+    flat = [b * width + i for b, n in enumerate(lengths) for i in range(n)]
+    return Slots(
+        index=torch.tensor(index, dtype=torch.long, device=device),
+        valid=torch.tensor(valid, dtype=torch.bool, device=device),
+        real=torch.tensor(real, dtype=torch.long, device=device),
+        flat=torch.tensor(flat, dtype=torch.long, device=device),
+    )
 
 
 # A block of at most this many query x key pairs is batched: below it the call's own cost
@@ -397,9 +403,9 @@ def batched(blocks: list[Block], device: torch.device) -> tuple[list[Batch], lis
         if len(group) == 1:
             alone += group
             continue
-        q_index, q_valid = _slots([b.q0 for b in group], [b.q1 - b.q0 for b in group], device)
-        k_index, k_valid = _slots([b.k0 for b in group], [b.k1 - b.k0 for b in group], device)
-        batches.append(Batch(kind, b0, b1, q_index, q_valid, k_index, k_valid))
+        q_slots = _slots([b.q0 for b in group], [b.q1 - b.q0 for b in group], device)
+        k_slots = _slots([b.k0 for b in group], [b.k1 - b.k0 for b in group], device)
+        batches.append(Batch(kind, b0, b1, q_slots, k_slots))
     return batches, alone
 
 
@@ -411,17 +417,12 @@ def _gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return picked.movedim(2, 0).reshape(n * b, h, q, *x.shape[3:])
 
 
-def _real(x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """``[n*B, H, Q, ...]`` kernel outputs -> ``[B, H, P, ...]`` at the batch's real queries."""
-    n = batch.q_index.shape[0]
-    per_block = x.reshape(n, -1, *x.shape[1:]).movedim(0, 2)  # [B, H, n, Q, ...]
-    return per_block[:, :, batch.q_valid]
-
-
-def _real_keys(x: torch.Tensor, batch: Batch) -> torch.Tensor:
-    n = batch.k_index.shape[0]
-    per_block = x.reshape(n, -1, *x.shape[1:]).movedim(0, 2)
-    return per_block[:, :, batch.k_valid]
+def _real(x: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """``[n*B, H, L, ...]`` kernel outputs -> ``[B, H, P, ...]`` at the real slots."""
+    n, width = slots.index.shape
+    per_block = x.reshape(n, -1, *x.shape[1:]).movedim(0, 2)  # [B, H, n, L, ...]
+    flat = per_block.reshape(*per_block.shape[:2], n * width, *per_block.shape[4:])
+    return flat.index_select(2, slots.flat)
 
 
 def _batch_forward(
@@ -429,12 +430,12 @@ def _batch_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One CPU flash call for every block of the batch: (outputs, log-sum-exp) at its real queries."""
     rows = slice(batch.b0, batch.b1)
-    q = _gathered(query[rows], batch.q_index)
-    k, v = _gathered(key[rows], batch.k_index), _gathered(value[rows], batch.k_index)
+    q = _gathered(query[rows], batch.q.index)
+    k, v = _gathered(key[rows], batch.k.index), _gathered(value[rows], batch.k.index)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, batch.kind is Kind.CAUSAL, attn_mask=batch.key_mask(q.dtype, batch.b1 - batch.b0), scale=scale
     )
-    return _real(out, batch), _real(lse, batch)
+    return _real(out, batch.q), _real(lse, batch.q)
 
 
 def _batch_backward(
@@ -450,25 +451,25 @@ def _batch_backward(
     """The batch's gradients: of its real queries ``[B, H, P, D]``, of its real keys' slots
     ``[B, Hkv, Pk, D]`` (a key two blocks share appears in both: the caller sums them)."""
     rows = slice(batch.b0, batch.b1)
-    q = _gathered(query[rows], batch.q_index)
-    k, v = _gathered(key[rows], batch.k_index), _gathered(value[rows], batch.k_index)
-    real = batch.q_valid.repeat_interleave(batch.b1 - batch.b0, dim=0)[:, None, :]  # [n*B, 1, Q]
-    g = _gathered(grad[rows], batch.q_index) * real.unsqueeze(-1)  # a padded query has no gradient
+    q = _gathered(query[rows], batch.q.index)
+    k, v = _gathered(key[rows], batch.k.index), _gathered(value[rows], batch.k.index)
+    real = batch.q.valid.repeat_interleave(batch.b1 - batch.b0, dim=0)[:, None, :]  # [n*B, 1, Q]
+    g = _gathered(grad[rows], batch.q.index) * real.unsqueeze(-1)  # a padded query has no gradient
     # ... and a log-sum-exp no score reaches, so that its probabilities are 0, not exp(overflow)
-    kernel_lse = _gathered(lse[rows].unsqueeze(-1), batch.q_index).squeeze(-1).masked_fill(~real, 1e30)
+    kernel_lse = _gathered(lse[rows].unsqueeze(-1), batch.q.index).squeeze(-1).masked_fill(~real, 1e30)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g,
         q,
         k,
         v,
-        _gathered(out[rows], batch.q_index),
+        _gathered(out[rows], batch.q.index),
         kernel_lse.contiguous(),
         0.0,
         batch.kind is Kind.CAUSAL,
         attn_mask=batch.key_mask(q.dtype, batch.b1 - batch.b0),
         scale=scale,
     )
-    return _real(dq, batch), _real_keys(dk, batch), _real_keys(dv, batch)
+    return _real(dq, batch.q), _real(dk, batch.k), _real(dv, batch.k)
 
 
 # --------------------------------------------------------------------------- the merge
@@ -503,7 +504,7 @@ class _BlockAttention(torch.autograd.Function):
             batches, blocks = batched(blocks, query.device)
         for batch in batches:
             o, block_lse = _batch_forward(query, key, value, batch, scale)
-            at = batch.queries
+            at = batch.q.real
             rows = slice(batch.b0, batch.b1)
             old = lse[rows].index_select(2, at)
             block_lse = block_lse.to(acc)
@@ -552,9 +553,9 @@ class _BlockAttention(torch.autograd.Function):
         for batch in ctx.batches:
             rows = slice(batch.b0, batch.b1)
             gq, gk, gv = _batch_backward(grad, query, key, value, out, kernel_lse, batch, ctx.scale)
-            dq[rows].index_add_(2, batch.queries, gq.to(acc))
-            dk[rows].index_add_(2, batch.keys, gk.to(acc))
-            dv[rows].index_add_(2, batch.keys, gv.to(acc))
+            dq[rows].index_add_(2, batch.q.real, gq.to(acc))
+            dk[rows].index_add_(2, batch.k.real, gk.to(acc))
+            dv[rows].index_add_(2, batch.k.real, gv.to(acc))
         for blk, extra in zip(ctx.blocks, ctx.extra, strict=True):
             rows, qs, ks = slice(blk.b0, blk.b1), slice(blk.q0, blk.q1), slice(blk.k0, blk.k1)
             gq, gk, gv = backward_kernel(
