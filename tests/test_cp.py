@@ -147,7 +147,8 @@ def test_cp_token_logprobs_match_unsharded_with_padding_and_packing(cp, tp, sp):
         assert r["misuse"] and "was not parallelized with it" in r["misuse"], (rank, r)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # the default run: every shipped plan at cp2 (log-probs), cp2 x dp2 / cp2 x tp2
+@pytest.mark.slow  # training (the soft-capped, indexer and Doge test) and cp4 training (below)
 @pytest.mark.timeout(600)
 def test_cp_training_matches_unsharded_for_every_plan():
     from .numerics_worker import verify_cases

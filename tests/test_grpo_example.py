@@ -18,7 +18,8 @@ MARGIN = {"full": 0.2, "lora": 0.05}
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("way", ["full", "lora"])
+# LoRA's own runs (test_lora.py) cover its adapters; the example with them is the extended tier's
+@pytest.mark.parametrize("way", ["full", pytest.param("lora", marks=pytest.mark.extended)])
 def test_the_grpo_example_raises_its_reward_and_plots_it(tmp_path, way, cli):
     metrics = tmp_path / "grpo.jsonl"
     lora = ["--lora", "8"] if way == "lora" else []
