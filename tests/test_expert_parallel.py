@@ -31,6 +31,7 @@ def test_ep_2_on_two_ranks_matches_unsharded():
         assert_matches(reports[0], f"rank {rank} {cases[0]}")
 
 
+@pytest.mark.extended  # the default run: ep=2 (above) and ep x tp in bench/hf_sweep.py --ep's 40 MoE plans
 def test_ep_with_tp_and_with_expert_fsdp_on_four_ranks_matches_unsharded():
     cases, results = _run(4, [
         ("qwen3_moe.yaml", "tiny-qwen3-moe", 2, 2, 2),  # ep=2 x tp=2: 4 experts, one per rank
