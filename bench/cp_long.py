@@ -67,7 +67,9 @@ def _step(model, length: int) -> None:
     out.logits.float().square().mean().backward()
 
 
-def cp_worker(length: int, dense: bool) -> dict:
+def _cp_model():
+    """This rank's one-layer model under the cp attention over every rank (gloo, one thread),
+    and its cp context; the caller destroys the process group."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -75,14 +77,20 @@ def cp_worker(length: int, dense: bool) -> dict:
     from plancc.runtime.cp import enable_context_parallel
     from plancc.runtime.mesh import build_mesh
 
-    os.environ["PLANCC_CP_ATTENTION"] = "dense" if dense else "blocks"
     init_gloo(timeout_s=3600)
     torch.set_num_threads(1)
+    mesh = build_mesh(cp=dist.get_world_size(), device_type="cpu")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config())
+    return model, enable_context_parallel(model, mesh["cp"])
+
+
+def cp_worker(length: int, dense: bool) -> dict:
+    import torch.distributed as dist
+
+    os.environ["PLANCC_CP_ATTENTION"] = "dense" if dense else "blocks"
+    model, _ = _cp_model()
     try:
-        mesh = build_mesh(cp=dist.get_world_size(), device_type="cpu")
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_config())
-        enable_context_parallel(model, mesh["cp"])
         _step(model, WARMUP)
         model.zero_grad(set_to_none=True)
         base = _peak_mib()
@@ -109,20 +117,12 @@ def packed_worker(lengths: list[int], batched: bool) -> dict:
 
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from plancc.runtime import block_attention
-    from plancc.runtime.cp import enable_context_parallel
-    from plancc.runtime.mesh import build_mesh
 
     block_attention.BATCH_BLOCKS = batched
-    init_gloo(timeout_s=3600)
-    torch.set_num_threads(1)
+    model, ctx = _cp_model()
     try:
-        mesh = build_mesh(cp=dist.get_world_size(), device_type="cpu")
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_config())
-        ctx = enable_context_parallel(model, mesh["cp"])
         cu = torch.tensor([0, *lengths]).cumsum(0)
         ids = torch.randint(0, 256, (1, int(cu[-1])), generator=torch.Generator().manual_seed(1))
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
