@@ -22,6 +22,12 @@ multiple of 2*cp), the same layer's forward+backward at cp, the block attention 
 kind of block of the row into one kernel call (``BATCH_BLOCKS``, as it runs) against one call
 per block (the loop it replaced), side by side in one run: the kernel calls per layer, the
 median time of 3 steps and the peak memory, each in fresh processes.
+
+    python bench/cp_long.py --packed --forward
+
+The same rows forward only (log-probs), where the CPU also runs the one-call flex kernel
+(``runtime.flex_blocks``; flex attention has no CPU backward in torch 2.13): calls and median
+time of loop, batched and flex, the flex kernel compiled by an untimed first step.
 """
 
 from __future__ import annotations
@@ -111,7 +117,10 @@ def _documents(count: int, tokens: int, cp: int) -> list[int]:
     return lengths
 
 
-def packed_worker(lengths: list[int], batched: bool) -> dict:
+def packed_worker(lengths: list[int], kernel: str, backward: bool = True) -> dict:
+    """One layer over the packed row with ``kernel``: ``loop`` (a call per block), ``batched``
+    (as the CPU runs it) or ``flex`` (one flex-attention call; forward only on the CPU)."""
+    import contextlib
     import statistics
     import time
 
@@ -120,21 +129,27 @@ def packed_worker(lengths: list[int], batched: bool) -> dict:
 
     from plancc.runtime import block_attention
 
-    block_attention.BATCH_BLOCKS = batched
+    block_attention.BATCH_BLOCKS = kernel == "batched"
     model, ctx = _cp_model()
+    ctx.kernel = "flex" if kernel == "flex" else "blocks"
     try:
         cu = torch.tensor([0, *lengths]).cumsum(0)
         ids = torch.randint(0, 256, (1, int(cu[-1])), generator=torch.Generator().manual_seed(1))
         positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
 
         def step() -> None:
-            out = model(input_ids=ids, position_ids=positions, cu_seqlens=cu, use_cache=False)
-            out.logits.float().square().mean().backward()
+            with contextlib.nullcontext() if backward else torch.no_grad():
+                out = model(input_ids=ids, position_ids=positions, cu_seqlens=cu, use_cache=False)
+            if backward:
+                out.logits.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
 
-        _step(model, WARMUP)
+        if backward:
+            _step(model, WARMUP)
         model.zero_grad(set_to_none=True)
         base = _peak_mib()
+        if not backward:  # forward only: one untimed step at the shape (flex compiles its kernel)
+            step()
         times = []
         for _ in range(3):
             dist.barrier()
@@ -143,29 +158,55 @@ def packed_worker(lengths: list[int], batched: bool) -> dict:
             times.append(time.perf_counter() - start)
         blocks = ctx.plan(None)
         assert blocks is not None, "packed rows without holes take the block attention"
-        calls = len(blocks) if not batched else sum(map(len, block_attention.batched(blocks, ids.device)))
+        calls = {"loop": len(blocks), "flex": 1}.get(kernel) or sum(
+            map(len, block_attention.batched(blocks, ids.device))
+        )
         return {"extra_mib": _peak_mib() - base, "seconds": statistics.median(times), "calls": calls}
     finally:
         dist.destroy_process_group()
 
 
 def packed(args: argparse.Namespace) -> None:
-    print(f"| {args.tokens} tokens at cp={args.cp}, one layer fwd+bwd | kernel calls a layer (fwd) | median s "
-          "| peak MiB above baseline |")
+    if args.forward:
+        packed_forward(args)
+        return
+    print(
+        f"| {args.tokens} tokens at cp={args.cp}, one layer fwd+bwd | kernel calls a layer (fwd) | median s "
+        "| peak MiB above baseline |"
+    )
     print("|---|---|---|---|")
     for count in args.documents:
         lengths = _documents(count, args.tokens, args.cp)
         got = {}
-        for batched in (False, True):
-            ranks = launch(packed_worker, args.cp, lengths, batched).values()
-            got[batched] = {key: max(r[key] for r in ranks) for key in ("extra_mib", "seconds", "calls")}
-        loop, one = got[False], got[True]
+        for kernel in ("loop", "batched"):
+            ranks = launch(packed_worker, args.cp, lengths, kernel).values()
+            got[kernel] = {key: max(r[key] for r in ranks) for key in ("extra_mib", "seconds", "calls")}
+        loop, one = got["loop"], got["batched"]
         print(
             f"| {count} documents (longest {max(lengths)}) | {loop['calls']} -> {one['calls']} "
             f"| {loop['seconds']:.2f} -> {one['seconds']:.2f} ({loop['seconds'] / one['seconds']:.1f}x) "
             f"| {loop['extra_mib']:.0f} -> {one['extra_mib']:.0f} |",
             flush=True,
         )
+
+
+def packed_forward(args: argparse.Namespace) -> None:
+    """Forward only (log-probs), where the CPU can run flex attention: loop, batched, flex."""
+    kernels = ("loop", "batched", "flex")
+    print(
+        f"| {args.tokens} tokens at cp={args.cp}, one layer forward | kernel calls a layer (loop / batched / flex) "
+        "| median s (loop / batched / flex) |"
+    )
+    print("|---|---|---|")
+    for count in args.documents:
+        lengths = _documents(count, args.tokens, args.cp)
+        got = {}
+        for kernel in kernels:
+            ranks = launch(packed_worker, args.cp, lengths, kernel, False).values()
+            got[kernel] = {key: max(r[key] for r in ranks) for key in ("seconds", "calls")}
+        calls = " / ".join(str(got[k]["calls"]) for k in kernels)
+        seconds = " / ".join(f"{got[k]['seconds']:.2f}" for k in kernels)
+        print(f"| {count} documents (longest {max(lengths)}) | {calls} | {seconds} |", flush=True)
 
 
 def unsharded_worker(length: int) -> dict:
@@ -190,6 +231,7 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true", help="packed rows: batched blocks against the loop")
     parser.add_argument("--documents", type=int, nargs="+", default=[4, 64, 512])
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--forward", action="store_true", help="with --packed: forward only, flex attention too")
     args = parser.parse_args()
     if args.packed:
         packed(args)

@@ -110,10 +110,16 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
         dist.destroy_process_group()
 
 
-def logprobs_verify_every_plan(cases, data):
+def logprobs_verify_every_plan(cases, data, kernel=None):
     """``plancc logprobs --cp 2 --verify`` as the CLI's workers run it, for every (plan, preset)
-    of ``cases`` and packed and unpacked, in one process group: {case: (ok, max |diff|)}."""
+    of ``cases`` and packed and unpacked, in one process group: {case: (ok, max |diff|)}.
+    ``kernel``: the CP attention's (``PLANCC_CP_ATTENTION``), or the default."""
+    import os
+
     import torch.distributed as dist
+
+    if kernel is not None:
+        os.environ["PLANCC_CP_ATTENTION"] = kernel
 
     from plancc.job.config import RunConfig
     from plancc.job.runner import run_logprobs

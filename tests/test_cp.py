@@ -451,3 +451,25 @@ def test_every_shipped_plan_verifies_its_log_probs_at_cp2_packed_and_unpacked(tm
     assert len(results[0]) == 2 * len(SHIPPED), results
     for name, (ok, worst) in results[0].items():
         assert ok and worst <= 1e-5, (name, worst)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the one-call kernel's rule, tiles, sinks and caps: tests/test_flex_blocks.py
+@pytest.mark.timeout(900)
+def test_the_one_call_flex_kernel_verifies_log_probs_inside_the_models_at_cp2(tmp_path):
+    """CUDA's default CP kernel, a flex-attention call a layer, run forward-only on the CPU inside
+    real models through ``logprobs --cp 2 --verify``: Gemma 3's and gpt-oss's windows, gpt-oss's
+    sinks, DeepSeek-V3's narrower value head, packed rows and padded ones."""
+    import json
+
+    from .cp_worker import logprobs_verify_every_plan
+
+    gen = torch.Generator().manual_seed(0)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": torch.randint(3, 250, (n,), generator=gen).tolist()}) + "\n"
+                            for n in (16, 30, 23, 17, 29, 20, 26, 18)))
+    cases = [(str(PLANS / plan), SHIPPED[plan]) for plan in ("gemma3.yaml", "gpt_oss.yaml", "deepseek_v3.yaml")]
+    results = launch(logprobs_verify_every_plan, 2, cases, str(data), "flex")
+    assert len(results[0]) == 2 * len(cases), results
+    for name, (ok, worst) in results[0].items():
+        assert ok and worst <= 1e-5, (name, worst)

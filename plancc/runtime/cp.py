@@ -10,7 +10,9 @@ Attention. Each rank keeps its query shard, all-gathers keys and values over the
 (GQA keeps them small: the Llama 3 paper's approach, and they stay at their own head count),
 and attends block by block (``runtime.block_attention``): each local query chunk sees its
 segment's keys before it unmasked and its own diagonal causally, merged by log-sum-exp, so no
-``[S/cp, S]`` mask exists and memory grows linearly with the length. Segments are the row's
+``[S/cp, S]`` mask exists and memory grows linearly with the length. On CUDA the same blocks
+are one flex-attention call a layer, whatever the number of documents (``runtime.flex_blocks``;
+``PLANCC_CP_ATTENTION=blocks`` or ``flex`` chooses either anywhere). Segments are the row's
 documents (packed rows, restarting positions) and its padding. It is registered as a
 transformers attention implementation ("plancc_cp") and uses only all-gather and
 reduce-scatter, so it runs on gloo/CPU as well as nccl/CUDA, with masks and packing, where
@@ -44,6 +46,7 @@ from .document_attention import (
     enabled_by_default,
     sliding_window,
 )
+from .flex_blocks import FlexLayout, flex_block_attention, flex_layout
 from .hooks import call_arguments
 
 # Marks an attention module whose layer picks its own keys (``runtime.cp_key_selection``): the
@@ -231,12 +234,19 @@ class CPContext:
     batch: CPBatch | None = None
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # per sliding window (0: none)
     blocks: dict[int, list[Block]] = field(default_factory=dict)  # the same, for the block attention
+    # the query spans the blocks were cut from, per group of rows (first row, end row, span)
+    spans: list[tuple[int, int, Span]] = field(default_factory=list)
+    flex: dict[tuple[int, bool], FlexLayout] = field(default_factory=dict)  # per (window, sinks)
     # the local tokens' padding for the sequence mixers ([B, S/cp], None: no padding), once a batch
     padding: list[torch.Tensor | None] = field(default_factory=list)
     # packed rows attend document by document (PLANCC_DOCUMENT_MASK, read once, not per layer)
     per_document: bool = field(default_factory=enabled_by_default)
     # the dense [S/cp, S] mask for every batch, the reference (PLANCC_CP_ATTENTION=dense)
-    dense: bool = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION", "blocks") == "dense")
+    dense: bool = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION") == "dense")
+    # the kernel of the blocks: "flex" (one flex-attention call a layer), "blocks" (a kernel call
+    # per block or batch of blocks), or "auto": flex on CUDA, blocks on the CPU, where flex
+    # attention has no backward (``runtime.flex_blocks``)
+    kernel: str = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION", "auto"))
     # (rows, length) of the unpadded batch ``unpadded`` laid out last (pipeline stages), or None
     unpadded_shape: tuple[int, int] | None = None
 
@@ -251,16 +261,35 @@ class CPContext:
         if b.segments is None:
             return None
         key = window or 0
-        if key not in self.blocks:
+        if not self.spans:
             total = b.key_positions.shape[1]
             bounds = b.bounds if b.bounds is not None else [0, total]
-            self.blocks[key] = [
-                blk
+            self.spans = [
+                (first, end, span)
                 for first, end, starts in b.segments
                 for span in query_spans(bounds, starts, self.size, self.rank)
-                for blk in span_blocks(span, (first, end), window)
+            ]
+        if key not in self.blocks:
+            self.blocks[key] = [
+                blk for first, end, span in self.spans for blk in span_blocks(span, (first, end), window)
             ]
         return self.blocks[key]
+
+    def uses_flex(self, device: torch.device) -> bool:
+        return self.kernel == "flex" or (self.kernel == "auto" and device.type == "cuda")
+
+    def flex_layout(self, window: int | None, sink: bool, device: torch.device) -> FlexLayout | None:
+        """The one-call layout of this batch for a window (None: the dense mask)."""
+        blocks = self.plan(window)
+        if blocks is None:
+            return None
+        key = (window or 0, sink)
+        if key not in self.flex:
+            b = self.batch
+            assert b is not None, "plan() found the batch"
+            shape = (b.q_positions.shape[0], b.q_positions.shape[1], b.key_positions.shape[1])
+            self.flex[key] = flex_layout(self.spans, blocks, shape, window, sink, device)
+        return self.flex[key]
 
     def unpadded(self, rows: int, length: int, device: torch.device) -> torch.Tensor:
         """This rank's global positions ``[1, length/cp]`` of ``rows`` unpadded rows of ``length``
@@ -281,7 +310,7 @@ class CPContext:
             local_doc_ids=torch.zeros_like(queries),
             segments=None if self.dense else [(0, rows, [0])],
         )
-        self.masks, self.blocks, self.padding = {}, {}, []
+        self.masks, self.blocks, self.padding, self.spans, self.flex = {}, {}, [], [], {}
         self.unpadded_shape = (rows, length)
         return index
 
@@ -358,7 +387,14 @@ def cp_attention_forward(
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     window = sliding_window(module, kwargs)
     own = _layer_mask(module, ctx, attention_mask, kwargs.get("indices"), window)
-    blocks = ctx.plan(window) if own is None and dropout_p == 0.0 and not ctx.dense else None
+    blockwise = own is None and dropout_p == 0.0 and not ctx.dense
+    layout = (
+        ctx.flex_layout(window, sinks is not None, query.device) if blockwise and ctx.uses_flex(query.device) else None
+    )
+    if layout is not None:
+        out = flex_block_attention(query, key, value, layout, scale=scaling, sinks=sinks, softcap=softcap)
+        return out.transpose(1, 2).contiguous(), None
+    blocks = ctx.plan(window) if blockwise else None
     if blocks is not None:
         out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks, softcap=softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -551,6 +587,7 @@ class ShardSequenceInputs:
             segments=None if ctx.dense else row_segments(positions, mask, bounds, known=known),
         )
         ctx.masks, ctx.blocks, ctx.padding, ctx.unpadded_shape = {}, {}, [], None
+        ctx.spans, ctx.flex = [], {}
         values["input_ids"] = ids.index_select(1, index)
         values["position_ids"] = ctx.batch.q_positions
         values["attention_mask"] = None  # the cp attention masks from global positions
