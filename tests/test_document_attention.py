@@ -138,8 +138,13 @@ def test_a_sink_model_packs_as_its_rows_alone(one_rank, window):
         config.sliding_window = window
     runs = {}
     for pack in (True, False):
-        policy = plancc.Policy("plans/gpt_oss.yaml", config, device="cpu", max_grad_norm=None,
-                               optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}})
+        policy = plancc.Policy(
+            "plans/gpt_oss.yaml",
+            config,
+            device="cpu",
+            max_grad_norm=None,
+            optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
+        )
         assert policy.model.config._attn_implementation == "plancc_docs_eager"
         batch = _batch()
         logprobs = policy.logprobs(batch, pack=pack)
@@ -153,3 +158,29 @@ def test_a_sink_model_packs_as_its_rows_alone(one_rank, window):
         assert packed[key] == pytest.approx(rows[key], rel=1e-5), key
     for a, b in zip(w_packed, w_rows, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.extended  # the kernel's rule, tiles, sinks and caps: tests/test_flex_blocks.py
+@pytest.mark.parametrize(("preset", "window"), [("tiny-qwen3", 8), ("tiny-gpt-oss", None)], ids=["window", "sinks"])
+def test_a_packed_row_in_one_flex_call_equals_its_rows_alone(one_rank, monkeypatch, preset, window):
+    """CUDA's packed row at cp = 1 (one flex-attention call a layer), run forward-only on the CPU
+    (``PLANCC_CP_ATTENTION=flex``): the log-probs of the rows one by one."""
+    import plancc
+    from plancc.models import load_config
+    from plancc.runtime import document_attention
+
+    monkeypatch.setenv("PLANCC_CP_ATTENTION", "flex")
+    calls = []
+    one_call = document_attention.flex_block_attention
+    monkeypatch.setattr(
+        document_attention, "flex_block_attention", lambda *a, **k: calls.append(1) or one_call(*a, **k)
+    )
+    config = _config(window) if preset == "tiny-qwen3" else load_config(preset)
+    plan = "plans/qwen3.yaml" if preset == "tiny-qwen3" else "plans/gpt_oss.yaml"
+    policy = plancc.Policy(plan, config, device="cpu")
+    batch = _batch()
+    packed = policy.logprobs(batch, pack=True)
+    assert len(calls) == config.num_hidden_layers  # one call a layer, whatever the documents
+    rows = policy.logprobs(batch, pack=False)
+    mask = batch["attention_mask"].bool()
+    assert torch.allclose(packed[mask], rows[mask], atol=1e-5, rtol=0)

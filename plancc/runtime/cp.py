@@ -46,7 +46,7 @@ from .document_attention import (
     enabled_by_default,
     sliding_window,
 )
-from .flex_blocks import FlexLayout, flex_block_attention, flex_layout
+from .flex_blocks import FlexLayout, flex_block_attention, flex_layout, uses_flex
 from .hooks import call_arguments
 
 # Marks an attention module whose layer picks its own keys (``runtime.cp_key_selection``): the
@@ -276,7 +276,7 @@ class CPContext:
         return self.blocks[key]
 
     def uses_flex(self, device: torch.device) -> bool:
-        return self.kernel == "flex" or (self.kernel == "auto" and device.type == "cuda")
+        return uses_flex(device, self.kernel)
 
     def flex_layout(self, window: int | None, sink: bool, device: torch.device) -> FlexLayout | None:
         """The one-call layout of this batch for a window (None: the dense mask)."""

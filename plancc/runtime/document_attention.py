@@ -31,7 +31,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..sequence_mixing import is_cp_attention
 from .block_attention import Span, block_attention, span_blocks
+from .flex_blocks import FlexLayout, flex_block_attention, flex_layout, uses_flex
 
 IMPLEMENTATION = "plancc_docs"
 EAGER_IMPLEMENTATION = "plancc_docs_eager"  # the same, for models whose own attention is eager
@@ -61,6 +62,8 @@ class DocumentContext:
     each document, then the row's length), or None for rows the model's own mask describes."""
 
     bounds: list[int] | None = None
+    # the one-call kernel's layouts of these bounds, per (rows, window, sinks) (CUDA)
+    flex: dict[tuple[int, int, bool], FlexLayout] = field(default_factory=dict)
     armed: bool = False  # set for the next forward of the model (then kept for its recomputation)
     eager: bool = False  # the model's own attention is its eager one (sinks), not SDPA
 
@@ -121,7 +124,10 @@ def set_documents(model: torch.nn.Module, bounds: Sequence[int] | torch.Tensor |
         return False
     if isinstance(bounds, torch.Tensor):
         bounds = bounds.tolist()  # a caller without the host copy: one read
-    ctx.bounds = None if bounds is None else [int(b) for b in bounds]
+    new = None if bounds is None else [int(b) for b in bounds]
+    if new != ctx.bounds:
+        ctx.flex = {}
+    ctx.bounds = new
     ctx.armed = True
     return ctx.bounds is not None
 
@@ -220,16 +226,22 @@ def document_attention_forward(
     window = sliding_window(module, kwargs)
     dropout_p = dropout if module.training else 0.0
     sinks = kwargs.get("s_aux")
-    # on the CPU (and for sinks anywhere) the block attention: a row's small documents batched
-    # into a few kernel calls; on CUDA a fused kernel per document (docs/gpu.md measured it)
-    if dropout_p == 0.0 and (sinks is not None or not query.is_cuda):
-        blocks = [
-            blk
-            for s, e in zip(bounds, bounds[1:], strict=False)
-            if e > s
-            for blk in span_blocks(Span(local=s, start=s, n=e - s, segment=s), (0, query.shape[0]), window)
-        ]
-        out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
+    # on CUDA one flex-attention call for the row (``runtime.flex_blocks``); on the CPU (and for
+    # sinks without flex) the block attention: a row's small documents batched into a few calls
+    flex = uses_flex(query.device)
+    if dropout_p == 0.0 and (flex or sinks is not None or not query.is_cuda):
+        rows, length = query.shape[0], query.shape[2]
+        key_of = (rows, window or 0, sinks is not None)
+        if not (flex and key_of in ctx.flex):  # the layout once per packed row: layers share it
+            documents = [(s, e) for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
+            row_spans = [(0, rows, Span(local=s, start=s, n=e - s, segment=s)) for s, e in documents]
+            blocks = [blk for first, end, span in row_spans for blk in span_blocks(span, (first, end), window)]
+            if not flex:
+                out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
+                return out.transpose(1, 2).contiguous(), None
+            shape = (rows, length, length)
+            ctx.flex[key_of] = flex_layout(row_spans, blocks, shape, window, sinks is not None, query.device)
+        out = flex_block_attention(query, key, value, ctx.flex[key_of], scale=scaling, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     spans = [(s, e, s, e) for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
 

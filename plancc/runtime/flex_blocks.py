@@ -26,6 +26,7 @@ batched flash calls; ``PLANCC_CP_ATTENTION=flex`` runs it for forward-only work 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,14 @@ def flex_layout(
         partial=_indexed(partial, device),
         whole=_indexed(whole, device),
     )
+
+
+def uses_flex(device: torch.device, choice: str | None = None) -> bool:
+    """Whether the blocks run as one flex call: ``PLANCC_CP_ATTENTION`` (read per call, it is
+    one dict lookup) ``flex`` anywhere, ``blocks`` or ``dense`` never, ``auto`` (the default) on
+    CUDA -- for packed rows at cp = 1 (``runtime.document_attention``) as under cp."""
+    choice = choice or os.environ.get("PLANCC_CP_ATTENTION", "auto")
+    return choice == "flex" or (choice == "auto" and device.type == "cuda")
 
 
 @functools.cache
