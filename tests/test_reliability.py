@@ -257,6 +257,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_resumable(tmp_path, t
 
 # --------------------------------------------------------------------------- determinism
 @pytest.mark.slow
+@pytest.mark.extended  # every bitwise resume test runs the same seed and layout twice
 @pytest.mark.timeout(300)
 def test_same_seed_and_layout_give_bitwise_equal_losses(tmp_path, fp32_run):
     """Bitwise-equal losses also while the second run writes metrics, TensorBoard events and a

@@ -27,7 +27,8 @@ What else a layer needs, without a dense mask:
 Packed rows of many short documents make many small blocks; on the CPU those of one kind and
 size class run as one kernel call, their queries and keys gathered into a padded batch
 (``Batch``): 512 documents in 16k tokens at cp=2 take 15 calls a layer instead of 2048
-(``bench/cp_long.py --packed``; a large block still runs alone, unpadded).
+(``bench/cp_long.py --packed``; a large block still runs alone, unpadded). On CUDA the blocks
+are one flex-attention call a layer (``runtime.flex_blocks``), these kernels its fallback.
 
 Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (the
 flash kernel SDPA uses there); on CUDA ``aten._scaled_dot_product_efficient_attention`` and its

@@ -36,6 +36,8 @@ from .block_attention import Block, Kind, Span
 
 # The block mask's tile: flex attention's default sparse block size.
 TILE = 128
+# The tile tables are built here from the host's block list, then moved to the device once.
+HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +60,8 @@ def _tiles(n: int) -> int:
 
 def _mark(partial: torch.Tensor, whole: torch.Tensor, blk: Block) -> None:
     """Tiles a block reaches: ``partial`` where some pair is allowed, ``whole`` where all are."""
-    q_tiles = torch.arange(blk.q0 // TILE, (blk.q1 - 1) // TILE + 1)
-    k_tiles = torch.arange(blk.k0 // TILE, (blk.k1 - 1) // TILE + 1)
+    q_tiles = torch.arange(blk.q0 // TILE, (blk.q1 - 1) // TILE + 1, device=HOST)
+    k_tiles = torch.arange(blk.k0 // TILE, (blk.k1 - 1) // TILE + 1, device=HOST)
     q_lo = torch.clamp(q_tiles * TILE, min=blk.q0) - blk.q0  # offsets into the block's queries
     q_hi = torch.clamp((q_tiles + 1) * TILE, max=blk.q1) - 1 - blk.q0
     k_lo = torch.clamp(k_tiles * TILE, min=blk.k0) - blk.k0
@@ -68,7 +70,7 @@ def _mark(partial: torch.Tensor, whole: torch.Tensor, blk: Block) -> None:
         (k_tiles * TILE >= blk.k0) & ((k_tiles + 1) * TILE <= blk.k1)
     )[None, :]
     if blk.kind is Kind.FULL:
-        some = torch.ones(len(q_tiles), len(k_tiles), dtype=torch.bool)
+        some = torch.ones(len(q_tiles), len(k_tiles), dtype=torch.bool, device=HOST)
         every = inside
     elif blk.kind is Kind.CAUSAL:  # query offset i sees key offsets 0..i
         some = k_lo[None, :] <= q_hi[:, None]
@@ -101,14 +103,14 @@ def flex_layout(
     """The layout of ``spans`` (per group of rows ``[first, end)``) and their ``blocks`` for
     ``shape = (rows, local queries, gathered keys)``: built on the host, then moved once."""
     rows, queries, keys = shape
-    position = torch.zeros((rows, queries), dtype=torch.int32)
-    segment = torch.zeros((rows, queries), dtype=torch.int32)
+    position = torch.zeros((rows, queries), dtype=torch.int32, device=HOST)
+    segment = torch.zeros((rows, queries), dtype=torch.int32, device=HOST)
     for first, end, span in spans:
         at = slice(span.local, span.local + span.n)
-        position[first:end, at] = torch.arange(span.start, span.start + span.n, dtype=torch.int32)
+        position[first:end, at] = torch.arange(span.start, span.start + span.n, dtype=torch.int32, device=HOST)
         segment[first:end, at] = span.segment
     total = keys + 1 if sink else keys
-    partial = torch.zeros((rows, _tiles(queries), _tiles(total)), dtype=torch.bool)
+    partial = torch.zeros((rows, _tiles(queries), _tiles(total)), dtype=torch.bool, device=HOST)
     whole = torch.zeros_like(partial)
     for blk in blocks:
         _mark(partial, whole, blk)
