@@ -1,0 +1,407 @@
+"""vLLM as the rollout engine: its own process and environment, plancc's weights into it through
+vLLM's weight-transfer protocol, and the trainer's log-probs of its samples checked every refit.
+
+vLLM pins another transformers than plancc, so it runs from its own environment
+(``scripts/vllm_env.sh``) as a subprocess of the driving trainer rank (rank 0):
+``plancc_vllm.server``, connected back over ``multiprocessing.connection``. It starts from the
+policy's config with dummy weights; every ``refit`` sends the policy's weights:
+
+- vLLM's four phases: ``init_weight_transfer_engine`` once, then per refit
+  ``start_weight_update``, ``update_weights`` (each worker its own update info) and
+  ``finish_weight_update`` with the version;
+- the data plane is the ``plancc_gloo`` backend (``plancc_vllm.engine``, registered through
+  vLLM's plugin entry point): a gloo group of the driver and every vLLM worker, weight by weight
+  in checkpoint names (the iterable ``Policy.weights`` yields, gathered bucket by bucket over the
+  policy's ranks at any layout), each worker sent only the slice its tensor-parallel rank loads
+  (``vllm_slice``);
+- the version vLLM serves is the last refit that finished; a refit that failed part-way is
+  reported by the server, which refuses to sample until a refit completes.
+
+``agreement`` is the number RL teams watch (NeMo-RL's ``token_mult_prob_error``): the policy's
+log-probs of vLLM's sampled tokens against the log-probs vLLM returned with them.
+
+Collective: every policy rank constructs the rollout and calls ``refit``, ``generate`` and
+``agreement`` (the driver talks to vLLM; the others take part in the policy's gathers and get the
+samples broadcast).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .streaming import WeightFormat
+
+BACKEND = "plancc_gloo"
+TAG = 7  # plancc_vllm.engine.TAG: the weights' messages
+# vLLM pads the vocabulary of its embedding and head to a multiple of this before splitting it
+VOCAB_PADDING = 64
+
+
+class RolloutError(RuntimeError):
+    """vLLM refused, failed or disagreed; the message names what."""
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMSpec:
+    """How to start vLLM: its environment's interpreter and the engine's settings."""
+
+    python: str  # the vLLM environment's python (scripts/vllm_env.sh prints it)
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    # vLLM's gpu_memory_utilization: on the CPU the fraction of host memory for the KV cache
+    memory_fraction: float = 0.08
+    max_model_len: int = 512
+    seed: int = 0
+    start_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)  # more environment for vLLM's processes
+
+    def llm_kwargs(self, folder: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": folder,
+            "skip_tokenizer_init": True,
+            "dtype": self.dtype,
+            "enforce_eager": True,
+            "gpu_memory_utilization": self.memory_fraction,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "seed": self.seed,
+            "load_format": "dummy",  # the first refit brings the weights
+        }
+        if self.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        return kwargs
+
+
+def vllm_slice(name: str, shape: tuple[int, ...], rank: int, size: int, config: Any) -> list[int] | None:
+    """``[dim, start, length]`` of checkpoint tensor ``name`` that rank ``rank`` of vLLM's tensor
+    parallelism of ``size`` loads, or None for the whole (replicated, or not known here: the
+    whole is always right, only larger). vLLM's own loaders cut the same range again."""
+    if size == 1 or len(shape) == 0:
+        return None
+    leaf = name.rsplit(".", 2)
+    module, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", "")
+    if module in ("embed_tokens", "lm_head") and kind == "weight":
+        vocab = shape[0]
+        per = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // size
+        start, end = min(rank * per, vocab), min((rank + 1) * per, vocab)
+        return [0, start, end - start]
+    if module in ("q_proj", "gate_proj", "up_proj"):
+        per = shape[0] // size
+        return [0, rank * per, per]
+    if module in ("k_proj", "v_proj"):
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        width = shape[0] // heads
+        if size >= heads:  # vLLM replicates each key/value head over size / heads ranks
+            head = rank // (size // heads)
+            return [0, head * width, width]
+        per = shape[0] // size
+        return [0, rank * per, per]
+    if module in ("o_proj", "down_proj") and kind == "weight":
+        per = shape[1] // size
+        return [1, rank * per, per]
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _is_driver() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _broadcast(value: Any) -> Any:
+    """The driver's ``value`` on every policy rank (the driver raises what it raised, everywhere)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class VLLMRollout:
+    """A running vLLM fed by a policy: ``refit`` (weights in, a version), ``generate`` (samples
+    with vLLM's log-probs), ``agreement`` (the policy's log-probs of them). Collective."""
+
+    def __init__(self, spec: VLLMSpec, config: Any) -> None:
+        self.spec = spec
+        self.config = config
+        self.workers = spec.tensor_parallel_size
+        self.driver = _is_driver()
+        self.version: str | None = None
+        self._conn: Connection | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._group: Any = None
+        self._folder = tempfile.TemporaryDirectory(prefix="plancc-vllm-")
+        self.stats_dir = os.path.join(self._folder.name, "stats")
+        failure = None
+        if self.driver:
+            try:
+                self._start()
+            except Exception as error:  # every rank raises it
+                failure = str(error)
+                self.close()
+        failure = _broadcast(failure)
+        if failure:
+            raise RolloutError(failure)
+
+    # ------------------------------------------------------------------ process
+    def _start(self) -> None:
+        folder = os.path.join(self._folder.name, "model")
+        os.makedirs(folder)
+        os.makedirs(self.stats_dir)
+        config = self.config.to_dict()
+        config.pop("transformers_version", None)
+        Path(folder, "config.json").write_text(json.dumps(config, indent=1))
+        key = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        env = {
+            **os.environ,
+            **self.spec.env,
+            "PLANCC_VLLM_ADDRESS": f"{listener.address[0]}:{listener.address[1]}",
+            "PLANCC_VLLM_AUTHKEY": key.hex(),
+        }
+        env.pop("PYTHONPATH", None)  # vLLM's environment has its own packages (and plancc_vllm)
+        if self.workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and not torch.cuda.is_available():
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.workers))
+        self._process = subprocess.Popen([self.spec.python, "-m", "plancc_vllm.server"], env=env)
+        self._conn = self._accept(listener)
+        self._call({"llm": self.spec.llm_kwargs(folder)}, timeout=self.spec.start_timeout_s, raw=True)
+        self._init_transfer()
+
+    def _accept(self, listener: Listener) -> Connection:
+        """vLLM's connection back, watching the process: a vLLM that exits is named at once."""
+        sock = listener._listener._socket  # type: ignore[attr-defined]
+        sock.settimeout(1.0)
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        try:
+            while True:
+                try:
+                    return listener.accept()
+                except TimeoutError:
+                    pass
+                if self._process is not None and self._process.poll() is not None:
+                    raise RolloutError(
+                        f"vLLM ({self.spec.python}) exited before it connected ({self._exit()}): see its log above"
+                    )
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"vLLM did not connect within {self.spec.start_timeout_s:.0f} s")
+        finally:
+            listener.close()
+
+    def _call(self, request: dict[str, Any], *, timeout: float | None = None, raw: bool = False) -> Any:
+        self._send(request)
+        return self._reply(timeout=timeout, what=request.get("op", "start"))
+
+    def _send(self, request: dict[str, Any]) -> None:
+        assert self._conn is not None, "the driver holds the connection"
+        try:
+            self._conn.send(request)
+        except OSError as error:
+            raise RolloutError(f"vLLM is gone ({self._exit()}): {error}") from error
+
+    def _reply(self, *, timeout: float | None, what: str) -> Any:
+        assert self._conn is not None, "the driver holds the connection"
+        wait = self.spec.request_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while not self._conn.poll(1.0):
+            if self._process is not None and self._process.poll() is not None:
+                raise RolloutError(f"vLLM exited during {what!r} ({self._exit()})")
+            if time.monotonic() > deadline:
+                raise RolloutError(f"vLLM did not answer {what!r} within {wait:.0f} s")
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError) as error:
+            raise RolloutError(f"vLLM is gone during {what!r} ({self._exit()})") from error
+        if not reply["ok"]:
+            raise RolloutError(f"vLLM refused {what!r}: {reply['error']}")
+        return reply["result"]
+
+    def _exit(self) -> str:
+        code = self._process.poll() if self._process is not None else None
+        return "still running" if code is None else f"exit code {code}"
+
+    def _init_transfer(self) -> None:
+        port = _free_port()
+        world = 1 + self.workers
+        timeout = self.spec.request_timeout_s
+        store = dist.TCPStore("127.0.0.1", port, world, True, wait_for_workers=False)
+        info = {"host": "127.0.0.1", "port": port, "world_size": world, "timeout_s": timeout}
+        self._send({"op": "init_transfer", "init_info": {**info, "stats_dir": self.stats_dir}})
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore(BACKEND, store), 0, world, timedelta(seconds=timeout))
+        self._store = store
+        self._reply(timeout=timeout, what="init_transfer")
+
+    # ------------------------------------------------------------------ refit
+    def refit(self, policy: Any, version: str | None = None) -> dict[str, Any]:
+        """The policy's weights into vLLM, as ``version`` (default: a count of refits).
+        Collective over the policy's ranks. Returns the refit's seconds, bytes per worker and
+        the version vLLM serves."""
+        fmt = WeightFormat(dtype=getattr(torch, self.spec.dtype))
+        manifest = policy.weights_manifest(fmt)
+        tensors = [t for bucket in manifest["buckets"] for t in bucket["tensors"]]
+        version = version or str(int(self.version or 0) + 1 if (self.version or "0").isdigit() else 1)
+        cuts = [
+            [vllm_slice(t["name"], tuple(t["shape"]), w, self.workers, self.config) for t in tensors]
+            for w in range(self.workers)
+        ]
+        start = time.perf_counter()
+        failure = None
+        sent = [0] * self.workers
+        if self.driver:
+            update = [
+                {
+                    "names": [t["name"] for t in tensors],
+                    "dtype_names": [t["dtype"] for t in tensors],
+                    "shapes": [t["shape"] for t in tensors],
+                    "slices": cuts[w],
+                    "version": version,
+                }
+                for w in range(self.workers)
+            ]
+            try:
+                self._send({"op": "update", "update_info": update, "version": version})
+            except RolloutError as error:
+                failure = str(error)
+        for index, (name, tensor) in enumerate(policy.weights(fmt)):  # every rank: the policy's gathers
+            if self.driver and failure is None:
+                try:
+                    expected = tensors[index]["name"]
+                    if name != expected:
+                        raise RolloutError(f"the weights came as {name!r} where the manifest has {expected!r}")
+                    for w in range(self.workers):
+                        cut = cuts[w][index]
+                        part = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2])
+                        part = part.detach().to("cpu").contiguous()
+                        self._group.send([part], 1 + w, TAG).wait()
+                        sent[w] += part.numel() * part.element_size()
+                except Exception as error:  # the policy's gathers go on: every rank must finish them
+                    failure = f"the refit to version {version!r} failed at {name!r}: {error} ({self._exit()})"
+        if self.driver and failure is None:
+            try:
+                self._reply(timeout=None, what="update")
+                self.version = version
+            except RolloutError as error:
+                failure = str(error)
+        failure = _broadcast(failure)
+        if failure:
+            raise RolloutError(failure)
+        self.version = version
+        return _broadcast({"version": version, "seconds": time.perf_counter() - start, "bytes_per_worker": sent})
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """What each vLLM worker received in the last refit (its own count), on the driver."""
+        return [json.loads(Path(self.stats_dir, f"worker{1 + w}.json").read_text()) for w in range(self.workers)]
+
+    def serving(self) -> dict[str, Any]:
+        """The version vLLM serves and a refit that failed part-way, if any (driver)."""
+        return dict(self._call({"op": "version"}))
+
+    # ------------------------------------------------------------------ sampling
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[dict[str, Any]]:
+        """vLLM's samples, on every rank: per completion its prompt's index, tokens and the
+        log-probs vLLM gave them."""
+        result: Any = None
+        if self.driver:
+            try:
+                request = {
+                    "op": "generate",
+                    "prompts": prompts,
+                    "n": n,
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "seed": seed,
+                    "ignore_eos": ignore_eos,
+                }
+                result = self._call(request)
+            except RolloutError as error:
+                result = error
+        result = _broadcast(result)
+        if isinstance(result, RolloutError):
+            raise result
+        return list(result)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.send({"op": "shutdown"})
+                self._conn.poll(30)
+            except OSError:
+                pass
+            self._conn.close()
+            self._conn = None
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        self._group = None
+        self._folder.cleanup()
+
+    def __enter__(self) -> VLLMRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def rows_of(prompts: list[list[int]], completions: list[dict[str, Any]], pad: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of prompt + completion rows (right-padded) for the policy."""
+    rows = [list(prompts[c["prompt"]]) + list(c["token_ids"]) for c in completions]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def agreement(policy: Any, prompts: list[list[int]], completions: list[dict[str, Any]]) -> dict[str, float]:
+    """The policy's log-probs of vLLM's sampled tokens against vLLM's own: max and mean |diff|
+    and the k3 estimate of KL(rollout || policy) (``exp(r) - 1 - r``, ``r = policy - rollout``,
+    averaged over the sampled tokens). Collective over the policy's ranks."""
+    batch = rows_of(prompts, completions)
+    logprobs = policy.logprobs(batch)
+    ours, theirs = [], []
+    for i, c in enumerate(completions):
+        begin = len(prompts[c["prompt"]])
+        ours.append(logprobs[i, begin : begin + len(c["token_ids"])].double().cpu())
+        theirs.append(torch.tensor(c["logprobs"], dtype=torch.float64))
+    mine, vllm = torch.cat(ours), torch.cat(theirs)
+    diff = mine - vllm
+    return {
+        "rollout_logprob_max_abs_diff": float(diff.abs().max()),
+        "rollout_logprob_mean_abs_diff": float(diff.abs().mean()),
+        "rollout_kl_k3": float((torch.exp(diff) - 1 - diff).mean()),
+        "rollout_tokens": float(diff.numel()),
+    }

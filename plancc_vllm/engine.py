@@ -1,0 +1,136 @@
+"""The worker side of ``plancc_gloo``: weights over gloo, each worker receiving its own slices.
+
+The trainer (rank 0 of a gloo group whose ranks ``1..N`` are vLLM's workers, every data-parallel
+replica's tensor-parallel ranks in vLLM's worker order) sends each worker, weight by weight, the
+slice of the checkpoint tensor that the worker's rank of vLLM's tensor parallelism loads: a row
+range of a column-parallel weight (the query, key and value projections that vLLM fuses into
+``qkv_proj``, the gate and up projections of ``gate_up_proj``), a column range of a row-parallel
+one, the vocabulary range of the embedding and the head, the whole of a replicated norm. The
+per-worker update info (vLLM hands each worker its own entry of a list) names every weight with
+its checkpoint shape, its dtype and the slice ``[dim, start, length]`` (or none: the whole).
+
+The slice is placed into a zero tensor of the checkpoint's shape and handed to the model's own
+``load_weights``, which cuts the same range out of it (and fuses it): the wire carries the slice
+only, vLLM's loaders stay the authority on layouts. ``start_weight_update`` and
+``finish_weight_update`` run vLLM's layerwise reload (the CPU backend repacks weights after
+loading; a plain ``load_weights`` after start-up fails there).
+
+What a refit did is written to ``stats_dir/worker<rank>.json``: the version, tensors and bytes
+received (the trainer's test reads it against the worker's own parameters' bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+# Tag of the weight messages: one stream, in the update info's order.
+TAG = 7
+
+
+@dataclass
+class ShardInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    world_size: int  # the trainer + every vLLM worker
+    timeout_s: float = 120.0
+    stats_dir: str | None = None
+
+
+@dataclass
+class ShardUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]  # the checkpoint's (whole) shapes
+    slices: list[list[int] | None] = field(default_factory=list)  # [dim, start, length] or None
+    version: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.slices:
+            self.slices = [None] * len(self.names)
+        counts = {len(self.names), len(self.dtype_names), len(self.shapes), len(self.slices)}
+        if len(counts) != 1:
+            raise ValueError(f"names, dtype_names, shapes and slices differ in length: {sorted(counts)}")
+
+
+def worker_rank(parallel_config: Any) -> int:
+    """This worker's rank in the transfer group (rank 0 is the trainer)."""
+    return 1 + parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
+    init_info_cls = ShardInitInfo
+    update_info_cls = ShardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+        self.rank = worker_rank(self.parallel_config)
+        self.stats_dir: str | None = None
+        self.received = {"version": None, "tensors": 0, "bytes": 0}
+        self.shard_bytes = 0
+
+    def init_transfer_engine(self, init_info: ShardInitInfo) -> None:
+        timeout = timedelta(seconds=init_info.timeout_s)
+        store = dist.TCPStore(init_info.host, init_info.port, init_info.world_size, False, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("plancc_gloo", store), self.rank, init_info.world_size, timeout)
+        self.stats_dir = init_info.stats_dir
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self.received = {"version": None, "tensors": 0, "bytes": 0}
+        initialize_layerwise_reload(self.model)
+        # the worker's shard as vLLM lays it out to load (fused, its vocabulary range padded):
+        # what it needs, counted by vLLM's own parameters rather than by the trainer's slices
+        self.shard_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def receive_weights(self, update_info: ShardUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("plancc_gloo: init_weight_transfer_engine was not called")
+        for name, dtype_name, shape, cut in zip(
+            update_info.names, update_info.dtype_names, update_info.shapes, update_info.slices, strict=True
+        ):
+            dtype = getattr(torch, dtype_name)
+            if cut is None:
+                whole = torch.empty(shape, dtype=dtype)
+                part = whole
+            else:
+                dim, start, length = cut
+                whole = torch.zeros(shape, dtype=dtype)
+                part = whole.narrow(dim, start, length)
+            buffer = torch.empty(part.shape, dtype=dtype)
+            self.group.recv([buffer], 0, TAG).wait()
+            part.copy_(buffer)
+            self.received["tensors"] += 1
+            self.received["bytes"] += buffer.numel() * buffer.element_size()
+            self.model.load_weights([(name, whole.to(self.device))])
+        self.received["version"] = update_info.version
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        if self.stats_dir:
+            path = os.path.join(self.stats_dir, f"worker{self.rank}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({**self.received, "rank": self.rank, "shard_bytes": self.shard_bytes}, f)
+            os.replace(path + ".tmp", path)
+
+    def shutdown(self) -> None:
+        self.group = None
