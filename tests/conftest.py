@@ -39,6 +39,11 @@ def pytest_collection_modifyitems(config, items):
     docs/testing.md). A stable sort: a file's tests keep their order and stay together."""
     slow = Counter(item.nodeid.split("::")[0] for item in items if "slow" in item.keywords)
     items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])
+    if "rollout" not in (config.getoption("-m") or ""):  # a real vLLM: only when asked for
+        later = pytest.mark.skip(reason="rollout tier: pytest -m rollout, with vLLM's environment (docs/rollout.md)")
+        for item in items:
+            if "rollout" in item.keywords:
+                item.add_marker(later)
     if config.getoption("--extended"):
         return
     skip = pytest.mark.skip(reason="extended tier: pytest --extended (docs/testing.md)")

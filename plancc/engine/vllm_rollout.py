@@ -64,20 +64,21 @@ class VLLMSpec:
     dtype: str = "float32"
     # vLLM's gpu_memory_utilization: on the CPU the fraction of host memory for the KV cache
     memory_fraction: float = 0.08
-    max_model_len: int = 512
+    max_model_len: int | None = None  # None: the config's max_position_embeddings, at most 4096
     seed: int = 0
     start_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     env: dict[str, str] = field(default_factory=dict)  # more environment for vLLM's processes
 
-    def llm_kwargs(self, folder: str) -> dict[str, Any]:
+    def llm_kwargs(self, folder: str, config: Any) -> dict[str, Any]:
+        longest = int(getattr(config, "max_position_embeddings", None) or 4096)
         kwargs: dict[str, Any] = {
             "model": folder,
             "skip_tokenizer_init": True,
             "dtype": self.dtype,
             "enforce_eager": True,
             "gpu_memory_utilization": self.memory_fraction,
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.max_model_len or min(longest, 4096),
             "tensor_parallel_size": self.tensor_parallel_size,
             "seed": self.seed,
             "load_format": "dummy",  # the first refit brings the weights
@@ -184,7 +185,7 @@ class VLLMRollout:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.workers))
         self._process = subprocess.Popen([self.spec.python, "-m", "plancc_vllm.server"], env=env)
         self._conn = self._accept(listener)
-        self._call({"llm": self.spec.llm_kwargs(folder)}, timeout=self.spec.start_timeout_s, raw=True)
+        self._call({"llm": self.spec.llm_kwargs(folder, self.config)}, timeout=self.spec.start_timeout_s, raw=True)
         self._init_transfer()
 
     def _accept(self, listener: Listener) -> Connection:

@@ -1,0 +1,108 @@
+"""What the rollout tier's ranks run (module-level: the launcher pickles their reference)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 8, 7, 6, 5]]
+
+
+def tiny_config():
+    """A Qwen3 of head size 64 (vLLM's CPU attention refuses tiny-qwen3's 16)."""
+    from plancc.models import load_config
+
+    config = load_config("tiny-qwen3")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 128, 4, 2, 64
+    return config
+
+
+def _policy(sizes):
+    import plancc
+    from plancc.layout import Layout
+
+    return plancc.Policy("plans/qwen3.yaml", tiny_config(), layout=Layout(**sizes), device="cpu",
+                         optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}}, max_grad_norm=None)
+
+
+def _nll(lp, tokens, norm):
+    return -(lp * tokens["attention_mask"].float()).sum() / norm.tokens
+
+
+def refit_sample_train_refit(vllm_python, layouts, vllm_tp):
+    """Per layout: refit, sample, the agreement; a step of training (vLLM's samples now stale);
+    refit again and the agreement on new samples. One vLLM serves every layout in turn."""
+    import torch.distributed as dist
+
+    from plancc.engine.vllm_rollout import VLLMRollout, VLLMSpec, agreement, rows_of
+
+    out, rollout = {}, None
+    try:
+        for name, sizes in layouts:
+            policy = _policy(sizes)
+            if rollout is None:
+                rollout = VLLMRollout(VLLMSpec(python=vllm_python, tensor_parallel_size=vllm_tp), policy.config)
+            first = rollout.refit(policy, version=f"{name}-0")
+            samples = rollout.generate(PROMPTS, n=2, max_tokens=8, seed=0, ignore_eos=True)
+            fresh = agreement(policy, PROMPTS, samples)
+            policy.train(rows_of(PROMPTS, samples), token_loss=_nll)
+            stale = agreement(policy, PROMPTS, samples)
+            second = rollout.refit(policy, version=f"{name}-1")
+            again = agreement(policy, PROMPTS, rollout.generate(PROMPTS, n=2, max_tokens=8, seed=1, ignore_eos=True))
+            stats = rollout.worker_stats() if rollout.driver else None
+            serving = rollout.serving() if rollout.driver else None
+            out[name] = {"fresh": fresh, "stale": stale, "again": again, "refits": [first, second],
+                         "workers": stats, "serving": serving}
+            del policy
+    finally:
+        if rollout is not None:
+            rollout.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out
+
+
+class _KillAfter:
+    """The driver's gloo group, killing vLLM's server after ``count`` weights went out."""
+
+    def __init__(self, group, process, count):
+        self.group, self.process, self.count = group, process, count
+
+    def send(self, tensors, dst, tag):
+        if self.count == 0:
+            self.process.kill()
+            self.process.wait()
+        self.count -= 1
+        return self.group.send(tensors, dst, tag)
+
+
+def killed_mid_update_then_a_new_vllm(vllm_python):
+    """vLLM's server killed after 5 weights of a refit: what each rank raised and how long it took;
+    then a new vLLM and the next refit's agreement."""
+    import torch.distributed as dist
+
+    from plancc.engine.vllm_rollout import RolloutError, VLLMRollout, VLLMSpec, agreement
+
+    out = {}
+    try:
+        policy = _policy({"dp": 2})
+        rollout = VLLMRollout(VLLMSpec(python=vllm_python), policy.config)
+        rollout.refit(policy, version="a")
+        if rollout.driver:
+            rollout._group = _KillAfter(rollout._group, rollout._process, 5)
+        start = time.monotonic()
+        try:
+            rollout.refit(policy, version="b")
+            out["raised"] = None
+        except RolloutError as error:
+            out["raised"] = str(error)
+        out["seconds"] = time.monotonic() - start
+        rollout.close()
+        with VLLMRollout(VLLMSpec(python=vllm_python), policy.config) as fresh:
+            out["refit"] = fresh.refit(policy, version="c")
+            out["agreement"] = agreement(policy, PROMPTS, fresh.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True))
+        out["pid"] = os.getpid()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out

@@ -1,0 +1,60 @@
+"""The rollout tier (``pytest -m rollout``): a real vLLM, in its own environment
+(``scripts/vllm_env.sh``; ``PLANCC_VLLM_PYTHON`` names its interpreter, default ``.venv-vllm``),
+fed by plancc policies at several layouts through vLLM's weight-transfer protocol."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .distributed import launch
+
+pytestmark = [pytest.mark.rollout, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    python = os.environ.get("PLANCC_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        pytest.fail(f"no vLLM environment at {python}: bash scripts/vllm_env.sh (or set PLANCC_VLLM_PYTHON)")
+    return python
+
+
+def test_every_vllm_worker_gets_its_shard_and_vllms_log_probs_are_the_policys(vllm_python):
+    """vLLM at tensor parallel 2, fed from a dp=2 and a tp=2 + SP policy (two ranks each): each
+    worker receives exactly its own slice of every weight (the fused qkv and gate/up included:
+    bytes on the wire <= 1.05x the shard vLLM lays out), the policy's log-probs of vLLM's samples
+    equal vLLM's within 1e-4 in fp32, a step of training makes them differ, and the next refit
+    brings them back -- at the version the refit named."""
+    from .rollout_worker import refit_sample_train_refit
+
+    layouts = [("dp2", {"dp": 2}), ("tp2-sp", {"tp": 2, "sequence_parallel": True})]
+    results = launch(refit_sample_train_refit, 2, vllm_python, layouts, 2, timeout_s=600)
+    for name, got in results[0].items():
+        assert got["fresh"]["rollout_logprob_max_abs_diff"] <= 1e-4, (name, got["fresh"])
+        assert got["again"]["rollout_logprob_max_abs_diff"] <= 1e-4, (name, got["again"])
+        assert got["stale"]["rollout_logprob_max_abs_diff"] > 1e-2, (name, got["stale"])  # the check can fail
+        assert got["fresh"]["rollout_tokens"] == 2 * 3 * 8
+        assert got["serving"] == {"serving": f"{name}-1", "broken": None, "vllm": f"{name}-1"}
+        for worker in got["workers"]:
+            assert worker["version"] == f"{name}-1"
+            assert worker["bytes"] <= 1.05 * worker["shard_bytes"], (name, worker)
+        whole = sum(got["refits"][1]["bytes_per_worker"])
+        assert whole <= 1.05 * sum(w["shard_bytes"] for w in got["workers"])
+    for name in results[0]:  # every rank got the same samples, numbers and refit reports
+        for key in ("fresh", "stale", "again", "refits"):
+            assert results[0][name][key] == results[1][name][key], (name, key)
+
+
+def test_a_vllm_killed_mid_update_is_named_on_every_rank_and_a_new_one_takes_the_next_refit(vllm_python):
+    from .rollout_worker import killed_mid_update_then_a_new_vllm
+
+    results = launch(killed_mid_update_then_a_new_vllm, 2, vllm_python, timeout_s=600)
+    for rank, got in results.items():
+        assert got["raised"] is not None and "vLLM" in got["raised"], (rank, got)
+        assert got["seconds"] < 60, (rank, got["seconds"])
+        assert got["agreement"]["rollout_logprob_max_abs_diff"] <= 1e-4, (rank, got["agreement"])
