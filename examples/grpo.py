@@ -6,6 +6,13 @@ lie in the lower half of the vocabulary (a random model scores about 0.5; a trai
 
     python examples/grpo.py [--steps 16] [--nproc 2] [--tp 1] [--metrics grpo.jsonl]
     plancc plot grpo.jsonl --out grpo.png
+    python examples/grpo.py --rollout vllm [--vllm-python .venv-vllm/bin/python] [--vllm-tp 2]
+
+With ``--rollout vllm`` the samples are a real vLLM's (``plancc.engine.vllm_rollout``, from the
+environment ``scripts/vllm_env.sh`` builds): the policy refits it every step through vLLM's
+weight-transfer protocol (each vLLM worker its own shard), and each step also logs the refit's
+time, the bytes per vLLM worker and the policy's agreement with vLLM's log-probs of its samples.
+The model is tiny-qwen3 with heads of 64 (vLLM's CPU attention refuses 16).
 
 The policy runs on ``--nproc`` ranks started by torch's elastic launcher (torchrun's machinery);
 the rollout engine is one more process. All of them are forked from one server that imported
@@ -110,6 +117,40 @@ def _wait_for_file(path: str, timeout: float = 120.0) -> dict:
 LORA_TARGETS = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 
 
+def vllm_config():
+    """tiny-qwen3 with heads of 64, which vLLM's CPU attention takes."""
+    from plancc.models import load_config
+
+    config = load_config(MODEL)
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 128, 4, 2, 64
+    return config
+
+
+def vllm_samples(args, rollout, policy, step, gen) -> tuple:
+    """One step's rollouts from vLLM: refit to this step's weights, sample, and check the policy's
+    log-probs of the samples against vLLM's. (token ids [rows, prompt + response], the step's
+    rollout metrics)."""
+    import torch
+
+    from plancc.engine.vllm_rollout import agreement
+
+    refit = rollout.refit(policy, version=str(step))
+    prompts = torch.randint(0, policy.config.vocab_size, (args.prompts, PROMPT_LEN), generator=gen).tolist()
+    samples = rollout.generate(prompts, n=args.group, max_tokens=RESPONSE_LEN, temperature=args.temperature,
+                               seed=args.seed + step, ignore_eos=True)
+    ids = torch.tensor([prompts[c["prompt"]] + c["token_ids"] for c in samples])
+    metrics = {"refit_s": refit["seconds"], "bytes_per_vllm_worker": max(refit["bytes_per_worker"])}
+    metrics.update(agreement(policy, prompts, samples))
+    bound = args.max_logprob_diff
+    if bound is not None and metrics["rollout_logprob_max_abs_diff"] > bound:
+        raise SystemExit(
+            f"step {step}: the policy's log-probs of vLLM's samples differ from vLLM's by up to "
+            f"{metrics['rollout_logprob_max_abs_diff']:.3g} (> --max-logprob-diff {bound:g}): the refit or the "
+            "two models' numerics disagree"
+        )
+    return ids, metrics
+
+
 # ----------------------------------------------------------------------------- policy
 def policy_rank(args) -> list[dict]:
     """One rank of the policy: the GRPO loop. Rank 0 returns the per-step metrics."""
@@ -123,7 +164,7 @@ def policy_rank(args) -> list[dict]:
     lora = {"r": args.lora, "alpha": 2 * args.lora, "targets": LORA_TARGETS} if args.lora else None
     policy = plancc.Policy(
         PLAN,
-        MODEL,
+        vllm_config() if args.rollout == "vllm" else MODEL,
         layout=plancc.Layout.infer(world_size=dist.get_world_size(), tp=args.tp),  # the other ranks: dp
         reference=True,
         lora=lora,
@@ -132,8 +173,12 @@ def policy_rank(args) -> list[dict]:
     )
     vocab = policy.config.vocab_size
     rank0 = dist.get_rank() == 0
-    channel = None
-    if rank0:
+    channel = rollout = None
+    if args.rollout == "vllm":
+        from plancc.engine.vllm_rollout import VLLMRollout, VLLMSpec
+
+        rollout = VLLMRollout(VLLMSpec(python=args.vllm_python, tensor_parallel_size=args.vllm_tp), policy.config)
+    elif rank0:
         manifest = policy.weights_manifest(bucket_bytes=1 << 20)
         with open(args.manifest + ".tmp", "w") as f:
             json.dump(manifest, f)
@@ -141,12 +186,17 @@ def policy_rank(args) -> list[dict]:
         channel = plancc.weight_channel("127.0.0.1", args.port, rank=0, world_size=2, backend="gloo", timeout=120)
     rows = args.prompts * args.group
     history = []
+    gen = torch.Generator().manual_seed(args.seed + 1)  # vLLM's prompts: the same on every rank
     for step in range(1, args.steps + 1):
-        policy.send_weights(channel, bucket_bytes=1 << 20)
-        ids = torch.zeros((rows, PROMPT_LEN + RESPONSE_LEN), dtype=torch.long)
-        if channel is not None:
-            channel.broadcast(ids, "rollouts", root=1)
-        dist.broadcast(ids, src=0)  # to every policy rank
+        extra: dict = {}
+        if rollout is not None:
+            ids, extra = vllm_samples(args, rollout, policy, step, gen)
+        else:
+            policy.send_weights(channel, bucket_bytes=1 << 20)
+            ids = torch.zeros((rows, PROMPT_LEN + RESPONSE_LEN), dtype=torch.long)
+            if channel is not None:
+                channel.broadcast(ids, "rollouts", root=1)
+            dist.broadcast(ids, src=0)  # to every policy rank
         rewards = reward(ids[:, PROMPT_LEN:], vocab)
         grouped = rewards.view(args.prompts, args.group)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
@@ -172,14 +222,20 @@ def policy_rank(args) -> list[dict]:
             "kl": metrics["kl_sum"] / metrics["tokens"],
             "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"],
+            **extra,
         }
         history.append(row)
         if rank0:
-            print(
-                f"step {step:>3}  reward {row['reward']:.3f}  kl {row['kl']:.5f}  loss {row['loss']:+.5f}", flush=True
-            )
+            line = f"step {step:>3}  reward {row['reward']:.3f}  kl {row['kl']:.5f}  loss {row['loss']:+.5f}"
+            if extra:
+                line += (f"  refit {extra['refit_s']:.2f}s {extra['bytes_per_vllm_worker'] / 2**20:.2f} MiB/worker"
+                         f"  vllm |dlogp| max {extra['rollout_logprob_max_abs_diff']:.1e}"
+                         f" mean {extra['rollout_logprob_mean_abs_diff']:.1e} k3 {extra['rollout_kl_k3']:.1e}")
+            print(line, flush=True)
     if channel is not None:
         channel.close()
+    if rollout is not None:
+        rollout.close()
     return history
 
 
@@ -222,8 +278,10 @@ def run(args) -> list[dict]:
     forkserver = multiprocessing.get_context("forkserver")
     # "__main__": this file, so that the server's children find _rollout_entry and _policy_entry
     forkserver.set_forkserver_preload(["__main__", "torch", "transformers", "plancc", "plancc.models"])
-    engine = forkserver.Process(target=_rollout_entry, args=(vars(args),), name="rollout")
-    engine.start()
+    engine = None
+    if args.rollout == "plancc":  # vLLM is started by the policy's rank 0
+        engine = forkserver.Process(target=_rollout_entry, args=(vars(args),), name="rollout")
+        engine.start()
     try:
         config = LaunchConfig(
             min_nodes=1,
@@ -237,13 +295,14 @@ def run(args) -> list[dict]:
             start_method="forkserver",
         )
         history = elastic_launch(config, _policy_entry)(vars(args))[0]
-        engine.join(timeout=120)
-        if engine.exitcode is None:
-            raise SystemExit("the rollout engine did not finish within 120 s of the policy")
-        if engine.exitcode != 0:
-            raise SystemExit(f"the rollout engine exited with {engine.exitcode}")
+        if engine is not None:
+            engine.join(timeout=120)
+            if engine.exitcode is None:
+                raise SystemExit("the rollout engine did not finish within 120 s of the policy")
+            if engine.exitcode != 0:
+                raise SystemExit(f"the rollout engine exited with {engine.exitcode}")
     finally:
-        if engine.is_alive():
+        if engine is not None and engine.is_alive():
             engine.kill()
     if args.metrics:
         with open(args.metrics, "w") as f:
@@ -266,7 +325,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.8, help="the sampler's, and so the log-probs'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics", default=None, help="one JSON line per step: reward, kl, loss")
-    return parser.parse_args(argv)
+    parser.add_argument("--rollout", choices=["plancc", "vllm"], default="plancc",
+                        help="who samples: plancc's own sampler in another process, or a real vLLM")
+    parser.add_argument("--vllm-python", default=os.environ.get("PLANCC_VLLM_PYTHON")
+                        or os.path.join(HERE, "..", ".venv-vllm", "bin", "python"),
+                        help="vLLM's environment (scripts/vllm_env.sh prints it)")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor parallel size")
+    parser.add_argument("--max-logprob-diff", type=float, default=1e-3,
+                        help="stop when the policy's and vLLM's log-probs of a sample differ by more (fp32)")
+    args = parser.parse_args(argv)
+    if args.rollout == "vllm" and args.lora:
+        parser.error("--rollout vllm with --lora: not yet (the refit sends merged weights; vLLM's LoRA is not wired)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,7 +100,8 @@ def killed_mid_update_then_a_new_vllm(vllm_python):
         rollout.close()
         with VLLMRollout(VLLMSpec(python=vllm_python), policy.config) as fresh:
             out["refit"] = fresh.refit(policy, version="c")
-            out["agreement"] = agreement(policy, PROMPTS, fresh.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True))
+            samples = fresh.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True)
+            out["agreement"] = agreement(policy, PROMPTS, samples)
         out["pid"] = os.getpid()
     finally:
         if dist.is_initialized():

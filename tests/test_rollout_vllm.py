@@ -58,3 +58,28 @@ def test_a_vllm_killed_mid_update_is_named_on_every_rank_and_a_new_one_takes_the
         assert got["raised"] is not None and "vLLM" in got["raised"], (rank, got)
         assert got["seconds"] < 60, (rank, got["seconds"])
         assert got["agreement"]["rollout_logprob_max_abs_diff"] <= 1e-4, (rank, got["agreement"])
+
+
+def test_grpo_on_vllms_samples_raises_its_reward_with_the_agreement_logged_every_step(tmp_path, vllm_python):
+    """``examples/grpo.py --rollout vllm``: the example's task on a real vLLM's samples (refit
+    every step), its reward rising as with plancc's sampler (the same margin over 16 steps), and
+    every step's refit time, bytes per vLLM worker and agreement in the metrics."""
+    import json
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "grpo.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "examples/grpo.py", "--rollout", "vllm", "--vllm-python", vllm_python, "--steps", "16",
+         "--metrics", str(metrics)],
+        cwd=ROOT, capture_output=True, text=True, timeout=800,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    first = sum(r["reward"] for r in rows[:4]) / 4
+    last = sum(r["reward"] for r in rows[-4:]) / 4
+    assert last >= first + 0.2, (first, last)
+    for row in rows:
+        assert row["rollout_logprob_max_abs_diff"] <= 1e-4, row
+        assert row["refit_s"] > 0 and row["bytes_per_vllm_worker"] > 0, row
