@@ -21,7 +21,11 @@ def _policy(sizes):
     import plancc
     from plancc.layout import Layout
 
-    return plancc.Policy("plans/qwen3.yaml", tiny_config(), layout=Layout(**sizes), device="cpu",
+    sizes = dict(sizes)
+    lora = sizes.pop("lora", None)  # adapters on every projection: vLLM gets the merged weights
+    if lora:
+        lora = {"r": lora, "alpha": 2 * lora, "targets": ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]}
+    return plancc.Policy("plans/qwen3.yaml", tiny_config(), layout=Layout(**sizes), device="cpu", lora=lora,
                          optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}}, max_grad_norm=None)
 
 
@@ -107,3 +111,21 @@ def killed_mid_update_then_a_new_vllm(vllm_python):
         if dist.is_initialized():
             dist.destroy_process_group()
     return out
+
+
+def another_model_is_refused(vllm_python, folder):
+    """vLLM started from a folder whose vocabulary is not the policy's: what each rank raised."""
+    import torch.distributed as dist
+
+    from plancc.engine.vllm_rollout import RolloutError, VLLMRollout, VLLMSpec
+
+    try:
+        policy = _policy({"dp": 2})
+        try:
+            VLLMRollout(VLLMSpec(python=vllm_python, model=folder), policy.config)
+            return None
+        except RolloutError as error:
+            return str(error)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -25,14 +25,16 @@ def vllm_python():
 
 
 def test_every_vllm_worker_gets_its_shard_and_vllms_log_probs_are_the_policys(vllm_python):
-    """vLLM at tensor parallel 2, fed from a dp=2 and a tp=2 + SP policy (two ranks each): each
+    """vLLM at tensor parallel 2, fed from dp=2, tp=2 + SP, cp=2 and LoRA-merged policies (two ranks
+    each, one after the other into the same vLLM): each
     worker receives exactly its own slice of every weight (the fused qkv and gate/up included:
     bytes on the wire <= 1.05x the shard vLLM lays out), the policy's log-probs of vLLM's samples
     equal vLLM's within 1e-4 in fp32, a step of training makes them differ, and the next refit
     brings them back -- at the version the refit named."""
     from .rollout_worker import refit_sample_train_refit
 
-    layouts = [("dp2", {"dp": 2}), ("tp2-sp", {"tp": 2, "sequence_parallel": True})]
+    layouts = [("dp2", {"dp": 2}), ("tp2-sp", {"tp": 2, "sequence_parallel": True}), ("cp2", {"cp": 2}),
+               ("lora-merged-dp2", {"dp": 2, "lora": 8})]
     results = launch(refit_sample_train_refit, 2, vllm_python, layouts, 2, timeout_s=600)
     for name, got in results[0].items():
         assert got["fresh"]["rollout_logprob_max_abs_diff"] <= 1e-4, (name, got["fresh"])
@@ -83,3 +85,19 @@ def test_grpo_on_vllms_samples_raises_its_reward_with_the_agreement_logged_every
     for row in rows:
         assert row["rollout_logprob_max_abs_diff"] <= 1e-4, row
         assert row["refit_s"] > 0 and row["bytes_per_vllm_worker"] > 0, row
+
+
+def test_a_vllm_serving_another_model_is_refused_before_any_weight_moves(tmp_path, vllm_python):
+    """vLLM started from a folder of the user's (its config) whose vocabulary differs from the
+    policy's: every rank raises, naming the first difference, and no refit was begun."""
+    import json
+
+    from .rollout_worker import another_model_is_refused, tiny_config
+
+    config = tiny_config().to_dict()
+    config.pop("transformers_version", None)
+    config["vocab_size"] = 320
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    results = launch(another_model_is_refused, 2, vllm_python, str(tmp_path), timeout_s=600)
+    for rank, raised in results.items():
+        assert raised is not None and "vocab_size" in raised and "320" in raised, (rank, raised)

@@ -60,6 +60,10 @@ class VLLMSpec:
     """How to start vLLM: its environment's interpreter and the engine's settings."""
 
     python: str  # the vLLM environment's python (scripts/vllm_env.sh prints it)
+    # a Hugging Face folder vLLM starts from (its config; the first refit brings the weights);
+    # None: the policy's own config, written for it. A folder's model must be the policy's:
+    # checked before any weight moves (``same_model``)
+    model: str | None = None
     tensor_parallel_size: int = 1
     dtype: str = "float32"
     # vLLM's gpu_memory_utilization: on the CPU the fraction of host memory for the KV cache
@@ -118,6 +122,33 @@ def vllm_slice(name: str, shape: tuple[int, ...], rank: int, size: int, config: 
     return None
 
 
+# What makes two configs one model for the refit: every weight's name and shape follows from them.
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+)
+
+
+def same_model(policy: Any, served: dict[str, Any]) -> str | None:
+    """The first difference between the policy's config and the one vLLM serves (None: the
+    same model for the refit): a name or a shape of some weight would differ."""
+    mine = policy.to_dict()
+    for key in SHAPE_FIELDS:
+        if (key in mine or key in served) and mine.get(key) != served.get(key):
+            return f"{key}: the policy has {mine.get(key)!r}, vLLM serves {served.get(key)!r}"
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,12 +197,14 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ process
     def _start(self) -> None:
-        folder = os.path.join(self._folder.name, "model")
-        os.makedirs(folder)
         os.makedirs(self.stats_dir)
-        config = self.config.to_dict()
-        config.pop("transformers_version", None)
-        Path(folder, "config.json").write_text(json.dumps(config, indent=1))
+        folder = self.spec.model
+        if folder is None:  # the policy's config, and dummy weights until the first refit
+            folder = os.path.join(self._folder.name, "model")
+            os.makedirs(folder)
+            config = self.config.to_dict()
+            config.pop("transformers_version", None)
+            Path(folder, "config.json").write_text(json.dumps(config, indent=1))
         key = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         env = {
@@ -185,7 +218,11 @@ class VLLMRollout:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.workers))
         self._process = subprocess.Popen([self.spec.python, "-m", "plancc_vllm.server"], env=env)
         self._conn = self._accept(listener)
-        self._call({"llm": self.spec.llm_kwargs(folder, self.config)}, timeout=self.spec.start_timeout_s, raw=True)
+        self._call({"llm": self.spec.llm_kwargs(folder, self.config)}, timeout=self.spec.start_timeout_s)
+        served = self._call({"op": "describe"})
+        difference = same_model(self.config, served["config"])
+        if difference is not None:  # before any weight moves
+            raise RolloutError(f"vLLM serves another model than the policy's ({folder}): {difference}")
         self._init_transfer()
 
     def _accept(self, listener: Listener) -> Connection:
@@ -208,7 +245,7 @@ class VLLMRollout:
         finally:
             listener.close()
 
-    def _call(self, request: dict[str, Any], *, timeout: float | None = None, raw: bool = False) -> Any:
+    def _call(self, request: dict[str, Any], *, timeout: float | None = None) -> Any:
         self._send(request)
         return self._reply(timeout=timeout, what=request.get("op", "start"))
 
