@@ -15,8 +15,9 @@ only, vLLM's loaders stay the authority on layouts. ``start_weight_update`` and
 ``finish_weight_update`` run vLLM's layerwise reload (the CPU backend repacks weights after
 loading; a plain ``load_weights`` after start-up fails there).
 
-What a refit did is written to ``stats_dir/worker<rank>.json``: the version, tensors and bytes
-received (the trainer's test reads it against the worker's own parameters' bytes).
+What a refit did is written to ``stats_dir/worker<rank>.json`` at its finish: the version, the
+tensors and bytes received, the worker's shard in vLLM's layout, and the error that stopped it
+(the server reads it to know whether the refit completed).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         self.group: Any = None
         self.rank = worker_rank(self.parallel_config)
         self.stats_dir: str | None = None
-        self.received = {"version": None, "tensors": 0, "bytes": 0}
+        self.received: dict[str, Any] = {"version": None, "tensors": 0, "bytes": 0, "error": None}
         self.shard_bytes = 0
 
     def init_transfer_engine(self, init_info: ShardInitInfo) -> None:
@@ -91,7 +92,7 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self.received = {"version": None, "tensors": 0, "bytes": 0}
+        self.received = {"version": None, "tensors": 0, "bytes": 0, "error": None}
         initialize_layerwise_reload(self.model)
         # the worker's shard as vLLM lays it out to load (fused, its vocabulary range padded):
         # what it needs, counted by vLLM's own parameters rather than by the trainer's slices
@@ -119,13 +120,25 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
             self.model.load_weights([(name, whole.to(self.device))])
         self.received["version"] = update_info.version
 
+    # A worker never raises out of the update's phases: vLLM's multiprocess executor reads the
+    # workers' replies in order and stops at the first failure, so a second failing worker's reply
+    # would answer the next call (seen: a refit's error returned to the next init). A failure is
+    # kept, written to the worker's stats, and the server reports the refit as failed part-way.
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        if self.received.get("error"):
+            return
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as error:
+            self.received["error"] = f"{type(error).__name__}: {error}"
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except Exception as error:
+            self.received.setdefault("error", f"{type(error).__name__}: {error}")
         if self.stats_dir:
             path = os.path.join(self.stats_dir, f"worker{self.rank}.json")
             with open(path + ".tmp", "w") as f:

@@ -18,6 +18,7 @@ A refit that fails part-way leaves some weights new and some old: the server the
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -48,6 +49,17 @@ def _generate(llm: Any, request: dict[str, Any]) -> list[dict[str, Any]]:
             logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [], strict=True)]
             out.append({"prompt": i, "token_ids": ids, "logprobs": logprobs})
     return out
+
+
+def _worker_errors(stats_dir: str, workers: int) -> list[str]:
+    """The errors the workers kept in this refit (``plancc_vllm.engine``: they never raise)."""
+    errors = []
+    for rank in range(1, workers + 1):
+        with open(os.path.join(stats_dir, f"worker{rank}.json")) as f:
+            error = json.load(f).get("error")
+        if error:
+            errors.append(f"worker {rank}: {error}")
+    return errors
 
 
 def main() -> None:
@@ -87,10 +99,14 @@ def main() -> None:
                 try:
                     llm.start_weight_update()
                     llm.update_weights({"update_info": request["update_info"]})
-                    llm.finish_weight_update(version)
+                    llm.finish_weight_update()
+                    failed = _worker_errors(request["stats_dir"], len(request["update_info"]))
+                    if failed:
+                        raise RuntimeError(f"vLLM's workers failed the refit: {failed}")
                 except BaseException:
                     broken = version
                     raise
+                llm.update_weight_version(version)
                 serving, broken = version, None
                 result = {"version": llm.get_weight_version()}
             elif op == "version":

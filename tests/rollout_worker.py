@@ -129,3 +129,52 @@ def another_model_is_refused(vllm_python, folder):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _LostMidRefit:
+    """A policy whose weights stop after ``count`` tensors, as when a rank is lost mid-refit."""
+
+    def __init__(self, policy, count):
+        self.policy, self.count = policy, count
+
+    def weights_manifest(self, fmt):
+        return self.policy.weights_manifest(fmt)
+
+    def weights(self, fmt):
+        for i, item in enumerate(self.policy.weights(fmt)):
+            if i == self.count:
+                raise RuntimeError("a policy rank was lost")
+            yield item
+
+
+def a_refit_lost_part_way(vllm_python):
+    """A refit whose policy fails after 7 weights: how long the driver took to raise, what vLLM
+    says it serves, what sampling says; then the next refit and its agreement."""
+    import torch.distributed as dist
+
+    from plancc.engine.vllm_rollout import RolloutError, VLLMRollout, VLLMSpec, agreement
+
+    out = {}
+    try:
+        policy = _policy({})
+        with VLLMRollout(VLLMSpec(python=vllm_python, tensor_parallel_size=2), policy.config) as rollout:
+            rollout.refit(policy, version="a")
+            start = time.monotonic()
+            try:
+                rollout.refit(_LostMidRefit(policy, 7), version="b")
+            except RuntimeError as error:
+                out["raised"] = str(error)
+            out["seconds"] = time.monotonic() - start
+            out["serving"] = rollout.serving()
+            try:
+                rollout.generate(PROMPTS, max_tokens=4)
+                out["sampled"] = True
+            except RolloutError as error:
+                out["sampled"] = str(error)
+            rollout.refit(policy, version="c")
+            out["after"] = rollout.serving()
+            out["agreement"] = agreement(policy, PROMPTS, rollout.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out

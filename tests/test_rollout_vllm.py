@@ -101,3 +101,18 @@ def test_a_vllm_serving_another_model_is_refused_before_any_weight_moves(tmp_pat
     results = launch(another_model_is_refused, 2, vllm_python, str(tmp_path), timeout_s=600)
     for rank, raised in results.items():
         assert raised is not None and "vocab_size" in raised and "320" in raised, (rank, raised)
+
+
+def test_a_refit_lost_part_way_is_said_by_vllm_which_refuses_to_sample_until_the_next(vllm_python):
+    """The policy fails after 7 of the weights went out (a lost rank): vLLM's workers, mid-refit,
+    fail at once (the transfer group closed), vLLM says it serves version "a" with "b" failed
+    part-way, refuses to sample a mix of the two, and the next refit serves "c" exactly."""
+    from .rollout_worker import a_refit_lost_part_way
+
+    got = launch(a_refit_lost_part_way, 1, vllm_python, timeout_s=600)[0]
+    assert got["raised"] == "a policy rank was lost"
+    assert got["seconds"] < 60, got["seconds"]
+    assert got["serving"] == {"serving": "a", "broken": "b", "vllm": "a"}, got["serving"]
+    assert "failed part-way" in got["sampled"], got["sampled"]
+    assert got["after"]["serving"] == "c" and got["after"]["broken"] is None
+    assert got["agreement"]["rollout_logprob_max_abs_diff"] <= 1e-4

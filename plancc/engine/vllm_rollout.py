@@ -27,6 +27,8 @@ samples broadcast).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import secrets
@@ -149,6 +151,17 @@ def same_model(policy: Any, served: dict[str, Any]) -> str | None:
     return None
 
 
+def _weights(policy: Any, fmt: WeightFormat, tensors: list[dict[str, Any]]) -> Any:
+    """The manifest's tensors as the policy yields them. A policy with stages takes only a dtype
+    and yields every state tensor, tied ones included (issue 75 gives both one signature)."""
+    try:
+        stream = policy.weights(fmt)
+    except TypeError:
+        wanted = {t["name"] for t in tensors}
+        return ((name, t) for name, t in policy.weights(dtype=fmt.dtype) if name in wanted)
+    return stream
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,6 +195,8 @@ class VLLMRollout:
         self._conn: Connection | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._group: Any = None
+        self._store: Any = None
+        self._failure: str | None = None
         self._folder = tempfile.TemporaryDirectory(prefix="plancc-vllm-")
         self.stats_dir = os.path.join(self._folder.name, "stats")
         failure = None
@@ -303,7 +318,8 @@ class VLLMRollout:
         ]
         start = time.perf_counter()
         failure = None
-        sent = [0] * self.workers
+        if self.driver and self._group is None and self._conn is not None:  # the last refit was abandoned
+            self._init_transfer()
         if self.driver:
             update = [
                 {
@@ -316,23 +332,18 @@ class VLLMRollout:
                 for w in range(self.workers)
             ]
             try:
-                self._send({"op": "update", "update_info": update, "version": version})
+                self._send({"op": "update", "update_info": update, "version": version, "stats_dir": self.stats_dir})
             except RolloutError as error:
                 failure = str(error)
-        for index, (name, tensor) in enumerate(policy.weights(fmt)):  # every rank: the policy's gathers
+        try:
+            sent = self._stream(_weights(policy, fmt, tensors), tensors, cuts, version, failure)
+        except BaseException:  # this rank's policy failed mid-refit (a lost rank, a bad tensor)
             if self.driver and failure is None:
-                try:
-                    expected = tensors[index]["name"]
-                    if name != expected:
-                        raise RolloutError(f"the weights came as {name!r} where the manifest has {expected!r}")
-                    for w in range(self.workers):
-                        cut = cuts[w][index]
-                        part = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2])
-                        part = part.detach().to("cpu").contiguous()
-                        self._group.send([part], 1 + w, TAG).wait()
-                        sent[w] += part.numel() * part.element_size()
-                except Exception as error:  # the policy's gathers go on: every rank must finish them
-                    failure = f"the refit to version {version!r} failed at {name!r}: {error} ({self._exit()})"
+                self._abandon(version)
+            raise
+        failure = failure or self._failure
+        if self.driver and failure is not None and self._group is not None:
+            self._abandon(version)
         if self.driver and failure is None:
             try:
                 self._reply(timeout=None, what="update")
@@ -344,6 +355,41 @@ class VLLMRollout:
             raise RolloutError(failure)
         self.version = version
         return _broadcast({"version": version, "seconds": time.perf_counter() - start, "bytes_per_worker": sent})
+
+    def _stream(
+        self, weights: Any, tensors: list[dict[str, Any]], cuts: list[list[Any]], version: str, failure: str | None
+    ) -> list[int]:
+        """Every rank iterates the policy's weights (its gathers); the driver sends each worker its
+        slices. A failure of the driver's sends is kept in ``_failure`` (the gathers go on)."""
+        self._failure = failure
+        sent = [0] * self.workers
+        for index, (name, tensor) in enumerate(weights):
+            if self.driver and self._failure is None:
+                try:
+                    expected = tensors[index]["name"]
+                    if name != expected:
+                        raise RolloutError(f"the weights came as {name!r} where the manifest has {expected!r}")
+                    for w in range(self.workers):
+                        cut = cuts[w][index]
+                        part = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2])
+                        part = part.detach().to("cpu").contiguous()
+                        self._group.send([part], 1 + w, TAG).wait()
+                        sent[w] += part.numel() * part.element_size()
+                except Exception as error:  # the policy's gathers go on: every rank must finish them
+                    self._failure = f"the refit to version {version!r} failed at {name!r}: {error} ({self._exit()})"
+        return sent
+
+    def _abandon(self, version: str) -> None:
+        """A refit that cannot finish: close the transfer group, so that vLLM's workers, waiting
+        for the rest of the weights, fail now rather than at the transfer's timeout; vLLM then
+        reports the refit as failed part-way (the server keeps it: ``serving``). The next refit
+        joins a new group."""
+        self._group = None
+        self._store = None
+        gc.collect()  # the group's sockets close with it
+        if self._process is not None and self._process.poll() is None and self._conn is not None:
+            with contextlib.suppress(RolloutError):  # expected: the update failed
+                self._reply(timeout=self.spec.request_timeout_s, what="update")
 
     def worker_stats(self) -> list[dict[str, Any]]:
         """What each vLLM worker received in the last refit (its own count), on the driver."""
