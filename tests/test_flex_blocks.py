@@ -109,19 +109,26 @@ def _check_tiles(cp, docs, packed, pad, window, sink, tile):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("packed", "cp", "rank", "window", "sink", "softcap", "dims"),
+    ("packed", "cp", "rank", "window", "sink", "softcap", "dims", "compiled"),
     [
         # a packed row of documents that end inside tiles and span several; a window, sinks,
         # soft-capping (no model has both: the kernel takes them together), GQA, MLA's narrower
-        # value head -- one compilation for the default run
-        (True, 2, 1, 24, True, 5.0, (24, 8)),
+        # value head. Uncompiled in the default run: flex attention's eager form evaluates the
+        # mask_mod and score_mod everywhere (it ignores the tiles, which the test above pins)
+        (True, 2, 1, 24, True, 5.0, (24, 8), False),
+        # the same compiled, as it runs (inductor's CPU kernel, honouring the tiles: ~20 s to compile)
+        pytest.param(True, 2, 1, 24, True, 5.0, (24, 8), True, marks=pytest.mark.extended),
         # two rows, the second padded on both sides, at cp=4
-        pytest.param(False, 4, 0, None, False, None, (16, 16), marks=pytest.mark.extended),
+        pytest.param(False, 4, 0, None, False, None, (16, 16), True, marks=pytest.mark.extended),
     ],
-    ids=["packed-window-sinks-softcap-mla", "padded"],
+    ids=["packed-window-sinks-softcap-mla", "compiled", "padded-compiled"],
 )
-def test_one_compiled_call_equals_the_dense_reference(monkeypatch, packed, cp, rank, window, sink, softcap, dims):
+def test_one_flex_call_equals_the_dense_reference(monkeypatch, packed, cp, rank, window, sink, softcap, dims, compiled):
     monkeypatch.setattr(flex_blocks, "TILE", 32)  # tiles whole, partial and skipped at a test's length
+    if not compiled:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        monkeypatch.setattr(flex_blocks, "_compiled", lambda: flex_attention)
     gen = torch.Generator().manual_seed(0)
     docs = [5, 16, 74, 33] if packed else [64]
     positions, valid, bounds = _rows(docs, cp, packed, (37, 11))

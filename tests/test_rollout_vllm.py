@@ -25,7 +25,7 @@ def vllm_python():
 
 
 def test_every_vllm_worker_gets_its_shard_and_vllms_log_probs_are_the_policys(vllm_python):
-    """vLLM at tensor parallel 2, fed from dp=2, tp=2 + SP, cp=2 and LoRA-merged policies (two ranks
+    """vLLM at tensor parallel 2, fed from dp=2, tp=2 + SP, cp=2, pp=2 and LoRA-merged policies (two ranks
     each, one after the other into the same vLLM): each
     worker receives exactly its own slice of every weight (the fused qkv and gate/up included:
     bytes on the wire <= 1.05x the shard vLLM lays out), the policy's log-probs of vLLM's samples
@@ -34,7 +34,7 @@ def test_every_vllm_worker_gets_its_shard_and_vllms_log_probs_are_the_policys(vl
     from .rollout_worker import refit_sample_train_refit
 
     layouts = [("dp2", {"dp": 2}), ("tp2-sp", {"tp": 2, "sequence_parallel": True}), ("cp2", {"cp": 2}),
-               ("lora-merged-dp2", {"dp": 2, "lora": 8})]
+               ("pp2", {"pp": 2}), ("lora-merged-dp2", {"dp": 2, "lora": 8})]
     results = launch(refit_sample_train_refit, 2, vllm_python, layouts, 2, timeout_s=600)
     for name, got in results[0].items():
         assert got["fresh"]["rollout_logprob_max_abs_diff"] <= 1e-4, (name, got["fresh"])
