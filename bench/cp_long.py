@@ -166,6 +166,15 @@ def packed_worker(lengths: list[int], kernel: str, backward: bool = True) -> dic
         dist.destroy_process_group()
 
 
+def _per_kernel(cp: int, lengths: list[int], kernels: tuple[str, ...], *, backward: bool) -> dict[str, dict]:
+    """Each kernel's measurement in fresh processes, the busier rank's figure of each."""
+    got = {}
+    for kernel in kernels:
+        ranks = launch(packed_worker, cp, lengths, kernel, backward).values()
+        got[kernel] = {key: max(r[key] for r in ranks) for key in ("extra_mib", "seconds", "calls")}
+    return got
+
+
 def packed(args: argparse.Namespace) -> None:
     if args.forward:
         packed_forward(args)
@@ -177,10 +186,7 @@ def packed(args: argparse.Namespace) -> None:
     print("|---|---|---|---|")
     for count in args.documents:
         lengths = _documents(count, args.tokens, args.cp)
-        got = {}
-        for kernel in ("loop", "batched"):
-            ranks = launch(packed_worker, args.cp, lengths, kernel).values()
-            got[kernel] = {key: max(r[key] for r in ranks) for key in ("extra_mib", "seconds", "calls")}
+        got = _per_kernel(args.cp, lengths, ("loop", "batched"), backward=True)
         loop, one = got["loop"], got["batched"]
         print(
             f"| {count} documents (longest {max(lengths)}) | {loop['calls']} -> {one['calls']} "
@@ -200,10 +206,7 @@ def packed_forward(args: argparse.Namespace) -> None:
     print("|---|---|---|")
     for count in args.documents:
         lengths = _documents(count, args.tokens, args.cp)
-        got = {}
-        for kernel in kernels:
-            ranks = launch(packed_worker, args.cp, lengths, kernel, False).values()
-            got[kernel] = {key: max(r[key] for r in ranks) for key in ("seconds", "calls")}
+        got = _per_kernel(args.cp, lengths, kernels, backward=False)
         calls = " / ".join(str(got[k]["calls"]) for k in kernels)
         seconds = " / ".join(f"{got[k]['seconds']:.2f}" for k in kernels)
         print(f"| {count} documents (longest {max(lengths)}) | {calls} | {seconds} |", flush=True)
