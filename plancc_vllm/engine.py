@@ -99,25 +99,31 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         self.shard_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def receive_weights(self, update_info: ShardUpdateInfo) -> None:
+        """Every slice of the update, in order. A weight vLLM's loader refuses is kept as the
+        refit's error and the rest are still received (and dropped): a worker that stopped
+        reading would leave the trainer blocked in its send until the transfer's timeout."""
         if self.group is None:
             raise RuntimeError("plancc_gloo: init_weight_transfer_engine was not called")
         for name, dtype_name, shape, cut in zip(
             update_info.names, update_info.dtype_names, update_info.shapes, update_info.slices, strict=True
         ):
             dtype = getattr(torch, dtype_name)
-            if cut is None:
-                whole = torch.empty(shape, dtype=dtype)
-                part = whole
-            else:
-                dim, start, length = cut
-                whole = torch.zeros(shape, dtype=dtype)
-                part = whole.narrow(dim, start, length)
-            buffer = torch.empty(part.shape, dtype=dtype)
+            size = list(shape) if cut is None else [cut[2] if d == cut[0] else n for d, n in enumerate(shape)]
+            buffer = torch.empty(size, dtype=dtype)
             self.group.recv([buffer], 0, TAG).wait()
-            part.copy_(buffer)
             self.received["tensors"] += 1
             self.received["bytes"] += buffer.numel() * buffer.element_size()
-            self.model.load_weights([(name, whole.to(self.device))])
+            if self.received["error"] is not None:
+                continue
+            try:
+                if cut is None:
+                    whole = buffer
+                else:  # the slice in place in a checkpoint-shaped tensor: vLLM's loader cuts it out again
+                    whole = torch.zeros(shape, dtype=dtype)
+                    whole.narrow(cut[0], cut[1], cut[2]).copy_(buffer)
+                self.model.load_weights([(name, whole.to(self.device))])
+            except Exception as error:
+                self.received["error"] = f"{name}: {type(error).__name__}: {error}"
         self.received["version"] = update_info.version
 
     # A worker never raises out of the update's phases: vLLM's multiprocess executor reads the
@@ -125,12 +131,10 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
     # would answer the next call (seen: a refit's error returned to the next init). A failure is
     # kept, written to the worker's stats, and the server reports the refit as failed part-way.
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        if self.received.get("error"):
-            return
         try:
             self.receive_weights(self.parse_update_info(update_info))
-        except Exception as error:
-            self.received["error"] = f"{type(error).__name__}: {error}"
+        except Exception as error:  # the transfer itself (the trainer's group closed, a timeout)
+            self.received["error"] = self.received["error"] or f"{type(error).__name__}: {error}"
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -315,25 +315,6 @@ def test_apply_pp2_cp2_verifies_on_rows_of_every_length(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_apply_pp2_tp2_from_a_model_folder_verifies(tmp_path):
-    """A Hugging Face folder's weights into pipeline stages under TP (rank 0 reads, every stage's
-    ranks get their slices), verified against the same folder unsharded."""
-    import torch
-
-    from plancc.models import build_model, load_config
-
-    from .conftest import forked_cli
-
-    torch.manual_seed(5)
-    build_model(load_config("tiny-qwen3"), device="cpu").save_pretrained(tmp_path / "model")
-    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--model", tmp_path / "model",
-                                "--nproc-per-node", 4, "--pp", 2, "--tp", 2, "--verify", "--steps", 1)
-    assert code == 0, err + out
-    assert f"safetensors from {tmp_path / 'model'}" in out and "verify: OK" in out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_a_pp2_run_resumes_without_stages_and_verifies_resumed_with_them(tmp_path):
     """Checkpoints keyed by the model's names: a pp=2 run's checkpoint resumes at dp=2 (its
     step, the schedule's position) and `--verify --resume` at pp=2 starts both models from it."""
@@ -373,17 +354,27 @@ def test_the_dry_run_lays_out_rank_zeros_stages_at_the_real_world_size():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_apply_pp2_tp2_with_sequence_parallelism_verifies_on_rows_of_odd_lengths(tmp_path):
+def test_apply_pp2_tp2_with_sequence_parallelism_from_a_model_folder_verifies_on_rows_of_odd_lengths(tmp_path):
     """SP inside each stage: a stage sends its tp rank's shard of the sequence; rows of odd
     length are padded on the right to a multiple of tp (after their last token: no real position
-    sees it) and their positions are the whole sequence's."""
+    sees it) and their positions are the whole sequence's. The weights are a Hugging Face
+    folder's, read into the stages under TP (rank 0 reads, every stage's ranks get their slices)
+    and verified against the same folder unsharded. (One launch for both: it was two.)"""
+    import torch
+
+    from plancc.models import build_model, load_config
+
     from .conftest import forked_cli
 
+    torch.manual_seed(5)
+    build_model(load_config("tiny-qwen3"), device="cpu").save_pretrained(tmp_path / "model")
     data = _uneven_rows(tmp_path / "rows.jsonl", rows=8, seed=3)
-    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--nproc-per-node", 4, "--pp", 2, "--tp", 2,
-                                "--sp", "--verify", "--steps", 2, "--batch-size", 8, "--data", data)
+    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--model", tmp_path / "model",
+                                "--nproc-per-node", 4, "--pp", 2, "--tp", 2, "--sp", "--verify", "--steps", 2,
+                                "--batch-size", 8, "--data", data)
     assert code == 0, err + out
     assert "pp=2 dp=1 cp=1 tp=2 +sp" in out and "verify: OK" in out
+    assert f"safetensors from {tmp_path / 'model'}" in out
 
 
 @pytest.mark.slow

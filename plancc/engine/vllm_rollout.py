@@ -51,6 +51,8 @@ BACKEND = "plancc_gloo"
 TAG = 7  # plancc_vllm.engine.TAG: the weights' messages
 # vLLM pads the vocabulary of its embedding and head to a multiple of this before splitting it
 VOCAB_PADDING = 64
+# vLLM's samples arrive as host lists; the batch made of them goes to the policy, which places it
+HOST = torch.device("cpu")
 
 
 class RolloutError(RuntimeError):
@@ -462,10 +464,10 @@ def rows_of(prompts: list[list[int]], completions: list[dict[str, Any]], pad: in
     """A batch of prompt + completion rows (right-padded) for the policy."""
     rows = [list(prompts[c["prompt"]]) + list(c["token_ids"]) for c in completions]
     width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long, device=HOST)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=HOST)
     for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
+        ids[i, : len(row)] = torch.tensor(row, device=HOST)
         mask[i, : len(row)] = 1
     return {"input_ids": ids, "attention_mask": mask}
 
@@ -480,7 +482,7 @@ def agreement(policy: Any, prompts: list[list[int]], completions: list[dict[str,
     for i, c in enumerate(completions):
         begin = len(prompts[c["prompt"]])
         ours.append(logprobs[i, begin : begin + len(c["token_ids"])].double().cpu())
-        theirs.append(torch.tensor(c["logprobs"], dtype=torch.float64))
+        theirs.append(torch.tensor(c["logprobs"], dtype=torch.float64, device=HOST))
     mine, vllm = torch.cat(ours), torch.cat(theirs)
     diff = mine - vllm
     return {
