@@ -214,6 +214,11 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ process
     def _start(self) -> None:
+        if not os.path.exists(self.spec.python):
+            raise RolloutError(
+                f"no vLLM environment at {self.spec.python}: bash scripts/vllm_env.sh builds one and prints "
+                "its python (vLLM pins another transformers than plancc: it runs from its own venv)"
+            )
         os.makedirs(self.stats_dir)
         folder = self.spec.model
         if folder is None:  # the policy's config, and dummy weights until the first refit
