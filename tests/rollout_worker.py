@@ -80,6 +80,21 @@ class _KillAfter:
         return self.group.send(tensors, dst, tag)
 
 
+def _alive_in_session(session):
+    """Processes of the session that still run (a zombie waiting for its reaper is not running)."""
+    from pathlib import Path
+
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+            alive.append(int(stat.parent.name))
+    return alive
+
+
 def killed_mid_update_then_a_new_vllm(vllm_python):
     """vLLM's server killed after 5 weights of a refit: what each rank raised and how long it took;
     then a new vLLM and the next refit's agreement."""
@@ -101,7 +116,11 @@ def killed_mid_update_then_a_new_vllm(vllm_python):
         except RolloutError as error:
             out["raised"] = str(error)
         out["seconds"] = time.monotonic() - start
+        session = rollout._process.pid if rollout.driver else None
         rollout.close()
+        if session is not None:  # vLLM's engine core and workers outlived their killed server: gone now
+            time.sleep(2)
+            out["leftover"] = _alive_in_session(session)
         with VLLMRollout(VLLMSpec(python=vllm_python), policy.config) as fresh:
             out["refit"] = fresh.refit(policy, version="c")
             samples = fresh.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True)

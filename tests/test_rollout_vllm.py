@@ -60,6 +60,7 @@ def test_a_vllm_killed_mid_update_is_named_on_every_rank_and_a_new_one_takes_the
         assert got["raised"] is not None and "vLLM" in got["raised"], (rank, got)
         assert got["seconds"] < 60, (rank, got["seconds"])
         assert got["agreement"]["rollout_logprob_max_abs_diff"] <= 1e-4, (rank, got["agreement"])
+    assert results[0]["leftover"] == []  # nothing of the killed vLLM left running
 
 
 def test_grpo_on_vllms_samples_raises_its_reward_with_the_agreement_logged_every_step(tmp_path, vllm_python):

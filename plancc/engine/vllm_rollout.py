@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import tempfile
@@ -238,7 +239,11 @@ class VLLMRollout:
         env.pop("PYTHONPATH", None)  # vLLM's environment has its own packages (and plancc_vllm)
         if self.workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and not torch.cuda.is_available():
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(self.workers))
-        self._process = subprocess.Popen([self.spec.python, "-m", "plancc_vllm.server"], env=env)
+        # a session of its own: vLLM's engine core and workers are its children, and a server that
+        # died (killed, out of memory) leaves them running -- 1.5 GB each here -- unless the
+        # whole group is stopped (``close``)
+        command = [self.spec.python, "-m", "plancc_vllm.server"]
+        self._process = subprocess.Popen(command, env=env, start_new_session=True)
         self._conn = self._accept(listener)
         self._call({"llm": self.spec.llm_kwargs(folder, self.config)}, timeout=self.spec.start_timeout_s)
         served = self._call({"op": "describe"})
@@ -454,6 +459,8 @@ class VLLMRollout:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._process.pid, signal.SIGKILL)  # what vLLM started and left behind
             self._process = None
         self._group = None
         self._folder.cleanup()
