@@ -199,7 +199,7 @@ class VLLMRollout:
         self._process: subprocess.Popen[bytes] | None = None
         self._group: Any = None
         self._store: Any = None
-        self._failure: str | None = None
+        self._refits = 0
         self._folder = tempfile.TemporaryDirectory(prefix="plancc-vllm-")
         self.stats_dir = os.path.join(self._folder.name, "stats")
         failure = None
@@ -323,7 +323,8 @@ class VLLMRollout:
         fmt = WeightFormat(dtype=getattr(torch, self.spec.dtype))
         manifest = policy.weights_manifest(fmt)
         tensors = [t for bucket in manifest["buckets"] for t in bucket["tensors"]]
-        version = version or str(int(self.version or 0) + 1 if (self.version or "0").isdigit() else 1)
+        self._refits += 1
+        version = version or str(self._refits)
         cuts = [
             [vllm_slice(t["name"], tuple(t["shape"]), w, self.workers, self.config) for t in tensors]
             for w in range(self.workers)
@@ -348,18 +349,16 @@ class VLLMRollout:
             except RolloutError as error:
                 failure = str(error)
         try:
-            sent = self._stream(_weights(policy, fmt, tensors), tensors, cuts, version, failure)
+            sent, failure = self._stream(_weights(policy, fmt, tensors), tensors, cuts, version, failure)
         except BaseException:  # this rank's policy failed mid-refit (a lost rank, a bad tensor)
             if self.driver and failure is None:
-                self._abandon(version)
+                self._abandon()
             raise
-        failure = failure or self._failure
         if self.driver and failure is not None and self._group is not None:
-            self._abandon(version)
+            self._abandon()
         if self.driver and failure is None:
             try:
                 self._reply(timeout=None, what="update")
-                self.version = version
             except RolloutError as error:
                 failure = str(error)
         failure = _broadcast(failure)
@@ -370,28 +369,29 @@ class VLLMRollout:
 
     def _stream(
         self, weights: Any, tensors: list[dict[str, Any]], cuts: list[list[Any]], version: str, failure: str | None
-    ) -> list[int]:
+    ) -> tuple[list[int], str | None]:
         """Every rank iterates the policy's weights (its gathers); the driver sends each worker its
-        slices. A failure of the driver's sends is kept in ``_failure`` (the gathers go on)."""
-        self._failure = failure
+        slices. (Bytes sent per worker, the failure: a send that fails stops the sending, not the
+        gathers, which every rank must finish.)"""
         sent = [0] * self.workers
         for index, (name, tensor) in enumerate(weights):
-            if self.driver and self._failure is None:
-                try:
-                    expected = tensors[index]["name"]
-                    if name != expected:
-                        raise RolloutError(f"the weights came as {name!r} where the manifest has {expected!r}")
-                    for w in range(self.workers):
-                        cut = cuts[w][index]
-                        part = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2])
-                        part = part.detach().to("cpu").contiguous()
-                        self._group.send([part], 1 + w, TAG).wait()
-                        sent[w] += part.numel() * part.element_size()
-                except Exception as error:  # the policy's gathers go on: every rank must finish them
-                    self._failure = f"the refit to version {version!r} failed at {name!r}: {error} ({self._exit()})"
-        return sent
+            if not self.driver or failure is not None:
+                continue
+            try:
+                expected = tensors[index]["name"]
+                if name != expected:
+                    raise RolloutError(f"the weights came as {name!r} where the manifest has {expected!r}")
+                for w in range(self.workers):
+                    cut = cuts[w][index]
+                    part = tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2])
+                    part = part.detach().to("cpu").contiguous()
+                    self._group.send([part], 1 + w, TAG).wait()
+                    sent[w] += part.numel() * part.element_size()
+            except Exception as error:
+                failure = f"the refit to version {version!r} failed at {name!r}: {error} ({self._exit()})"
+        return sent, failure
 
-    def _abandon(self, version: str) -> None:
+    def _abandon(self) -> None:
         """A refit that cannot finish: close the transfer group, so that vLLM's workers, waiting
         for the rest of the weights, fail now rather than at the transfer's timeout; vLLM then
         reports the refit as failed part-way (the server keeps it: ``serving``). The next refit

@@ -241,14 +241,17 @@ class CPContext:
     padding: list[torch.Tensor | None] = field(default_factory=list)
     # packed rows attend document by document (PLANCC_DOCUMENT_MASK, read once, not per layer)
     per_document: bool = field(default_factory=enabled_by_default)
-    # the dense [S/cp, S] mask for every batch, the reference (PLANCC_CP_ATTENTION=dense)
-    dense: bool = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION") == "dense")
-    # the kernel of the blocks: "flex" (one flex-attention call a layer), "blocks" (a kernel call
-    # per block or batch of blocks), or "auto": flex on CUDA, blocks on the CPU, where flex
-    # attention has no backward (``runtime.flex_blocks``)
+    # PLANCC_CP_ATTENTION, read once: "flex" (one flex-attention call a layer), "blocks" (a kernel
+    # call per block or batch of blocks), "auto" (flex on CUDA, blocks on the CPU, where flex
+    # attention has no backward: ``runtime.flex_blocks``) or "dense" (the [S/cp, S] mask for every
+    # batch, the reference)
     kernel: str = field(default_factory=lambda: os.environ.get("PLANCC_CP_ATTENTION", "auto"))
     # (rows, length) of the unpadded batch ``unpadded`` laid out last (pipeline stages), or None
     unpadded_shape: tuple[int, int] | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.kernel == "dense"
 
     @property
     def cu_seqlens(self) -> torch.Tensor | None:

@@ -42,7 +42,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from ..sequence_mixing import is_cp_attention
-from .block_attention import Span, block_attention, span_blocks
+from .block_attention import Block, Span, block_attention, span_blocks
 from .flex_blocks import FlexLayout, flex_block_attention, flex_layout, uses_flex
 
 IMPLEMENTATION = "plancc_docs"
@@ -229,19 +229,17 @@ def document_attention_forward(
     # on CUDA one flex-attention call for the row (``runtime.flex_blocks``); on the CPU (and for
     # sinks without flex) the block attention: a row's small documents batched into a few calls
     flex = uses_flex(query.device)
-    if dropout_p == 0.0 and (flex or sinks is not None or not query.is_cuda):
-        rows, length = query.shape[0], query.shape[2]
-        key_of = (rows, window or 0, sinks is not None)
-        if not (flex and key_of in ctx.flex):  # the layout once per packed row: layers share it
-            documents = [(s, e) for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
-            row_spans = [(0, rows, Span(local=s, start=s, n=e - s, segment=s)) for s, e in documents]
-            blocks = [blk for first, end, span in row_spans for blk in span_blocks(span, (first, end), window)]
-            if not flex:
-                out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
-                return out.transpose(1, 2).contiguous(), None
-            shape = (rows, length, length)
+    if dropout_p == 0.0 and flex:
+        key_of = (query.shape[0], window or 0, sinks is not None)
+        if key_of not in ctx.flex:  # the layout once per packed row: the layers share it
+            row_spans, blocks = _row_blocks(bounds, query.shape[0], window)
+            shape = (query.shape[0], query.shape[2], query.shape[2])
             ctx.flex[key_of] = flex_layout(row_spans, blocks, shape, window, sinks is not None, query.device)
         out = flex_block_attention(query, key, value, ctx.flex[key_of], scale=scaling, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None
+    if dropout_p == 0.0 and (sinks is not None or not query.is_cuda):
+        _, blocks = _row_blocks(bounds, query.shape[0], window)
+        out = block_attention(query, key, value, blocks, scale=scaling, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     spans = [(s, e, s, e) for s, e in zip(bounds, bounds[1:], strict=False) if e > s]
 
@@ -263,6 +261,14 @@ def document_attention_forward(
         sinks=sinks,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _row_blocks(bounds: list[int], rows: int, window: int | None) -> tuple[list[tuple[int, int, Span]], list[Block]]:
+    """A packed row's documents as query spans of every row (each its own segment) and their blocks."""
+    spans = [
+        (0, rows, Span(local=s, start=s, n=e - s, segment=s)) for s, e in zip(bounds, bounds[1:], strict=False) if e > s
+    ]
+    return spans, [blk for first, end, span in spans for blk in span_blocks(span, (first, end), window)]
 
 
 def sliding_window(module: torch.nn.Module, kwargs: dict[str, Any]) -> int | None:
