@@ -70,6 +70,30 @@ def worker_rank(parallel_config: Any) -> int:
     return 1 + parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
 
 
+def forget_cpu_moe_kernels(model: torch.nn.Module) -> int:
+    """Make every CPU MoE layer process its reloaded experts as at start-up; returns how many.
+
+    vLLM 0.32's unquantized MoE treats a layer whose kernel exists as a weight update and skips
+    the experts' own ``process_weights_after_loading`` then. On the CPU that step pads the
+    intermediate size and prepacks the experts into the grouped-gemm layout, so a reload without
+    it serves raw weights to a kernel expecting packed ones: log-probs off by 2e-2 on a tiny
+    Qwen3-MoE (and a shape error at tensor parallel 2, where padding applies). Without the kernel
+    the layer's reload runs the first-load path, and the layerwise reload copies its packed
+    result into the tensors the model already holds. The GPU kernels need no such step."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU experts
+        return 0
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is not None and isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            method.moe_kernel = None
+            count += 1
+    return count
+
+
 class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
     init_info_cls = ShardInitInfo
     update_info_cls = ShardUpdateInfo
@@ -94,6 +118,7 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
 
         self.received = {"version": None, "tensors": 0, "bytes": 0, "error": None}
         initialize_layerwise_reload(self.model)
+        forget_cpu_moe_kernels(self.model)
         # the worker's shard as vLLM lays it out to load (fused, its vocabulary range padded):
         # what it needs, counted by vLLM's own parameters rather than by the trainer's slices
         self.shard_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -8,11 +8,15 @@ import time
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 8, 7, 6, 5]]
 
 
-def tiny_config():
-    """A Qwen3 of head size 64 (vLLM's CPU attention refuses tiny-qwen3's 16)."""
+# model -> (preset, plan): the tier's models, each cut to a head size vLLM's CPU attention takes
+MODELS = {"qwen3": ("tiny-qwen3", "plans/qwen3.yaml"), "qwen3-moe": ("tiny-qwen3-moe", "plans/qwen3_moe.yaml")}
+
+
+def tiny_config(model="qwen3"):
+    """A Qwen3 (or Qwen3-MoE) of head size 64 (vLLM's CPU attention refuses the presets' 16)."""
     from plancc.models import load_config
 
-    config = load_config("tiny-qwen3")
+    config = load_config(MODELS[model][0])
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 128, 4, 2, 64
     return config
 
@@ -22,11 +26,23 @@ def _policy(sizes):
     from plancc.layout import Layout
 
     sizes = dict(sizes)
+    model = sizes.pop("model", "qwen3")
     lora = sizes.pop("lora", None)  # adapters on every projection: vLLM gets the merged weights
     if lora:
-        lora = {"r": lora, "alpha": 2 * lora, "targets": ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]}
-    return plancc.Policy("plans/qwen3.yaml", tiny_config(), layout=Layout(**sizes), device="cpu", lora=lora,
-                         optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}}, max_grad_norm=None)
+        lora = {
+            "r": lora,
+            "alpha": 2 * lora,
+            "targets": ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"],
+        }
+    return plancc.Policy(
+        MODELS[model][1],
+        tiny_config(model),
+        layout=Layout(**sizes),
+        device="cpu",
+        lora=lora,
+        optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 1.0}},
+        max_grad_norm=None,
+    )
 
 
 def _nll(lp, tokens, norm):
@@ -55,8 +71,14 @@ def refit_sample_train_refit(vllm_python, layouts, vllm_tp):
             again = agreement(policy, PROMPTS, rollout.generate(PROMPTS, n=2, max_tokens=8, seed=1, ignore_eos=True))
             stats = rollout.worker_stats() if rollout.driver else None
             serving = rollout.serving() if rollout.driver else None
-            out[name] = {"fresh": fresh, "stale": stale, "again": again, "refits": [first, second],
-                         "workers": stats, "serving": serving}
+            out[name] = {
+                "fresh": fresh,
+                "stale": stale,
+                "again": again,
+                "refits": [first, second],
+                "workers": stats,
+                "serving": serving,
+            }
             del policy
     finally:
         if rollout is not None:
@@ -192,7 +214,9 @@ def a_refit_lost_part_way(vllm_python):
                 out["sampled"] = str(error)
             rollout.refit(policy, version="c")
             out["after"] = rollout.serving()
-            out["agreement"] = agreement(policy, PROMPTS, rollout.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True))
+            out["agreement"] = agreement(
+                policy, PROMPTS, rollout.generate(PROMPTS, max_tokens=6, seed=0, ignore_eos=True)
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -97,6 +97,17 @@ class VLLMSpec:
         return kwargs
 
 
+# Checkpoint projections vLLM splits by output rows (column-parallel; the query, gate and up
+# projections that it fuses, each expert's and shared expert's included, and MLA's up-projections
+# of queries and of keys/values, head by head) and by input columns (row-parallel). The key/value
+# projections follow their heads. MLA's down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``)
+# and the routers are replicated. Mixtral names its experts' projections w1 (gate), w3 (up), w2.
+COLUMN = ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+ROW = ("o_proj", "down_proj")
+MIXTRAL_COLUMN = ("w1", "w3")
+MIXTRAL_ROW = ("w2",)
+
+
 def vllm_slice(name: str, shape: tuple[int, ...], rank: int, size: int, config: Any) -> list[int] | None:
     """``[dim, start, length]`` of checkpoint tensor ``name`` that rank ``rank`` of vLLM's tensor
     parallelism of ``size`` loads, or None for the whole (replicated, or not known here: the
@@ -110,7 +121,7 @@ def vllm_slice(name: str, shape: tuple[int, ...], rank: int, size: int, config: 
         per = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // size
         start, end = min(rank * per, vocab), min((rank + 1) * per, vocab)
         return [0, start, end - start]
-    if module in ("q_proj", "gate_proj", "up_proj"):
+    if module in COLUMN or (module in MIXTRAL_COLUMN and ".experts." in name):
         per = shape[0] // size
         return [0, rank * per, per]
     if module in ("k_proj", "v_proj"):
@@ -121,7 +132,7 @@ def vllm_slice(name: str, shape: tuple[int, ...], rank: int, size: int, config: 
             return [0, head * width, width]
         per = shape[0] // size
         return [0, rank * per, per]
-    if module in ("o_proj", "down_proj") and kind == "weight":
+    if (module in ROW or (module in MIXTRAL_ROW and ".experts." in name)) and kind == "weight":
         per = shape[1] // size
         return [1, rank * per, per]
     return None
@@ -142,6 +153,22 @@ SHAPE_FIELDS = (
     "num_local_experts",
     "moe_intermediate_size",
 )
+
+
+# Fields the pinned transformers no longer writes and vLLM's model code still reads, with the
+# value that states what transformers' model computes. DeepSeek-V3's router always adds its
+# expert score correction (transformers dropped ``topk_method``); vLLM creates that bias only
+# for ``noaux_tc`` and otherwise refuses the checkpoint's ``e_score_correction_bias``.
+VLLM_CONFIG_FIELDS = {"deepseek_v3": {"topk_method": "noaux_tc"}}
+
+
+def vllm_config(config: Any) -> dict[str, Any]:
+    """The policy's config as vLLM reads it (``config.json`` of the folder vLLM starts from)."""
+    out = config.to_dict()
+    out.pop("transformers_version", None)
+    for key, value in VLLM_CONFIG_FIELDS.get(out.get("model_type", ""), {}).items():
+        out.setdefault(key, value)
+    return out
 
 
 def same_model(policy: Any, served: dict[str, Any]) -> str | None:
@@ -225,9 +252,7 @@ class VLLMRollout:
         if folder is None:  # the policy's config, and dummy weights until the first refit
             folder = os.path.join(self._folder.name, "model")
             os.makedirs(folder)
-            config = self.config.to_dict()
-            config.pop("transformers_version", None)
-            Path(folder, "config.json").write_text(json.dumps(config, indent=1))
+            Path(folder, "config.json").write_text(json.dumps(vllm_config(self.config), indent=1))
         key = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         env = {
