@@ -94,6 +94,29 @@ def forget_cpu_moe_kernels(model: torch.nn.Module) -> int:
     return count
 
 
+def tied_modules(model: torch.nn.Module) -> list[str]:
+    """Modules whose weight is another module's (the head tied to the embedding): every owner of
+    a shared parameter but its first, by name. Read while the model is as vLLM built it."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
+    return [module for names in owners.values() for module in names[1:]]
+
+
+def reprocess(model: torch.nn.Module, modules: list[str]) -> None:
+    """Run each module's own after-loading step again on the weights it shares.
+
+    The reload loads a shared weight through its first owner only (vLLM's loader skips the tied
+    head), so the other owners are not processed: on the CPU the head keeps the packed GEMM
+    built from its previous weights (tied-embedding models sampled from the dummy weights)."""
+    found = dict(model.named_modules())
+    for name in modules:
+        module = found.get(name)
+        method = getattr(module, "quant_method", None)
+        if module is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
 class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
     init_info_cls = ShardInitInfo
     update_info_cls = ShardUpdateInfo
@@ -106,6 +129,7 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         self.stats_dir: str | None = None
         self.received: dict[str, Any] = {"version": None, "tensors": 0, "bytes": 0, "error": None}
         self.shard_bytes = 0
+        self.tied = tied_modules(model)
 
     def init_transfer_engine(self, init_info: ShardInitInfo) -> None:
         timeout = timedelta(seconds=init_info.timeout_s)
@@ -120,8 +144,13 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
         initialize_layerwise_reload(self.model)
         forget_cpu_moe_kernels(self.model)
         # the worker's shard as vLLM lays it out to load (fused, its vocabulary range padded):
-        # what it needs, counted by vLLM's own parameters rather than by the trainer's slices
-        self.shard_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # what it needs, counted by vLLM's own parameters rather than by the trainer's slices (a
+        # tied weight once: the reload gives each owner a copy until it finishes)
+        self.shard_bytes = sum(
+            p.numel() * p.element_size()
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+            if name.rpartition(".")[0] not in self.tied
+        )
 
     def receive_weights(self, update_info: ShardUpdateInfo) -> None:
         """Every slice of the update, in order. A weight vLLM's loader refuses is kept as the
@@ -166,6 +195,7 @@ class ShardEngine(WeightTransferEngine[ShardInitInfo, ShardUpdateInfo]):
 
         try:
             finalize_layerwise_reload(self.model, self.model_config)
+            reprocess(self.model, self.tied)
         except Exception as error:
             self.received.setdefault("error", f"{type(error).__name__}: {error}")
         if self.stats_dir:

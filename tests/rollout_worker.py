@@ -9,7 +9,10 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 8, 7, 6, 5]]
 
 
 # model -> (preset, plan): the tier's models, each cut to a head size vLLM's CPU attention takes
-MODELS = {"qwen3": ("tiny-qwen3", "plans/qwen3.yaml"), "qwen3-moe": ("tiny-qwen3-moe", "plans/qwen3_moe.yaml")}
+MODELS = {
+    "qwen3": ("tiny-qwen3", "plans/qwen3.yaml"),
+    "qwen3-moe-tied": ("tiny-qwen3-moe", "plans/qwen3_moe.yaml"),  # its head tied to its embedding
+}
 
 
 def tiny_config(model="qwen3"):
@@ -18,6 +21,7 @@ def tiny_config(model="qwen3"):
 
     config = load_config(MODELS[model][0])
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 128, 4, 2, 64
+    config.tie_word_embeddings = model.endswith("-tied")
     return config
 
 
