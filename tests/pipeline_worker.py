@@ -286,6 +286,8 @@ def policy_calls(folder):
     from plancc.models import load_config
     from plancc.runtime.logprobs import token_logprobs
 
+    from pathlib import Path
+
     from .policy_worker import global_batch, nll
 
     init_gloo()
@@ -330,6 +332,22 @@ def policy_calls(folder):
         flat = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, seed=1, optimizer=adamw)
         info = flat.load(folder)
         at_pp1 = flat.logprobs(batch)
+        # the weights out are Policy's at every layout: the same stream, manifest and export
+        # from the stages as from the same checkpoint loaded at pp=1
+        out_format = {"bucket_bytes": 65536, "dtype": torch.bfloat16}
+        staged, plain = list(again.weights(**out_format)), list(flat.weights(**out_format))
+        same_stream = [n for n, _ in staged] == [n for n, _ in plain] and all(
+            torch.equal(a, b) for (_, a), (_, b) in zip(staged, plain, strict=True)
+        )
+        same_manifest = again.weights_manifest(**out_format) == flat.weights_manifest(**out_format)
+        again.export_hf(Path(folder) / "hf-pp2")
+        flat.export_hf(Path(folder) / "hf-pp1")
+        exported = None
+        if dist.get_rank() == 0:
+            from safetensors.torch import load_file
+
+            a, b = (load_file(str(Path(folder) / f / "model.safetensors")) for f in ("hf-pp2", "hf-pp1"))
+            exported = sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
         # and a second step on both: the same loss (the optimizer's state came along)
         second = again.train(batch, token_loss=token_nll)["loss"]
         second_flat = flat.train({k: v[flat.slice_of(4)] for k, v in batch.items()}, token_loss=token_nll)["loss"]
@@ -348,6 +366,10 @@ def policy_calls(folder):
             "second": abs(second - second_flat),
             "refused": refused,
             "back": back,
+            "is_policy": isinstance(policy, plancc.Policy),
+            "same_stream": same_stream,
+            "same_manifest": same_manifest,
+            "exported": exported,
         }
     finally:
         dist.destroy_process_group()
@@ -363,6 +385,8 @@ def legacy_checkpoint(folder):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import plancc
+
+    from pathlib import Path
 
     from .policy_worker import global_batch, nll
 

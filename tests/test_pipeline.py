@@ -243,7 +243,8 @@ def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_
     log-probs, weights, save and load refused until onloaded, then the same bits; after a step
     the reference's are the initial weights' bit for bit; ``weights()`` yields every parameter of the whole model in its order; a save loads at
     pp=2 bit for bit and at pp=1 (dp=2) within fp32, and the next step's loss agrees (the
-    optimizer's state came along)."""
+    optimizer's state came along). It is a ``plancc.Policy``: from the same checkpoint, its
+    ``weights(bucket_bytes=, dtype=)``, manifest and ``export_hf`` folder equal pp=1's bit for bit."""
     from .distributed import launch
     from .pipeline_worker import policy_calls
 
@@ -257,6 +258,9 @@ def test_policy_with_stages_gives_logprobs_reference_weights_and_checkpoints_of_
         assert "offloaded; call onload() first" in r["refused"] and r["back"] == 0.0, (rank, r)
         refused = [line.split(":")[0] for line in r["refused"].splitlines()]
         assert refused == ["logprobs", "weights", "save", "load"], (rank, r)
+        # one Policy: its weights out (any WeightFormat), manifest and export_hf are pp=1's
+        assert r["is_policy"] and r["same_stream"] and r["same_manifest"], (rank, r)
+    assert results[0]["exported"], results[0]
 
 
 @pytest.mark.slow
@@ -317,12 +321,22 @@ def test_apply_pp2_cp2_verifies_on_rows_of_every_length(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_pp2_run_resumes_without_stages_and_verifies_resumed_with_them(tmp_path):
     """Checkpoints keyed by the model's names: a pp=2 run's checkpoint resumes at dp=2 (its
-    step, the schedule's position) and `--verify --resume` at pp=2 starts both models from it."""
+    step, the schedule's position) and `--verify --resume` at pp=2 starts both models from it.
+    The pp=2 run's `--export-hf` folder is the whole model, as transformers writes it."""
+    from safetensors.torch import load_file
+
+    from plancc.engine.build import seeded_model
+    from plancc.models import load_config
+
     from .conftest import forked_cli
 
     ckpt = tmp_path / "ckpt"
-    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--pp", 2, "--steps", 2, "--save", ckpt)
-    assert code == 0 and "saved checkpoint" in out, err + out
+    code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--pp", 2, "--steps", 2, "--save", ckpt,
+                                "--export-hf", tmp_path / "hf")
+    assert code == 0 and "saved checkpoint" in out and "exported Hugging Face weights" in out, err + out
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    whole = seeded_model(load_config("tiny-qwen3"), 0).state_dict()
+    assert {n: tuple(t.shape) for n, t in exported.items()} == {n: tuple(t.shape) for n, t in whole.items()}
     code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--steps", 3, "--resume", ckpt)
     assert code == 0 and "resumed from step 2 (saved at pp=2 dp=1" in out and "step    3/3" in out, err + out
     code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--pp", 2, "--steps", 1, "--resume", ckpt,

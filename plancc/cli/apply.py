@@ -130,12 +130,11 @@ def apply(
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
         batch_size = chosen.dp * -(-4 // chosen.dp)
     lora = lora_flags(plan_path, report, chosen, fmt, r=lora_r, alpha=lora_alpha, targets=lora_targets)
-    if chosen.pp > 1 and (output.export_hf or lora is not None):
+    if chosen.pp > 1 and lora is not None:
         usage_error(
-            f"--pp {chosen.pp} with {'--export-hf' if output.export_hf else 'LoRA'}: not supported yet",
+            f"--pp {chosen.pp} with LoRA: not supported yet",
             fmt,
-            fix="train with --pp and --save, then `plancc apply PLAN --resume SAVE --steps N --export-hf DIR` "
-            "without --pp",
+            fix="train the adapters without --pp",
         )
     if worker.verify:
         from ..job.verify import unverifiable  # lazy: loads torch

@@ -34,7 +34,7 @@ from ..runtime.hf_folder import check_export_target
 from ..runtime.lora import adapters_of
 from ..runtime.weights import copy_companions, publish_export, refuse_non_finite_weights, write_adapter_config
 from .agreement import RefitAgreement
-from .streaming import bucket_count, weight_buckets
+from .streaming import ValueOf, bucket_count, weight_buckets
 
 # A shard of the export: what rank 0 holds at once (and safetensors' serialized copy of it).
 # transformers' own default shard is far larger (it holds the whole model anyway).
@@ -57,6 +57,8 @@ def export_hf(
     source: str | Path | None = None,
     adapters_only: bool = False,
     shard_bytes: int = SHARD_BYTES,
+    values: ValueOf | None = None,
+    held: nn.Module | None = None,
 ) -> None:
     """Collective: the model's full weights as a ``save_pretrained`` folder (rank 0 writes), with
     the tokenizer and generation files of ``source`` (the folder the model came from). A model
@@ -66,14 +68,16 @@ def export_hf(
 
     Nothing else in the target folder is touched: a user's notes, data or checkpoints there
     stay, and only a file an earlier export listed as its own, and this one does not write
-    again, is removed. Refused when any weight is not finite."""
+    again, is removed. Refused when any weight is not finite. ``values`` and ``held``: a model
+    that is structure only (a pipeline's whole model on meta), where each full tensor comes from
+    (``streaming.weight_buckets``) and the module holding this rank's shards."""
     problems = check_export_target(folder, source)
     if problems:
         raise PlanError(problems)
     adapters = adapters_of(model)
     if adapters_only and adapters is None:
         raise ValueError("adapters_only=True, but this model has no LoRA adapters (construct it with lora=)")
-    refuse_non_finite_weights(model, what=f"exporting to {folder}")
+    refuse_non_finite_weights(held or model, what=f"exporting to {folder}")
     target = Path(folder)
     dtype = None if adapters_only else export_dtype(config)
     count = bucket_count(model, bucket_bytes=shard_bytes, dtype=dtype, adapters_only=adapters_only)
@@ -93,7 +97,7 @@ def export_hf(
 
     partial = on_rank0(lambda: _partial_folder(target), fail=failed)
     try:
-        written = _write_shards(model, partial, names, shard_bytes, dtype, adapters_only, failed)
+        written = _write_shards(model, partial, names, shard_bytes, dtype, adapters_only, failed, values)
 
         def finish() -> None:
             assert partial is not None, "rank 0 made the partial folder"
@@ -134,6 +138,7 @@ def _write_shards(
     dtype: torch.dtype | None,
     adapters_only: bool,
     failed: Any,
+    values: ValueOf | None,
 ) -> dict[str, str]:
     """Collective: every rank gathers each bucket, rank 0 writes it as the next shard; a failure
     of rank 0's write or of any rank's gather is raised on every rank at the next settle.
@@ -143,7 +148,7 @@ def _write_shards(
     agreement = RefitAgreement(group_device(), unit="shard")
     where: dict[str, str] = {}
     stream = weight_buckets(
-        model, bucket_bytes=shard_bytes, dtype=dtype, agreement=agreement, adapters_only=adapters_only
+        model, bucket_bytes=shard_bytes, dtype=dtype, agreement=agreement, adapters_only=adapters_only, values=values
     )
     collected: dict[str, torch.Tensor] = {}  # adapters_only: one small file of every adapter
     for index, bucket in enumerate(stream):

@@ -15,9 +15,13 @@ are the whole batch's in one pass. The last stage's results (losses, metrics, lo
 every rank of the pipeline by one broadcast.
 
 Sequence and context parallelism run inside each stage (a stage sends its tp and cp rank's shard
-of the sequence; the last stage gathers its log-probs over cp, ``pipeline_last_stage``). Not yet
-(refused with the reason): expert parallelism, LoRA, packing, the resharded refit,
-``share_weights`` and ``export_hf`` under pp.
+of the sequence; the last stage gathers its log-probs over cp, ``pipeline_last_stage``).
+
+It is a ``Policy``: the weights out (``weights``, ``weights_manifest``, ``send_weights``,
+``share_weights``, ``export_hf``: the whole model's structure on meta, each tensor gathered by its
+stage, ``engine.stage_values``), the checkpoints, the reference and offloading are ``Policy``'s
+own code; this class builds the stages and runs the step over them. Not yet (refused with the
+reason): expert parallelism, LoRA, packing and the resharded refit under pp.
 """
 
 from __future__ import annotations
@@ -25,19 +29,18 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan, load_plan
 from ..layout import Layout, LayoutError
-from ..models import MASTER_DTYPE, architecture_of, build_model, load_config
+from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.local_step import optimizer_step
@@ -45,22 +48,29 @@ from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
-from . import checkpoint, shards
 from .batch_agreement import different_fields, fields_fingerprint
-from .batches import Batch, BatchError, Microbatching, balanced_dp_rows, check_batch, dp_slice
+from .batches import Batch, BatchError, Microbatching, check_batch
 from .build import from_folder, seeded_model
-from .channel import WeightChannel, make_manifest, send_buckets
 from .loss_contract import BatchTotals, NonFiniteError, check_temperature
 from .offload import Offloader
-from .options import OptimizerSpec, SchedulerSpec, make_optimizer, make_scheduler, the_layout
+from .options import (
+    OptimizerSpec,
+    SchedulerSpec,
+    legacy_layout_keywords,
+    make_optimizer,
+    make_scheduler,
+    policy_layout,
+    the_layout,
+)
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
 from .pipeline_rows import PipelineRows, RowGroup, fingerprint
+from .policy import Policy
 from .reference import ReferenceWeights, reference_place
-from .resume import restore_schedule, schedule_state
-from .streaming import WeightFormat, manifest_buckets
+from .stage_values import StageValues
+from .transport import WeightTransport
 
 
-class PipelinePolicy:
+class PipelinePolicy(Policy, stages=True):
     """``plancc.Policy`` for a layout with ``pp > 1`` (``Policy(...)`` returns one): see the
     module's docstring. Its methods are ``Policy``'s, with the limits stated there."""
 
@@ -69,7 +79,7 @@ class PipelinePolicy:
         plan: str | Path | Plan,
         model: str | Path | PretrainedConfig,
         *,
-        layout: Layout | ParallelMesh,
+        layout: Layout | ParallelMesh | None = None,
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
@@ -79,11 +89,14 @@ class PipelinePolicy:
         seed: int = 0,
         device: str | None = None,
         timeout_s: float = 600.0,
+        **deprecated: Any,  # plancc 0.x's layout keywords, as Policy's (engine.options)
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
-        built = layout if isinstance(layout, ParallelMesh) else None
-        layout = the_layout(layout)
+        given = policy_layout(layout, legacy_layout_keywords(deprecated))
+        built = given if isinstance(given, ParallelMesh) else None
+        layout = the_layout(given)
+        self._dp_rank: int | None = None
         unsupported = [
             what
             for what, on in (
@@ -121,6 +134,9 @@ class PipelinePolicy:
         # the reference's bound method, not a closure over the policy (a cycle: ``Policy``'s)
         beside = self._reference.device_tensors if self._reference is not None else tuple
         self._memory = Offloader(self.model, self.optimizer, beside_params=beside, device=self.device)
+        # the weights out stream the whole model's structure, each tensor from its stage
+        values = StageValues(self.model, self._whole, self.mesh["pp"].get_group(), self.device)
+        self._transport = WeightTransport(self._whole, self.config, self.device, values=values, held=self.model)
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,
@@ -156,25 +172,6 @@ class PipelinePolicy:
         for _, stage in self.stages:
             materialize(stage, self.device, full_state_dict={k: full[k].to(self.device) for k in stage.state_dict()})
         return f"random init (seed {seed})"
-
-    # ------------------------------------------------------------------ layout
-    @property
-    def layout(self) -> Layout:
-        return self.mesh.layout
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    def slice_of(self, global_rows: int) -> slice:
-        return dp_slice(global_rows, self.dp_rank, self.dp_size)
-
-    def balanced_slices(self, lengths: list[int] | torch.Tensor) -> list[int]:
-        return balanced_dp_rows(lengths, self.dp_rank, self.dp_size)
 
     # ------------------------------------------------------------------ training
     def train(
@@ -368,143 +365,3 @@ class PipelinePolicy:
             microbatches=group.microbatches,
             forward_only=forward_only,
         )
-
-    def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``logprobs`` under the initial weights (``reference=True``: ``engine.reference``); the
-        policy's weights are put back bitwise."""
-        self._memory.require_onloaded("reference_logprobs")  # before the swap, which reads both weights
-        if self._reference is None:
-            raise ValueError("this Policy keeps no reference: construct it with reference=True")
-        with self._reference.swapped_into(self.model):
-            return self.logprobs(batch, **options)
-
-    def _shards(self) -> list[torch.Tensor]:
-        """This rank's storage of every parameter of its stages, the FSDP units resharded first."""
-        return shards.local_shards(self.model)
-
-    # ------------------------------------------------------------------ weights out
-    def weights(self, *, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor of the whole model's state as ``(name, full tensor)``, in the model's
-        order, on every rank: the stage's ranks gather it (over tp and dp) and its pipeline rank
-        broadcasts it. One tensor at a time is held beyond the shards."""
-        self._memory.require_onloaded("weights")
-        mine = self.model.state_dict()
-        group = self.mesh["pp"].get_group()
-        owners = self._owners(list(mine))
-        for name, meta in self._whole.state_dict().items():
-            wanted = dtype if dtype is not None and meta.is_floating_point() else meta.dtype
-            if name in mine:
-                held = mine[name]
-                tensor = (held.full_tensor() if isinstance(held, DTensor) else held).detach().to(wanted).contiguous()
-            else:
-                tensor = torch.empty(meta.shape, dtype=wanted, device=self.device)
-            dist.broadcast(tensor, group_src=owners[name], group=group)
-            yield name, tensor
-
-    def _owners(self, names: list[str]) -> dict[str, int]:
-        """The pipeline rank that holds each tensor (one gather of every pipeline rank's names)."""
-        every: list[Any] = [None] * self.layout.pp
-        dist.all_gather_object(every, names, group=self.mesh["pp"].get_group())
-        return {name: rank for rank, held in enumerate(every) for name in held}
-
-    def weights_manifest(self, weight_format: WeightFormat | None = None, **options: Any) -> dict:
-        """What ``send_weights`` sends, as ``Policy.weights_manifest`` gives it: the whole model's
-        tensors (its meta copy: nothing is gathered), bucket by bucket."""
-        out = WeightFormat.of(weight_format, options)
-        if out.adapters_only:
-            raise self._not_yet("weights_manifest(adapters_only=True)")
-        bucket_bytes, dtype = out.bucket_bytes, out.dtype
-        buckets = manifest_buckets(self._whole, bucket_bytes=bucket_bytes, dtype=dtype)
-        return make_manifest(buckets, model=architecture_of(self.config), config=self.config.to_dict(), dtype=dtype)
-
-    def send_weights(
-        self,
-        channel: WeightChannel | None,
-        weight_format: WeightFormat | None = None,
-        *,
-        reshard: bool = False,
-        **options: Any,
-    ) -> int:
-        """The weights to the receivers of ``channel`` bucket by bucket, from every stage: each
-        tensor gathered by its stage's ranks and broadcast over the pipeline, rank 0 (the one
-        that passes the channel) sending each bucket once it is whole. Returns bytes sent.
-        Resharded refits (``reshard=True``) under pp: not yet."""
-        self._memory.require_onloaded("send_weights")
-        out = WeightFormat.of(weight_format, options)
-        dtype = out.dtype
-        if reshard or out.adapters_only:
-            raise self._not_yet("send_weights(reshard=True)" if reshard else "send_weights(adapters_only=True)")
-        if (channel is not None) != (dist.get_rank() == 0):
-            raise ValueError("the policy's rank 0 sends: pass it the weight channel (plancc.weight_channel)")
-        manifest = self.weights_manifest(out)
-        tensors = self.weights(dtype=dtype)
-
-        def buckets() -> Iterator[list[tuple[str, torch.Tensor]]]:
-            for bucket in manifest["buckets"]:
-                yield [next(tensors) for _ in bucket["tensors"]]
-
-        if channel is None:
-            for _ in buckets():  # the gathers and broadcasts every rank takes part in
-                pass
-            return 0
-        return send_buckets(channel, manifest, buckets())
-
-    def _not_yet(self, what: str) -> ValueError:
-        return ValueError(
-            f"Policy.{what} with pipeline stages (pp={self.layout.pp}) is not supported yet: weights() gives "
-            "every parameter whole on every rank (docs/pipeline.md)"
-        )
-
-    def export_hf(self, folder: str | Path, *, adapters_only: bool = False) -> None:
-        raise self._not_yet("export_hf")
-
-    def share_weights(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._not_yet("share_weights")
-
-    # ------------------------------------------------------------------ memory
-    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        """``Policy.offload``: this rank's stages' parameters (with a device reference's weights)
-        and / or optimizer state to pinned host memory while a rollout engine runs
-        (``engine.offload``)."""
-        shards.back_to_shards(self.model)
-        self._memory.offload(params=params, optimizer=optimizer)
-
-    def onload(self) -> None:
-        """Everything ``offload`` moved, back where it was."""
-        self._memory.onload()
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, folder: str | Path, *, run: Mapping[str, Any] | None = None, files: Any = None) -> Path:
-        """A DCP checkpoint keyed by the model's names (loads at another pp, or none)."""
-        self._memory.require_onloaded("save", optimizer=True)
-        info = checkpoint.CheckpointInfo(
-            step=self.step,
-            architecture=architecture_of(self.config),
-            model_signature=checkpoint.model_signature(self._whole),
-            plan=self.plan.name,
-            dp=self.layout.dp,
-            cp=self.layout.cp,
-            tp=self.layout.tp,
-            ep=self.layout.ep,
-            pp=self.layout.pp,
-            parameters=checkpoint.parameter_shapes(self._whole),
-            schedule=schedule_state(self.scheduler),
-            run=dict(run or {}),
-        )
-        return checkpoint.save(folder, self.model, self.optimizer, info, files)
-
-    def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
-        """``save``'s newest checkpoint (any layout, any pp) into this rank's stages."""
-        self._memory.require_onloaded("load", optimizer=True)
-        configured = [group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups]
-        info = checkpoint.load(
-            folder,
-            self.model,
-            self.optimizer,
-            architecture=architecture_of(self.config),
-            plan=self.plan.name,
-            shapes=checkpoint.parameter_shapes(self._whole),
-        )
-        restore_schedule(self.optimizer, self.scheduler, info.schedule, configured, step=info.step)
-        self.step = info.step
-        return info

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PretrainedConfig
@@ -48,7 +48,6 @@ from .batches import (
 )
 from .build import build_parallel_model
 from .channel import WeightChannel
-from .export import export_hf
 from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_temperature: public here too
     MIN_TEMPERATURE,
     BatchTotals,
@@ -68,11 +67,9 @@ from .options import (
     legacy_layout_keywords,
     make_optimizer,
     make_scheduler,
-    policy_layout,
     policy_mesh,
     the_layout,
 )
-from .pipelined import PipelinePolicy
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
 from .streaming import WeightFormat
@@ -103,16 +100,25 @@ class Policy:
     no second copy); weights go out merged, or as the adapters alone (``adapters_only=True``).
     """
 
+    # The class a layout with pipeline stages is built as: a Policy whose model is the rank's
+    # stages, built and stepped by ``engine.pipelined`` (which ``plancc.engine`` imports, and
+    # which names itself here: this module stays below it)
+    _with_stages: ClassVar[type[Policy] | None] = None
+
+    def __init_subclass__(cls, *, stages: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if stages:
+            Policy._with_stages = cls
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # a layout with pipeline stages: the same calls over a rank's stages (engine.pipelined)
+        # pp > 1: that class's instance (Python then runs its __init__ with these arguments)
         legacy = {k: v for k, v in kwargs.items() if k in LEGACY_LAYOUT_KEYWORDS}
         given = kwargs.get("layout")
         shown = given if given is not None else legacy.get("mesh")  # mesh=: the old name of a built layout
         pp = the_layout(shown).pp if isinstance(shown, Layout | ParallelMesh) else legacy.get("pp", 1)
         if cls is Policy and pp > 1:
-            init_process_group(kwargs.get("device") or default_device_type(), kwargs.get("timeout_s", 600.0))
-            rest = {k: v for k, v in kwargs.items() if k not in legacy and k != "layout"}
-            return PipelinePolicy(*args, layout=policy_layout(given, legacy), **rest)
+            assert Policy._with_stages is not None, "plancc.engine imports engine.pipelined"
+            return super().__new__(Policy._with_stages)
         return super().__new__(cls)
 
     def __init__(
@@ -154,6 +160,7 @@ class Policy:
             param_dtype=dtype,
             lora=self.lora,
         )
+        self._whole = self.model  # the model's structure (checkpoints state it): all of it here
         seed_data_shard_streams(self.mesh, seed)
         # with LoRA only the adapters train: the frozen base gets no gradient and no state
         self.optimizer = make_optimizer(optimizer, [p for p in self.model.parameters() if p.requires_grad])
@@ -416,7 +423,7 @@ class Policy:
         self._memory.require_onloaded("export_hf")
         shards.back_to_shards(self.model)
         source = self.source if self.source is not None and Path(self.source).is_dir() else None
-        export_hf(self.model, self.config, folder, source=source, adapters_only=adapters_only)
+        self._transport.export(folder, source=source, adapters_only=adapters_only)
 
     # ------------------------------------------------------------------ memory
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
@@ -453,6 +460,7 @@ class Policy:
             layout=self.layout,
             run=run,
             files=files,
+            whole=self._whole,
         )
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
@@ -463,7 +471,15 @@ class Policy:
         checkpoint says of itself (its step, the layout it was saved at)."""
         self._memory.require_onloaded("load", optimizer=True)
         shards.back_to_shards(self.model)
-        info = load_state(folder, self.model, self.optimizer, self.scheduler, config=self.config, plan=self.plan.name)
+        info = load_state(
+            folder,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            config=self.config,
+            plan=self.plan.name,
+            whole=self._whole,
+        )
         self.step = info.step
         return info
 

@@ -28,19 +28,25 @@ def save_state(
     layout: Layout,
     run: Mapping[str, Any] | None = None,
     files: Mapping[str, str] | None = None,
+    whole: nn.Module | None = None,
 ) -> Path:
     """A DCP checkpoint of the model, optimizer and schedule at ``step`` (atomic; loadable at
-    another layout). Returns the step folder. The caller reshards the model first."""
+    another layout). Returns the step folder. The caller reshards the model first. ``whole``:
+    the model whose structure the checkpoint states where ``model`` holds part of it (a rank's
+    pipeline stages: the whole model on meta); keyed by the model's names either way, so it
+    loads at any pp, or none."""
+    whole = whole if whole is not None else model
     info = checkpoint.CheckpointInfo(
         step=step,
         architecture=architecture_of(config),
-        model_signature=checkpoint.model_signature(model),
+        model_signature=checkpoint.model_signature(whole),
         plan=plan,
         dp=layout.dp,
         cp=layout.cp,
         tp=layout.tp,
         ep=layout.ep,
-        parameters=checkpoint.parameter_shapes(model),
+        pp=layout.pp,
+        parameters=checkpoint.parameter_shapes(whole),
         schedule=schedule_state(scheduler),
         run=dict(run or {}),
     )
@@ -55,12 +61,14 @@ def load_state(
     *,
     config: PretrainedConfig,
     plan: str,
+    whole: nn.Module | None = None,
 ) -> checkpoint.CheckpointInfo:
     """``save_state``'s newest checkpoint in ``folder`` into these objects (any layout): the
     weights, the optimizer's state and the schedule's position; the learning rate stays the
     configured one (``restore_schedule``). The caller reshards the model first."""
     configured = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
-    info = checkpoint.load(folder, model, optimizer, architecture=architecture_of(config), plan=plan)
+    shapes = checkpoint.parameter_shapes(whole) if whole is not None else None
+    info = checkpoint.load(folder, model, optimizer, architecture=architecture_of(config), plan=plan, shapes=shapes)
     restore_schedule(optimizer, scheduler, info.schedule, configured, step=info.step)
     return info
 

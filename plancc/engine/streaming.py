@@ -10,7 +10,7 @@ same reason (a full gather of a large model runs out of memory).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +158,11 @@ def bucket_count(
     return len(_plan(model, bucket_bytes, dtype, adapters_only)[1])
 
 
+# The full tensor of a state-dict name, where the model streamed holds none of its own: a
+# pipeline's whole model on meta, whose values its stages' ranks gather (``stage_values``)
+ValueOf = Callable[[str], torch.Tensor]
+
+
 def weight_buckets(
     model: nn.Module,
     *,
@@ -165,13 +170,16 @@ def weight_buckets(
     dtype: torch.dtype | None = None,
     agreement: RefitAgreement | None = None,
     adapters_only: bool = False,
+    values: ValueOf | None = None,
 ) -> Iterator[Bucket]:
     """The exported weights bucket by bucket: each a ``Bucket`` of ``(hf_name, full tensor)``
     whose tensors are gathered as they are taken (``engine.bucket``) -- all at once where
     transformers' reverse conversions need a bucket whole. What a consumer leaves of a bucket
     is gathered (and dropped) before the next one: every rank runs every gather, in order. With
     an ``agreement``, the ranks settle before the gather of every ``agreement.every``-th bucket
-    (a problem any rank noted is raised on every rank there, before anyone enters the gather)."""
+    (a problem any rank noted is raised on every rank there, before anyone enters the gather).
+    ``values``: where each full tensor comes from when ``model`` holds only the structure (the
+    names, tied weights and conversions are the model's either way)."""
     state, plan, adapters = _plan(model, bucket_bytes, dtype, adapters_only)
     merge = adapters.by_base_weight() if adapters is not None else {}
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -183,6 +191,8 @@ def weight_buckets(
         gathers = isinstance(value, DTensor) and value.device_mesh.size() > 1
         # no_grad: the entries are the parameters themselves (``_state``), gathered as values
         with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
+            if values is not None:
+                return _full(values(name), dtype)
             return _full_merged(state, name, merge.get(name), adapters, dtype)
 
     def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

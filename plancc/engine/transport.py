@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,8 +32,9 @@ from .agreement import AgreedRefitError, RefitAgreement, first_problem
 from .bucket import Bucket
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
+from .export import export_hf
 from .reshard import send_shards
-from .streaming import GPU_AGREE_EVERY, WeightFormat, manifest_buckets, weight_buckets
+from .streaming import GPU_AGREE_EVERY, ValueOf, WeightFormat, manifest_buckets, weight_buckets
 
 Buckets = Iterator[Bucket]
 
@@ -40,8 +42,32 @@ Buckets = Iterator[Bucket]
 class WeightTransport:
     """The weights of ``model`` out to an inference engine (see the module's docstring)."""
 
-    def __init__(self, model: nn.Module, config: PretrainedConfig, device: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PretrainedConfig,
+        device: str,
+        *,
+        values: ValueOf | None = None,
+        held: nn.Module | None = None,
+    ) -> None:
+        """``model``: what is streamed (names, tied weights, conversions). With pipeline stages it
+        is the whole model on meta, ``values`` gives each full tensor (its stage's ranks gather it)
+        and ``held`` is this rank's stages (``engine.stage_values``)."""
         self.model, self.config, self.device = model, config, device
+        self.values, self.held = values, held or model
+
+    def export(self, folder: str | Path, *, source: str | Path | None, adapters_only: bool) -> None:
+        """The weights as a ``save_pretrained`` folder (``engine.export``)."""
+        export_hf(
+            self.model,
+            self.config,
+            folder,
+            source=source,
+            adapters_only=adapters_only,
+            values=self.values,
+            held=self.held,
+        )
 
     def stream(self, out: WeightFormat) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)``, gathered one bucket at a time (collective), under the one
@@ -85,6 +111,10 @@ class WeightTransport:
         (``WeightChannel.broken``): its receivers are mid-transfer or gone, so it carries nothing
         more and closes without waiting the timeout for them."""
         if reshard:
+            self._require(
+                self.values is None,
+                "a resharded refit from pipeline stages is not supported yet: send the weights plain, from rank 0",
+            )
             self._require(
                 not out.adapters_only,
                 "a resharded refit sends the merged weights (the receivers' model has no adapters): "
@@ -152,6 +182,7 @@ class WeightTransport:
             dtype=out.dtype,
             agreement=agreement,
             adapters_only=out.adapters_only,
+            values=self.values,
         )
 
     def _require(self, holds: bool, problem: str) -> None:

@@ -181,17 +181,6 @@ def same_model(policy: Any, served: dict[str, Any]) -> str | None:
     return None
 
 
-def _weights(policy: Any, fmt: WeightFormat, tensors: list[dict[str, Any]]) -> Any:
-    """The manifest's tensors as the policy yields them. A policy with stages takes only a dtype
-    and yields every state tensor, tied ones included (issue 75 gives both one signature)."""
-    try:
-        stream = policy.weights(fmt)
-    except TypeError:
-        wanted = {t["name"] for t in tensors}
-        return ((name, t) for name, t in policy.weights(dtype=fmt.dtype) if name in wanted)
-    return stream
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -374,7 +363,7 @@ class VLLMRollout:
             except RolloutError as error:
                 failure = str(error)
         try:
-            sent, failure = self._stream(_weights(policy, fmt, tensors), tensors, cuts, version, failure)
+            sent, failure = self._stream(policy.weights(fmt), tensors, cuts, version, failure)
         except BaseException:  # this rank's policy failed mid-refit (a lost rank, a bad tensor)
             if self.driver and failure is None:
                 self._abandon()
