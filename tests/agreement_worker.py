@@ -88,16 +88,16 @@ def _consume_failing_on(rank, agree_every=None):
     return consume
 
 
-def failures_agreed(plan, model_name, root):
+def failures_agreed(plan, model_name, root, layout=None):
     """A failure of one rank's file work or weights consumer, raised on every rank at once, then
     log-probs as before it: each case's (outcome, seconds) per rank, and whether the log-probs
     after it equal the ones before."""
     import os
     from pathlib import Path
 
-    from plancc import Policy
+    from plancc import Layout, Policy
 
-    policy = Policy(plan, model_name, device="cpu", dp=2, timeout_s=120)
+    policy = Policy(plan, model_name, device="cpu", layout=Layout(**(layout or {"dp": 2})), timeout_s=120)
     batch = _global_batch()
     mine = {k: v[policy.slice_of(4)] for k, v in batch.items()}
     before = policy.logprobs(mine)

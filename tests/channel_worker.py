@@ -130,7 +130,7 @@ def _open_on_any_port(port_path: str, in_flight: int | None = None):
     )
 
 
-def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path, export_dir):
+def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path, export_dir, layout=None):
     """The weights sent to a receiver that dies after the first bucket (every policy rank gets one
     error naming the bucket and the peer, the weights stay as they were), then over a new channel
     to a receiver that takes them all; two buckets in flight on the policy's side, the ranks
@@ -145,7 +145,7 @@ def policy_side_twice(plan, model_name, port_paths, bucket_bytes, manifest_path,
     from .policy_worker import ROWS_PER_RANK, _full_state, global_batch, nll
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, tp=2)
+    policy = plancc.Policy(plan, model_name, layout=plancc.Layout(**(layout or {"tp": 2})))
     policy.train(global_batch(ROWS_PER_RANK, load_config(model_name).vocab_size, seed=4), nll)
     rank0 = torch.distributed.get_rank() == 0
     if rank0:

@@ -31,15 +31,18 @@ GENEROUS_S = 60  # a hang waits for the process group's timeout (120 s here; 600
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_one_ranks_failure_is_every_ranks_within_seconds_and_the_policy_goes_on(tmp_path):
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"pp": 2}], ids=["dp2", "pp2"])
+def test_one_ranks_failure_is_every_ranks_within_seconds_and_the_policy_goes_on(tmp_path, layout):
     """Rank 0's file work (publishing a checkpoint, writing an export) and a consumer of
     ``weights()`` that raises on rank 0 or on rank 1: every rank raises within seconds (none waits
     in a barrier or a gather for the process group's timeout), every rank leaves the failed call
-    at the same point, and the next ``logprobs`` and ``save`` work as before."""
+    at the same point, and the next ``logprobs`` and ``save`` work as before. With pipeline
+    stages too (a consumer raising on one rank hung pp2 past 240 s before the stages streamed
+    through ``Policy``'s transport)."""
     from .agreement_worker import failures_agreed
     from .distributed import launch
 
-    results = launch(failures_agreed, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3", str(tmp_path))
+    results = launch(failures_agreed, 2, str(PLANS / "qwen3.yaml"), "tiny-qwen3", str(tmp_path), layout)
     for rank, out in results.items():
         saving = out["save: rank 0's folder read-only while publishing"]
         assert saving["outcome"].startswith("CheckpointError") and "rank 0: OSError" in saving["outcome"], rank

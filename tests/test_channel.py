@@ -93,7 +93,12 @@ def test_a_receiver_that_never_joins_is_an_error_within_the_timeout():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_works(tmp_path):
+@pytest.mark.parametrize(
+    "model_name, layout", [("tiny-qwen3-tied", {"tp": 2}), ("tiny-qwen3", {"pp": 2})], ids=["tp2", "pp2"]
+)
+def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_works(tmp_path, model_name, layout):
+    """At tp2, and with pipeline stages (where a receiver dying mid-send hung pp2 past 240 s
+    before the stages sent through ``Policy``'s transport)."""
     import torch
     from safetensors.torch import load_file
 
@@ -106,8 +111,8 @@ def test_a_receiver_that_dies_mid_transfer_leaves_the_weights_and_a_new_channel_
     dying = _receiver("dying", f"file:{ports[0]}", manifest)
     good = _receiver(f"file:{ports[1]}", manifest, received, "0")
     try:
-        results = launch(policy_side_twice, 2, "plans/qwen3.yaml", "tiny-qwen3-tied", ports, BUCKET, str(manifest),
-                         str(tmp_path / "hf"))
+        results = launch(policy_side_twice, 2, "plans/qwen3.yaml", model_name, ports, BUCKET, str(manifest),
+                         str(tmp_path / "hf"), layout)
         out, _ = good.communicate(timeout=120)
     finally:
         dying.kill()
