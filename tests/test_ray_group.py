@@ -46,6 +46,20 @@ def group_of_two(cluster):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_every_public_policy_method_is_the_groups_with_no_list_to_keep():
+    """Each public ``Policy`` method is the group's (run on every actor; rank 0's result), or one it
+    runs in its own way or cannot carry, named with the reason (``NOT_FORWARDED``)."""
+    from plancc import Policy
+    from plancc.engine.ray_group import NOT_FORWARDED
+    from plancc.ray import PolicyGroup
+
+    public = {n for n, m in vars(Policy).items() if not n.startswith("_") and callable(m)}
+    assert public - NOT_FORWARDED <= set(vars(PolicyGroup)), public - NOT_FORWARDED - set(vars(PolicyGroup))
+    assert {"save", "load", "export_hf", "offload", "onload", "weights_manifest"} <= set(vars(PolicyGroup))
+    assert "weights" not in vars(PolicyGroup) and "slice_of" not in vars(PolicyGroup)
+    assert PolicyGroup.export_hf.__doc__.startswith("``Policy.export_hf`` on every actor")
+
+
 def test_a_policy_group_of_ray_actors_equals_the_torchrun_path_bitwise(group_of_two):
     import torch
 

@@ -228,24 +228,6 @@ class PolicyGroup:
             return tuple(torch.cat(column) for column in zip(*ordered, strict=True))
         return torch.cat(ordered)
 
-    def offload(self, **kwargs: Any) -> None:
-        self._all([w.call.remote("offload", **kwargs) for w in self.workers])
-
-    def onload(self) -> None:
-        self._all([w.call.remote("onload") for w in self.workers])
-
-    def save(self, folder: str) -> str:
-        return str(self._all([w.call.remote("save", folder) for w in self.workers])[0])
-
-    def load(self, folder: str) -> None:
-        self._all([w.call.remote("load", folder) for w in self.workers])
-
-    def export_hf(self, folder: str) -> None:
-        self._all([w.call.remote("export_hf", folder) for w in self.workers])
-
-    def weights_manifest(self, **kwargs: Any) -> dict[str, Any]:
-        return self._all([self.workers[0].call.remote("weights_manifest", **kwargs)])[0]
-
     def open_channel(
         self,
         host: str,
@@ -283,3 +265,43 @@ class PolicyGroup:
         if getattr(self, "placement", None) is not None:
             remove_placement_group(self.placement)
             self.placement = None
+
+
+# Policy's public methods that the group runs in its own way (a global batch cut into the dp
+# slices, the channel its actors hold), that answer for one rank (which rows it holds: the group
+# cuts the global batch itself), or that cannot be carried between processes: ``weights`` yields
+# gathered tensors one bucket at a time on each actor (consume it in an actor: ``call``), and
+# ``share_weights`` takes a connection to a process on the actor's own device.
+NOT_FORWARDED = frozenset(
+    {
+        "train",
+        "logprobs",
+        "reference_logprobs",
+        "send_weights",
+        "slice_of",
+        "balanced_slices",
+        "weights",
+        "share_weights",
+    }
+)
+
+
+def _forwarded(name: str) -> Callable[..., Any]:
+    def method(self: PolicyGroup, *args: Any, **kwargs: Any) -> Any:
+        return self._all([w.call.remote(name, *args, **kwargs) for w in self.workers])[0]
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"``Policy.{name}`` on every actor (it is collective); rank 0's result."
+    return method
+
+
+def forward_policy_methods(group: type) -> None:
+    """Every public method of ``Policy`` the group does not define or refuse, as every actor's
+    call: a method added to ``Policy`` is the group's too, with no list to keep."""
+    for name, member in vars(Policy).items():
+        if name.startswith("_") or not callable(member) or name in NOT_FORWARDED or name in vars(group):
+            continue
+        setattr(group, name, _forwarded(name))
+
+
+forward_policy_methods(PolicyGroup)
