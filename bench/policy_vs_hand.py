@@ -47,7 +47,7 @@ def worker(steps: int, layout: str, profile: bool = False):
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 8, 4, 32
     sizes = {"dp": world} if layout == "dp" else {"tp": world}
     adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-3}}
-    policy = plancc.Policy(PLAN, config, optimizer=adamw, **sizes)
+    policy = plancc.Policy(PLAN, config, optimizer=adamw, layout=plancc.Layout(**sizes))
     mesh = policy.mesh
     model = build_model(copy.deepcopy(config), device="meta")
     plancc.parallelize(model, plancc.load_plan(PLAN), mesh)

@@ -26,14 +26,14 @@ def measure(layout: dict, preset: str, layers: int, rows: int, seq: int, repeat:
     import plancc
     from plancc.models import load_config
 
-    from tests.distributed import init_gloo
+    from tests.distributed import init_gloo, sized
 
     init_gloo()
     config = load_config(preset)
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
-    policy = plancc.Policy("plans/qwen3.yaml", config, reference=True, **layout)
+    policy = plancc.Policy("plans/qwen3.yaml", config, reference=True, layout=sized(**layout))
     gen = torch.Generator().manual_seed(0)
     per = rows // policy.dp_size
     ids = torch.randint(0, config.vocab_size, (per, seq), generator=gen)

@@ -27,7 +27,7 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from tests.distributed import free_port, init_gloo, launch  # noqa: E402
+from tests.distributed import free_port, init_gloo, launch, sized  # noqa: E402
 from tests.live_bytes import LiveBytes  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def policy_side(model, tp, bucket, rounds, port, manifest_path, in_flight, agree
     import plancc
 
     init_gloo()
-    policy = plancc.Policy(os.path.join(ROOT, "plans", "qwen3.yaml"), model, tp=tp)
+    policy = plancc.Policy(os.path.join(ROOT, "plans", "qwen3.yaml"), model, layout=sized(tp=tp))
     rank0 = torch.distributed.get_rank() == 0
     channel = None
     if rank0:

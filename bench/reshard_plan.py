@@ -45,7 +45,7 @@ def policy(port: int, manifest_path: str, layers: int, rounds: int) -> dict:
 
     init_gloo(timeout_s=1800)
     rank = torch.distributed.get_rank()
-    engine = plancc.Policy(PLAN, _config(layers), dp=2)
+    engine = plancc.Policy(PLAN, _config(layers), layout=plancc.Layout(dp=2))
     if rank == 0:
         with open(manifest_path + ".tmp", "w") as f:
             json.dump({**engine.weights_manifest(), "policy_ranks": 2}, f)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .runtime.gradnorm import clip_grad_norm_
     from .runtime.loss import causal_lm_loss
     from .runtime.materialize import materialize
-    from .runtime.mesh import MeshError, MeshSpec, ParallelMesh, build_mesh, layout_of
+    from .runtime.mesh import ParallelMesh, build_mesh, layout_of
     from .runtime.parallelize import parallelize
     from .runtime.styles.lower import compile_plan
     from .tools.suggest import suggest
@@ -48,7 +48,7 @@ _HOMES = {
     "materialize": "plancc.runtime.materialize",
     "causal_lm_loss": "plancc.runtime.loss",
     "clip_grad_norm_": "plancc.runtime.gradnorm",
-    **dict.fromkeys(["MeshError", "MeshSpec", "ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
+    **dict.fromkeys(["ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
     **dict.fromkeys(["BatchTotals", "NonFiniteError", "Norm", "Policy"], "plancc.engine.policy"),
     **dict.fromkeys(["BatchError", "Microbatching"], "plancc.engine.batches"),
@@ -66,8 +66,6 @@ __all__ = [
     "Diagnostic",
     "Layout",
     "LayoutError",
-    "MeshError",
-    "MeshSpec",
     "Microbatching",
     "NonFiniteError",
     "Norm",

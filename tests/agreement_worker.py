@@ -5,6 +5,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .distributed import sized
+
 VOCAB = 256
 
 
@@ -41,7 +43,7 @@ def uneven_metric_names(plan, model_name, layouts):
     out = {}
     batch = _global_batch()
     for layout in layouts:
-        policy = Policy(plan, model_name, device="cpu", **layout)
+        policy = Policy(plan, model_name, device="cpu", layout=sized(**layout))
         rows = policy.slice_of(batch["input_ids"].shape[0])
         mine = {k: v[rows] for k, v in batch.items()}
         row = policy.train(mine, _loss_with_uneven_metrics, micro_batch_size=1)
@@ -133,7 +135,7 @@ def dropout_streams(plan, model_name, layouts):
     for layout in layouts:
         # (LoRA dropout under tp is refused: a rowwise layer's input shards would share masks)
         lora = {"r": 4, "targets": ["model.layers.*.self_attn.q_proj"], "dropout": 0.5 if layout.get("tp", 1) == 1 else 0.0}
-        Policy(plan, model_name, device="cpu", lora=lora, **layout)
+        Policy(plan, model_name, device="cpu", lora=lora, layout=sized(**layout))
         drawn = [None] * dist.get_world_size()
         dist.all_gather_object(drawn, torch.rand(6).tolist())
         out[str(layout)] = drawn
@@ -164,7 +166,7 @@ def metric_fuzz(plan, model_name, layouts):
     batch = _global_batch()
     out = {}
     for layout in layouts:
-        policy = Policy(plan, model_name, device="cpu", **layout)
+        policy = Policy(plan, model_name, device="cpu", layout=sized(**layout))
         rows = policy.slice_of(batch["input_ids"].shape[0])
         mine = {k: v[rows] for k, v in batch.items()}
         found = out.setdefault(str(layout), {})

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 
 def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir, in_flight=None, agree_every=None):
@@ -22,7 +22,7 @@ def policy_side(plan, model_name, port, bucket_bytes, manifest_path, export_dir,
     from .policy_worker import ROWS_PER_RANK, global_batch, nll
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, tp=2)
+    policy = plancc.Policy(plan, model_name, layout=sized(tp=2))
     batch = global_batch(ROWS_PER_RANK, load_config(model_name).vocab_size, seed=4)
     policy.train(batch, nll)
     result = {}
@@ -214,7 +214,7 @@ def pipeline_policy_side(plan, model_name, port, bucket_bytes, manifest_path, we
     from .policy_worker import ROWS_PER_RANK, global_batch, nll
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, pp=2)
+    policy = plancc.Policy(plan, model_name, layout=sized(pp=2))
     policy.train(global_batch(ROWS_PER_RANK, load_config(model_name).vocab_size, seed=4), nll)
     channel = None
     if torch.distributed.get_rank() == 0:

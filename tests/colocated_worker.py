@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 
 def consumer(connection, out_path):
@@ -32,7 +32,7 @@ def policy_side(out_path, export_dir, bucket):
     from .policy_worker import ROWS_PER_RANK, global_batch, nll
 
     init_gloo()
-    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", tp=2)
+    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", layout=sized(tp=2))
     policy.train(global_batch(ROWS_PER_RANK, load_config("tiny-qwen3-tied").vocab_size, seed=6), nll)
     process, mine = None, None
     if torch.distributed.get_rank() == 0:
@@ -100,7 +100,7 @@ def refit_failures(modes):
     import plancc
 
     init_gloo()
-    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", tp=2)
+    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", layout=sized(tp=2))
     rank0 = torch.distributed.get_rank() == 0
     context = multiprocessing.get_context("spawn")
     out = {}

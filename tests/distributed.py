@@ -282,3 +282,13 @@ def forked_ranks():
         os.environ.clear()
         os.environ.update(environ)  # the launcher's OMP_NUM_THREADS and the like stay with it
         shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def sized(**sizes):
+    """``plancc.Layout`` of this launched rank's world from axis sizes, dp inferred where not
+    given (``sp`` is ``sequence_parallel``): what the tests' layout dicts mean."""
+    import plancc
+
+    if "sp" in sizes:
+        sizes["sequence_parallel"] = sizes.pop("sp")
+    return plancc.Layout.infer(world_size=int(os.environ["WORLD_SIZE"]), **sizes)

@@ -3,7 +3,7 @@ optimizer stepped on the local shards (plancc's way) and through DTensor's dispa
 
 from __future__ import annotations
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 from .policy_worker import ROWS_PER_RANK, global_batch, nll
 
 OPTIMIZERS = {
@@ -63,7 +63,7 @@ def both_ways(plan, model_name, layout, optimizer):
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             policy = plancc.Policy(plan, model_name, optimizer=OPTIMIZERS[optimizer], max_grad_norm=None,
-                                   lr_scheduler=SCHEDULES.get(optimizer), **layout)
+                                   lr_scheduler=SCHEDULES.get(optimizer), layout=sized(**layout))
             mine = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
             for _ in range(3):
                 policy.train(mine, nll)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 from .policy_worker import (
     GRAD_NORM,
     LOSSES,
@@ -97,7 +97,7 @@ def lora_train_cases(plan, model_name, layout_kwargs, targets, cases):
 
     init_gloo()
     spec = {**SPEC, "targets": targets}
-    policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, lora=spec, **layout_kwargs)
+    policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, lora=spec, layout=sized(**layout_kwargs))
     policy.optimizer.names = [name for name, p in policy.model.named_parameters() if p.requires_grad]
     config = load_config(model_name)
     adapter_names = set(adapters_of(policy.model).parameter_names())
@@ -192,7 +192,7 @@ def reference_export_and_resume(plan, model_name, layout_kwargs, targets, folder
     spec = {**SPEC, "targets": targets}
     adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
     config = load_config(model_name)
-    policy = plancc.Policy(plan, model_name, lora=spec, reference=True, optimizer=adamw, **layout_kwargs)
+    policy = plancc.Policy(plan, model_name, lora=spec, reference=True, optimizer=adamw, layout=sized(**layout_kwargs))
     out: dict = {"reference_copy": policy._reference is not None}
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size)
     mine = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
@@ -231,14 +231,14 @@ def reference_export_and_resume(plan, model_name, layout_kwargs, targets, folder
         loaded = PeftModel.from_pretrained(build_model(copy.deepcopy(config), device="cpu"), str(root / "adapters"))
         out["peft_loaded_vs_policy"] = float((_logprobs_of(loaded, mine) - trained).abs().max())
     saved = policy.save(root / "ck")
-    resumed = plancc.Policy(plan, model_name, lora=spec, optimizer=adamw, seed=7, **layout_kwargs)
+    resumed = plancc.Policy(plan, model_name, lora=spec, optimizer=adamw, seed=7, layout=sized(**layout_kwargs))
     resumed.load(root / "ck")
     a, b = _full_state(policy.model), _full_state(resumed.model)
     out["resumed_equal"] = all(torch.equal(a[k], b[k]) for k in a)
     first, second = policy.train(mine, loss), resumed.train(mine, loss)
     a, b = _full_state(policy.model), _full_state(resumed.model)
     out["next_step_equal"] = first["loss"] == second["loss"] and all(torch.equal(a[k], b[k]) for k in a)
-    full = plancc.Policy(plan, model_name, optimizer=adamw, **layout_kwargs)
+    full = plancc.Policy(plan, model_name, optimizer=adamw, layout=sized(**layout_kwargs))
     full.save(root / "full")
     refusals = []
     for into, source in ((full, root / "ck"), (resumed, root / "full")):  # LoRA into full, full into LoRA

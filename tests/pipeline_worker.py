@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .conftest import PLANS
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 
 def _model_pair(preset, layers):
@@ -293,7 +293,7 @@ def policy_calls(folder):
     init_gloo()
     try:
         adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
-        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", pp=2, reference=True, optimizer=adamw)
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", reference=True, optimizer=adamw, layout=sized(pp=2))
         config = load_config("tiny-qwen3")
         batch = global_batch(4, config.vocab_size)
         mask = batch["attention_mask"].bool()
@@ -326,10 +326,10 @@ def policy_calls(folder):
         mine = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in policy.model.named_parameters()}
         weights_diff = max((out[n] - t).abs().max().item() for n, t in mine.items())
         path = policy.save(folder)
-        again = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", pp=2, seed=1, optimizer=adamw)
+        again = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", seed=1, optimizer=adamw, layout=sized(pp=2))
         again.load(folder)
         resumed = again.logprobs(batch)
-        flat = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, seed=1, optimizer=adamw)
+        flat = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", seed=1, optimizer=adamw, layout=sized(dp=2))
         info = flat.load(folder)
         at_pp1 = flat.logprobs(batch)
         # the weights out are Policy's at every layout: the same stream, manifest and export
@@ -393,7 +393,7 @@ def legacy_checkpoint(folder):
     init_gloo()
     try:
         adamw = {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}}
-        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, optimizer=adamw)
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", optimizer=adamw, layout=sized(dp=2))
         batch = global_batch(4, 256)
         policy.train({k: v[policy.slice_of(4)] for k, v in batch.items()}, nll)
         path = policy.save(folder)
@@ -404,7 +404,7 @@ def legacy_checkpoint(folder):
         dist.barrier()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
         numbered = any(k.startswith("optim.param_groups.0.") for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        fresh = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", dp=2, seed=3, optimizer=adamw)
+        fresh = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", seed=3, optimizer=adamw, layout=sized(dp=2))
         fresh.load(folder)
         weights = max((a - b).abs().max().item() for a, b in zip(policy._shards(), fresh._shards(), strict=True))
         moments = max(
@@ -448,7 +448,7 @@ def policy_schedule(folder, schedule, cp=1):
             grads.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                           for n, p in policy.model.named_parameters()})
 
-        policy = plancc.Policy(path, config, pp=2, cp=cp, max_grad_norm=None,
+        policy = plancc.Policy(path, config, max_grad_norm=None, layout=sized(pp=2, cp=cp),
                                optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
         policy.optimizer.register_step_pre_hook(keep)
         shards = watch_sequence_shards(policy.model)
@@ -497,7 +497,7 @@ def policy_with_plan_stages(folder):
             f.write(text)
         config = load_config("tiny-qwen3")
         config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
-        policy = plancc.Policy(path, config, pp=2, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        policy = plancc.Policy(path, config, max_grad_norm=None, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), layout=sized(pp=2))
         layers = sorted({int(n.split(".")[2]) for n, _ in policy.model.named_parameters() if ".layers." in n})
         batch = global_batch(4, config.vocab_size)
         got = policy.train(batch, nll)
@@ -533,7 +533,7 @@ def refusal_on_one_dp_rank():
 
     init_gloo()
     try:
-        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", pp=2, dp=2)
+        policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", layout=sized(pp=2, dp=2))
         batch = global_batch(8, 256)
         mine = {k: v[policy.slice_of(8)] for k, v in batch.items()}
 

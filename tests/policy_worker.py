@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 ROWS_PER_RANK = 4
 GRAD_NORM = "(gradient norm before clipping)"  # beside the gradients: clipping hides a scaled gradient
@@ -234,7 +234,7 @@ def train_cases(plan, model_name, layout_kwargs, cases):
     from plancc.models import load_config
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, **layout_kwargs)
+    policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, layout=sized(**layout_kwargs))
     policy.optimizer.names = [name for name, _ in policy.model.named_parameters()]
     config = load_config(model_name)
     initial = [t.clone() for t in policy._shards()]
@@ -326,7 +326,7 @@ def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):
     from plancc.runtime.logprobs import token_logprobs
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, reference=True, **layout_kwargs)
+    policy = plancc.Policy(plan, model_name, reference=True, layout=sized(**layout_kwargs))
     config = load_config(model_name)
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, config.vocab_size, seed=3)
     mine = policy.slice_of(batch["input_ids"].shape[0])
@@ -413,12 +413,12 @@ def save_then_load_elsewhere(plan, model_name, folder, save_layout, load_layout)
     config = load_config(model_name)
     batch = global_batch(ROWS_PER_RANK * 2, config.vocab_size, seed=5)
     out = {}
-    first = plancc.Policy(plan, model_name, **save_layout)
+    first = plancc.Policy(plan, model_name, layout=sized(**save_layout))
     mine = first.slice_of(batch["input_ids"].shape[0])
     first.train({k: v[mine] for k, v in batch.items()}, nll)
     first.save(folder)
     want = first.logprobs({k: v[mine] for k, v in batch.items()})
-    second = plancc.Policy(plan, model_name, seed=7, **load_layout)  # other initial weights
+    second = plancc.Policy(plan, model_name, seed=7, layout=sized(**load_layout))  # other initial weights
     second.load(folder)
     other = second.slice_of(batch["input_ids"].shape[0])
     got = second.logprobs({k: v[other] for k, v in batch.items()})
@@ -449,7 +449,7 @@ def slices_that_do_not_fit(plan, model_name):
     from plancc.models import load_config
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, dp=2, tp=2)
+    policy = plancc.Policy(plan, model_name, layout=sized(dp=2, tp=2))
     config = load_config(model_name)
     batch = global_batch(ROWS_PER_RANK * 2, config.vocab_size, seed=9)
     local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
@@ -485,8 +485,8 @@ def offload_round_trip_and_weights(plan, model_name, layout_kwargs, export_dir):
 
     init_gloo()
     config = load_config(model_name)
-    a = plancc.Policy(plan, model_name, reference=True, **layout_kwargs)
-    b = plancc.Policy(plan, model_name, **layout_kwargs)
+    a = plancc.Policy(plan, model_name, reference=True, layout=sized(**layout_kwargs))
+    b = plancc.Policy(plan, model_name, layout=sized(**layout_kwargs))
     batch = global_batch(ROWS_PER_RANK * a.dp_size, config.vocab_size, seed=11)
     local = {k: v[a.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
     out = {}
@@ -556,7 +556,7 @@ def torchrun_reference_for_ray(plan, model_name, layout_kwargs):
 
     init_gloo()
     policy = plancc.Policy(
-        plan, model_name, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}, **layout_kwargs
+        plan, model_name, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}, layout=sized(**layout_kwargs)
     )
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, load_config(model_name).vocab_size, seed=13)
     mine = policy.slice_of(batch["input_ids"].shape[0])
@@ -581,7 +581,7 @@ def weights_peak_memory(plan, config_path, layout_kwargs, bucket):
     from .live_bytes import LiveBytes
 
     init_gloo()
-    policy = plancc.Policy(plan, config_path, **layout_kwargs)
+    policy = plancc.Policy(plan, config_path, layout=sized(**layout_kwargs))
     held = [
         t._local_tensor if isinstance(t, DTensor) else t for t in [*policy.model.parameters(), *policy.model.buffers()]
     ]
@@ -613,7 +613,7 @@ def ratio_at_temperatures(plan, model_name, layout_kwargs, temperatures):
     import plancc
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), **layout_kwargs)
+    policy = plancc.Policy(plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), layout=sized(**layout_kwargs))
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, 256, seed=5)
     local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
     out = {}
@@ -663,7 +663,7 @@ def reference_places(plan, model_name, layout_kwargs):
     batch = global_batch(ROWS_PER_RANK * 2, config.vocab_size, seed=5)
     found = {}
     for place in ("device", "host"):
-        policy = plancc.Policy(plan, model_name, reference=place, param_dtype="bfloat16", **layout_kwargs)
+        policy = plancc.Policy(plan, model_name, reference=place, param_dtype="bfloat16", layout=sized(**layout_kwargs))
         local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
         before = policy.logprobs(local)
         policy.train(local, nll)
@@ -743,7 +743,7 @@ def calls_out_of_step(plan, model_name, layout_kwargs):
 
     init_gloo()
     try:
-        policy = plancc.Policy(plan, model_name, device="cpu", **layout_kwargs)
+        policy = plancc.Policy(plan, model_name, device="cpu", layout=sized(**layout_kwargs))
         batch = global_batch(4, policy.config.vocab_size)
         rows = policy.slice_of(batch["input_ids"].shape[0])
         mine = {k: v[rows] for k, v in batch.items()}

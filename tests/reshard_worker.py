@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 PLAN = "plans/qwen3.yaml"
 MODEL = "tiny-qwen3"
@@ -51,7 +51,7 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, 
     from .policy_worker import nll
 
     init_gloo()
-    policy = plancc.Policy(PLAN, MODEL, lora=lora, **layout)
+    policy = plancc.Policy(PLAN, MODEL, lora=lora, layout=sized(**layout))
     batch = _batch(load_config(MODEL).vocab_size)
     mine = policy.slice_of(batch["input_ids"].shape[0])
     policy.train({k: v[mine] for k, v in batch.items()}, nll)

@@ -1,7 +1,7 @@
-"""``plancc.Policy`` takes its layout one way: ``layout=`` (a ``Layout`` or a mesh built by
-``plancc.build_mesh``), ``mesh=`` (the older name of the same), or the ``tp=/cp=/ep=/dp=/sp=``
-shorthand. Two ways that disagree are a ``LayoutError`` naming both, before any model is built;
-two that agree are accepted. A fake world of 4 ranks: nothing here communicates."""
+"""``plancc.Policy`` takes its layout one way: ``layout=``, a ``Layout`` or a mesh built by
+``plancc.build_mesh`` (None: every rank data-parallel). plancc 0.x's ``tp=/cp=/ep=/dp=/sp=/pp=``
+and ``mesh=`` keywords are gone: Python's own ``TypeError`` names the keyword. A fake world of
+4 ranks: nothing here communicates."""
 
 import pytest
 
@@ -22,21 +22,15 @@ def _policy(**layout):
     return plancc.Policy("plans/qwen3.yaml", "tiny-qwen3", device="cpu", **layout)
 
 
-def test_shorthand_that_disagrees_with_the_layout_is_refused(fake_world):
-    import plancc
-
-    with pytest.raises(plancc.LayoutError) as err:
-        _policy(layout=plancc.Layout(dp=2, tp=2), cp=2)
-    assert "cp=2 (the layout has 1)" in str(err.value) and "one way" in str(err.value)
+@pytest.mark.parametrize("keyword", ["tp", "dp", "pp", "mesh"])
+def test_the_keywords_of_plancc_0x_are_gone(fake_world, keyword):
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        _policy(**{keyword: 2})
 
 
-def test_a_layout_and_a_mesh_that_disagree_are_refused(fake_world):
-    import plancc
-
-    mesh = plancc.build_mesh(dp=4, device_type="cpu")
-    with pytest.raises(plancc.LayoutError) as err:
-        _policy(layout=plancc.Layout(dp=2, tp=2), mesh=mesh)
-    assert "layout=dp=2 cp=1 tp=2" in str(err.value) and "mesh=dp=4" in str(err.value)
+def test_a_layout_that_is_neither_a_layout_nor_a_mesh_is_refused_naming_the_way(fake_world):
+    with pytest.raises(TypeError, match=r"layout=plancc.Layout\(tp=2"):
+        _policy(layout={"tp": 2})
 
 
 @pytest.mark.parametrize(
@@ -44,14 +38,17 @@ def test_a_layout_and_a_mesh_that_disagree_are_refused(fake_world):
     [
         lambda plancc: {"layout": plancc.Layout(dp=2, tp=2)},
         lambda plancc: {"layout": plancc.build_mesh(dp=2, tp=2, device_type="cpu")},
-        lambda plancc: {"mesh": plancc.build_mesh(dp=2, tp=2, device_type="cpu")},
-        lambda plancc: {"tp": 2},
-        lambda plancc: {"layout": plancc.Layout(dp=2, tp=2), "tp": 2, "dp": 2},  # agreeing shorthand
     ],
-    ids=["layout", "built-mesh-as-layout", "mesh", "shorthand", "layout-and-agreeing-shorthand"],
+    ids=["layout", "built-mesh"],
 )
 def test_each_way_of_giving_the_layout_gives_the_same_one(fake_world, way):
     import plancc
 
     policy = _policy(**way(plancc))
     assert policy.layout == plancc.Layout(dp=2, tp=2)
+
+
+def test_no_layout_is_every_rank_data_parallel(fake_world):
+    import plancc
+
+    assert _policy().layout == plancc.Layout(dp=4)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from plancc import Layout
+
 ray = pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +36,7 @@ def group_of_two(cluster):
 
     def take(*, fresh: bool):
         if not made or not made[-1].workers or (fresh and id(made[-1]) in used):
-            made.append(PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", dp=2, strategy="PACK", timeout_s=600,
+            made.append(PolicyGroup(2, "plans/qwen3.yaml", "tiny-qwen3", layout=Layout(dp=2), strategy="PACK", timeout_s=600,
                                     optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": LR}}))
         used.add(id(made[-1]))
         return made[-1]
@@ -132,7 +134,7 @@ def test_a_resharded_refit_through_the_group_gives_the_engine_the_policys_logpro
 
     port = free_port()
     manifest = tmp_path / "manifest.json"
-    group = PolicyGroup(2, PLAN, MODEL, dp=2)
+    group = PolicyGroup(2, PLAN, MODEL, layout=Layout(dp=2))
     try:
         manifest.write_text(json.dumps({**group.weights_manifest(), "policy_ranks": 2}))
         engine = launch_beside(receiver_rank, 2, port, str(manifest))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 
 def balanced_and_contiguous_steps(plan, model_name):
@@ -15,7 +15,7 @@ def balanced_and_contiguous_steps(plan, model_name):
     from plancc.engine.batches import default_token_mask
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, dp=2, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}})
+    policy = plancc.Policy(plan, model_name, optimizer={"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}, layout=sized(dp=2))
     gen = torch.Generator().manual_seed(3)
     lengths = torch.tensor([40, 4, 6, 38, 5, 36, 3, 7])  # the long rows first on rank 0: 119 tokens against 21
     ids = torch.randint(0, policy.config.vocab_size, (8, 40), generator=gen)

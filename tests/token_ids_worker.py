@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 
 def one_rank_with_an_id_outside_the_vocabulary(plan, model_name):
@@ -14,7 +14,7 @@ def one_rank_with_an_id_outside_the_vocabulary(plan, model_name):
     import plancc
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, dp=2)
+    policy = plancc.Policy(plan, model_name, layout=sized(dp=2))
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     if dist.get_rank() == 1:
         ids[1, 5] = policy.config.vocab_size + 7

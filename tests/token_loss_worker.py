@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .distributed import init_gloo
+from .distributed import init_gloo, sized
 
 
 def fails_on_rank_1(plan, model_name):
@@ -15,7 +15,7 @@ def fails_on_rank_1(plan, model_name):
     from plancc.engine.batches import BatchError
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, tp=2)
+    policy = plancc.Policy(plan, model_name, layout=sized(tp=2))
     batch = {"input_ids": torch.randint(0, 200, (4, 16), generator=torch.Generator().manual_seed(0))}
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
 

@@ -45,7 +45,7 @@ from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.local_step import optimizer_step
 from ..runtime.materialize import materialize
-from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group, seed_data_shard_streams
+from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
 from ..runtime.weights import load_hf_weights
 from .batch_agreement import different_fields, fields_fingerprint
@@ -56,11 +56,9 @@ from .offload import Offloader
 from .options import (
     OptimizerSpec,
     SchedulerSpec,
-    legacy_layout_keywords,
     make_optimizer,
     make_scheduler,
-    policy_layout,
-    the_layout,
+    policy_mesh,
 )
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
 from .pipeline_rows import PipelineRows, RowGroup, fingerprint
@@ -89,35 +87,32 @@ class PipelinePolicy(Policy, stages=True):
         seed: int = 0,
         device: str | None = None,
         timeout_s: float = 600.0,
-        **deprecated: Any,  # plancc 0.x's layout keywords, as Policy's (engine.options)
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
-        given = policy_layout(layout, legacy_layout_keywords(deprecated))
-        built = given if isinstance(given, ParallelMesh) else None
-        layout = the_layout(given)
+        self.mesh: ParallelMesh = policy_mesh(layout, device=self.device)
+        sizes = self.mesh.layout
         self._dp_rank: int | None = None
         unsupported = [
             what
             for what, on in (
-                (f"ep={layout.ep}", layout.ep > 1),
+                (f"ep={sizes.ep}", sizes.ep > 1),
                 ("LoRA", lora is not None),
             )
             if on
         ]
         if unsupported:
             raise LayoutError.from_message(
-                f"pp={layout.pp} with {', '.join(unsupported)}: not supported yet",
+                f"pp={sizes.pp} with {', '.join(unsupported)}: not supported yet",
                 "drop it, or train without --pp (docs/pipeline.md says what runs)",
             )
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         if self.plan.lora is not None:
             raise LayoutError.from_message(
-                f"pp={layout.pp} with the plan's lora: section: not supported yet", "train without --pp"
+                f"pp={sizes.pp} with the plan's lora: section: not supported yet", "train without --pp"
             )
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
         self.config = load_config(model)
-        self.mesh: ParallelMesh = built or build_mesh(layout, device_type=self.device)
         self.lora = None
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
         self._whole, stages = self._build_stages(dtype)
@@ -140,8 +135,8 @@ class PipelinePolicy(Policy, stages=True):
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,
-            layout.pp,
-            microbatches=spec.microbatches or layout.pp,
+            sizes.pp,
+            microbatches=spec.microbatches or sizes.pp,
             schedule=spec.schedule,
             group=self.mesh["pp"].get_group(),
             device=torch.device(self.device),

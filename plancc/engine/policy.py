@@ -61,14 +61,12 @@ from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_tempera
 from .microbatch_passes import forward, loss_pass, token_pass
 from .offload import Offloader
 from .options import (
-    LEGACY_LAYOUT_KEYWORDS,
     OptimizerSpec,
     SchedulerSpec,
-    legacy_layout_keywords,
     make_optimizer,
     make_scheduler,
+    pipeline_stages,
     policy_mesh,
-    the_layout,
 )
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
@@ -82,9 +80,8 @@ class Policy:
 
     ``plan``: a plan file or ``Plan``; ``model``: a preset, a Hugging Face folder or a
     ``config.json`` (as ``--model``), or a transformers config (seeded random weights). The
-    layout, one way: ``layout=`` a ``plancc.Layout`` or a mesh built by ``plancc.build_mesh``
-    (``mesh=`` is the older name), or the ``tp``, ``cp``, ``ep``, ``dp`` (inferred), ``sp``
-    shorthand; shorthand that disagrees with a given layout is a ``LayoutError``.
+    layout: ``layout=`` a ``plancc.Layout`` or a mesh built by ``plancc.build_mesh`` (None: every
+    rank data-parallel).
     ``optimizer``: ``params -> Optimizer`` or ``{"name": "torch.optim.AdamW", "kwargs": {...}}``
     (default AdamW); ``lr_scheduler``: ``optimizer -> scheduler`` or name + kwargs (default
     constant). ``param_dtype``: the compute dtype (FSDP2's mixed precision, e.g. ``"bfloat16"``);
@@ -112,11 +109,7 @@ class Policy:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # pp > 1: that class's instance (Python then runs its __init__ with these arguments)
-        legacy = {k: v for k, v in kwargs.items() if k in LEGACY_LAYOUT_KEYWORDS}
-        given = kwargs.get("layout")
-        shown = given if given is not None else legacy.get("mesh")  # mesh=: the old name of a built layout
-        pp = the_layout(shown).pp if isinstance(shown, Layout | ParallelMesh) else legacy.get("pp", 1)
-        if cls is Policy and pp > 1:
+        if cls is Policy and pipeline_stages(kwargs.get("layout")) > 1:
             assert Policy._with_stages is not None, "plancc.engine imports engine.pipelined"
             return super().__new__(Policy._with_stages)
         return super().__new__(cls)
@@ -136,13 +129,12 @@ class Policy:
         seed: int = 0,
         device: str | None = None,
         timeout_s: float = 600.0,
-        **deprecated: Any,  # plancc 0.x's tp=, cp=, ep=, dp=, sp=, pp=, mesh= (engine.options)
     ) -> None:
         self.device = device or default_device_type()
         init_process_group(self.device, timeout_s)
         self._dp_rank: int | None = None
         # the layout converted once, here: a Layout in, the mesh everything below is laid out on
-        self.mesh: ParallelMesh = policy_mesh(layout, legacy_layout_keywords(deprecated), device=self.device)
+        self.mesh: ParallelMesh = policy_mesh(layout, device=self.device)
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
         # a config: seeded random weights (``seed``); a name or folder: what ``--model`` loads
         self.source = None if isinstance(model, PretrainedConfig) else str(model)

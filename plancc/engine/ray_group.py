@@ -94,7 +94,7 @@ class PolicyWorker:
         """Rank 0 joins (opens) the channel as its rank 0; with ``every_rank`` (a resharded refit)
         every rank joins, as its own global rank."""
         assert self.policy is not None, "setup() first"
-        rank = self.policy.mesh.get_rank()
+        rank = self.policy.mesh.device_mesh.get_rank()
         if every_rank or rank == 0:
             self.channel = weight_channel(
                 host, port, rank=rank, world_size=world_size, backend=backend, timeout=timeout

@@ -28,7 +28,7 @@ from ..models import LOGIT_TRANSFORMS, transforms_logits
 from .cp import CPContext, all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
 from .document_attention import set_documents
 from .fused_logprobs import fused_logprobs
-from .mesh import MeshLike
+from .mesh import MeshLike, device_mesh_of
 from .unpacked_rows import unpacked_rows
 from .vocab_stats import ChunkStats, combine_over_ranks, default_chunk
 
@@ -187,7 +187,8 @@ def vocab_layout(
             f"the logits hold {local.shape[-1]} of {vocab} vocabulary entries (a tp shard): "
             "pass mesh= so the shards can be combined"
         )
-    group = mesh["tp"].get_group() if "tp" in (mesh.mesh_dim_names or ()) else mesh.get_group()
+    whole = device_mesh_of(mesh)
+    group = whole["tp"].get_group() if "tp" in (whole.mesh_dim_names or ()) else whole.get_group()
     return local, group, None
 
 
@@ -283,7 +284,8 @@ def per_position(
 
 
 def _cp_size(cp: MeshLike) -> int:
-    return (cp["cp"] if "cp" in (getattr(cp, "mesh_dim_names", None) or ()) else cp).size()
+    mesh = device_mesh_of(cp)
+    return (mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else mesh).size()
 
 
 IGNORE_INDEX = -100

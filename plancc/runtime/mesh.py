@@ -28,10 +28,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout import AXES, Layout, LayoutError
 
-# plancc 0.1's public names, kept public (README, "Python API"): the layout used to be called MeshSpec.
-MeshSpec = Layout
-MeshError = LayoutError
-
 
 def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,8 +58,8 @@ class ParallelMesh:
 
     ``layout``: the sizes, ep and sequence parallelism. ``device_mesh``: the (dp, cp, tp) mesh
     (with its flattened ``dp_cp`` axis). ``expert_mesh``: the (edp, ep, tp) mesh of the same ranks
-    when ``layout.ep > 1``, else None. Indexing (``pm["tp"]``, ``pm["dp", "cp"]``) and anything else
-    a ``DeviceMesh`` answers (``pm.get_rank()``) go to ``device_mesh``.
+    when ``layout.ep > 1``, else None. Indexing (``pm["tp"]``, ``pm["dp", "cp"]``) goes to
+    ``device_mesh``; anything else a ``DeviceMesh`` answers is asked of ``pm.device_mesh``.
     """
 
     layout: Layout
@@ -72,13 +68,6 @@ class ParallelMesh:
 
     def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
         return self.device_mesh[axes]
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names the dataclass does not have: DeviceMesh's own (shape, get_rank);
-        # never for dunders or before the fields exist (copy and pickle probe both)
-        if name.startswith("__") or name in ParallelMesh.__slots__:
-            raise AttributeError(name)
-        return getattr(self.device_mesh, name)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -198,9 +187,15 @@ def build_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_AXES)
 
 
+def device_mesh_of(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
+    """The torch ``DeviceMesh`` of a mesh given either way."""
+    return mesh.device_mesh if isinstance(mesh, ParallelMesh) else mesh
+
+
 def require_plancc_axes(mesh: DeviceMesh | ParallelMesh) -> None:
     """A mesh from elsewhere (torchtitan's dp_shard/tp, a 1-D mesh) fails deep inside torch
     with a slicing error; say what is needed instead."""
+    mesh = device_mesh_of(mesh)
     names = tuple(mesh.mesh_dim_names or ())
     if set(AXES) <= set(names):
         return
