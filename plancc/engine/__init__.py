@@ -2,5 +2,3 @@
 frozen reference and the layout, and cuts batches into microbatches for training and log-probs
 alike; weights leave it by bucket. Below the job layer (the ``apply`` runner) and above the
 runtime; DCP checkpoints of its state live here too."""
-
-from . import pipelined  # noqa: F401 - Policy's class for pipeline stages names itself on import

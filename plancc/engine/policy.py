@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from importlib import import_module
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -98,8 +99,11 @@ class Policy:
     """
 
     # The class a layout with pipeline stages is built as: a Policy whose model is the rank's
-    # stages, built and stepped by ``engine.pipelined`` (which ``plancc.engine`` imports, and
-    # which names itself here: this module stays below it)
+    # stages, built and stepped by ``engine.pipelined``, which names itself here when it is
+    # imported. It subclasses this one, so it is loaded on the first Policy with pp > 1
+    # (``__new__``), not by this module: and not by ``plancc.engine``'s light modules either,
+    # which the launcher imports without DTensor or DCP (tests/test_startup.py). Issue 75 makes
+    # the stages a step executor that Policy owns, which removes this indirection.
     _with_stages: ClassVar[type[Policy] | None] = None
 
     def __init_subclass__(cls, *, stages: bool = False, **kwargs: Any) -> None:
@@ -110,7 +114,9 @@ class Policy:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # pp > 1: that class's instance (Python then runs its __init__ with these arguments)
         if cls is Policy and pipeline_stages(kwargs.get("layout")) > 1:
-            assert Policy._with_stages is not None, "plancc.engine imports engine.pipelined"
+            if Policy._with_stages is None:
+                import_module(f"{__package__}.pipelined")
+            assert Policy._with_stages is not None, "engine.pipelined names its class on import"
             return super().__new__(Policy._with_stages)
         return super().__new__(cls)
 
