@@ -376,7 +376,7 @@ def verify_against_unsharded(
     cp = mesh["cp"].size()
     local_index = (  # the positions this rank's logits hold (the pipeline's last stage gathers them whole)
         load_balanced_indices(batches[0]["input_ids"].shape[1], cp, mesh["cp"].get_local_rank()).to(device)
-        if cp > 1 and not isinstance(policy, PipelinePolicy)
+        if cp > 1 and policy.layout.pp == 1
         else None
     )
     report = VerifyReport(dropout_off=dropped, weights=source)
@@ -432,14 +432,14 @@ def verify_against_unsharded(
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     report.replicas_identical = _replicas_identical(policy.model, mesh)
-    if isinstance(policy, PipelinePolicy):  # each rank compared its own stages' gradients
+    if policy.layout.pp > 1:  # each rank compared its own stages' gradients
         _over_stages(report, policy)
     return report
 
 
 def _whole_state(policy: Policy) -> dict[str, Any]:
     """The policy's weights, whole, on every rank (a pipeline's from every stage)."""
-    if isinstance(policy, PipelinePolicy):
+    if policy.layout.pp > 1:
         return {name: tensor.clone() for name, tensor in policy.weights()}
     with quiet_logger("torch.distributed.tensor"):
         return get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True))
@@ -452,7 +452,7 @@ def _whole_optimizer_state(policy: Policy) -> dict[str, Any]:
     state = copy.deepcopy(
         get_optimizer_state_dict(policy.model, policy.optimizer, options=StateDictOptions(full_state_dict=True))
     )
-    if not isinstance(policy, PipelinePolicy):
+    if policy.layout.pp == 1:
         return state
     every: list[Any] = [None] * policy.layout.pp
     dist.all_gather_object(every, state, group=policy.mesh["pp"].get_group())
@@ -466,7 +466,7 @@ def _whole_optimizer_state(policy: Policy) -> dict[str, Any]:
     return merged
 
 
-def _over_stages(report: VerifyReport, policy: PipelinePolicy) -> None:
+def _over_stages(report: VerifyReport, policy: Policy) -> None:
     """A pipeline's report over every stage: each rank compared its own stages' gradients (the
     worst over every rank; the parameters counted once a stage, over the pipeline's ranks)."""
     mine = (report.grad_max_rel, report.worst_grad, report.grad_floor, report.grad_exact_rel)
