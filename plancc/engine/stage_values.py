@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .streaming import state_entries
+
 
 class StageValues:
     """``values(name)``: the full tensor of a whole-model state-dict name, on every rank of the
@@ -26,8 +28,8 @@ class StageValues:
         self.group, self.device = group, device
         # this rank's tensors, by the model's names: the parameters and buffers themselves (the
         # optimizer and a checkpoint load write into these objects; offloading keeps them)
-        self.held = _tensors(stages)
-        self.meta = _tensors(whole)
+        self.held = dict(state_entries(stages))
+        self.meta = dict(state_entries(whole))
         self._owners: dict[str, int] | None = None
 
     def owners(self) -> dict[str, int]:
@@ -50,9 +52,3 @@ class StageValues:
             tensor = torch.empty(tuple(meta.shape), dtype=meta.dtype, device=self.device)
         dist.broadcast(tensor, group_src=owner, group=self.group)
         return tensor
-
-
-def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
-    out.update(module.named_buffers(remove_duplicate=False))
-    return out

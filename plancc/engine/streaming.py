@@ -134,7 +134,7 @@ def _state(model: nn.Module) -> Mapping[str, torch.Tensor]:
     live = _LIVE_STATE.get(model)
     if live is False:
         return model.state_dict()
-    entries = dict(_entries(model))
+    entries = dict(state_entries(model))
     if live is None:
         plain = all(
             not m._state_dict_hooks
@@ -146,7 +146,7 @@ def _state(model: nn.Module) -> Mapping[str, torch.Tensor]:
     return entries if live else model.state_dict()
 
 
-def _entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def state_entries(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
 
