@@ -122,14 +122,14 @@ def test_save_at_tp2_resume_at_dp2_continues_the_loss_curve(six_steps_at_tp2):
 def test_a_resumed_run_takes_its_learning_rate_from_lr_at_the_schedules_restored_position(six_steps_at_tp2):
     """The checkpoint keeps the schedule's position (Policy.save); the base rate is this run's
     --lr: step 4 of a resume at twice the rate has twice the rate the straight run had there."""
-    from plancc.job.runner import lr_lambda
+    from plancc.job.lr_schedule import lr_factor
 
     _, ck, _ = six_steps_at_tp2
     code, resumed, err = forked_cli("apply", PLANS / "qwen3.yaml", "--steps", 6, "--tp", 1, "--lr", "2e-3",
                                     "--resume", ck / "step-000003")
     assert code == 0, err
     rates = [float(line.split(" lr ")[1].split()[0]) for line in resumed.splitlines() if line.startswith("step ")]
-    assert rates == pytest.approx([2e-3 * lr_lambda(s, warmup=1, total=6) for s in (3, 4, 5)], rel=1e-2)
+    assert rates == pytest.approx([2e-3 * lr_factor(s, schedule="cosine", warmup=1, total=6, min_ratio=0.1) for s in (3, 4, 5)], rel=1e-2)
     # a resume that changes what fixes the rate says so, in one line
     (note,) = [line for line in resumed.splitlines() if line.startswith("note:")]
     assert "--lr 0.001 -> 0.002" in note

@@ -10,12 +10,23 @@ import typer
 
 from ..compiler.lora import LoraSpec
 from ..errors import Diagnostic, PlanError, SourceLoc
-from ..job.config import SYNTHETIC_SEQ_LEN, RunConfig
+from ..job.config import DEFAULT_STEPS, SYNTHETIC_SEQ_LEN, RunConfig
+from ..job.data_order import steps_for_epochs
 from ..job.run_file import run_file_text
 from ..layout import Layout
 from .app import EXIT_PLAN, EXIT_USAGE, Format, FormatOpt, ModelOpt, app, emit, usage_error
 from .launching import launch_and_report, preflight, prelaunch
-from .options import DataFieldFlags, LaunchFlags, LayoutFlags, OutputFlags, WorkerFlags, _path, grouped
+from .options import (
+    DataFieldFlags,
+    DataOrderFlags,
+    LaunchFlags,
+    LayoutFlags,
+    OutputFlags,
+    ScheduleFlags,
+    WorkerFlags,
+    _path,
+    grouped,
+)
 
 if TYPE_CHECKING:
     from ..checks.report import ValidationReport
@@ -23,7 +34,15 @@ if TYPE_CHECKING:
 
 
 @app.command()
-@grouped(layout=LayoutFlags, launch=LaunchFlags, worker=WorkerFlags, output=OutputFlags, fields=DataFieldFlags)
+@grouped(
+    layout=LayoutFlags,
+    launch=LaunchFlags,
+    worker=WorkerFlags,
+    output=OutputFlags,
+    fields=DataFieldFlags,
+    schedule=ScheduleFlags,
+    order=DataOrderFlags,
+)
 def apply(
     ctx: typer.Context,
     layout: LayoutFlags,
@@ -31,6 +50,8 @@ def apply(
     worker: WorkerFlags,
     output: OutputFlags,
     fields: DataFieldFlags,
+    schedule: ScheduleFlags,
+    order: DataOrderFlags,
     resolved: dict[str, Any],
     plan_path: Annotated[
         Path | None, typer.Argument(metavar="PLAN", help="plan YAML file (or the run file's plan)")
@@ -43,9 +64,14 @@ def apply(
     ] = None,
     model: ModelOpt = None,
     steps: Annotated[
-        int,
-        typer.Option("--steps", min=0, help="the run's total optimizer steps (with --resume: trains on to this step)"),
-    ] = 5,
+        int | None,
+        typer.Option(
+            "--steps",
+            min=0,
+            help="the run's total optimizer steps (default 5, or what --epochs makes; with --resume: trains on "
+            "to this step)",
+        ),
+    ] = None,
     log_every: Annotated[
         int, typer.Option("--log-every", min=1, help="a step line every N steps (the first and last always)")
     ] = 1,
@@ -116,6 +142,13 @@ def apply(
     if plan_path is None:
         usage_error("apply needs a PLAN, or --config RUN.yaml that names one", fmt, fix="plancc apply plans/qwen3.yaml")
     assert plan_path is not None
+    if order.epochs is not None and (steps is not None or data is None or order.epochs <= 0):
+        usage_error(
+            f"--epochs {order.epochs:g} "
+            + ("with --steps" if steps is not None else "without --data" if data is None else "trains nothing"),
+            fmt,
+            fix="--epochs N (N > 0, e.g. 1.5) counts passes over --data; give it or --steps, not both",
+        )
     nproc_per_node = default_nproc(launch.nproc_per_node, worker.device)
     opts = launcher_checked(launch, nproc_per_node, worker.device, fmt)
     model, chosen, report = prelaunch(
@@ -149,7 +182,7 @@ def apply(
         plan=str(plan_path),
         layout=chosen,
         model=model,
-        steps=steps,
+        steps=steps if steps is not None else DEFAULT_STEPS,
         log_every=log_every,
         data=_path(data),
         batch_size=batch_size,
@@ -165,11 +198,17 @@ def apply(
         **worker.run_config(),
         **output.run_config(),
         **fields.run_config(),
+        **schedule.run_config(),
+        **order.run_config(),
     )
     if output.save:  # the settings it runs with, in each checkpoint: --config SAVE/step-N/run.yaml
         ran = {"plan": str(plan_path), **resolved, "model": model}
         cfg = replace(cfg, run_file=run_file_text(ran))  # (it keeps the run file's keys only: no plan_path)
-    launch_and_report(opts, preflight(cfg, report, fmt, nproc_per_node), fmt)
+    run = preflight(cfg, report, fmt, nproc_per_node)
+    if order.epochs is not None and run.dataset is not None:  # the rows are counted now: steps from epochs
+        total = steps_for_epochs(order.epochs, rows=len(run.dataset.sequences), batch_size=batch_size)
+        run = replace(run, cfg=replace(run.cfg, steps=total))
+    launch_and_report(opts, run, fmt)
 
 
 def lora_flags(

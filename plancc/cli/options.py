@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, get_args, get_origin, get_type_hints
 
@@ -191,6 +192,71 @@ class DataFieldFlags:
         return {"data_fields": changed or None}
 
 
+class LrScheduleName(StrEnum):
+    """--lr-schedule's choices (``job.lr_schedule``)."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+    wsd = "wsd"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleFlags:
+    """The learning rate's course and AdamW's weight decay (``job.lr_schedule``, ``engine.param_groups``)."""
+
+    warmup_steps: Annotated[
+        int, typer.Option("--warmup-steps", min=0, help="linear warmup over the first N steps (default 1)")
+    ] = 1
+    lr_schedule: Annotated[
+        LrScheduleName,
+        typer.Option(
+            "--lr-schedule",
+            help="after warmup: constant, linear or cosine to --min-lr, or wsd (stable, then linear over the last 20%)",
+        ),
+    ] = LrScheduleName.cosine
+    min_lr: Annotated[
+        float | None, typer.Option("--min-lr", min=0.0, help="where linear, cosine and wsd end (default: --lr / 10)")
+    ] = None
+    weight_decay: Annotated[
+        float,
+        typer.Option(
+            "--weight-decay",
+            min=0.0,
+            help="AdamW decoupled weight decay of the matrices; norms, biases and embeddings get none (default 0)",
+        ),
+    ] = 0.0
+
+    def run_config(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields these flags set."""
+        return {
+            "warmup_steps": self.warmup_steps,
+            "lr_schedule": self.lr_schedule.value,
+            "min_lr": self.min_lr,
+            "weight_decay": self.weight_decay,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataOrderFlags:
+    """The order --data's rows are read in, and how long (``job.data_order``)."""
+
+    shuffle: Annotated[
+        bool,
+        typer.Option(
+            "--shuffle/--no-shuffle", help="--data rows in an order drawn from --seed, anew each epoch (default)"
+        ),
+    ] = True
+    epochs: Annotated[
+        float | None,
+        typer.Option("--epochs", min=0.0, help="train this many passes over --data (instead of --steps)"),
+    ] = None
+
+    def run_config(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields these flags set."""
+        return {"shuffle": self.shuffle, "epochs": self.epochs}
+
+
 def _path(value: Path | None) -> str | None:
     return str(value) if value else None
 
@@ -272,6 +338,8 @@ def _take_run_file(given: dict[str, Any], annotations: dict[str, Any]) -> None:
         kinds = (kind, *get_args(kind))
         if value is not None and Path in kinds:
             value = Path(value)
+        elif value is not None and isinstance(kind, type) and issubclass(kind, Enum):
+            value = kind(value)  # --lr-schedule: the schema allowed only its choices
         elif value is not None and str in kinds and not isinstance(value, str):
             value = str(value)  # nnodes: 1 in YAML is the flag's "1"
         given[name] = value

@@ -10,6 +10,7 @@ renamed or bounded anew cannot leave the run file behind.
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ def _key(option: Any) -> dict[str, Any]:
     if option.default is None:
         kinds.append("null")
     found: dict[str, Any] = {"type": kinds[0] if len(kinds) == 1 else kinds, "description": option.help or ""}
+    if isinstance(annotation, type) and issubclass(annotation, Enum):  # --lr-schedule: its choices
+        found["enum"] = [choice.value for choice in annotation]
     if option.min is not None:
         found["minimum"] = option.min
     if option.max is not None:

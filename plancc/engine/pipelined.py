@@ -60,6 +60,7 @@ from .options import (
     make_scheduler,
     policy_mesh,
 )
+from .param_groups import trained_parameters
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
 from .pipeline_rows import PipelineRows, RowGroup, fingerprint
 from .policy import Policy
@@ -81,6 +82,7 @@ class PipelinePolicy(Policy, stages=True):
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
+        weight_decay: float | None = None,
         param_dtype: torch.dtype | str | None = None,
         reference: bool | str = False,
         lora: Any = None,
@@ -120,7 +122,7 @@ class PipelinePolicy(Policy, stages=True):
         self.model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
         self.weight_source = self._fill(seed)
         seed_data_shard_streams(self.mesh, seed)
-        self.optimizer = make_optimizer(optimizer, list(self.model.parameters()))
+        self.optimizer = make_optimizer(optimizer, trained_parameters(self.model, weight_decay))
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0

@@ -69,6 +69,7 @@ from .options import (
     pipeline_stages,
     policy_mesh,
 )
+from .param_groups import trained_parameters
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
 from .streaming import WeightFormat
@@ -85,7 +86,9 @@ class Policy:
     rank data-parallel).
     ``optimizer``: ``params -> Optimizer`` or ``{"name": "torch.optim.AdamW", "kwargs": {...}}``
     (default AdamW); ``lr_scheduler``: ``optimizer -> scheduler`` or name + kwargs (default
-    constant). ``param_dtype``: the compute dtype (FSDP2's mixed precision, e.g. ``"bfloat16"``);
+    constant). ``weight_decay``: the matrices' decay, with norms, biases and embeddings excluded
+    (``engine.param_groups``; None: the optimizer's own default on every parameter).
+    ``param_dtype``: the compute dtype (FSDP2's mixed precision, e.g. ``"bfloat16"``);
     None computes in fp32. Whatever it is, and whatever the model's config says (every real
     checkpoint says bfloat16), the parameters -- the master weights --, their gradients, AdamW's
     state and the checkpoints are fp32 (``models.MASTER_DTYPE``); ``export_hf`` writes the
@@ -129,6 +132,7 @@ class Policy:
         optimizer: OptimizerSpec = None,
         lr_scheduler: SchedulerSpec = None,
         max_grad_norm: float | None = 1.0,
+        weight_decay: float | None = None,
         param_dtype: torch.dtype | str | None = None,
         reference: bool | str = False,
         lora: LoraSpec | Mapping[str, Any] | None = None,
@@ -161,7 +165,7 @@ class Policy:
         self._whole = self.model  # the model's structure (checkpoints state it): all of it here
         seed_data_shard_streams(self.mesh, seed)
         # with LoRA only the adapters train: the frozen base gets no gradient and no state
-        self.optimizer = make_optimizer(optimizer, [p for p in self.model.parameters() if p.requires_grad])
+        self.optimizer = make_optimizer(optimizer, trained_parameters(self.model, weight_decay))
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0

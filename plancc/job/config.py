@@ -29,6 +29,7 @@ PARAM_DTYPES = {
 # the launcher's copies of what it read and checked (in ``RunConfig.inputs``)
 PLAN_COPY = "plan.yaml"
 DATA_COPY = "data.tokens"
+DEFAULT_STEPS = 5  # --steps when neither it nor --epochs is given
 SYNTHETIC_SEQ_LEN = 32  # tokens per synthetic row when --seq-len is not given
 
 
@@ -37,7 +38,7 @@ class RunConfig:
     plan: str
     layout: Layout = Layout()
     model: str | None = None
-    steps: int = 5
+    steps: int = DEFAULT_STEPS
     log_every: int = 1  # train: a step line every N steps (the first and the last always)
     # train: the settings it runs with as a run file's text (job.run_file), saved in each checkpoint
     run_file: str | None = None
@@ -51,6 +52,11 @@ class RunConfig:
     lr: float = 1e-3
     warmup_steps: int = 1
     schedule_steps: int | None = None  # LR schedule horizon; default: steps (the run's total)
+    lr_schedule: str = "cosine"  # job.lr_schedule.LR_SCHEDULES
+    min_lr: float | None = None  # where a decaying schedule ends (None: 10% of lr)
+    weight_decay: float = 0.0  # AdamW's decay of the matrices (norms, biases, embeddings: none)
+    shuffle: bool = True  # --data rows in a seeded order, epoch by epoch (job.data_order)
+    epochs: float | None = None  # --epochs: what set steps (said in the data line)
     max_grad_norm: float = 1.0
     seed: int = 0
     save: str | None = None

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..inputs import InputKind, read_lines
+from .data_order import RowOrder
 from .hf_datasets import DatasetProblem, dataset_rows, is_dataset
 from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record, rows_of
 from .token_rows import RowsWriter, TokenRows
@@ -293,14 +294,21 @@ def synthetic_batch(step: int, *, seed: int, batch_size: int, seq_len: int, voca
 
 
 def dataset_batch(
-    data: TokenDataset, step: int, *, batch_size: int, seq_len: int | None, pad_id: int = 0
+    data: TokenDataset,
+    step: int,
+    *,
+    batch_size: int,
+    seq_len: int | None,
+    pad_id: int = 0,
+    order: RowOrder | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Rows ``step*batch_size ...`` (cycling), each cut to ``seq_len`` (None: as they are) and
+    """Step ``step``'s rows in ``order`` (``job.data_order``; None: file order, cycling), each
+    cut to ``seq_len`` (None: as they are) and
     right-padded to the longest: ``input_ids``, ``attention_mask`` and, for data with loss
     masks, ``token_mask`` (the tokens the loss counts; never position 0, which nothing predicts).
     The engine pads further to the layout's multiple, or packs."""
-    n = len(data.sequences)
-    picked = [(step * batch_size + row) % n for row in range(batch_size)]
+    order = order or RowOrder(rows=len(data.sequences), shuffle=False)
+    picked = order.batch(step, batch_size)
     rows = [data.sequences[i][:seq_len] for i in picked]
     ids, attention = padded_rows(rows, pad_id=pad_id)
     batch = {"input_ids": ids, "attention_mask": attention}

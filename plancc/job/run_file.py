@@ -13,6 +13,7 @@ runs in, as flags are).
 from __future__ import annotations
 
 import json
+from enum import Enum
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -128,9 +129,16 @@ def run_file_text(values: dict[str, Any]) -> str:
     continues the same run."""
     known = run_schema()["properties"]
     plain: dict[str, Any] = {VERSION_KEY: 1}
-    plain.update({k: (str(v) if isinstance(v, Path) else v) for k, v in values.items() if k in known})
+    plain.update({k: _plain(v) for k, v in values.items() if k in known})
     head = "# the settings this run ran with (its run file and flags together)\n"
     return head + yaml.safe_dump(plain, sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    """A flag's value as YAML writes it: a path or a choice (``--lr-schedule``) as its text."""
+    if isinstance(value, Path):
+        return str(value)
+    return value.value if isinstance(value, Enum) else value
 
 
 def plan_of_run_file(path: str | Path) -> tuple[Path, dict[str, Any]]:

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -20,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from ..engine import checkpoint
 from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
+from ..engine.param_groups import decay_split
 from ..engine.policy import BatchTotals, NonFiniteError, Policy
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
@@ -57,8 +57,10 @@ from .data import (
     synthetic_batch,
     truncated,
 )
+from .data_order import RowOrder
 from .hf_datasets import split_note
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
+from .lr_schedule import LrSchedule, describe, lr_factor, min_ratio_of
 from .reporting import MetricsFile, RunProgress, log
 from .run_file import RUN_FILE
 from .verify import (
@@ -71,18 +73,12 @@ from .verify import (
 )
 
 
-def lr_lambda(step: int, *, warmup: int, total: int) -> float:
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def _batches(
     cfg: RunConfig, dataset: TokenDataset | None, vocab_size: int, start: int, count: int
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The global batch of each step: ``input_ids``, ``attention_mask`` and, for data with
     loss masks, ``token_mask``."""
+    order = row_order(cfg, dataset)
     for step in range(start, start + count):
         if dataset is None:
             ids = synthetic_batch(
@@ -90,7 +86,12 @@ def _batches(
             )
             yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         else:
-            yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+            yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, order=order)
+
+
+def row_order(cfg: RunConfig, dataset: TokenDataset | None) -> RowOrder | None:
+    """The order the run reads ``--data``'s rows in (None: synthetic rows)."""
+    return RowOrder(rows=len(dataset.sequences), seed=cfg.seed, shuffle=cfg.shuffle) if dataset is not None else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -379,13 +380,24 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
         "warmup_steps": cfg.warmup_steps,
         "schedule_steps": cfg.schedule_steps or cfg.steps,
         "lr": cfg.lr,
+        "lr_schedule": cfg.lr_schedule,
+        "min_lr": cfg.min_lr,
+        "weight_decay": cfg.weight_decay,
     }
 
 
 def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
     """One line naming each setting a resumed run changed (``--steps 200 -> 300``), or "" when
     none did or the checkpoint kept none (a ``Policy.save`` of the caller's own loop)."""
-    flags = {"steps": "--steps", "warmup_steps": "warmup steps", "schedule_steps": "--schedule-steps", "lr": "--lr"}
+    flags = {
+        "steps": "--steps",
+        "warmup_steps": "--warmup-steps",
+        "schedule_steps": "--schedule-steps",
+        "lr": "--lr",
+        "lr_schedule": "--lr-schedule",
+        "min_lr": "--min-lr",
+        "weight_decay": "--weight-decay",
+    }
     changed = [
         f"{flag} {saved[key]} -> {now[key]}" for key, flag in flags.items() if key in saved and saved[key] != now[key]
     ]
@@ -395,13 +407,17 @@ def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
 def batch_shape(cfg: RunConfig) -> dict[str, Any]:
     """Which rows a step takes besides the data itself: the global batch's rows and how long they
     are cut (a resume with another --batch-size or --seq-len trains on other batches)."""
-    return {"batch_size": cfg.batch_size, "seq_len": cfg.seq_len if cfg.data else cfg.synthetic_seq_len}
+    seq_len = cfg.seq_len if cfg.data else cfg.synthetic_seq_len
+    return {"batch_size": cfg.batch_size, "seq_len": seq_len, "seed": cfg.seed, "shuffle": cfg.shuffle}
 
 
 def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
     """``--batch-size 4 -> 8`` for each of them a resumed run changed ("" for a checkpoint that kept none)."""
-    flags = {"batch_size": "--batch-size", "seq_len": "--seq-len"}
-    said = lambda value: "unset (rows as they are)" if value is None else str(value)  # noqa: E731
+    flags = {"batch_size": "--batch-size", "seq_len": "--seq-len", "seed": "--seed", "shuffle": "--shuffle"}
+
+    def said(value: Any) -> str:
+        return "unset (rows as they are)" if value is None else str(value).lower()
+
     return ", ".join(
         f"{flag} {said(saved[key])} -> {said(now[key])}"
         for key, flag in flags.items()
@@ -428,10 +444,16 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
 
 
 def _schedule(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
-    """Warmup, then cosine to 10% over --schedule-steps (default: --steps, the run's total), as
-    a function of the global step: ``Policy.load`` restores the position on --resume, so a
-    resumed run's rate at every step is the uninterrupted run's."""
-    schedule = partial(lr_lambda, warmup=cfg.warmup_steps, total=cfg.schedule_steps or cfg.steps)
+    """Warmup, then --lr-schedule to --min-lr over --schedule-steps (default: --steps, the run's
+    total), as a function of the global step (``job.lr_schedule``): ``Policy.load`` restores the
+    position on --resume, so a resumed run's rate at every step is the uninterrupted run's."""
+    schedule = partial(
+        lr_factor,
+        schedule=cast(LrSchedule, cfg.lr_schedule),
+        warmup=cfg.warmup_steps,
+        total=cfg.schedule_steps or cfg.steps,
+        min_ratio=min_ratio_of(cfg.lr, cfg.min_lr),
+    )
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
@@ -444,6 +466,7 @@ def _policy(cfg: RunConfig, job: _Job) -> Policy:
         optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
         lr_scheduler=_schedule(cfg) if cfg.mode == "train" else None,
         max_grad_norm=cfg.max_grad_norm,
+        weight_decay=cfg.weight_decay,
         param_dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None,
         lora=cfg.lora,
         seed=cfg.seed,
@@ -487,7 +510,36 @@ def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
         else "every token after the first"
     )
     split = split_note(dataset.path)
-    return f"data: {dataset.path}{split}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}"
+    return (
+        f"data: {dataset.path}{split}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}; "
+        f"{_order_note(cfg, len(dataset.sequences))}"
+    )
+
+
+def _order_note(cfg: RunConfig, rows: int) -> str:
+    """The rows' order and the run's length in epochs (``job.data_order``)."""
+    order = f"shuffled by --seed {cfg.seed}, anew each epoch" if cfg.shuffle else "in file order (--no-shuffle)"
+    per_epoch = rows / cfg.batch_size
+    length = f"--epochs {cfg.epochs:g}" if cfg.epochs is not None else f"{cfg.steps * cfg.batch_size / rows:.3g} epochs"
+    return f"{order}; an epoch is {rows} rows ({per_epoch:.3g} steps), {cfg.steps} steps are {length}"
+
+
+def _optimizer_note(cfg: RunConfig, policy: Policy) -> str:
+    """The learning rate's course and what weight decay reaches (``engine.param_groups``)."""
+    course = describe(
+        cast(LrSchedule, cfg.lr_schedule),
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup=cfg.warmup_steps,
+        total=cfg.schedule_steps or cfg.steps,
+    )
+    if not cfg.weight_decay:
+        return f"optimizer: AdamW, {course}; no weight decay"
+    split = decay_split(policy.model)
+    return (
+        f"optimizer: AdamW, {course}; weight decay {cfg.weight_decay:g} on {split.decayed} matrices, "
+        f"none on {split.excluded} norm, bias and embedding tensors"
+    )
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -498,6 +550,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{_lora_note(policy)}"
     )
     log(_data_note(cfg, job.dataset))
+    log(_optimizer_note(cfg, policy))
     warnings = _weight_warnings(policy.model, cfg, job)
     trainer = _Trainer(cfg=cfg, job=job, policy=policy)
     lock = _lock_save_folder(cfg)
@@ -550,6 +603,7 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
             steps=cfg.steps,
             seed=cfg.seed,
             lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
             max_grad_norm=cfg.max_grad_norm,
             batches=batches,
             device=job.device,

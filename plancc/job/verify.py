@@ -37,6 +37,7 @@ from ..dataflow import batched_experts
 from ..engine.batches import default_token_mask
 from ..engine.build import seeded_model
 from ..engine.losses import token_nll
+from ..engine.param_groups import trained_parameters
 from ..engine.pipelined import PipelinePolicy
 from ..engine.policy import Policy
 from ..errors import quiet_logger
@@ -325,6 +326,7 @@ def verify_against_unsharded(
     seq_len: int = 16,
     seed: int = 0,
     lr: float = 1e-3,
+    weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
     device: str = "cpu",
     batches: list[Batch] | None = None,
@@ -335,7 +337,7 @@ def verify_against_unsharded(
     resume: str | None = None,
 ) -> VerifyReport:
     """Train a ``plancc.Policy`` of the plan (what ``plancc apply`` runs: the same loss,
-    microbatching, clipping and AdamW) and the unsharded model on the whole batch side by side
+    microbatching, clipping and AdamW with its weight decay) and the unsharded model on the whole batch side by side
     for ``steps`` steps, and compare: logits, loss and every (clipped) gradient at the first
     step, the loss after each.
 
@@ -350,6 +352,7 @@ def verify_against_unsharded(
         layout=mesh,
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
         max_grad_norm=max_grad_norm,
+        weight_decay=weight_decay,
         seed=seed,
         device=device,
     )
@@ -381,7 +384,7 @@ def verify_against_unsharded(
     )
     report = VerifyReport(dropout_off=dropped, weights=source)
     first = _FirstGradients(policy)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(trained_parameters(reference, weight_decay), lr=lr)
     if ref_opt_state is not None:  # the resumed moments and step counts, as the policy's
         for group in ref_opt.param_groups:  # the keys the policy's groups have (Policy.load sets it)
             group.setdefault("initial_lr", lr)

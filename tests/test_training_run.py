@@ -1,0 +1,168 @@
+"""The run users configure (issue 76): --data read shuffled epoch by epoch, the order the same
+after a resume; warmup, --lr-schedule and --min-lr; weight decay on the matrices alone, the
+same in --verify's unsharded model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from .conftest import PLANS, forked_cli
+
+QWEN3 = PLANS / "qwen3.yaml"
+
+
+# --- data order ------------------------------------------------------------------------------
+
+
+def test_every_epoch_reads_every_row_once_in_an_order_drawn_from_the_seed():
+    from plancc.job.data_order import RowOrder
+
+    order = RowOrder(rows=10, seed=3)
+    epochs = [[order.row(e * 10 + i) for i in range(10)] for e in range(3)]
+    assert all(sorted(epoch) == list(range(10)) for epoch in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]  # anew each epoch
+    assert epochs[0] != list(range(10))
+    assert [RowOrder(rows=10, seed=3).row(i) for i in range(30)] == sum(epochs, [])  # a function of (seed, position)
+    assert [RowOrder(rows=10, seed=4).row(i) for i in range(10)] != epochs[0]
+    # a step's batch is positions step*B ... of that stream: it crosses an epoch's end whole
+    assert order.batch(3, 4) == [epochs[1][2], epochs[1][3], epochs[1][4], epochs[1][5]]
+    assert order.batch(2, 4) == [*epochs[0][8:], *epochs[1][:2]]
+
+
+def test_no_shuffle_reads_the_file_in_order_cycling():
+    from plancc.job.data_order import RowOrder
+
+    assert RowOrder(rows=3, shuffle=False).batch(1, 4) == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("epochs,rows,batch,steps", [(1, 10, 4, 3), (2, 10, 4, 5), (0.5, 10, 4, 2), (3, 8, 4, 6)])
+def test_epochs_are_whole_steps_that_cover_the_passes(epochs, rows, batch, steps):
+    from plancc.job.data_order import steps_for_epochs
+
+    assert steps_for_epochs(epochs, rows=rows, batch_size=batch) == steps
+
+
+def test_epochs_and_steps_together_or_without_data_are_usage_errors(cli, tmp_path):
+    code, _, err = cli("apply", QWEN3, "--epochs", 2)
+    assert code == 2 and "--epochs 2 without --data" in err
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    code, _, err = cli("apply", QWEN3, "--data", data, "--epochs", 2, "--steps", 3)
+    assert code == 2 and "--epochs 2 with --steps" in err
+
+
+# --- learning rate ---------------------------------------------------------------------------
+
+
+def test_each_schedule_warms_up_then_ends_at_min_lr():
+    from plancc.job.lr_schedule import lr_factor
+
+    def course(schedule: str) -> list[float]:
+        return [lr_factor(s, schedule=schedule, warmup=2, total=12, min_ratio=0.05) for s in range(13)]
+
+    for schedule in ("constant", "linear", "cosine", "wsd"):
+        rates = course(schedule)
+        assert rates[:2] == pytest.approx([1 / 3, 2 / 3]) and rates[2] == 1.0
+        assert rates[-1] == pytest.approx(1.0 if schedule == "constant" else 0.05)
+        assert all(a >= b for a, b in zip(rates[2:], rates[3:], strict=False))  # never up after warmup
+    assert course("linear")[7] == pytest.approx(1 - 0.95 * 0.5)
+    assert course("cosine")[7] == pytest.approx(0.05 + 0.95 * 0.5)
+    # wsd: stable for 80% of the 10 steps after warmup, then linear to the minimum
+    assert course("wsd")[2:10] == [1.0] * 8 and course("wsd")[11] == pytest.approx(1 - 0.95 * 0.5)
+
+
+# --- weight decay ----------------------------------------------------------------------------
+
+
+def test_weight_decay_reaches_matrices_not_norms_biases_or_embeddings():
+    from transformers import AutoModelForCausalLM
+
+    from plancc.engine.param_groups import decay_split, trained_parameters
+    from plancc.models import load_config
+
+    config = load_config("tiny-qwen2")  # biases on q/k/v, an untied head
+    model = AutoModelForCausalLM.from_config(config)
+    decay, rest = trained_parameters(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    excluded = {names[id(p)] for p in rest["params"]}
+    assert (decay["weight_decay"], rest["weight_decay"]) == (0.1, 0.0)
+    assert "model.embed_tokens.weight" in excluded and "lm_head.weight" in decayed
+    assert all(n.endswith((".bias", "norm.weight")) or n == "model.embed_tokens.weight" for n in excluded)
+    assert all(p.ndim == 2 for p in decay["params"]) and "model.layers.0.self_attn.q_proj.weight" in decayed
+    assert decayed | excluded == set(names.values())
+    split = decay_split(model)
+    assert (split.decayed, split.excluded) == (len(decayed), len(excluded))
+    assert trained_parameters(model, None) == list(model.parameters())  # None: the optimizer's own default
+
+
+# --- through apply ---------------------------------------------------------------------------
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(line.split()[3]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def rates(stdout: str) -> list[float]:
+    return [float(line.split(" lr ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_shuffled_run_of_epochs_resumed_is_the_uninterrupted_run(tmp_path):
+    """Two epochs of 6 rows, 4 a step (3 steps), shuffled, a linear decay and weight decay at dp2: resumed
+    from step 1 at tp2, steps 2 and 3 read the rows and rates the uninterrupted run did."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        "".join(json.dumps({"input_ids": [(7 * i + j) % 200 for j in range(5 + i)]}) + "\n" for i in range(6))
+    )
+    flags = (
+        "--data",
+        data,
+        "--epochs",
+        2,
+        "--lr-schedule",
+        "linear",
+        "--warmup-steps",
+        0,
+        "--min-lr",
+        "1e-4",
+        "--weight-decay",
+        0.1,
+        "--seed",
+        5,
+    )
+    code, straight, err = forked_cli("apply", QWEN3, *flags, "--save", tmp_path / "ck", "--save-every", 1)
+    assert code == 0, err
+    assert "an epoch is 6 rows (1.5 steps), 3 steps are --epochs 2" in straight
+    assert "shuffled by --seed 5, anew each epoch" in straight
+    assert (
+        "then linear to 0.0001 at step 3" in straight
+        and "weight decay 0.1 on" in straight
+        and "norm, bias and embedding tensors" in straight
+    )
+    assert rates(straight) == pytest.approx([1e-3, 7e-4, 4e-4], rel=1e-2)  # to 1e-4 at step 3, after the last
+    code, resumed, err = forked_cli("apply", QWEN3, *flags, "--tp", 2, "--resume", tmp_path / "ck" / "step-000001")
+    assert code == 0, err
+    assert "note:" not in resumed  # the same rows, schedule and decay
+    assert losses(resumed) == pytest.approx(losses(straight)[1:], rel=1e-5)
+    assert rates(resumed) == pytest.approx(rates(straight)[1:], rel=1e-3)
+    # another seed reads other rows: the resume says so
+    code, other, err = forked_cli("apply", QWEN3, *flags[:-1], 6, "--resume", tmp_path / "ck" / "step-000001")
+    assert code == 0, err
+    assert "--seed 5 -> 6" in other and "train on other batches" in other
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_verify_holds_with_weight_decay_the_unsharded_model_decays_the_same_tensors():
+    code, out, err = forked_cli(
+        "apply", QWEN3, "--tp", 2, "--verify", "--steps", 2, "--weight-decay", 0.5, "--lr", "1e-2"
+    )
+    assert code == 0, err + out
+    assert "verify: OK" in out
+    (after,) = [float(line.split("|diff|")[1]) for line in out.splitlines() if "loss after step 2" in line]
+    assert math.isfinite(after) and after < 1e-5
