@@ -166,3 +166,19 @@ def test_verify_holds_with_weight_decay_the_unsharded_model_decays_the_same_tens
     assert "verify: OK" in out
     (after,) = [float(line.split("|diff|")[1]) for line in out.splitlines() if "loss after step 2" in line]
     assert math.isfinite(after) and after < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_metrics_after_a_resume_continue_the_file_one_line_a_step(tmp_path):
+    """The run went on to step 3 past its checkpoint of step 1 and was killed mid-line: the
+    resume from step 1 drops steps 2-3 and the cut line, then writes its own steps 2-3."""
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    code, _, err = forked_cli("apply", QWEN3, "--steps", 3, "--save", ck, "--save-every", 1, "--metrics", metrics)
+    assert code == 0, err
+    with open(metrics, "a") as f:
+        f.write('{"step": 4, "lo')  # killed while writing
+    code, _, err = forked_cli("apply", QWEN3, "--steps", 3, "--resume", ck / "step-000001", "--metrics", metrics)
+    assert code == 0, err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]

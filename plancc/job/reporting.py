@@ -4,9 +4,11 @@ the progress of a run, and its per-step metrics (``--metrics``, ``--tensorboard`
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,17 +57,23 @@ class RunProgress:
 class MetricsFile:
     """``--metrics FILE.jsonl``: rank 0 writes one JSON line per step (the numbers the
     progress line shows, plus this rank's peak memory and the time since the run started),
-    flushed at once so a killed run keeps every finished step. A resumed run appends.
-    ``--tensorboard DIR``: the same numbers as TensorBoard scalars (``train/loss``, ...)."""
+    flushed at once so a killed run keeps every finished step. A run resumed from step ``start``
+    continues the file after that step: the lines of later steps (a run that went on past its
+    checkpoint before it stopped), and a line cut short by a kill, are dropped first, so each
+    step has one line and a plot of the file is the resumed run's curve.
+    ``--tensorboard DIR``: the same numbers as TensorBoard scalars (``train/loss``, ...), the
+    events past ``start`` purged on a resume (``SummaryWriter``'s ``purge_step``) likewise."""
 
-    def __init__(self, path: str | None, *, resumed: bool, device: str, tensorboard: str | None = None):
+    def __init__(self, path: str | None, *, start: int, device: str, tensorboard: str | None = None):
         rank0 = dist.get_rank() == 0
-        self.file = open(path, "a" if resumed else "w") if path and rank0 else None  # noqa: SIM115
+        if path and rank0 and start > 0:
+            _keep_steps_through(Path(path), start)
+        self.file = open(path, "a" if start > 0 else "w") if path and rank0 else None  # noqa: SIM115
         self.board: Any = None
         if tensorboard and rank0:
             from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked before launch
 
-            self.board = SummaryWriter(log_dir=tensorboard)
+            self.board = SummaryWriter(log_dir=tensorboard, purge_step=start + 1 if start > 0 else None)
         self.device = device
         self.started = time.perf_counter()
 
@@ -92,3 +100,22 @@ class MetricsFile:
             self.file.close()
         if self.board is not None:
             self.board.close()
+
+
+def _keep_steps_through(path: Path, last: int) -> None:
+    """The metrics file with only the lines of steps up to ``last`` (whole JSON lines), replaced
+    atomically: a kill while this runs leaves the old file or the new one."""
+    if not path.is_file():
+        return
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                step = json.loads(line).get("step")
+            except (json.JSONDecodeError, AttributeError):
+                continue  # a line cut short by the kill that stopped the run, or not ours
+            if isinstance(step, int) and step <= last:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    fresh = path.with_name(path.name + ".resumed")
+    fresh.write_text("".join(kept), encoding="utf-8")
+    os.replace(fresh, path)

@@ -257,7 +257,7 @@ class _Trainer:
     def run(self) -> list[dict[str, float]]:
         device, history = self.job.device, []
         progress = RunProgress(self.remaining)
-        metrics = MetricsFile(self.cfg.metrics, resumed=self.start > 0, device=device, tensorboard=self.cfg.tensorboard)
+        metrics = MetricsFile(self.cfg.metrics, start=self.start, device=device, tensorboard=self.cfg.tensorboard)
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
         started = time.perf_counter()
         try:
