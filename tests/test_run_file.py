@@ -33,7 +33,7 @@ def test_both_run_schemas_are_what_apply_s_flags_make():
 
 
 @pytest.mark.parametrize("key,value,bound", [
-    ("steps", -5, ">= 0"), ("keep", 0, ">= 1"), ("save_every", 0, ">= 1"), ("log_every", 0, ">= 1"),
+    ("steps", -5, ">= 0"), ("keep", -1, ">= 0"), ("save_every", 0, ">= 1"), ("log_every", 0, ">= 1"),
     ("timeout", 1, ">= 10"), ("master_port", 0, ">= 1"), ("batch_size", 0, ">= 1"),
     ("micro_batch_size", 0, ">= 1"), ("seq_len", 1, ">= 2"), ("master_port", 70000, "<= 65535"),
 ])

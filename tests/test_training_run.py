@@ -182,3 +182,17 @@ def test_metrics_after_a_resume_continue_the_file_one_line_a_step(tmp_path):
     assert code == 0, err
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoints_keep_the_newest_three_unless_told_and_say_so_on_the_first_save(tmp_path):
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 4, "--save", tmp_path / "ck", "--save-every", 1)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step-*")) == ["step-000002", "step-000003", "step-000004"]
+    (said,) = [line for line in out.splitlines() if line.startswith("checkpoints:")]
+    assert said == f"checkpoints: the newest 3 in {tmp_path / 'ck'} stay (--keep N; --keep 0 keeps every one)"
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 4, "--save", tmp_path / "all", "--save-every", 1,
+                                "--keep", 0)
+    assert code == 0, err
+    assert len(list((tmp_path / "all").glob("step-*"))) == 4 and "every one stays" in out

@@ -152,7 +152,10 @@ SaveEveryOpt = Annotated[
         "--save-every", min=1, help="also checkpoint every N steps into --save (atomic; resume takes the newest)"
     ),
 ]
-KeepOpt = Annotated[int | None, typer.Option("--keep", min=1, help="keep only the newest K checkpoints in --save")]
+KeepOpt = Annotated[
+    int | None,
+    typer.Option("--keep", min=0, help="keep the newest K checkpoints in --save (default 3; 0 keeps every one)"),
+]
 ExportOpt = Annotated[Path | None, typer.Option("--export-hf", help="write final weights with save_pretrained")]
 MetricsOpt = Annotated[
     Path | None,

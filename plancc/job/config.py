@@ -29,6 +29,7 @@ PARAM_DTYPES = {
 # the launcher's copies of what it read and checked (in ``RunConfig.inputs``)
 PLAN_COPY = "plan.yaml"
 DATA_COPY = "data.tokens"
+DEFAULT_KEEP = 3  # --keep unset: the newest three checkpoints stay (the last is the final one)
 DEFAULT_STEPS = 5  # --steps when neither it nor --epochs is given
 SYNTHETIC_SEQ_LEN = 32  # tokens per synthetic row when --seq-len is not given
 
@@ -77,7 +78,7 @@ class RunConfig:
     json_output: bool = False  # --format json: the CLI prints one JSON document on stdout
     metrics: str | None = None  # train: one JSON line per step (rank 0), appended when resuming
     save_every: int | None = None  # train: a checkpoint every N steps as well as at the end
-    keep: int | None = None  # train: keep the newest K checkpoints in --save (default: all)
+    keep: int | None = None  # train: keep the newest K checkpoints in --save (None: DEFAULT_KEEP; 0: all)
     tensorboard: str | None = None  # train: TensorBoard event files (rank 0)
     # the launcher's folder holding the plan and data it read and checked: the workers read
     # those copies, never the user's paths again (a pipe reads once; a file may change)
@@ -89,6 +90,11 @@ class RunConfig:
         """A training run's ``--seq-len`` with ``--data``: longer documents become rows of it
         (``records.rows_of``); log-probs keep each line whole (one line of output per line)."""
         return self.seq_len if self.mode == "train" and self.data else None
+
+    @property
+    def kept_checkpoints(self) -> int:
+        """How many checkpoints ``--save`` keeps (0: every one)."""
+        return DEFAULT_KEEP if self.keep is None else self.keep
 
     @property
     def synthetic_seq_len(self) -> int:

@@ -296,8 +296,15 @@ class _Trainer:
         files = {RUN_FILE: self.cfg.run_file} if self.cfg.run_file else None
         run = {**run_settings(self.cfg), **self.data, **batch_shape(self.cfg)}
         path = self.policy.save(self.cfg.save, run=run, files=files)
+        first = self.last_checkpoint < 0
         self.last_checkpoint = self.done
-        keep, folder = self.cfg.keep, self.cfg.save
+        keep, folder = self.cfg.kept_checkpoints, self.cfg.save
+        if first:  # what stays, said once: a folder filling a disk is no surprise
+            log(
+                f"checkpoints: the newest {keep} in {folder} stay (--keep N; --keep 0 keeps every one)"
+                if keep
+                else f"checkpoints: every one stays in {folder} (--keep 0)"
+            )
         if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.agreement)
             on_rank0(
                 lambda: checkpoint.prune(folder, keep=keep),
