@@ -67,7 +67,7 @@ def test_the_step_loss_counts_exactly_the_tokens_labels_and_loss_mask_say(tmp_pa
     assert step["loss"] == pytest.approx(_expected_loss(lines), abs=1e-5)
     # the field the run does not read, named once
     (warning,) = [x for x in err.splitlines() if "[data-unused-field]" in x]
-    assert "'source'" in warning
+    assert "'source'" in warning and "read as token ids: input_ids, labels, loss_mask" in warning
     assert "the loss counts the tokens its masks count" in out
     assert "rows as they are (the longest 12 tokens" in out
 
@@ -146,7 +146,8 @@ def test_chat_data_trains_on_the_assistants_tokens_only(chat_folder, tmp_path):
                                 "--batch-size", 2, "--metrics", tmp_path / "m.jsonl")
     assert code == 0, err
     (step,) = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert "'id'" in [x for x in err.splitlines() if "[data-unused-field]" in x][0]
+    (unused,) = [x for x in err.splitlines() if "[data-unused-field]" in x]
+    assert "'id'" in unused and "read as a chat: messages" in unused and "input_ids" not in unused  # what it read
 
     tokenizer = AutoTokenizer.from_pretrained(chat_folder)
     rendered = [tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True,

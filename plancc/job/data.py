@@ -22,7 +22,7 @@ from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..inputs import InputKind, read_lines
 from .data_order import RowOrder
 from .hf_datasets import DatasetProblem, dataset_rows, is_dataset
-from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record, rows_of
+from .records import KNOWN_FIELDS, BadRecord, DataFields, Tokenizer, parse_record, record_format, rows_of
 from .token_rows import RowsWriter, TokenRows
 
 
@@ -43,6 +43,8 @@ class TokenDataset:
     path: str = "<synthetic>"
     masks: TokenRows | None = None
     unused: tuple[str, ...] = ()
+    # what the lines were read as (records.record_format), each with the fields it reads
+    formats: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # how many documents (lines, dataset rows) the rows came from: more rows than documents
     # where ``--seq-len`` cut long ones into rows (``records.rows_of``); None: one row each
     documents: int | None = None
@@ -118,6 +120,7 @@ def read_jsonl(
     # the rows go to files as they are read (token_rows): only their offsets stay in memory
     sequences, masks = RowsWriter("q"), RowsWriter("b")
     unused: dict[str, None] = {}
+    formats: dict[tuple[str, tuple[str, ...]], None] = {}
     documents = [0]
     dataset = is_dataset(path)
     try:
@@ -125,7 +128,7 @@ def read_jsonl(
             dataset_rows(path) if dataset else read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
             shown,
             problems,
-            (sequences, masks, unused),
+            (sequences, masks, unused, formats),
             vocab_size=vocab_size,
             min_tokens=min_tokens,
             max_tokens=max_tokens,
@@ -159,22 +162,27 @@ def read_jsonl(
         path=shown,
         masks=masked if any(masked.present or ()) else None,
         unused=tuple(unused),
+        formats=tuple(formats),
         documents=documents[0] if documents[0] != len(rows) else None,
     )
 
 
 def unused_fields_warning(data: TokenDataset) -> Diagnostic | None:
-    """The fields of the data the run does not read, named once (a ``text`` or ``mask`` field a
-    user expected to matter trains without a word otherwise)."""
+    """The fields of the data the run does not read, named once with what it does read (a
+    ``text`` or ``mask`` field a user expected to matter trains without a word otherwise)."""
     if not data.unused:
         return None
     names = ", ".join(repr(name) for name in data.unused)
+    read = "; ".join(f"{kind}: {', '.join(fields)}" for kind, fields in data.formats) or ", ".join(KNOWN_FIELDS[:3])
+    tokens = any(kind == "token ids" for kind, _ in data.formats) or not data.formats
     return Diagnostic(
         rule="data-unused-field",
         loc=SourceLoc(path=data.path),
         severity=Severity.WARNING,
-        message=f"field(s) {names} of the data are not used: the run reads {', '.join(KNOWN_FIELDS[:3])}",
-        fix="labels (-100: not counted) or loss_mask (0/1) say which tokens the loss counts",
+        message=f"field(s) {names} of the data are not used: the lines are read as {read}",
+        fix="labels (-100: not counted) or loss_mask (0/1) say which tokens the loss counts"
+        if tokens
+        else "--text-field, --messages-field, --prompt-field and --completion-field name the fields to read",
     )
 
 
@@ -182,7 +190,7 @@ def _parse_lines(
     lines: Iterator[bytes],
     shown: str,
     problems: list[Diagnostic],
-    found: tuple[RowsWriter, RowsWriter, dict[str, None]],
+    found: tuple[RowsWriter, RowsWriter, dict[str, None], dict[tuple[str, tuple[str, ...]], None]],
     *,
     vocab_size: int,
     min_tokens: int,
@@ -210,6 +218,8 @@ def _parse_lines(
                 found[0].append(ids)
                 found[1].append(mask)
             found[2].update(dict.fromkeys(parsed[2]))
+            if isinstance(record, dict):  # parse_record took it: it is one
+                found[3].setdefault(record_format(record, fields or DataFields()))
             if documents is not None:
                 documents[0] += 1
         except UnicodeDecodeError as exc:

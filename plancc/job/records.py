@@ -348,6 +348,18 @@ def _unpadded(record: dict) -> dict:
     return {**record, **cut}
 
 
+def record_format(record: dict[str, Any], fields: DataFields) -> tuple[str, tuple[str, ...]]:
+    """What a (parsed) record was read as, and the fields that format reads: token ids, text, a
+    chat, or a prompt and its completion (the unused-field warning names them)."""
+    if "input_ids" in record:
+        return "token ids", KNOWN_FIELDS
+    if fields.text in record:
+        return "text", (fields.text,)
+    if fields.messages in record:
+        return "a chat", (fields.messages,)
+    return "a prompt + completion", (fields.prompt, fields.completion)
+
+
 def parse_record(
     record: Any,
     vocab_size: int,
