@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from .conftest import PLANS, forked_cli
 
@@ -196,3 +197,73 @@ def test_checkpoints_keep_the_newest_three_unless_told_and_say_so_on_the_first_s
                                 "--keep", 0)
     assert code == 0, err
     assert len(list((tmp_path / "all").glob("step-*"))) == 4 and "every one stays" in out
+
+
+# --- eval ------------------------------------------------------------------------------------
+
+EVAL_ROWS = [
+    {"input_ids": [5, 9, 14, 2, 77, 31, 8]},
+    {"input_ids": [40, 41, 42, 43], "loss_mask": [0, 0, 1, 1]},  # a prompt of two tokens, not counted
+    {"input_ids": [100, 3, 60, 61, 62, 63, 64, 65, 66]},
+]
+
+
+def unsharded_eval_loss(folder, rows) -> tuple[float, int]:
+    """Transformers' model from the exported folder: the mean NLL of the counted next tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["input_ids"]])
+            logprobs = model(input_ids=ids).logits.float().log_softmax(-1)[0, :-1]
+            token_lp = logprobs.gather(-1, ids[0, 1:, None])[:, 0]
+            counted = torch.tensor(row.get("loss_mask", [1] * len(row["input_ids"]))[1:], dtype=torch.float32)
+            nll -= float((token_lp * counted).sum())
+            count += int(counted.sum())
+    return nll / count, count
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [("--tp", 2, "--sp"), ("--pp", 2)], ids=["tp2-sp", "pp2"])
+def test_eval_loss_is_the_unsharded_models_loss_on_the_held_out_rows(tmp_path, layout):
+    """Two steps, eval after each: the last eval loss equals transformers' loss of the exported
+    weights on the same rows (three rows at a batch of 2: the second batch filled with a row that
+    counts nothing), and its token count is the rows' counted tokens."""
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in EVAL_ROWS))
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = forked_cli("apply", QWEN3, *layout, "--steps", 2, "--batch-size", 2, "--eval-data", held_out,
+                                "--eval-every", 1, "--metrics", metrics, "--export-hf", tmp_path / "hf")
+    assert code == 0, err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [("eval_loss" in row) for row in rows] == [True, True]
+    expected, count = unsharded_eval_loss(tmp_path / "hf", EVAL_ROWS)
+    assert rows[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert rows[-1]["eval_tokens"] == count == 6 + 2 + 8
+    assert rows[0]["eval_loss"] != rows[1]["eval_loss"]  # after each step, not once
+    assert f"eval    2/2  loss {rows[-1]['eval_loss']:.6f}  over 16 tokens" in out
+    assert "eval: " in out and "3 rows, every 1 steps and at the end" in out
+
+
+def test_eval_flags_that_name_no_rows_are_refused_before_launch(cli, tmp_path):
+    code, _, err = cli("apply", QWEN3, "--eval-every", 2)
+    assert code == 2 and "--eval-every 2 without --eval-data or --eval-split" in err
+    code, _, err = cli("apply", QWEN3, "--eval-split", "test")
+    assert code == 2 and "--eval-split test without --data" in err
+
+
+def test_eval_split_reads_the_held_out_split_of_a_hub_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from plancc.job.data import DataError, read_jsonl
+
+    for split, rows in (("train", [[1, 2, 3], [4, 5]]), ("test", [[7, 8, 9]])):
+        path = tmp_path / "hub" / "data" / f"{split}-00000-of-00001.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list([{"input_ids": r} for r in rows]).to_parquet(str(path))
+    held_out = read_jsonl(tmp_path / "hub", vocab_size=256, min_tokens=2, split="test")
+    assert [tuple(r) for r in held_out.sequences] == [(7, 8, 9)] and "(test split)" in held_out.path
+    with pytest.raises(DataError, match="holds the splits test, train, not validation"):
+        read_jsonl(tmp_path / "hub", vocab_size=256, split="validation")

@@ -19,6 +19,7 @@ from .launching import launch_and_report, preflight, prelaunch
 from .options import (
     DataFieldFlags,
     DataOrderFlags,
+    EvalFlags,
     LaunchFlags,
     LayoutFlags,
     OutputFlags,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     fields=DataFieldFlags,
     schedule=ScheduleFlags,
     order=DataOrderFlags,
+    held_out=EvalFlags,
 )
 def apply(
     ctx: typer.Context,
@@ -52,6 +54,7 @@ def apply(
     fields: DataFieldFlags,
     schedule: ScheduleFlags,
     order: DataOrderFlags,
+    held_out: EvalFlags,
     resolved: dict[str, Any],
     plan_path: Annotated[
         Path | None, typer.Argument(metavar="PLAN", help="plan YAML file (or the run file's plan)")
@@ -200,6 +203,7 @@ def apply(
         **fields.run_config(),
         **schedule.run_config(),
         **order.run_config(),
+        **held_out.run_config(),
     )
     if output.save:  # the settings it runs with, in each checkpoint: --config SAVE/step-N/run.yaml
         ran = {"plan": str(plan_path), **resolved, "model": model}

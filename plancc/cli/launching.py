@@ -85,7 +85,9 @@ def preflight(cfg: RunConfig, report: ValidationReport, fmt: Format, local_ranks
     if fmt is Format.text:  # on stderr: stdout may carry data; json: into the one final document
         for warning in warnings:
             print(warning.format(), file=sys.stderr)
-    return Launchable(cfg=cfg, plan_text=report.plan.text, dataset=checked.dataset, warnings=warnings)
+    return Launchable(
+        cfg=cfg, plan_text=report.plan.text, dataset=checked.dataset, eval_rows=checked.eval_rows, warnings=warnings
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,6 +97,7 @@ class Launchable:
     cfg: RunConfig
     plan_text: str
     dataset: TokenDataset | None
+    eval_rows: TokenDataset | None
     warnings: tuple[Diagnostic, ...]
 
 
@@ -102,7 +105,7 @@ def launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> None
     from ..job.launch import launch  # lazy: loads torch
 
     cfg, warnings = run.cfg, run.warnings
-    outcome = launch(opts, cfg, plan_text=run.plan_text, dataset=run.dataset)
+    outcome = launch(opts, cfg, plan_text=run.plan_text, dataset=run.dataset, eval_rows=run.eval_rows)
     if outcome.rendezvous:
         emit(
             [

@@ -241,6 +241,27 @@ class ScheduleFlags:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class EvalFlags:
+    """Held-out rows a training run scores (``job.evaluation``)."""
+
+    eval_data: Annotated[
+        Path | None,
+        typer.Option("--eval-data", help="held-out rows (any --data format): their loss at the end of the run"),
+    ] = None
+    eval_split: Annotated[
+        str | None,
+        typer.Option("--eval-split", help="the held-out split of --data's folder to evaluate on (e.g. test)"),
+    ] = None
+    eval_every: Annotated[
+        int | None, typer.Option("--eval-every", min=1, help="evaluate every N steps as well as at the end")
+    ] = None
+
+    def run_config(self) -> dict[str, Any]:
+        """The ``RunConfig`` fields these flags set."""
+        return {"eval_data": _path(self.eval_data), "eval_split": self.eval_split, "eval_every": self.eval_every}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataOrderFlags:
     """The order --data's rows are read in, and how long (``job.data_order``)."""
 

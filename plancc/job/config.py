@@ -29,6 +29,7 @@ PARAM_DTYPES = {
 # the launcher's copies of what it read and checked (in ``RunConfig.inputs``)
 PLAN_COPY = "plan.yaml"
 DATA_COPY = "data.tokens"
+EVAL_COPY = "eval.tokens"
 DEFAULT_KEEP = 3  # --keep unset: the newest three checkpoints stay (the last is the final one)
 DEFAULT_STEPS = 5  # --steps when neither it nor --epochs is given
 SYNTHETIC_SEQ_LEN = 32  # tokens per synthetic row when --seq-len is not given
@@ -56,6 +57,11 @@ class RunConfig:
     lr_schedule: str = "cosine"  # job.lr_schedule.LR_SCHEDULES
     min_lr: float | None = None  # where a decaying schedule ends (None: 10% of lr)
     weight_decay: float = 0.0  # AdamW's decay of the matrices (norms, biases, embeddings: none)
+    # train: held-out rows scored at --eval-every steps and at the end (job.evaluation): a file
+    # of their own, or a split of the --data folder
+    eval_data: str | None = None
+    eval_split: str | None = None
+    eval_every: int | None = None
     shuffle: bool = True  # --data rows in a seeded order, epoch by epoch (job.data_order)
     epochs: float | None = None  # --epochs: what set steps (said in the data line)
     max_grad_norm: float = 1.0

@@ -105,6 +105,7 @@ def read_jsonl(
     fields: DataFields | None = None,
     tokenizer: Tokenizer | None = None,
     row_length: int | None = None,
+    split: str | None = None,
 ) -> TokenDataset:
     """Read one record per line (``job.records``: ``{"input_ids": [...]}``, or text for the
     model folder's ``tokenizer``) -- or per row, where ``path`` is what Hugging Face ``datasets``
@@ -114,7 +115,7 @@ def read_jsonl(
     with ``row_length`` (its ``--seq-len``): a longer document becomes rows of that many tokens,
     every token kept (``records.rows_of``), a longer conversation is refused.
     ``path`` may be a pipe (``--data <(...)``, ``/dev/stdin``): it is read once, as it arrives
-    (``plancc.inputs``)."""
+    (``plancc.inputs``). ``split``: that split of a dataset folder (``--eval-split``)."""
     shown = str(path)
     problems: list[Diagnostic] = []
     # the rows go to files as they are read (token_rows): only their offsets stay in memory
@@ -122,10 +123,14 @@ def read_jsonl(
     unused: dict[str, None] = {}
     formats: dict[tuple[str, tuple[str, ...]], None] = {}
     documents = [0]
-    dataset = is_dataset(path)
+    dataset = is_dataset(path) or split is not None
+    if split is not None:
+        shown = f"{shown} ({split} split)"
     try:
         _parse_lines(
-            dataset_rows(path) if dataset else read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
+            dataset_rows(path, split)
+            if dataset
+            else read_lines(path, DATA_INPUT, max_line=MAX_LINE_BYTES, wait_s=wait_s),
             shown,
             problems,
             (sequences, masks, unused, formats),
@@ -318,7 +323,13 @@ def dataset_batch(
     masks, ``token_mask`` (the tokens the loss counts; never position 0, which nothing predicts).
     The engine pads further to the layout's multiple, or packs."""
     order = order or RowOrder(rows=len(data.sequences), shuffle=False)
-    picked = order.batch(step, batch_size)
+    return rows_batch(data, order.batch(step, batch_size), seq_len=seq_len, pad_id=pad_id)
+
+
+def rows_batch(
+    data: TokenDataset, picked: list[int], *, seq_len: int | None, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """The rows ``picked`` as a batch (``dataset_batch``'s, which says what it holds)."""
     rows = [data.sequences[i][:seq_len] for i in picked]
     ids, attention = padded_rows(rows, pad_id=pad_id)
     batch = {"input_ids": ids, "attention_mask": attention}

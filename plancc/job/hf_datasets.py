@@ -29,8 +29,9 @@ def is_dataset(path: str | Path) -> bool:
     return p.is_dir() or (p.is_file() and p.suffix.lower() in (".parquet", ".arrow", ".json"))
 
 
-def dataset_rows(path: str | Path) -> Iterator[Any]:
-    """The rows of the dataset at ``path``, one dict each, or a ``DatasetProblem``."""
+def dataset_rows(path: str | Path, split: str | None = None) -> Iterator[Any]:
+    """The rows of the dataset at ``path``, one dict each, or a ``DatasetProblem``: of its
+    ``split`` (``--eval-split``), or of the split a run trains on (``split_read``)."""
     try:
         import datasets  # type: ignore[import-untyped,import-not-found,unused-ignore]
     except ImportError:
@@ -45,10 +46,14 @@ def dataset_rows(path: str | Path) -> Iterator[Any]:
         if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
             loaded = datasets.load_from_disk(str(p))
             if isinstance(loaded, datasets.DatasetDict):
-                loaded = loaded[split_read(list(loaded))]
+                loaded = loaded[split_named(list(loaded), split) if split else split_read(list(loaded))]
+            elif split:
+                raise DatasetProblem(f"{path} is a dataset of one split: no {split} split", _ONE_SPLIT)
             yield from loaded
             return
-        files = [p] if p.is_file() else folder_split(p)[1]
+        if split and p.is_file():
+            raise DatasetProblem(f"{path} is one file: no {split} split", _ONE_SPLIT)
+        files = [p] if p.is_file() else folder_split(p, split)[1]
         kinds = {KINDS[f.suffix.lower()] for f in files}
         if len(kinds) != 1:
             found = ", ".join(sorted(kinds)) or "none"
@@ -87,7 +92,20 @@ def split_read(names: list[str]) -> str:
     return split
 
 
-def folder_split(folder: Path) -> tuple[str, list[Path], list[str]]:
+_ONE_SPLIT = "pass --eval-data the held-out rows' file, or --data a folder of splits (train-*.parquet, test-*.parquet)"
+
+
+def split_named(names: list[str], split: str) -> str:
+    """``split`` when the dataset holds it (``--eval-split``), else a ``DatasetProblem`` naming those it holds."""
+    if split not in names:
+        raise DatasetProblem(
+            f"the dataset holds the splits {', '.join(sorted(names)) or 'none'}, not {split}",
+            f"pass --eval-split one of {', '.join(sorted(names))}" if names else _ONE_SPLIT,
+        )
+    return split
+
+
+def folder_split(folder: Path, split: str | None = None) -> tuple[str, list[Path], list[str]]:
     """(split, its data files, the other splits) of a folder of data files, by ``datasets``' own
     split naming -- ``train-00000-of-00002.parquet``, a ``train/`` folder: how the hub lays a
     dataset out -- the ``train`` split where several are named (a test split is never trained on);
@@ -102,12 +120,12 @@ def folder_split(folder: Path) -> tuple[str, list[Path], list[str]]:
         str(name): sorted(Path(f) for f in files if Path(f).suffix.lower() in KINDS) for name, files in named.items()
     }
     splits = {name: files for name, files in splits.items() if files}
-    if len(splits) > 1 and "train" not in splits:
+    if len(splits) > 1 and "train" not in splits and not split:
         raise DatasetProblem(
             f"{folder} holds the splits {', '.join(sorted(splits))} and none named train",
             "pass --data the folder or files of the split to train on",
         )
-    split = split_read(list(splits))
+    split = split_named(list(splits), split) if split else split_read(list(splits))
     return split, splits.get(split, []), sorted(name for name in splits if name != split)
 
 

@@ -27,7 +27,7 @@ from torch.distributed.run import get_args_parser, run
 
 from ..errors import quiet_logger
 from ..runtime.mesh import THREADS_UNSET_BY_USER
-from .config import DATA_COPY, PLAN_COPY, RunConfig
+from .config import DATA_COPY, EVAL_COPY, PLAN_COPY, RunConfig
 from .data import TokenDataset, write_tokens
 
 SHUTDOWN_TIMEOUT_S = 10
@@ -116,9 +116,16 @@ def _prompt_shutdown(grace_s: int) -> Iterator[None]:
         close.__defaults__ = (None, 30)
 
 
-def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: TokenDataset | None = None) -> LaunchResult:
-    """Run the job: ``plan_text`` and ``dataset`` are the plan and data the caller read and
-    checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
+def launch(
+    opts: LaunchOptions,
+    cfg: RunConfig,
+    *,
+    plan_text: str,
+    dataset: TokenDataset | None = None,
+    eval_rows: TokenDataset | None = None,
+) -> LaunchResult:
+    """Run the job: ``plan_text``, ``dataset`` and ``eval_rows`` are the plan and data the caller
+    read and checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
     if "OMP_NUM_THREADS" not in os.environ:  # quiets torchrun; the workers still share the cores out
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ[THREADS_UNSET_BY_USER] = "1"
@@ -130,6 +137,8 @@ def launch(opts: LaunchOptions, cfg: RunConfig, *, plan_text: str, dataset: Toke
         Path(tmp, PLAN_COPY).write_text(plan_text, encoding="utf-8")
         if dataset is not None:
             write_tokens(dataset, Path(tmp, DATA_COPY))
+        if eval_rows is not None:
+            write_tokens(eval_rows, Path(tmp, EVAL_COPY))
         cfg = replace(cfg, inputs=tmp, log_dir=str(logs))
         args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
         failures: dict[int, str] = {}

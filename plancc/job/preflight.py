@@ -132,6 +132,25 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                     f"add --save DIR, or drop {flag}",
                 )
             )
+    evaluated = cfg.eval_data or cfg.eval_split
+    if cfg.eval_data and cfg.eval_split:
+        found.append(problem("--eval-split", "--eval-data and --eval-split both name eval rows", "give one of the two"))
+    elif cfg.eval_split and not cfg.data:
+        found.append(
+            problem(
+                "--eval-split",
+                f"--eval-split {cfg.eval_split} without --data: it names a split of --data's folder",
+                "add --data FOLDER (train-*.parquet, test-*.parquet), or pass --eval-data FILE",
+            )
+        )
+    elif cfg.eval_every is not None and not evaluated:
+        found.append(
+            problem(
+                "--eval-every",
+                f"--eval-every {cfg.eval_every} without --eval-data or --eval-split: no rows to evaluate",
+                "add --eval-data FILE (or --eval-split test), or drop --eval-every",
+            )
+        )
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter writes with it
         found.append(
             problem(
@@ -251,6 +270,7 @@ def run_paths(cfg: RunConfig) -> list[RunPath]:
     return [
         RunPath(flag="PLAN", path=cfg.plan, output=False),
         RunPath(flag="--data", path=cfg.data or "", output=False),
+        RunPath(flag="--eval-data", path=cfg.eval_data or "", output=False),
         RunPath(flag="--model", path=model or "", output=False),
         RunPath(flag="--resume", path=cfg.resume or "", output=False),
         RunPath(flag="--save", path=cfg.save or "", output=True),
@@ -268,6 +288,7 @@ class Preflight:
 
     problems: list[Diagnostic]
     dataset: TokenDataset | None = None
+    eval_rows: TokenDataset | None = None  # --eval-data / --eval-split, read as --data is
 
 
 def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagnostic]:
@@ -350,6 +371,21 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
             )
         except PlanError as exc:
             problems += exc.diagnostics
+    eval_rows = None
+    if cfg.eval_data or (cfg.eval_split and cfg.data):
+        try:
+            eval_rows = read_jsonl(
+                cfg.eval_data or cfg.data or "",
+                fields=DataFields.of(cfg.data_fields),
+                tokenizer=Tokenizer(str(folder) if folder is not None else None),
+                vocab_size=config.vocab_size,
+                min_tokens=2,
+                max_tokens=longest if cfg.seq_len is None else None,
+                row_length=cfg.row_length,
+                split=cfg.eval_split,
+            )
+        except PlanError as exc:
+            problems += exc.diagnostics
     problems += _budget_problems(cfg, dataset)
     if cfg.resume:
         problems += _resume_problems(cfg.resume, model, config)
@@ -370,7 +406,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
             from_folder=folder is not None and has_weights(folder),
             device=cfg.device or default_device_type(),
         )
-    return Preflight(problems=problems, dataset=dataset)
+    return Preflight(problems=problems, dataset=dataset, eval_rows=eval_rows)
 
 
 def notices(cfg: RunConfig, dataset: TokenDataset | None = None) -> list[Diagnostic]:

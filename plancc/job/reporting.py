@@ -91,8 +91,9 @@ class MetricsFile:
             self.file.flush()
         if self.board is not None:
             for key, value in line.items():
-                if key != "step":
-                    self.board.add_scalar(f"train/{key}", value, global_step=int(row["step"]))
+                if key != "step":  # eval_loss is eval/loss
+                    name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                    self.board.add_scalar(name, value, global_step=int(row["step"]))
             self.board.flush()
 
     def close(self) -> None:

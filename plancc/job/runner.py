@@ -43,7 +43,7 @@ from ..runtime.failures import diagnosed
 from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from . import reporting
-from .config import DATA_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
+from .config import DATA_COPY, EVAL_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
 from .data import (
     SYNTHETIC,
     DataFields,
@@ -58,6 +58,7 @@ from .data import (
     truncated,
 )
 from .data_order import RowOrder
+from .evaluation import evaluate
 from .hf_datasets import split_note
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .lr_schedule import LrSchedule, describe, lr_factor, min_ratio_of
@@ -104,21 +105,26 @@ class _Job:
     model_name: str
     config: PretrainedConfig
     dataset: TokenDataset | None = None  # the --data file, read and validated once
+    eval_rows: TokenDataset | None = None  # --eval-data / --eval-split, likewise
 
     @property
     def layout(self) -> Layout:
         return self.mesh.layout
 
 
-def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None]:
-    """The plan and data as the launcher read and checked them (its copies), shown by the
-    user's paths; without a launcher (a runner started by hand), the paths themselves."""
+def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None, TokenDataset | None]:
+    """The plan, data and eval rows as the launcher read and checked them (its copies), shown
+    by the user's paths; without a launcher (a runner started by hand), the paths themselves."""
     if cfg.inputs is None:
-        return load_plan(cfg.plan), None
+        return load_plan(cfg.plan), None, None
     folder = Path(cfg.inputs)
     plan = parse_plan(folder.joinpath(PLAN_COPY).read_text(encoding="utf-8"), path=cfg.plan)
-    data = folder / DATA_COPY
-    return plan, read_tokens(data) if data.is_file() else None
+    data, held_out = folder / DATA_COPY, folder / EVAL_COPY
+    return (
+        plan,
+        read_tokens(data) if data.is_file() else None,
+        read_tokens(held_out) if held_out.is_file() else None,
+    )
 
 
 def _setup(cfg: RunConfig) -> _Job:
@@ -135,7 +141,7 @@ def _setup(cfg: RunConfig) -> _Job:
             pp=layout.pp,
         )
     mesh = build_mesh(layout, device_type=device)
-    plan, dataset = _inputs(cfg)
+    plan, dataset, eval_rows = _inputs(cfg)
     model_name = cfg.model or default_preset(plan.architectures, tiny=True)
     assert model_name is not None, "the CLI resolves the model before launching"
     config = load_config(model_name)
@@ -148,6 +154,16 @@ def _setup(cfg: RunConfig) -> _Job:
             tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
             row_length=cfg.row_length,
         )
+    if (cfg.eval_data or cfg.eval_split) and eval_rows is None:  # likewise
+        eval_rows = read_jsonl(
+            cfg.eval_data or cfg.data or "",
+            vocab_size=config.vocab_size,
+            min_tokens=2,
+            fields=DataFields.of(cfg.data_fields),
+            tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
+            row_length=cfg.row_length,
+            split=cfg.eval_split,
+        )
     return _Job(
         device=device,
         mesh=mesh,
@@ -155,6 +171,7 @@ def _setup(cfg: RunConfig) -> _Job:
         model_name=model_name,
         config=config,
         dataset=dataset,
+        eval_rows=eval_rows,
     )
 
 
@@ -268,6 +285,7 @@ class _Trainer:
                 mine = self.policy.balanced_slices(batch["attention_mask"].sum(1))  # even tokens per dp rank
                 row = self.step(step, {name: value[mine].to(device) for name, value in batch.items()})
                 self.done = step + 1
+                row.update(self.evaluated())
                 history.append(row)
                 metrics.write(row)
                 shown = len(history) == 1 or self.done % self.cfg.log_every == 0 or self.done == self.total
@@ -280,6 +298,9 @@ class _Trainer:
                     )
                 else:
                     progress.advance()
+                if "eval_loss" in row:
+                    tokens = f"{row['eval_tokens']:,.0f}"
+                    log(f"eval {self.done:>4}/{self.total}  loss {row['eval_loss']:.6f}  over {tokens} tokens")
                 every = self.cfg.save_every
                 if every and self.done % every == 0 and self.done < self.total:
                     self.save_checkpoint()
@@ -287,6 +308,14 @@ class _Trainer:
             progress.close()
             metrics.close()
         return history
+
+    def evaluated(self) -> dict[str, float]:
+        """The eval loss after this step, when it is an --eval-every step or the last (else {})."""
+        every, rows = self.cfg.eval_every, self.job.eval_rows
+        due = self.done == self.total or (every is not None and self.done % every == 0)
+        if rows is None or not due:
+            return {}
+        return evaluate(self.policy, rows, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len)
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the steps done so far into --save (``Policy.save``: atomic, the
@@ -558,6 +587,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     )
     log(_data_note(cfg, job.dataset))
     log(_optimizer_note(cfg, policy))
+    if job.eval_rows is not None:
+        every = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
+        rows = job.eval_rows
+        log(f"eval: {rows.path}, {len(rows.sequences)} rows, {every}at the end (the loss counts as training's does)")
     warnings = _weight_warnings(policy.model, cfg, job)
     trainer = _Trainer(cfg=cfg, job=job, policy=policy)
     lock = _lock_save_folder(cfg)
