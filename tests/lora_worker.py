@@ -231,7 +231,20 @@ def reference_export_and_resume(plan, model_name, layout_kwargs, targets, folder
         loaded = PeftModel.from_pretrained(build_model(copy.deepcopy(config), device="cpu"), str(root / "adapters"))
         out["peft_loaded_vs_policy"] = float((_logprobs_of(loaded, mine) - trained).abs().max())
     saved = policy.save(root / "ck")
-    resumed = plancc.Policy(plan, model_name, lora=spec, optimizer=adamw, seed=7, layout=sized(**layout_kwargs))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    held = [k for k in FileSystemReader(str(saved)).read_metadata().state_dict_metadata if k.startswith("model.")]
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    out["checkpoint_holds_adapters_only"] = bool(held) and {k.removeprefix("model.") for k in held} == trainable
+    # the checkpoint holds the adapters alone: a policy on another base (seed 7's) is refused
+    other = plancc.Policy(plan, model_name, lora=spec, optimizer=adamw, seed=7, layout=sized(**layout_kwargs))
+    try:
+        other.load(root / "ck")
+        out["other_base"] = None
+    except CheckpointError as exc:
+        out["other_base"] = str(exc)
+    del other
+    resumed = plancc.Policy(plan, model_name, lora=spec, optimizer=adamw, layout=sized(**layout_kwargs))
     resumed.load(root / "ck")
     a, b = _full_state(policy.model), _full_state(resumed.model)
     out["resumed_equal"] = all(torch.equal(a[k], b[k]) for k in a)

@@ -97,6 +97,8 @@ def test_the_reference_is_the_base_and_weights_go_out_merged_or_as_peft_adapters
         assert out["reference_vs_base"] <= 1e-5, (rank, out)
         assert out["trained_vs_base"] > 1e-3, (rank, out)  # the adapters are on in logprobs
         assert out["resumed_equal"] and out["next_step_equal"], (rank, out)
+        assert out["checkpoint_holds_adapters_only"], rank  # the base is --model's, not in every checkpoint
+        assert "trained on the base 'random init (seed 0)'" in out["other_base"], out["other_base"]
         saved, unsaved = out["refusals"]
         assert saved is not None and "holds LoRA adapters" in saved and "lora=" in saved, saved
         assert unsaved is not None and "holds no LoRA adapters" in unsaved, unsaved

@@ -267,3 +267,29 @@ def test_eval_split_reads_the_held_out_split_of_a_hub_folder(tmp_path):
     assert [tuple(r) for r in held_out.sequences] == [(7, 8, 9)] and "(test split)" in held_out.path
     with pytest.raises(DataError, match="holds the splits test, train, not validation"):
         read_jsonl(tmp_path / "hub", vocab_size=256, split="validation")
+
+
+# --- LoRA checkpoints and exports ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lora_run_checkpoints_and_exports_the_adapters_alone(tmp_path, cli):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    lora = ("--lora-r", 4, "--lora-targets", "model.layers.*.self_attn.q_proj,model.layers.*.self_attn.v_proj")
+    code, out, err = forked_cli("apply", QWEN3, *lora, "--steps", 2, "--save", tmp_path / "ck",
+                                "--export-hf", tmp_path / "adapters", "--export-adapters")
+    assert code == 0, err
+    held = {k for k in FileSystemReader(str(tmp_path / "ck" / "step-000002")).read_metadata().state_dict_metadata
+            if k.startswith("model.")}
+    assert held and all("lora_" in k for k in held)  # no base tensor: the base is --model's
+    written = sorted(p.name for p in (tmp_path / "adapters").iterdir() if not p.name.startswith("."))
+    assert written == ["adapter_config.json", "adapter_model.safetensors"]
+    assert "exported the LoRA adapters (a PEFT folder)" in out
+    code, out, err = forked_cli("apply", QWEN3, *lora, "--steps", 3, "--resume", tmp_path / "ck")
+    assert code == 0 and "resumed from step 2" in out, err
+    code, out, err = forked_cli("apply", QWEN3, *lora, "--steps", 3, "--resume", tmp_path / "ck", "--seed", 1)
+    assert code == 1 and "trained on the base 'random init (seed 0)'" in err
+    code, _, err = cli("apply", QWEN3, "--export-hf", tmp_path / "x", "--export-adapters")
+    assert code == 2 and "--export-adapters without LoRA" in err

@@ -166,6 +166,13 @@ def apply(
     if batch_size is None:  # the smallest multiple of dp that is at least 4: every dp divides it
         batch_size = chosen.dp * -(-4 // chosen.dp)
     lora = lora_flags(plan_path, report, chosen, fmt, r=lora_r, alpha=lora_alpha, targets=lora_targets)
+    if output.export_adapters and (lora is None and report.plan.lora is None or not output.export_hf):
+        usage_error(
+            "--export-adapters without " + ("--export-hf" if not output.export_hf else "LoRA"),
+            fmt,
+            fix="--export-adapters writes the LoRA adapters of --export-hf DIR: give both, with "
+            "--lora-r/--lora-targets or a plan with a lora: section",
+        )
     if chosen.pp > 1 and lora is not None:
         usage_error(
             f"--pp {chosen.pp} with LoRA: not supported yet",

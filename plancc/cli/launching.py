@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from ..compiler.lora import LoraSpec
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout, LayoutError
 from .app import EXIT_PLAN, EXIT_USAGE, USAGE_RULES, Format, emit, fail
@@ -77,7 +78,8 @@ def preflight(cfg: RunConfig, report: ValidationReport, fmt: Format, local_ranks
 
     assert report.meta_model is not None  # a report without errors has its model
     # the model and config validate built; the workers of this machine share its memory
-    checked = preflight(cfg, report.meta_model, report.config, local_ranks=local_ranks)
+    lora = LoraSpec.of(cfg.lora) if cfg.lora is not None else report.plan.lora
+    checked = preflight(cfg, report.meta_model, report.config, local_ranks=local_ranks, lora=lora)
     if checked.problems:
         emit(checked.problems, fmt)
         raise typer.Exit(EXIT_USAGE if any(d.rule in USAGE_RULES for d in checked.problems) else EXIT_PLAN)

@@ -294,13 +294,19 @@ class OutputFlags:
     save_every: SaveEveryOpt = None
     keep: KeepOpt = None
     export_hf: ExportOpt = None
+    export_adapters: Annotated[
+        bool,
+        typer.Option(
+            "--export-adapters", help="with LoRA: --export-hf writes the adapters alone (a PEFT folder), not merged"
+        ),
+    ] = False
     metrics: MetricsOpt = None
     tensorboard: TensorboardOpt = None
 
     def run_config(self) -> dict[str, Any]:
         """The ``RunConfig`` fields these flags set."""
         paths = {name: _path(getattr(self, name)) for name in ("save", "resume", "export_hf", "metrics", "tensorboard")}
-        return {**paths, "save_every": self.save_every, "keep": self.keep}
+        return {**paths, "save_every": self.save_every, "keep": self.keep, "export_adapters": self.export_adapters}
 
 
 def grouped(**groups: type) -> Callable[[Callable[..., None]], Callable[..., None]]:

@@ -82,6 +82,11 @@ class CheckpointInfo:
     # horizon, lr), so a resume with other ones says so; absent before plancc 0.5 and for a
     # caller's own loop unless it passes ``Policy.save(run=...)``
     run: dict[str, Any] = field(default_factory=dict)
+    # LoRA: only the trained tensors (the adapters) and their optimizer state are in the
+    # checkpoint; the frozen base is the run's --model, loaded by the resuming run as it was
+    # here (``base`` names where it came from)
+    adapters_only: bool = False
+    base: str = ""
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -231,7 +236,8 @@ def save(
 ) -> Path:
     """Collective: every rank calls it. Returns the finished step directory. Weights that are
     not finite are refused (a ``PlanError`` on every rank): no checkpoint ever holds them.
-    ``files``: text files of the caller's (a run file) written into the step, published with it."""
+    ``files``: text files of the caller's (a run file) written into the step, published with it.
+    ``info.adapters_only``: the frozen parameters are left out (LoRA's base)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -252,7 +258,8 @@ def save(
     on_rank0(make_folders, fail=lambda why: _error(final, f"saving step {info.step} failed: {why}", intact))
     # the optimizer's state and groups keyed by parameter name: a pipeline rank's groups hold
     # other parameters than another's, and groups numbered 0.. on every rank would collide
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    options = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=info.adapters_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
@@ -440,6 +447,15 @@ def _is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def same_base(saved: str, built: str) -> bool:
+    """Whether two ``weight_source`` phrases name one base: the same seed, or the same folder
+    however its path is spelled."""
+    prefix = "safetensors from "
+    if saved.startswith(prefix) and built.startswith(prefix):
+        return Path(saved.removeprefix(prefix)).resolve() == Path(built.removeprefix(prefix)).resolve()
+    return saved == built
+
+
 def compatible(info: CheckpointInfo, step_dir: Path, *, architecture: str, shapes: dict[str, list[int]]) -> None:
     """Refuse a checkpoint of another model, naming the first parameter that differs."""
     if info.architecture != architecture:
@@ -490,10 +506,12 @@ def load(
     architecture: str,
     plan: str,
     shapes: dict[str, list[int]] | None = None,
+    base: str | None = None,
 ) -> CheckpointInfo:
     """Collective: load model and optimizer state saved at any layout into this one. ``shapes``:
     the whole model's parameter shapes, where ``model`` holds only some of them (a pipeline
-    rank's stages); default ``model``'s own."""
+    rank's stages); default ``model``'s own. ``base``: where this model's frozen base came from
+    (LoRA), which must be the base a checkpoint of adapters alone was trained on."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -503,10 +521,22 @@ def load(
     step_dir = agreed_find(root)
     info = read_info(step_dir)
     compatible(info, step_dir, architecture=architecture, shapes=shapes or parameter_shapes(model))
+    if info.adapters_only and base is not None and info.base and not same_base(info.base, base):
+        raise _error(
+            step_dir,
+            f"the checkpoint holds LoRA adapters trained on the base '{info.base}', which it does not hold; "
+            f"this policy's base is '{base}'",
+            "resume with the --model (and, for a random init, the --seed) the checkpoint's run used",
+        )
     reader = SafeFileSystemReader(str(step_dir))
     # checkpoints before the optimizer state went by name number its groups (optim.param_groups.0...)
     numbered = any(_NUMBERED_GROUPS.match(key) for key in reader.read_metadata().state_dict_metadata)
-    options = StateDictOptions(flatten_optimizer_state_dict=not numbered)
+    # a LoRA checkpoint holds the adapters alone: the frozen base stays as this run loaded it
+    options = StateDictOptions(
+        flatten_optimizer_state_dict=not numbered,
+        ignore_frozen_params=info.adapters_only,
+        strict=not info.adapters_only,  # (the frozen keys are absent by design; every adapter is loaded)
+    )
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     try:  # DCP loads in place, into the tensors of these two state dicts
         dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())

@@ -463,6 +463,7 @@ class Policy:
             run=run,
             files=files,
             whole=self._whole,
+            base=self.weight_source if self.lora is not None else None,
         )
 
     def load(self, folder: str | Path) -> checkpoint.CheckpointInfo:
@@ -481,6 +482,7 @@ class Policy:
             config=self.config,
             plan=self.plan.name,
             whole=self._whole,
+            base=self.weight_source if self.lora is not None else None,
         )
         self.step = info.step
         return info

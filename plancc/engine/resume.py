@@ -29,12 +29,14 @@ def save_state(
     run: Mapping[str, Any] | None = None,
     files: Mapping[str, str] | None = None,
     whole: nn.Module | None = None,
+    base: str | None = None,
 ) -> Path:
     """A DCP checkpoint of the model, optimizer and schedule at ``step`` (atomic; loadable at
     another layout). Returns the step folder. The caller reshards the model first. ``whole``:
     the model whose structure the checkpoint states where ``model`` holds part of it (a rank's
     pipeline stages: the whole model on meta); keyed by the model's names either way, so it
-    loads at any pp, or none."""
+    loads at any pp, or none. ``base``: where the frozen base came from, when only adapters
+    train (LoRA): the checkpoint then holds the adapters and their state alone."""
     whole = whole if whole is not None else model
     info = checkpoint.CheckpointInfo(
         step=step,
@@ -49,6 +51,8 @@ def save_state(
         parameters=checkpoint.parameter_shapes(whole),
         schedule=schedule_state(scheduler),
         run=dict(run or {}),
+        adapters_only=base is not None,
+        base=base or "",
     )
     return checkpoint.save(folder, model, optimizer, info, files)
 
@@ -62,13 +66,16 @@ def load_state(
     config: PretrainedConfig,
     plan: str,
     whole: nn.Module | None = None,
+    base: str | None = None,
 ) -> checkpoint.CheckpointInfo:
     """``save_state``'s newest checkpoint in ``folder`` into these objects (any layout): the
     weights, the optimizer's state and the schedule's position; the learning rate stays the
     configured one (``restore_schedule``). The caller reshards the model first."""
     configured = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
     shapes = checkpoint.parameter_shapes(whole) if whole is not None else None
-    info = checkpoint.load(folder, model, optimizer, architecture=architecture_of(config), plan=plan, shapes=shapes)
+    info = checkpoint.load(
+        folder, model, optimizer, architecture=architecture_of(config), plan=plan, shapes=shapes, base=base
+    )
     restore_schedule(optimizer, scheduler, info.schedule, configured, step=info.step)
     return info
 

@@ -69,6 +69,7 @@ class RunConfig:
     save: str | None = None
     resume: str | None = None
     export_hf: str | None = None
+    export_adapters: bool = False  # with LoRA: --export-hf writes a PEFT folder of the adapters alone
     verify: bool = False
     mode: Literal["train", "logprobs"] = "train"
     out: str | None = None  # logprobs: JSONL output path

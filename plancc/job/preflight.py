@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..checks.lora_targets import adapted_modules
+from ..compiler.lora import LoraSpec
 from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of, presets
@@ -37,19 +39,52 @@ if TYPE_CHECKING:  # the launcher checks flags without importing transformers' m
     from .launch import LaunchOptions
 
 
-def _resume_problems(resume: str, model: nn.Module, config: PretrainedConfig) -> list[Diagnostic]:
+def _resume_problems(
+    resume: str, model: nn.Module, config: PretrainedConfig, lora: LoraSpec | None = None
+) -> list[Diagnostic]:
+    shapes = checkpoint.parameter_shapes(model)
+    if lora is not None:  # the run adds adapters to the model validate built (on meta, without them)
+        shapes = with_adapter_shapes(shapes, adapter_shapes(model, lora))
     try:
         step_dir = checkpoint.find(resume)
         info = checkpoint.read_info(step_dir)
-        checkpoint.compatible(
-            info, step_dir, architecture=architecture_of(config), shapes=checkpoint.parameter_shapes(model)
-        )
+        checkpoint.compatible(info, step_dir, architecture=architecture_of(config), shapes=shapes)
         from ..engine.checkpoint_reader import SafeFileSystemReader  # lazy: DCP only when resuming
 
         SafeFileSystemReader(str(step_dir)).read_metadata()
     except PlanError as exc:
         return exc.diagnostics
     return []
+
+
+def adapter_shapes(model: nn.Module, lora: LoraSpec) -> dict[str, list[int]]:
+    """The shapes of the LoRA parameters ``runtime.lora.add_adapters`` gives ``model``, by name."""
+    modules = dict(model.named_modules())
+    shapes = {}
+    for name in adapted_modules(model, lora)[0]:
+        weight = getattr(modules[name], "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            out_features, in_features = weight.shape
+            shapes[f"{name}.lora_A.weight"] = [lora.r, in_features]
+            shapes[f"{name}.lora_B.weight"] = [out_features, lora.r]
+    return shapes
+
+
+def with_adapter_shapes(shapes: dict[str, list[int]], adapters: dict[str, list[int]]) -> dict[str, list[int]]:
+    """``shapes`` with the adapters' in the order ``named_parameters`` gives them (a module's own
+    parameters, then its children's: ``lora_A``, ``lora_B``), which the model's signature hashes."""
+    out: dict[str, list[int]] = {}
+    names = list(shapes)
+    for i, name in enumerate(names):
+        out[name] = shapes[name]
+        module = name.rsplit(".", 1)[0]
+        last_of_module = i + 1 == len(names) or names[i + 1].rsplit(".", 1)[0] != module
+        if last_of_module:
+            for part in ("lora_A", "lora_B"):
+                key = f"{module}.{part}.weight"
+                if key in adapters:
+                    out[key] = adapters[key]
+    return out
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
@@ -317,10 +352,17 @@ def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagn
     ]
 
 
-def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, local_ranks: int = 1) -> Preflight:
+def preflight(
+    cfg: RunConfig,
+    model: nn.Module,
+    config: PretrainedConfig,
+    *,
+    local_ranks: int = 1,
+    lora: LoraSpec | None = None,
+) -> Preflight:
     """Every problem of ``cfg``'s inputs and outputs, for ``model`` of ``config`` (built on
     meta, as ``plancc validate`` builds it), and the data read once. ``local_ranks``: the
-    workers this machine starts, which share its memory."""
+    workers this machine starts, which share its memory; ``lora``: the adapters the run adds."""
     problems = _flag_problems(cfg)
     # a run resumes from, and saves into, its own checkpoint folder; the export against the model
     # folder is check_export_target's to say ([export-hf], as the Python API's export says it)
@@ -388,7 +430,7 @@ def preflight(cfg: RunConfig, model: nn.Module, config: PretrainedConfig, *, loc
             problems += exc.diagnostics
     problems += _budget_problems(cfg, dataset)
     if cfg.resume:
-        problems += _resume_problems(cfg.resume, model, config)
+        problems += _resume_problems(cfg.resume, model, config, lora)
     if cfg.save:
         try:
             checkpoint.check_save_folder(cfg.save)

@@ -353,8 +353,10 @@ class _Trainer:
     def save(self) -> None:
         self.save_checkpoint()
         if self.cfg.export_hf:
-            self.policy.export_hf(self.cfg.export_hf)
-            log(f"exported Hugging Face weights to {self.cfg.export_hf}")
+            adapters = self.cfg.export_adapters
+            self.policy.export_hf(self.cfg.export_hf, adapters_only=adapters)
+            what = "the LoRA adapters (a PEFT folder)" if adapters else "Hugging Face weights"
+            log(f"exported {what} to {self.cfg.export_hf}")
 
 
 def _data_problem(cfg: RunConfig, message: str) -> PlanError:
