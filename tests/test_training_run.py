@@ -5,6 +5,7 @@ same in --verify's unsharded model."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 
 import pytest
@@ -293,3 +294,59 @@ def test_a_lora_run_checkpoints_and_exports_the_adapters_alone(tmp_path, cli):
     assert code == 1 and "trained on the base 'random init (seed 0)'" in err
     code, _, err = cli("apply", QWEN3, "--export-hf", tmp_path / "x", "--export-adapters")
     assert code == 2 and "--export-adapters without LoRA" in err
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def memory_cgroup(tmp_name: str, limit: int):
+    """A memory cgroup below this process's own, limited to ``limit`` bytes (v1 or v2), or None
+    where one cannot be made here (not root, no writable cgroup file system)."""
+    from plancc.runtime.rank_memory import _cgroup_file
+
+    own = Path(_cgroup_file("x")).parent
+    child = own / tmp_name
+    try:
+        child.mkdir()
+        limit_file = child / ("memory.limit_in_bytes" if (child / "memory.limit_in_bytes").exists() else "memory.max")
+        limit_file.write_text(str(limit))
+    except OSError:
+        return None
+    return child
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory_with_its_peak():
+    """A real OOM kill: the run in a memory cgroup of 3 GiB, rank 1 allocating until the kernel
+    ends it. The launcher says so, with the peak the rank reached -- not 'Signal 9' and a
+    --timeout hint."""
+    import os
+    import subprocess
+    import sys
+
+    group = memory_cgroup(f"plancc-oom-{os.getpid()}", 3 << 30)
+    if group is None:
+        pytest.skip("no memory cgroup can be made here")
+    try:
+        def enter() -> None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        done = subprocess.run([sys.executable, "-m", "plancc.cli", "apply", str(QWEN3), "--steps", "2"],
+                              env={**os.environ, "PLANCC_FAULT": "train:hog@1#1"}, preexec_fn=enter,
+                              capture_output=True, text=True, timeout=500)
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+    assert done.returncode == 1, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if "[memory]" in x]
+    assert "rank 1 was killed by the kernel's OOM killer: out of host memory (its peak: " in line, line
+    peak = float(line.split("its peak: ")[1].split(" GiB")[0])
+    assert 1.0 < peak <= 3.0, line
+    assert "--timeout" not in done.stderr

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..job.config import RunConfig
     from ..job.data import TokenDataset
     from ..job.launch import LaunchOptions
+    from ..runtime.rank_memory import OutOfMemory
 
 
 def prelaunch(
@@ -147,6 +148,9 @@ def launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> None
             summary=outcome.result,
         )
         raise typer.Exit(EXIT_PLAN)
+    if outcome.out_of_memory is not None:
+        emit([out_of_memory(outcome.out_of_memory, opts, outcome.logs)], fmt)
+        raise typer.Exit(EXIT_PLAN)
     if not outcome.ok:
         first = outcome.first_failed if outcome.first_failed in outcome.failures else min(outcome.failures)
         others = [r for r in outcome.failures if r != first]
@@ -173,6 +177,34 @@ def launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> None
     if fmt is Format.json and outcome.result is not None:
         found = [d.to_json() for d in warnings] + outcome.result.pop("warnings", [])  # the workers' own
         print(json.dumps({**outcome.result, "diagnostics": found}, indent=2))
+
+
+def out_of_memory(oom: OutOfMemory, opts: LaunchOptions, logs: dict[int, str]) -> Diagnostic:
+    """A rank the kernel's OOM killer ended, as what it is (not a bare SIGKILL and a --timeout hint)."""
+    from ..job.memory import GIB, host_available  # lazy: loads torch
+
+    peak = f"its peak: {oom.peak / GIB:.1f} GiB of host memory" if oom.peak else "no peak recorded"
+    available = host_available()
+    share = (
+        f"; {available / GIB:.1f} GiB is available here (free host memory, or what a container's memory cgroup "
+        f"allows), {available / GIB / opts.nproc_per_node:.1f} GiB for each of its {opts.nproc_per_node} workers"
+        if available
+        else ""
+    )
+    how = (
+        "was killed by the kernel's OOM killer: out of host memory"
+        if oom.oom_killer
+        else "was killed by SIGKILL, as the kernel's OOM killer ends a process (the kernel's count of OOM "
+        "kills could not be read: see dmesg)"
+    )
+    return Diagnostic(
+        rule="memory",
+        loc=SourceLoc(path=f"rank {oom.rank}"),
+        message=f"rank {oom.rank} {how} ({peak}{share})",
+        fix="give each rank less to hold: a smaller --micro-batch-size, --max-tokens or --seq-len, more ranks "
+        "(--nnodes) or fewer workers on this machine (--nproc-per-node); --verify holds the unsharded model too"
+        + (f"; the other ranks' logs: {Path(next(iter(logs.values()))).parent}" if logs else ""),
+    )
 
 
 def _trace_hint(first: int, logs: dict[int, str]) -> str:

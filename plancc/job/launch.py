@@ -27,6 +27,7 @@ from torch.distributed.run import get_args_parser, run
 
 from ..errors import quiet_logger
 from ..runtime.mesh import THREADS_UNSET_BY_USER
+from ..runtime.rank_memory import OutOfMemory, oom_kills, read_peak
 from .config import DATA_COPY, EVAL_COPY, PLAN_COPY, RunConfig
 from .data import TokenDataset, write_tokens
 
@@ -53,6 +54,7 @@ class LaunchResult:
     interrupted: int = 0  # SIGINT / SIGTERM that stopped the job (the workers stop at a step boundary)
     rendezvous: str | None = None  # why the nodes never met (an endpoint no one answers at, a timeout)
     logs: dict[int, str] = field(default_factory=dict)  # global rank -> the file holding its full traceback
+    out_of_memory: OutOfMemory | None = None  # the first failed rank was the kernel's OOM killer's
 
 
 def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
@@ -146,6 +148,8 @@ def launch(
         interrupted = 0
         unmet = None
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        kills_before = oom_kills()
+        out_of_memory = None
         try:
             # the agent logs each failed worker at ERROR; the CLI names the failure itself
             with (
@@ -160,6 +164,7 @@ def launch(
                 failures[rank] = _failure_message(failure)
                 seen.append(RankFailure(rank, failures[rank], failure.exitcode, failure.timestamp))
             first = root_cause(seen)
+            out_of_memory = _out_of_memory(exc.failures, first, tmp, kills_before)
         except SignalException as exc:  # the agent stopped the workers (with the same signal) and re-raised
             interrupted = int(exc.sigval)
         except RendezvousError as exc:  # no worker started: the nodes never met
@@ -178,7 +183,22 @@ def launch(
         interrupted=interrupted,
         rendezvous=unmet,
         logs=written,
+        out_of_memory=out_of_memory,
     )
+
+
+def _out_of_memory(
+    failures: dict[int, ProcessFailure], first: int | None, folder: str, kills_before: int | None
+) -> OutOfMemory | None:
+    """The first failed rank as the OOM killer's victim, when it died of SIGKILL and the kernel
+    counted an OOM kill meanwhile (or has no count to read); None otherwise."""
+    if first is None or failures[first].exitcode != _SIGKILL:
+        return None
+    after = oom_kills()
+    killer = None if kills_before is None or after is None else after > kills_before
+    if killer is False:  # a SIGKILL from someone else (a user, a scheduler): not memory
+        return None
+    return OutOfMemory(rank=first, peak=read_peak(folder, first), oom_killer=killer)
 
 
 def _rendezvous_message(exc: RendezvousError, opts: LaunchOptions, timeout_s: int) -> str:

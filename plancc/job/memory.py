@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import Diagnostic, SourceLoc
+from ..runtime.rank_memory import cgroup_headroom
 from .config import PARAM_DTYPES, RunConfig
 
 GIB = 1 << 30
@@ -48,15 +49,20 @@ def _gib(n: float) -> str:
 
 
 def host_available() -> int | None:
-    """Bytes the kernel says new allocations can take without swapping (MemAvailable)."""
+    """Bytes the kernel says new allocations can take without swapping (MemAvailable), or what
+    this process's memory cgroup still allows where that is less (a container's limit)."""
+    found = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        found = None
+    bound = cgroup_headroom()
+    if bound is not None:
+        return bound if found is None else min(found, bound)
+    return found
 
 
 def device_capacity(device: str) -> int | None:

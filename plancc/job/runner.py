@@ -42,6 +42,7 @@ from ..runtime.agreement import on_rank0
 from ..runtime.failures import diagnosed
 from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
+from ..runtime.rank_memory import PeakRecorder
 from . import reporting
 from .config import DATA_COPY, EVAL_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
 from .data import (
@@ -819,6 +820,8 @@ def main(argv: list[str] | None = None) -> int:
     reporting.LOG_STREAM[0] = sys.stderr if cfg.log_to_stderr else sys.stdout
     StopRequest.install()
     launcher = LauncherWatch(args.result).start()
+    if cfg.inputs is not None:  # the peak the launcher names if the OOM killer ends this rank
+        PeakRecorder(cfg.inputs, int(os.environ.get("RANK", "0"))).start()
 
     @record
     def worker() -> dict[str, Any]:

@@ -14,7 +14,9 @@
 - ACTION: ``raise`` (an exception: a failing rank), ``readonly`` (the ``OSError`` a read-only
   or full file system gives, EROFS), ``kill`` (SIGKILL: a lost process),
   ``stop`` (SIGSTOP: a frozen process, as a stuck host or a debugger leaves it; SIGCONT resumes
-  it) or, at ``loss`` only, ``nan`` (the loss becomes NaN: a diverging run)
+  it), ``hog`` (allocate host memory until the kernel's OOM killer ends the process; only
+  inside a memory cgroup limited below ``HOG_LIMIT``, never on a whole machine) or, at
+  ``loss`` only, ``nan`` (the loss becomes NaN: a diverging run)
 - RANK: the global rank that fails; STEP (train, loss, gather, send, pack only): the 1-based
   step (gather, send, pack: the bucket; a resharded send: the transfer)
 
@@ -48,12 +50,32 @@ def inject(point: str, *, rank: int, step: int | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if action == "hog":
+            _hog(entry)
         if action == "readonly":
             raise OSError(errno.EROFS, f"Read-only file system (injected: {entry})")
         if action == "raise":
             raise RuntimeError(
                 f"injected failure ({entry}) on rank {rank}" + (f" at step {step}" if step is not None else "")
             )
+
+
+HOG_LIMIT = 8 << 30
+
+
+def _hog(entry: str) -> None:
+    """Touch 64 MiB after 64 MiB until the OOM killer ends this process -- refused (raised)
+    unless a memory cgroup below ``HOG_LIMIT`` bounds it."""
+    from .rank_memory import memory_limit
+
+    limit = memory_limit()
+    if limit is None or limit >= HOG_LIMIT:
+        raise RuntimeError(f"{entry}: refused outside a memory cgroup limited below {HOG_LIMIT >> 30} GiB")
+    held = []
+    while True:
+        block = bytearray(64 << 20)  # zero pages the kernel has not given yet: each page written
+        block[::4096] = b"\1" * len(range(0, len(block), 4096))
+        held.append(block)
 
 
 def poisoned(point: str, *, rank: int, step: int | None = None) -> bool:
