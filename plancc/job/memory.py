@@ -13,7 +13,10 @@ checkpointing and the attention kernel).
 * the logits of one microbatch: tokens x vocabulary / tp in the compute dtype, and in training
   their gradient as well;
 * random init (no model folder): every rank builds the whole model in fp32 on the host and
-  keeps its shards, so each rank needs 4 bytes a parameter of host memory for a moment.
+  keeps its shards, so each rank needs 4 bytes a parameter of host memory for a moment;
+* ``--verify``: the unsharded reference beside the policy on every rank -- its fp32 weights
+  and gradients whole, AdamW's moments split over the ranks (8/world bytes a parameter), and
+  the logits of the rows it runs at a time (``job.verify_reference``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from ..errors import Diagnostic, SourceLoc
 from ..runtime.rank_memory import cgroup_headroom
 from .config import PARAM_DTYPES, RunConfig
+from .verify_reference import reference_chunk_rows
 
 GIB = 1 << 30
 
@@ -38,10 +42,11 @@ class Need:
     state: int  # weights (and in training gradients and optimizer moments), this rank's share
     logits: int  # one microbatch's logits (and their gradient in training)
     init: int  # host bytes the seeded random init holds for a moment (0 with a model folder)
+    reference: int = 0  # --verify's unsharded model, its gradients, its share of AdamW and its logits
 
     @property
     def device(self) -> int:
-        return self.state + self.logits
+        return self.state + self.logits + self.reference
 
 
 def _gib(n: float) -> str:
@@ -86,19 +91,26 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
         rows = cfg.micro_batch_size or max(1, cfg.batch_size // dp)
         # a data row is as long as it is, cut to --seq-len when given; a synthetic row is --seq-len
         length = longest if longest is not None else cfg.synthetic_seq_len
-        tokens = rows * (min(length, cfg.seq_len) if cfg.seq_len else length)
+        row = min(length, cfg.seq_len) if cfg.seq_len else length
+        tokens = rows * row
         if cfg.max_tokens:
             tokens = min(tokens, max(cfg.max_tokens, longest or 0))
         copies = 2  # the logits and their gradient
     else:
-        tokens = cfg.batch_size * (longest or 1)
+        row = longest or 1
+        tokens = cfg.batch_size * row
         copies = 1
     tokens = math.ceil(tokens / max(1, layout.cp))
     logits = tokens * math.ceil(vocab / max(1, layout.tp)) * dtype_bytes * copies
+    reference = 0
+    if cfg.verify:  # its weights and gradients whole, its share of AdamW, a chunk's logits (3 copies)
+        chunk = reference_chunk_rows(cfg.batch_size, row, vocab)
+        reference = params * 8 + math.ceil(params * 8 / world) + chunk * row * vocab * 4 * 3
     return Need(
         state=math.ceil(params * per_param / world),
         logits=logits,
         init=0 if from_folder else params * 4,
+        reference=reference,
     )
 
 
@@ -131,7 +143,21 @@ def memory_problems(
         host_need = needed.device + needed.init
     if have and needed.device > have:
         shares = f"{_gib(needed.state)} of {what} {layout}"
-        if needed.state > have:  # the model itself: another machine, more ranks, or a smaller model
+        if needed.reference:
+            shares += f", {_gib(needed.reference)} of the unsharded model --verify trains beside it"
+        if needed.reference and needed.state + needed.logits <= have:  # the run fits; its check does not
+            found.append(
+                Diagnostic(
+                    rule="memory",
+                    loc=SourceLoc(path=cfg.model or cfg.plan),
+                    message=f"--verify needs at least {_gib(needed.device)} per rank: the run's "
+                    f"{_gib(needed.state + needed.logits)} and {_gib(needed.reference)} for the unsharded model "
+                    f"it trains beside it (its weights and gradients whole on every rank); {where}",
+                    fix="verify the plan on a copy of the model's config with fewer layers (num_hidden_layers), "
+                    "which exercises every rule the same; the run without --verify fits",
+                )
+            )
+        elif needed.state > have:  # the model itself: another machine, more ranks, or a smaller model
             found.append(
                 Diagnostic(
                     rule="memory",

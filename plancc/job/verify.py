@@ -27,17 +27,14 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
-from ..dataflow import batched_experts
 from ..engine.batches import default_token_mask
 from ..engine.build import seeded_model
 from ..engine.losses import token_nll
-from ..engine.param_groups import trained_parameters
 from ..engine.pipelined import PipelinePolicy
 from ..engine.policy import Policy
 from ..errors import quiet_logger
@@ -48,6 +45,16 @@ from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, parallel_mesh
 from ..runtime.parallelize import parallelize
 from ..runtime.weights import load_hf_weights
+from .verify_reference import (
+    SplitAdamW,
+    chunked_backward,
+    chunked_logits,
+    chunked_loss,
+    clip_exactly,
+    clip_scale,
+    fp64_floor,
+    reference_chunk_rows,
+)
 
 Batch = dict[str, torch.Tensor]  # input_ids, attention_mask and, for masked data, token_mask
 
@@ -71,6 +78,8 @@ class VerifyReport:
     # where both models' weights came from: the seeded init, a folder's safetensors, a checkpoint
     weights: str = ""
     first_loss: float = 0.0  # the unsharded model's loss on the first batch (what the weights give)
+    reference_chunk_rows: int = 0  # the rows the reference ran at a time (its gradients summed)
+    floor_measured: bool = False  # fp32 missed a fixed bar, so its distance from fp64 was measured
 
     def tolerance(self, key: str) -> float:
         """The bar for ``key`` of TOLERANCES: the fp32 one, or twice fp32's own error."""
@@ -177,36 +186,6 @@ def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[st
     return config, dropped
 
 
-def _fp64_run(
-    reference64: torch.nn.Module, batch: Batch, max_grad_norm: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-    """(logits, clipped gradients) of the reference in fp64 on the same batch: what fp32 rounds
-    away."""
-    try:
-        with batched_experts(reference64):
-            ids, mask = batch["input_ids"], batch["attention_mask"]
-            logits64 = reference64(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            token_mean_loss(logits64, ids, mask, batch.get("token_mask")).backward()
-    except RuntimeError:
-        # a modeling file that computes in fp32 on purpose (a router casting its input) cannot
-        # run in fp64: no floor measured, the fixed fp32 bars apply
-        return None
-    torch.nn.utils.clip_grad_norm_(reference64.parameters(), max_grad_norm)
-    return logits64.detach(), {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
-
-
-def token_mean_loss(
-    logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, token_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The mean next-token NLL of the whole batch over the positions ``Policy`` counts
-    (``token_mask``, else ``default_token_mask``): what ``token_nll`` sums to over every
-    microbatch and rank."""
-    lp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    counted = (token_mask if token_mask is not None else default_token_mask(mask))[:, 1:].to(lp.dtype)
-    return -(lp * counted).sum() / counted.sum()
-
-
 def build_pair(
     plan: Plan,
     model_spec: Any,
@@ -244,35 +223,47 @@ def _compare_gradients(
     grads64: dict[str, torch.Tensor] | None,
     report: VerifyReport,
 ) -> None:
-    """The worst of the sharded model's (full) gradients against the fp32 reference's; with
-    ``grads64``, also how far each model's worst gradient is from the fp64 one (the floors)."""
-    ref_params = dict(reference.named_parameters())
+    """How far fp32 itself is from exact (the floor: the fp32 reference's worst gradient against
+    the fp64 one), and how far the sharded gradients kept as beyond the fixed bar are."""
+    if grads64 is None:
+        return
+    for name, ref_param in reference.named_parameters():
+        if ref_param.grad is not None and name in grads64:
+            report.grad_floor = max(report.grad_floor, _rel(ref_param.grad.double(), grads64[name]))
     for name, sharded in grads.items():
-        ref_grad = ref_params[name].grad
-        assert ref_grad is not None, name  # the reference runs the same loss on the same parameters
-        rel = _rel(sharded, ref_grad)
-        report.params_compared += 1
-        if rel >= report.grad_max_rel:
-            report.grad_max_rel, report.worst_grad = rel, name
-        if grads64 is not None and name in grads64:
-            report.grad_floor = max(report.grad_floor, _rel(ref_grad.double(), grads64[name]))
+        if name in grads64:
             report.grad_exact_rel = max(report.grad_exact_rel, _rel(sharded.double(), grads64[name]))
 
 
 class _FirstGradients:
-    """The policy's full gradients, as its optimizer is about to take its first step (after
-    clipping): an optimizer step pre-hook, so ``Policy.train`` runs exactly as in ``apply``."""
+    """The policy's gradients as its optimizer is about to take its first step (after clipping),
+    each gathered whole and compared with the reference's at once (an optimizer step pre-hook,
+    so ``Policy.train`` runs exactly as in ``apply``). Only those beyond the fixed fp32 bar are
+    kept, for the fp64 look; the rest are dropped as soon as they are compared."""
 
-    def __init__(self, policy: Policy):
-        self.grads: dict[str, torch.Tensor] | None = None
-        self.policy = policy
+    def __init__(self, policy: Policy, reference: torch.nn.Module, report: VerifyReport):
+        self.beyond: dict[str, torch.Tensor] | None = None
+        self.policy, self.report = policy, report
+        self.reference = dict(reference.named_parameters())
         self.handle = policy.optimizer.register_step_pre_hook(self._capture)
 
     def _capture(self, *_: Any) -> None:
-        if self.grads is None:  # collective (full gathers): every rank's optimizer steps alike
-            model = self.policy.model
-            self.grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-            self.handle.remove()
+        if self.beyond is not None:
+            return
+        self.beyond = {}
+        for name, p in self.policy.model.named_parameters():  # collective: every rank steps alike
+            if p.grad is None:
+                continue
+            sharded = full(p.grad)
+            ref_grad = self.reference[name].grad
+            assert ref_grad is not None, name  # the reference ran the same loss on the same parameters
+            rel = _rel(sharded, ref_grad)
+            self.report.params_compared += 1
+            if rel >= self.report.grad_max_rel:
+                self.report.grad_max_rel, self.report.worst_grad = rel, name
+            if rel > TOLERANCES["grad_rel"]:
+                self.beyond[name] = sharded
+        self.handle.remove()
 
 
 def _global_loss(policy: Policy, whole: Batch) -> float:
@@ -364,80 +355,118 @@ def verify_against_unsharded(
     if resume is not None:
         info = policy.load(resume)
         source = f"the checkpoint of step {info.step} in {resume}"
-        # a copy: a full state dict may hold the optimizer's own tensors (AdamW's step counts
-        # always; a shard that is the whole tensor too), which both optimizers would then advance
         ref_opt_state = _whole_optimizer_state(policy)
     reference = unsharded_reference(config, seed=seed, device=device)
     if weights is not None or resume is not None:  # the policy's own weights, whole, on every rank
         state = _whole_state(policy)
         reference.load_state_dict({k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)})
         del state
-    reference64 = copy.deepcopy(reference).double()  # the fp32 floor, before any step
     if batches is None:
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)
-    mine = policy.slice_of(batches[0]["input_ids"].shape[0])
+    rows = batches[0]["input_ids"].shape[0]
+    mine = policy.slice_of(rows)
+    chunk = reference_chunk_rows(rows, batches[0]["input_ids"].shape[1], config.get_text_config().vocab_size)
     cp = mesh["cp"].size()
     local_index = (  # the positions this rank's logits hold (the pipeline's last stage gathers them whole)
         load_balanced_indices(batches[0]["input_ids"].shape[1], cp, mesh["cp"].get_local_rank()).to(device)
         if cp > 1 and policy.layout.pp == 1
         else None
     )
-    report = VerifyReport(dropout_off=dropped, weights=source)
-    first = _FirstGradients(policy)
-    ref_opt = torch.optim.AdamW(trained_parameters(reference, weight_decay), lr=lr)
+    report = VerifyReport(dropout_off=dropped, weights=source, reference_chunk_rows=chunk)
+    ref_opt = SplitAdamW(reference, lr=lr, weight_decay=weight_decay)
     if ref_opt_state is not None:  # the resumed moments and step counts, as the policy's
-        for group in ref_opt.param_groups:  # the keys the policy's groups have (Policy.load sets it)
-            group.setdefault("initial_lr", lr)
-        set_optimizer_state_dict(
-            reference, ref_opt, ref_opt_state, options=StateDictOptions(full_state_dict=True, strict=False)
-        )
-        for group in ref_opt.param_groups:  # this run's rate, as Policy.load keeps it
-            group["lr"] = lr
+        ref_opt.load(ref_opt_state, lr)
+        del ref_opt_state
+    first: _FirstGradients | None = None
     for step, whole in enumerate(batches[: steps + 1]):
         whole = {name: value.to(device) for name, value in whole.items()}
-        ids, mask = whole["input_ids"], whole["attention_mask"]
-        ref_full = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        ref_loss = token_mean_loss(ref_full, ids, mask, whole.get("token_mask"))
-        if step == 0:
-            if isinstance(policy, PipelinePolicy):  # the last stage's, every position, where attended
-                logits = policy.logits({"input_ids": ids[mine], "attention_mask": mask[mine]})
-                attended = mask[mine].bool()
-                logits, ref_logits = logits[attended], ref_full[mine].detach()[attended]
-            else:  # this rank's rows and (under cp) positions
-                ref_logits = (ref_full if local_index is None else ref_full.index_select(1, local_index))[mine].detach()
-                with torch.no_grad():  # the logits the loss never builds, for comparison
-                    out = policy.model(input_ids=ids[mine], attention_mask=mask[mine], use_cache=False)
-                    logits = full(out.logits)
-            report.logits_max_abs = (logits - ref_logits).abs().max().item()
-            report.logits_max_rel = _rel(logits, ref_logits)
         if step == steps:  # the loss after the last step, without another
-            report.step_loss_abs.append(abs(_global_loss(policy, whole) - ref_loss.item()))
+            ref_loss = chunked_loss(reference, whole, chunk)
+            report.step_loss_abs.append(abs(_global_loss(policy, whole) - ref_loss))
             break
+        # the reference first: its (clipped) gradients are there when the policy's are gathered
+        ref_loss = chunked_backward(reference, whole, chunk)
+        norm = clip_exactly(reference, max_grad_norm)
+        if step == 0:
+            _compare_logits(policy, reference, whole, mine, local_index, chunk, report)
+            first = _FirstGradients(policy, reference, report)
         batch = {name: value[mine] for name, value in whole.items()}
         # as plancc apply trains: the NLL's per-token terms through the 3-matmul lm_head
         row = policy.train(
             batch, token_loss=token_nll, micro_batch_size=micro_batch_size, max_tokens=max_tokens, pack=pack
         )
         if step == 0:
-            report.loss_abs = abs(row["loss"] - ref_loss.item())
-            report.first_loss = ref_loss.item()
+            report.loss_abs = abs(row["loss"] - ref_loss)
+            report.first_loss = ref_loss
+            assert first is not None and first.beyond is not None, "Policy.train stepped its optimizer"
+            if first.beyond or report.logits_max_rel > TOLERANCES["logits_rel"]:
+                # fp32 missed its fixed bar: how far fp32 itself is from exact, on these weights
+                _measure_floor(reference, whole, first.beyond, clip_scale(norm, max_grad_norm), chunk, report)
+            first = None
         else:
-            report.step_loss_abs.append(abs(row["loss"] - ref_loss.item()))
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)
-        if step == 0:
-            exact = _fp64_run(reference64, whole, max_grad_norm)
-            del reference64
-            if exact is not None:
-                report.logits_floor = _rel(ref_full.detach().double(), exact[0])
-            assert first.grads is not None, "Policy.train stepped its optimizer"
-            _compare_gradients(first.grads, reference, None if exact is None else exact[1], report)
+            report.step_loss_abs.append(abs(row["loss"] - ref_loss))
         ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
     report.replicas_identical = _replicas_identical(policy.model, mesh)
     if policy.layout.pp > 1:  # each rank compared its own stages' gradients
         _over_stages(report, policy)
     return report
+
+
+def _compare_logits(
+    policy: Policy,
+    reference: torch.nn.Module,
+    whole: Batch,
+    mine: slice,
+    local_index: torch.Tensor | None,
+    chunk: int,
+    report: VerifyReport,
+) -> None:
+    """Compare this rank's logits with the reference's (its rows; under cp its positions; a
+    pipeline's last stage every attended position), ``chunk`` rows at a time: the largest
+    difference and the largest reference logit, whose ratio is the relative difference."""
+    ids, mask = whole["input_ids"][mine], whole["attention_mask"][mine]
+    if isinstance(policy, PipelinePolicy):  # the schedule takes the rank's rows whole
+        pieces = [slice(0, ids.shape[0])]
+    else:
+        pieces = [slice(a, min(ids.shape[0], a + chunk)) for a in range(0, ids.shape[0], chunk)]
+    diff = scale = 0.0
+    for rows in pieces:
+        part = {"input_ids": ids[rows], "attention_mask": mask[rows]}
+        ref_logits = chunked_logits(reference, part, chunk)
+        if isinstance(policy, PipelinePolicy):
+            attended = part["attention_mask"].bool()
+            logits, ref_logits = policy.logits(part)[attended], ref_logits[attended]
+        else:
+            if local_index is not None:
+                ref_logits = ref_logits.index_select(1, local_index)
+            with torch.no_grad():  # the logits the loss never builds, for comparison
+                logits = full(policy.model(**part, use_cache=False).logits)
+        diff = max(diff, (logits - ref_logits).abs().max().item())
+        scale = max(scale, ref_logits.abs().max().item())
+    report.logits_max_abs = diff
+    report.logits_max_rel = diff / (scale if scale > 0 else 1.0)
+
+
+def _measure_floor(
+    reference: torch.nn.Module,
+    whole: Batch,
+    beyond: dict[str, torch.Tensor],
+    scale: float,
+    chunk: int,
+    report: VerifyReport,
+) -> None:
+    """The fp64 look, taken only when fp32 missed its fixed bar: the reference turned fp64 in
+    place (at its weights before the first step, which it has not taken yet) on the first
+    batch, its gradients for the parameters that missed only."""
+    exact = fp64_floor(reference, whole, wanted=set(beyond), clip_scale=scale)
+    report.floor_measured = exact is not None
+    if exact is None:
+        return
+    logits64, grads64 = exact
+    rows = logits64.shape[0]  # the batch's first rows: the floor is the model's, not a rank's
+    first = {"input_ids": whole["input_ids"][:rows], "attention_mask": whole["attention_mask"][:rows]}
+    report.logits_floor = _rel(chunked_logits(reference, first, chunk).double(), logits64)
+    _compare_gradients(beyond, reference, grads64, report)
 
 
 def _whole_state(policy: Policy) -> dict[str, Any]:
