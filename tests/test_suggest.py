@@ -313,7 +313,7 @@ def test_a_step_no_layout_holds_in_one_pass_is_costed_with_gradient_accumulation
     assert best.sequences * best.layout.dp * 4096 >= 16_777_216
     if best.memory.at in ("forward", "backward start"):
         assert best.memory.gradients > 0
-    line = command_line("plans/deepseek_v3.yaml", "deepseek-v3", best)
+    line = command_line("plans/deepseek_v3.yaml", "deepseek-v3", result, best)
     assert f"--batch-size {best.sequences * best.layout.dp} --micro-batch-size {best.micro_batch_size}" in line
     (same,) = [c for c in one_pass.candidates if (c.layout, c.checkpointing, c.reshard_after_forward)
                == (best.layout, best.checkpointing, best.reshard_after_forward)]
@@ -347,7 +347,7 @@ def test_pipeline_layouts_are_costed_with_their_schedules_bubble_against_torchti
     assert zero.tokens_per_s > two.tokens_per_s
     assert zbv.time.pipeline == pytest.approx(zero.time.pipeline) == dual.time.pipeline
     assert dual.memory.activations > zbv.memory.activations  # DualPipeV keeps pp + 1 microbatches
-    assert "--pp 8" in command_line("plans/llama.yaml", "llama-3.1-405b", one)
+    assert "--pp 8" in command_line("plans/llama.yaml", "llama-3.1-405b", result, one)
     assert any("pipeline: {schedule: 1f1b, microbatches: 16" in edit for edit in plan_edits(one))
     # pipeline parallelism is searched only when asked for
     assert all(c.layout.pp == 1 for c in plancc.suggest("plans/llama.yaml", "llama-3.1-405b", gpus=512,
@@ -355,3 +355,74 @@ def test_pipeline_layouts_are_costed_with_their_schedules_bubble_against_torchti
     code, out, err = cli("suggest", "plans/llama.yaml", "--model", "llama-3.1-405b", "--gpus", 512, "--seq-len", 8192,
                          "--tokens-per-step", 1_048_576, "--allow", "pp", "--top", 40)
     assert code == 0 and "pp=8 dp=8 cp=1 tp=8 zero_bubble" in out, err
+
+
+# --- the command is the run it costed (issue 76, point 8) ---------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_run_suggest_writes_is_the_run_it_costed(cli, tmp_path):
+    """suggest --write for a tiny preset, then that run launched as written: its layout, sequence
+    length, compute dtype, batch, workers and -- from the written plan -- activation
+    checkpointing and FSDP's resharding are the best candidate's (the run's own log and the
+    settings it saved with its checkpoint say so)."""
+    import yaml
+
+    from plancc.layout import Layout
+
+    from .conftest import forked_cli
+
+    folder = tmp_path / "costed"
+    code, out, err = cli("suggest", "plans/qwen3.yaml", "--model", "tiny-qwen3", "--gpus", 2, "--gpus-per-node", 2,
+                         "--seq-len", 64, "--gpu-memory", "1GiB", "--write", folder, "--format", "json")
+    assert code == 0, err
+    found = json.loads(out)
+    best, layout = found["best"], Layout(**found["best"]["layout"])
+    assert found["written"] == {"plan": str(folder / "plan.yaml"), "run": str(folder / "run.yaml")}
+    code, out, err = forked_cli("apply", "--config", folder / "run.yaml", "--steps", 1, "--save", tmp_path / "ckpt")
+    assert code == 0, err
+    assert f"world {layout.world_size} {layout.describe()} |" in out
+    saved = yaml.safe_load((tmp_path / "ckpt" / "step-000001" / "run.yaml").read_text())
+    assert (saved["seq_len"], saved["param_dtype"]) == (64, "bf16") and "compute in bfloat16" in out
+    assert saved["batch_size"] == best["micro_batch_size"] * best["microbatches"] * layout.dp
+    assert saved.get("micro_batch_size") == (best["micro_batch_size"] if best["microbatches"] > 1 else None)
+    layers = plancc.models.load_config("tiny-qwen3").num_hidden_layers
+    checkpointed = {"none": 0, "full": layers, "plan": layers}[best["activation_checkpointing"]]  # the plan: each mlp
+    assert f"activation checkpointing on {checkpointed} module" in out
+    assert f"resharding after forward {'on' if best['reshard_after_forward'] else 'off'}" in out
+
+
+def test_the_printed_command_carries_the_sequence_dtype_batch_and_the_nodes():
+    """Two nodes of 8 for Qwen3-32B at 8k: every flag the cost assumed is on the line, and the
+    per-node ones a user fills in; no plan edit is left as a comment on it."""
+    from plancc.tools.suggest_report import command_line
+
+    result = plancc.suggest("plans/qwen3.yaml", "qwen3-32b", gpus=16, seq_len=8192)
+    line = command_line("plans/qwen3.yaml", "qwen3-32b", result, result.best)
+    for flag in ("--seq-len 8192", "--param-dtype bf16", f"--batch-size {result.best.sequences * result.best.layout.dp}",
+                 "--nnodes 2 --nproc-per-node 8", "--node-rank $NODE_RANK", "--rdzv-endpoint $HEAD_NODE:29500"):
+        assert flag in line, (flag, line)
+    assert "#" not in line
+
+
+def test_a_layout_within_the_headroom_of_the_whole_memory_does_not_fit():
+    """5% of each GPU is kept free by default (the cost model counts no allocator fragmentation,
+    NCCL buffers or CUDA context): a layout at 98% of the memory is "fits: no" unless
+    --headroom says otherwise."""
+    from plancc.tools.suggest import DEFAULT_HEADROOM
+
+    first = plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=8, seq_len=4096, headroom=0.0)
+    memory = int(first.best.memory.total / 0.98)  # the best at 98% of it
+    same = (first.best.layout, first.best.checkpointing, first.best.reshard_after_forward, first.best.microbatches)
+
+    def candidate(headroom: float):
+        found = plancc.suggest("plans/qwen3.yaml", "qwen3-8b", gpus=8, seq_len=4096, gpu_memory=memory,
+                               headroom=headroom)
+        return found, next(c for c in found.candidates
+                           if (c.layout, c.checkpointing, c.reshard_after_forward, c.microbatches) == same)
+
+    assert DEFAULT_HEADROOM == 0.05
+    kept, at_98 = candidate(DEFAULT_HEADROOM)
+    assert not at_98.fits and kept.usable_memory == int(memory * 0.95)
+    assert candidate(0.0)[1].fits

@@ -14,7 +14,8 @@ from ..errors import PlanError
 from .app import EXIT_PLAN, Format, FormatOpt, ModelOpt, app, emit, fail, usage_error
 
 if TYPE_CHECKING:
-    pass
+    from ..compiler.plan import Plan
+    from ..tools.suggest_costs import Suggestion
 
 
 def _bytes_of(text: str) -> int | None:
@@ -27,6 +28,23 @@ def _bytes_of(text: str) -> int | None:
     unit = {"gib": 2**30, "g": 2**30, None: 2**30, "gb": 10**9, "tib": 2**40, "t": 2**40, "tb": 10**12}[found.group(2)]
     # exact (a 400-digit size is a size: suggest says it is more than any GPU has, no OverflowError)
     return int(Decimal(found.group(1)) * unit)
+
+
+def _written(
+    folder: Path, plan_path: Path, plan: Plan, model: str, result: Suggestion, fmt: Format
+) -> tuple[Path, Path]:
+    """The best layout's plan and run file in ``folder`` (a usage error where it cannot be written)."""
+    from ..tools.measured_memory import decoder_layers_glob  # lazy: loads torch
+    from ..tools.suggest import meta_model
+    from ..tools.suggest_run import write_run
+
+    assert result.best is not None
+    try:
+        every_layer = decoder_layers_glob(meta_model(model))
+        return write_run(folder, str(plan_path), plan, model, result, result.best, every_layer)
+    except OSError as exc:
+        usage_error(f"--write {folder}: {exc.strerror or exc}", fmt, fix="name a folder that can be written")
+        raise
 
 
 @app.command()
@@ -56,6 +74,24 @@ def suggest(
             help="measure the peak memory of the K best with one training step in a fake world (slow)",
         ),
     ] = 0,
+    headroom: Annotated[
+        float,
+        typer.Option(
+            "--headroom",
+            min=0.0,
+            max=0.5,
+            help="share of each GPU's memory a layout must leave free (fragmentation, NCCL buffers, "
+            "the CUDA context: the cost counts none of them)",
+        ),
+    ] = 0.05,
+    write: Annotated[
+        Path | None,
+        typer.Option(
+            "--write",
+            help="write the best layout's run here: plan.yaml (the plan with its edits) and run.yaml "
+            "(plancc apply --config DIR/run.yaml)",
+        ),
+    ] = None,
     fmt: FormatOpt = Format.text,
 ) -> None:
     """The layouts the plan allows for the model on N GPUs, with per-GPU memory and estimated step
@@ -91,11 +127,13 @@ def suggest(
             tokens_per_step=tokens_per_step,
             hardware=hardware,
             allow=axes,
+            headroom=headroom,
         )
     except PlanError as exc:
         raise fail(exc, fmt) from None
     problem = no_fit_problem(result, plan)
     verified = verify(result, plan, name, verify_top) if verify_top else []
+    written = _written(write, plan_path, plan, name, result, fmt) if write is not None and result.best else None
     if fmt is Format.json:
         found = {"plan": plan.name, "model": name, **as_dict(result, str(plan_path), name)}
         if verified:
@@ -113,9 +151,16 @@ def suggest(
             ]
         if problem is not None:
             found["diagnostics"] = [problem.to_json()]
+        if written is not None:
+            found["written"] = {"plan": str(written[0]), "run": str(written[1])}
         print(json.dumps(found, indent=2))
     else:
         print(render(result, str(plan_path), name, top=top) + (render_verified(verified) if verified else ""))
+        if written is not None:
+            from ..tools.suggest_run import per_node_flags
+
+            launch = " ".join([f"plancc apply --config {written[1]}", *per_node_flags(result)])
+            print(f"\nwritten: {written[0]} and {written[1]}:\n  {launch}")
         if problem is not None:
             emit([problem], fmt)
     if problem is not None:

@@ -38,6 +38,7 @@ from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime import faults
+from ..runtime.activation_checkpointing import checkpointed_count
 from ..runtime.agreement import on_rank0
 from ..runtime.failures import diagnosed
 from ..runtime.lora import adapters_of
@@ -581,6 +582,18 @@ def _optimizer_note(cfg: RunConfig, policy: Policy) -> str:
     )
 
 
+def _memory_note(cfg: RunConfig, job: Any, policy: Policy) -> str:
+    """What decides the run's memory beside the layout: the compute dtype, checkpointing and
+    FSDP's resharding (the settings ``plancc suggest`` costs a layout with)."""
+    compute = f"{PARAM_DTYPES[cfg.param_dtype]} over fp32 masters" if cfg.param_dtype else "fp32"
+    checkpointed = checkpointed_count(policy.model)
+    reshard = "on" if job.plan.fsdp_reshard_after_forward else "off (weights kept gathered from forward to backward)"
+    return (
+        f"memory: compute in {compute}; activation checkpointing on {checkpointed} "
+        f"module{'' if checkpointed == 1 else 's'}; FSDP resharding after forward {reshard}"
+    )
+
+
 def train(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
     policy = _policy(cfg, job)
@@ -589,6 +602,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{_lora_note(policy)}"
     )
     log(_data_note(cfg, job.dataset))
+    log(_memory_note(cfg, job, policy))
     log(_optimizer_note(cfg, policy))
     if job.eval_rows is not None:
         every = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
@@ -668,6 +682,12 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
         f"  both from {report.weights} (the unsharded loss on the first batch {report.first_loss:.6f}); "
         f"the sharded run cut as apply cuts it ({', '.join(cuts) or 'one pass'})"
     )
+    rows = report.reference_chunk_rows
+    log(
+        f"  the unsharded model in fp32, {rows} row{'s' if rows != 1 else ''} of the global batch at a time "
+        f"(their gradients summed: one pass's, rounded apart), its AdamW moments split over the "
+        f"{dist.get_world_size()} ranks"
+    )
     if report.dropout_off:
         log(f"  dropout off in both models for the comparison ({', '.join(report.dropout_off)})")
     log(
@@ -678,7 +698,11 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
     log(
         f"  grads   max relative diff {report.grad_max_rel:.3e} in {report.worst_grad}  "
         f"over {report.params_compared} parameters (tolerance {report.tolerance('grad_rel'):.1e}; "
-        f"fp32 vs fp64 of the unsharded model: {report.grad_floor:.1e})"
+        + (
+            f"fp32 vs fp64 of the unsharded model: {report.grad_floor:.1e})"
+            if report.floor_measured
+            else "fp32 within its fixed bars: no fp64 look)"
+        )
     )
     if report.grad_exact_rel > 0:
         log(

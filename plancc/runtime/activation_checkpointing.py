@@ -45,6 +45,14 @@ SAVE_GROUPS: Mapping[str, tuple] = {
 }
 
 
+CHECKPOINTED = "_plancc_checkpointed"  # set on each module whose forward is recomputed in backward
+
+
+def checkpointed_count(model: nn.Module) -> int:
+    """How many of ``model``'s modules recompute their forward in backward."""
+    return sum(1 for m in model.modules() if getattr(m, CHECKPOINTED, False))
+
+
 def save_policy(groups: Iterable[str]) -> Callable[..., CheckpointPolicy]:
     """A selective-checkpoint policy: keep the outputs of ``groups``' operators."""
     keep = frozenset(op for group in groups for op in SAVE_GROUPS[group])
@@ -80,3 +88,4 @@ def apply_activation_checkpointing(
             return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **_extra, **kwargs)
 
         module.forward = forward  # per instance, on purpose (see above)
+        setattr(module, CHECKPOINTED, True)

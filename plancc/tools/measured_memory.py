@@ -72,12 +72,20 @@ def _with_checkpointing(plan: Plan, model: torch.nn.Module, checkpointing: str) 
         return plan, False
     if checkpointing == "plan":
         return plan, None
+    glob = decoder_layers_glob(model)
+    if glob is None:
+        return plan, False
+    every_layer = TargetList(patterns=(glob,), locs=(plan.loc,), saves=((),))
+    return replace(plan, activation_checkpointing=every_layer), True
+
+
+def decoder_layers_glob(model: torch.nn.Module) -> str | None:
+    """The glob of every decoder layer (``model.layers.*``): what "full" checkpointing names."""
     found = _layers(model)
     if found is None:
-        return plan, False
+        return None
     names = [n for n, m in model.named_modules() if m is found[2]]
-    every_layer = TargetList(patterns=(f"{names[0]}.*",), locs=(plan.loc,), saves=((),))
-    return replace(plan, activation_checkpointing=every_layer), True
+    return f"{names[0]}.*"
 
 
 @contextmanager

@@ -51,9 +51,12 @@ from .suggest_costs import (
     peak,
     step_ends,
     time_of,
+    usable,
 )
 from .suggest_model import HARDWARE, GiB, Hardware, Memory, StepTime
 from .suggest_pipeline import costed_schedules, stage_memory, stage_time
+
+DEFAULT_HEADROOM = 0.05  # of each GPU's memory, left free for what the cost model does not count
 
 if TYPE_CHECKING:  # the search itself never measures: see verify_top
     from .measured_memory import MeasuredMemory
@@ -79,7 +82,7 @@ def layouts_for(gpus: int, *, allow: Iterable[str], max_tp: int) -> list[Layout]
     return found
 
 
-def _meta_model(model: Any) -> nn.Module:
+def meta_model(model: Any) -> nn.Module:
     """A built-in preset's shipped skeleton (its tree, shapes, config and recorded wiring: no
     import of transformers' modeling code and no trace, seconds of a search), else the meta model
     of anything ``--model`` takes. ``tests/test_suggest.py`` pins that both give the same search."""
@@ -183,16 +186,19 @@ def suggest(
     checkpointing: Iterable[str] = ("plan", "none", "full"),
     reshard_after_forward: Iterable[bool] = (True, False),
     accumulate: bool = True,
+    headroom: float = DEFAULT_HEADROOM,
 ) -> Suggestion:
     """The legal layouts of ``plan`` (a path or a ``Plan``) for ``model`` (anything ``--model``
     takes, or a module) on ``gpus`` GPUs, costed and ranked: ``Suggestion.best`` is the fastest
     that fits. ``accumulate``: a layout whose step does not fit in one pass is costed with
-    gradient accumulation (the fewest microbatches that fit). A ``PlanError`` (one diagnostic per
+    gradient accumulation (the fewest microbatches that fit). ``headroom``: the share of each
+    GPU's memory a candidate must leave free (the allocator's fragmentation, NCCL's buffers,
+    the CUDA context: the cost model counts none of them). A ``PlanError`` (one diagnostic per
     problem) for input no layout can serve."""
     plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
-    model = _meta_model(model)
+    model = meta_model(model)
     chosen = _hardware(hardware)
-    memory_cap = gpu_memory or chosen.memory
+    memory_cap = usable(gpu_memory or chosen.memory, headroom)
     tokens = gpus * seq_len if tokens_per_step is None else tokens_per_step  # 0 is refused, not a default
     _refuse(_input_problems(gpus, gpus_per_node, seq_len, tokens, gpu_memory))
     resolved_sections, problems = resolve_sections(plan, model)
@@ -291,7 +297,8 @@ def suggest(
         hardware=chosen,
         gpus=gpus,
         gpus_per_node=gpus_per_node,
-        gpu_memory=memory_cap,
+        gpu_memory=gpu_memory or chosen.memory,
+        headroom=headroom,
         seq_len=seq_len,
         tokens_per_step=tokens,
         candidates=tuple(ranked),
@@ -359,7 +366,7 @@ def verify_top(suggestion: Suggestion, plan: Plan, model: str, k: int) -> list[V
     from .measured_memory import measure_step_memory  # lazy: FSDP's memory tracker only for --verify-top
 
     config = load_config(model)
-    meta = _meta_model(model)  # what the search costed (a preset's skeleton)
+    meta = meta_model(model)  # what the search costed (a preset's skeleton)
     verified = []
     for candidate in fitting[:k]:
         sequences = local_sequences(suggestion.tokens_per_step, candidate.layout, suggestion.seq_len)

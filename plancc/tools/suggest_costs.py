@@ -67,10 +67,20 @@ class Suggestion:
     tokens_per_step: int
     candidates: tuple[Candidate, ...]  # legal layouts, the fitting ones first, fastest first
     rejected: tuple[tuple[Layout, str], ...] = ()  # layouts the plan's checks refuse, with the first reason
+    headroom: float = 0.0  # the share of gpu_memory kept free: a candidate fits in the rest
+
+    @property
+    def usable_memory(self) -> int:
+        """The bytes a candidate may take: ``gpu_memory`` less the headroom."""
+        return usable(self.gpu_memory, self.headroom)
 
     @property
     def best(self) -> Candidate | None:
         return next((c for c in self.candidates if c.fits), None)
+
+
+def usable(gpu_memory: int, headroom: float) -> int:
+    return int(gpu_memory * (1.0 - headroom))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,37 +9,9 @@ from ..compiler.plan import Plan
 from ..errors import Diagnostic
 from .suggest_costs import Candidate, Suggestion
 from .suggest_model import GiB
+from .suggest_run import command_line, plan_edits
 
-
-def command_line(plan_path: str, model: str, candidate: Candidate) -> str:
-    """The ``plancc apply`` line of a candidate (checkpointing and resharding are the plan's to
-    say: ``plan_edits``)."""
-    layout = candidate.layout
-    flags = [f"--tp {layout.tp}"]
-    if layout.cp > 1:
-        flags.append(f"--cp {layout.cp}")
-    if layout.ep > 1:
-        flags.append(f"--ep {layout.ep}")
-    if layout.sequence_parallel:
-        flags.append("--sp")
-    if layout.pp > 1:
-        flags.append(f"--pp {layout.pp}")
-    if candidate.microbatches > 1 and layout.pp == 1:  # the step's sequences, a rank's rows per pass
-        flags.append(f"--batch-size {candidate.sequences * layout.dp} --micro-batch-size {candidate.micro_batch_size}")
-    return f"plancc apply {plan_path} --model {model} {' '.join(flags)}"
-
-
-def plan_edits(candidate: Candidate) -> list[str]:
-    """What the plan must say for ``candidate`` beyond the command's flags."""
-    edits = [] if candidate.checkpointing == "plan" else [f"activation checkpointing: {candidate.checkpointing}"]
-    if not candidate.reshard_after_forward:
-        edits.append("fsdp: {reshard_after_forward: false}")
-    if candidate.layout.pp > 1:
-        edits.append(
-            f"pipeline: {{schedule: {candidate.schedule}, microbatches: {candidate.microbatches}, "
-            f"virtual_stages_per_rank: {candidate.virtual_stages}}}"
-        )
-    return edits
+__all__ = ["as_dict", "command_line", "no_fit_problem", "plan_edits", "render"]
 
 
 def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
@@ -50,7 +22,7 @@ def no_fit_problem(suggestion: Suggestion, plan: Plan) -> Diagnostic | None:
     return Diagnostic(
         rule="suggest-no-fit",
         loc=plan.loc,
-        message=f"no layout of {suggestion.gpus} GPUs fits {suggestion.gpu_memory / GiB:.0f} GiB per GPU: the "
+        message=f"no layout of {suggestion.gpus} GPUs fits {_usable(suggestion)} a GPU: the "
         f"smallest, {smallest.describe()}, needs {smallest.memory.total / GiB:.1f} GiB, most of it "
         f"{smallest.memory.largest()}",
         fix="more GPUs, a shorter --seq-len (one sequence a pass is the smallest microbatch costed), or "
@@ -106,14 +78,24 @@ def as_dict(suggestion: Suggestion, plan_path: str, model: str) -> dict[str, Any
         "gpus": suggestion.gpus,
         "gpus_per_node": suggestion.gpus_per_node,
         "gpu_memory_bytes": suggestion.gpu_memory,
+        "headroom": suggestion.headroom,
+        "usable_memory_bytes": suggestion.usable_memory,
         "seq_len": suggestion.seq_len,
         "tokens_per_step": suggestion.tokens_per_step,
         "best": row(best) if best else None,
-        "command": command_line(plan_path, model, best) if best else None,
+        "command": command_line(plan_path, model, suggestion, best) if best else None,
         "plan_edits": plan_edits(best) if best else [],
         "candidates": [row(c) for c in suggestion.candidates],
         "rejected": [{"layout": lay.to_json(), "why": why} for lay, why in suggestion.rejected],
     }
+
+
+def _usable(suggestion: Suggestion) -> str:
+    """The memory a layout may take, and the headroom it leaves."""
+    whole = f"{suggestion.gpu_memory / GiB:.0f} GiB"
+    if not suggestion.headroom:
+        return whole
+    return f"{whole} ({suggestion.usable_memory / GiB:.1f} GiB usable: --headroom {suggestion.headroom:.0%} kept free)"
 
 
 def _reshard(c: Candidate) -> str:
@@ -134,10 +116,10 @@ def _micro(c: Candidate) -> str:
 
 
 def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) -> str:
-    cap = suggestion.gpu_memory
+    cap = suggestion.usable_memory
     width = max([24, *(len(_staged(c)) for c in suggestion.candidates[:top])])
     lines = [
-        f"{suggestion.gpus} x {suggestion.hardware.name} ({cap / GiB:.0f} GiB, {suggestion.gpus_per_node} per node), "
+        f"{suggestion.gpus} x {suggestion.hardware.name}, {suggestion.gpus_per_node} per node, {_usable(suggestion)}, "
         f"sequences of {suggestion.seq_len}, {suggestion.tokens_per_step:,} tokens per step: "
         f"{len(suggestion.candidates)} costed, {len(suggestion.rejected)} refused by the plan's checks",
         "",
@@ -162,7 +144,8 @@ def render(suggestion: Suggestion, plan_path: str, model: str, top: int = 10) ->
             f"gradients {m.gradients / GiB:.1f}, "
             f"AdamW {m.optimizer / GiB:.1f}, FSDP buffers {m.fsdp_buffers / GiB:.1f}, activations "
             f"{m.activations / GiB:.1f}, logit buffers {m.logits / GiB:.1f}",
-            f"  {command_line(plan_path, model, best)}"
-            + (f"   # in the plan: {'; '.join(edits)}" if (edits := plan_edits(best)) else ""),
+            f"  {command_line(plan_path, model, suggestion, best)}",
         ]
+        if edits := plan_edits(best):
+            lines.append(f"  in the plan: {'; '.join(edits)} (--write DIR writes the plan with them and a run file)")
     return "\n".join(lines)
