@@ -350,3 +350,32 @@ def test_a_rank_the_oom_killer_ends_is_reported_as_out_of_memory_with_its_peak()
     peak = float(line.split("its peak: ")[1].split(" GiB")[0])
     assert 1.0 < peak <= 3.0, line
     assert "--timeout" not in done.stderr
+
+
+# --- loggers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_wandb_and_mlflow_get_the_metrics_files_numbers_offline(tmp_path, monkeypatch):
+    """--logger wandb,mlflow beside --metrics: both trackers (offline: W&B's run file, MLflow's
+    file store) hold every step's loss as the metrics file has it, under TensorBoard's names;
+    an unknown tracker is refused before launch."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    metrics = tmp_path / "metrics.jsonl"
+    code, out, err = forked_cli("apply", QWEN3, "--steps", 3, "--metrics", metrics, "--logger", "wandb,mlflow")
+    assert code == 0 and "--logger" not in err, err
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 3
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    recorded = run_file.read_bytes()  # its history records hold each value as JSON text
+    assert b"train/loss" in recorded and all(json.dumps(loss).encode() in recorded for loss in losses)
+    (by_step,) = (tmp_path / "mlruns").glob("*/*/metrics/train/loss")
+    assert [(int(step), float(value)) for _, value, step in (line.split() for line in by_step.read_text().splitlines())] \
+        == list(enumerate(losses, start=1))
+    code, _, err = forked_cli("apply", QWEN3, "--steps", 1, "--logger", "neptune")
+    assert code == 2 and "--logger 'neptune' is no tracker" in err and "one of wandb, mlflow" in err

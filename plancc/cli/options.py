@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, get_args, get_origin, get_type
 import typer
 
 from ..errors import PlanError
+from ..job.loggers import names_of
 from ..job.run_file import read_run_file
 from .app import Format, fail
 
@@ -302,11 +303,25 @@ class OutputFlags:
     ] = False
     metrics: MetricsOpt = None
     tensorboard: TensorboardOpt = None
+    logger: Annotated[
+        str | None,
+        typer.Option(
+            "--logger",
+            help="experiment trackers beside --metrics: wandb, mlflow or both (wandb,mlflow); each its extra "
+            "(pip install 'plancc[wandb]') and its own environment (WANDB_MODE=offline, MLFLOW_TRACKING_URI)",
+        ),
+    ] = None
 
     def run_config(self) -> dict[str, Any]:
         """The ``RunConfig`` fields these flags set."""
         paths = {name: _path(getattr(self, name)) for name in ("save", "resume", "export_hf", "metrics", "tensorboard")}
-        return {**paths, "save_every": self.save_every, "keep": self.keep, "export_adapters": self.export_adapters}
+        return {
+            **paths,
+            "save_every": self.save_every,
+            "keep": self.keep,
+            "export_adapters": self.export_adapters,
+            "loggers": names_of(self.logger),
+        }
 
 
 def grouped(**groups: type) -> Callable[[Callable[..., None]], Callable[..., None]]:

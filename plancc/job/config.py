@@ -87,6 +87,7 @@ class RunConfig:
     save_every: int | None = None  # train: a checkpoint every N steps as well as at the end
     keep: int | None = None  # train: keep the newest K checkpoints in --save (None: DEFAULT_KEEP; 0: all)
     tensorboard: str | None = None  # train: TensorBoard event files (rank 0)
+    loggers: tuple[str, ...] = ()  # train: experiment trackers (job.loggers: wandb, mlflow), rank 0
     # the launcher's folder holding the plan and data it read and checked: the workers read
     # those copies, never the user's paths again (a pipe reads once; a file may change)
     inputs: str | None = None

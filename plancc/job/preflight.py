@@ -31,6 +31,7 @@ from ..runtime.hf_folder import check_export_target, check_folder, has_weights, 
 from ..runtime.mesh import default_device_type
 from .config import PARAM_DTYPES, RunConfig
 from .data import DataFields, TokenDataset, Tokenizer, read_jsonl, unused_fields_warning
+from .loggers import EXTRAS, LOGGERS
 from .memory import memory_problems
 
 if TYPE_CHECKING:  # the launcher checks flags without importing transformers' modeling stack
@@ -186,6 +187,18 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "add --eval-data FILE (or --eval-split test), or drop --eval-every",
             )
         )
+    for name in cfg.loggers:
+        if name not in LOGGERS:
+            allowed = ", ".join(LOGGERS)
+            found.append(problem("--logger", f"--logger {name!r} is no tracker plancc logs to", f"one of {allowed}"))
+        elif importlib.util.find_spec(LOGGERS[name]) is None:
+            found.append(
+                problem(
+                    "--logger",
+                    f"--logger {name} needs the {LOGGERS[name]} package, which is not installed",
+                    f"pip install '{EXTRAS[name]}', or use --metrics (every step as JSON lines)",
+                )
+            )
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter writes with it
         found.append(
             problem(

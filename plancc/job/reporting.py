@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .loggers import Trackers, scalar_name
+
 
 def log(msg: str) -> None:
     if dist.get_rank() == 0:
@@ -62,9 +64,18 @@ class MetricsFile:
     checkpoint before it stopped), and a line cut short by a kill, are dropped first, so each
     step has one line and a plot of the file is the resumed run's curve.
     ``--tensorboard DIR``: the same numbers as TensorBoard scalars (``train/loss``, ...), the
-    events past ``start`` purged on a resume (``SummaryWriter``'s ``purge_step``) likewise."""
+    events past ``start`` purged on a resume (``SummaryWriter``'s ``purge_step``) likewise;
+    ``--logger``'s trackers (``job.loggers``) get the same rows."""
 
-    def __init__(self, path: str | None, *, start: int, device: str, tensorboard: str | None = None):
+    def __init__(
+        self,
+        path: str | None,
+        *,
+        start: int,
+        device: str,
+        tensorboard: str | None = None,
+        trackers: Trackers | None = None,
+    ):
         rank0 = dist.get_rank() == 0
         if path and rank0 and start > 0:
             _keep_steps_through(Path(path), start)
@@ -74,6 +85,7 @@ class MetricsFile:
             from torch.utils.tensorboard import SummaryWriter  # the optional extra: checked before launch
 
             self.board = SummaryWriter(log_dir=tensorboard, purge_step=start + 1 if start > 0 else None)
+        self.trackers = trackers  # --logger's (rank 0's, else none open)
         self.device = device
         self.started = time.perf_counter()
 
@@ -83,7 +95,7 @@ class MetricsFile:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     def write(self, row: dict[str, float]) -> None:
-        if self.file is None and self.board is None:
+        if self.file is None and self.board is None and not (self.trackers and self.trackers.open):
             return
         line = {**row, "peak_memory_bytes": self.peak_memory(), "elapsed_s": time.perf_counter() - self.started}
         if self.file is not None:
@@ -92,15 +104,18 @@ class MetricsFile:
         if self.board is not None:
             for key, value in line.items():
                 if key != "step":  # eval_loss is eval/loss
-                    name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                    self.board.add_scalar(name, value, global_step=int(row["step"]))
+                    self.board.add_scalar(scalar_name(key), value, global_step=int(row["step"]))
             self.board.flush()
+        if self.trackers is not None:
+            self.trackers.log(line)
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
         if self.board is not None:
             self.board.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def _keep_steps_through(path: Path, last: int) -> None:

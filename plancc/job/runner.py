@@ -63,6 +63,7 @@ from .data_order import RowOrder
 from .evaluation import evaluate
 from .hf_datasets import split_note
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
+from .loggers import Trackers
 from .lr_schedule import LrSchedule, describe, lr_factor, min_ratio_of
 from .reporting import MetricsFile, RunProgress, log
 from .run_file import RUN_FILE
@@ -276,7 +277,16 @@ class _Trainer:
     def run(self) -> list[dict[str, float]]:
         device, history = self.job.device, []
         progress = RunProgress(self.remaining)
-        metrics = MetricsFile(self.cfg.metrics, start=self.start, device=device, tensorboard=self.cfg.tensorboard)
+        trackers = Trackers(
+            self.cfg.loggers,
+            rank0=dist.get_rank() == 0,
+            run_name=f"{self.job.plan.name}-{self.job.model_name}-{self.job.layout.describe().replace(' ', '-')}",
+            settings=tracked_settings(self.cfg, self.job),
+            save=self.cfg.save,
+        )
+        metrics = MetricsFile(
+            self.cfg.metrics, start=self.start, device=device, tensorboard=self.cfg.tensorboard, trackers=trackers
+        )
         batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
         started = time.perf_counter()
         try:
@@ -410,6 +420,23 @@ def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
     if problem[0]:
         raise checkpoint.CheckpointError(problem[0])
     return lock
+
+
+def tracked_settings(cfg: RunConfig, job: Any) -> dict[str, Any]:
+    """What a tracker records as the run's configuration: the plan, model, layout and the settings
+    that shape the curve."""
+    return {
+        "plan": job.plan.name,
+        "model": job.model_name,
+        "layout": job.layout.describe(),
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "micro_batch_size": cfg.micro_batch_size,
+        "param_dtype": cfg.param_dtype,
+        "seed": cfg.seed,
+        "data": cfg.data,
+        **run_settings(cfg),
+    }
 
 
 def run_settings(cfg: RunConfig) -> dict[str, Any]:
