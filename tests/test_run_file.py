@@ -6,6 +6,7 @@ SAVE/step-N/run.yaml --resume SAVE`` continues that run."""
 import inspect
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,19 @@ def test_a_checkpoints_run_file_resumes_the_run_it_was_saved_by(tmp_path, monkey
     resumed = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in resumed] == [r["lr"] for r in straight[2:]]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[2:]], abs=1e-6)
+
+
+def test_the_readmes_run_file_is_a_valid_run_file(tmp_path, monkeypatch):
+    """The run file "Your model, your data" shows (every flag of issue 76 in it) passes the
+    run file's own checks: a key renamed or a value out of bounds fails here, not for a reader."""
+    from plancc.job.run_file import read_run_file
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    block = text.split("```yaml\n# sft.yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "sft.yaml").write_text(block)
+    monkeypatch.chdir(root)  # its plan is plans/qwen3.yaml
+    settings = read_run_file(tmp_path / "sft.yaml")
+    for key in ("epochs", "eval_data", "eval_every", "lr_schedule", "warmup_steps", "min_lr", "weight_decay", "keep",
+                "logger"):
+        assert key in settings, key
