@@ -424,5 +424,5 @@ def test_a_layout_within_the_headroom_of_the_whole_memory_does_not_fit():
 
     assert DEFAULT_HEADROOM == 0.05
     kept, at_98 = candidate(DEFAULT_HEADROOM)
-    assert not at_98.fits and kept.usable_memory == int(memory * 0.95)
+    assert not at_98.fits and kept.usable_memory == memory * 95 // 100
     assert candidate(0.0)[1].fits

@@ -32,16 +32,13 @@ def _bytes_of(text: str) -> int | None:
 
 def _written(
     folder: Path, plan_path: Path, plan: Plan, model: str, result: Suggestion, fmt: Format
-) -> tuple[Path, Path]:
-    """The best layout's plan and run file in ``folder`` (a usage error where it cannot be written)."""
-    from ..tools.measured_memory import decoder_layers_glob  # lazy: loads torch
-    from ..tools.suggest import meta_model
-    from ..tools.suggest_run import write_run
+) -> tuple[Path, Path, str]:
+    """The best layout's plan and run file in ``folder`` and the command that launches them (a
+    usage error where they cannot be written)."""
+    from ..tools.suggest_run import write_best  # lazy: loads torch
 
-    assert result.best is not None
     try:
-        every_layer = decoder_layers_glob(meta_model(model))
-        return write_run(folder, str(plan_path), plan, model, result, result.best, every_layer)
+        return write_best(folder, str(plan_path), plan, model, result)
     except OSError as exc:
         usage_error(f"--write {folder}: {exc.strerror or exc}", fmt, fix="name a folder that can be written")
         raise
@@ -157,9 +154,7 @@ def suggest(
     else:
         print(render(result, str(plan_path), name, top=top) + (render_verified(verified) if verified else ""))
         if written is not None:
-            from ..tools.suggest_run import per_node_flags
-
-            launch = " ".join([f"plancc apply --config {written[1]}", *per_node_flags(result)])
+            launch = written[2]
             print(f"\nwritten: {written[0]} and {written[1]}:\n  {launch}")
         if problem is not None:
             emit([problem], fmt)

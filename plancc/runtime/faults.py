@@ -30,6 +30,8 @@ import os
 import signal
 from collections.abc import Iterator
 
+from .rank_memory import memory_limit
+
 
 def _entries(point: str, rank: int, step: int | None) -> Iterator[tuple[str, str]]:
     """(action, entry) of every fault aimed at this point, rank and step."""
@@ -66,8 +68,6 @@ HOG_LIMIT = 8 << 30
 def _hog(entry: str) -> None:
     """Touch 64 MiB after 64 MiB until the OOM killer ends this process -- refused (raised)
     unless a memory cgroup below ``HOG_LIMIT`` bounds it."""
-    from .rank_memory import memory_limit
-
     limit = memory_limit()
     if limit is None or limit >= HOG_LIMIT:
         raise RuntimeError(f"{entry}: refused outside a memory cgroup limited below {HOG_LIMIT >> 30} GiB")

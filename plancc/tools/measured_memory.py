@@ -36,7 +36,8 @@ from ..runtime.fused_logprobs import targets_checked
 from ..runtime.mesh import build_mesh
 from ..runtime.parallelize import parallelize
 from ..runtime.token_loss import evaluated_positions, model_token_loss
-from .dryrun import _fake_process_group, _layers
+from .dryrun import _fake_process_group
+from .suggest_run import decoder_layers_glob
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,15 +78,6 @@ def _with_checkpointing(plan: Plan, model: torch.nn.Module, checkpointing: str) 
         return plan, False
     every_layer = TargetList(patterns=(glob,), locs=(plan.loc,), saves=((),))
     return replace(plan, activation_checkpointing=every_layer), True
-
-
-def decoder_layers_glob(model: torch.nn.Module) -> str | None:
-    """The glob of every decoder layer (``model.layers.*``): what "full" checkpointing names."""
-    found = _layers(model)
-    if found is None:
-        return None
-    names = [n for n, m in model.named_modules() if m is found[2]]
-    return f"{names[0]}.*"
 
 
 @contextmanager

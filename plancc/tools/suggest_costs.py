@@ -80,7 +80,8 @@ class Suggestion:
 
 
 def usable(gpu_memory: int, headroom: float) -> int:
-    return int(gpu_memory * (1.0 - headroom))
+    """``gpu_memory`` less ``headroom`` of it, in integers (a size of any length stays exact)."""
+    return gpu_memory * (10_000 - round(headroom * 10_000)) // 10_000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from torch import nn
 
 from ..compiler.plan import Plan
+from .suggest import meta_model
 from .suggest_costs import Candidate, Suggestion
 
 COMPUTE_DTYPE = "bf16"  # what the cost model takes activations, gathered weights and logits in
@@ -98,6 +100,24 @@ def edited_plan(plan_path: str, candidate: Candidate, every_layer: str | None) -
         pipeline.update(schedule=candidate.schedule, microbatches=candidate.microbatches)
         pipeline["virtual_stages_per_rank"] = candidate.virtual_stages
     return data
+
+
+def decoder_layers_glob(model: nn.Module) -> str | None:
+    """The glob of every decoder layer (``model.layers.*``, the longest ``ModuleList``): what
+    "full" checkpointing names."""
+    lists = [(name, child) for name, child in model.named_modules() if isinstance(child, nn.ModuleList)]
+    if not lists:
+        return None
+    return f"{max(lists, key=lambda found: len(found[1]))[0]}.*"
+
+
+def write_best(folder: Path, plan_path: str, plan: Plan, model: str, suggestion: Suggestion) -> tuple[Path, Path, str]:
+    """``write_run`` for the best candidate of ``suggestion`` (which has one): the two files and
+    the command that launches them (on each node, with its own flags)."""
+    assert suggestion.best is not None, "write_best is for a suggestion with a fitting layout"
+    every_layer = decoder_layers_glob(meta_model(model))  # the search's meta model (a preset's skeleton)
+    plan_file, run_file = write_run(folder, plan_path, plan, model, suggestion, suggestion.best, every_layer)
+    return plan_file, run_file, " ".join([f"plancc apply --config {run_file}", *per_node_flags(suggestion)])
 
 
 def write_run(
