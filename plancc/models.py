@@ -561,3 +561,12 @@ def build_meta_model(model: str | Path | Any) -> nn.Module:
             f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
             "compare the config's fields with one saved by the pinned transformers release",
         ) from None
+
+
+def decoder_layers_glob(model: nn.Module) -> str | None:
+    """The glob of every decoder layer (``model.layers.*``, the longest ``ModuleList``): what
+    "full" checkpointing names."""
+    lists = [(name, child) for name, child in model.named_modules() if isinstance(child, nn.ModuleList)]
+    if not lists:
+        return None
+    return f"{max(lists, key=lambda found: len(found[1]))[0]}.*"

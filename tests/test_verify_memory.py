@@ -88,6 +88,7 @@ def _peak_of(*args: object) -> tuple[int, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_verify_needs_at_most_twice_the_training_runs_memory(tmp_path):
     """Qwen3's real vocabulary (152k) on a one-layer cut at tp2: the reference's whole weights and

@@ -31,13 +31,12 @@ from ..compiler.plan import Plan, TargetList
 from ..dataflow import batched_experts
 from ..errors import quiet_logger
 from ..layout import Layout
-from ..models import build_model
+from ..models import build_model, decoder_layers_glob
 from ..runtime.fused_logprobs import targets_checked
 from ..runtime.mesh import build_mesh
 from ..runtime.parallelize import parallelize
 from ..runtime.token_loss import evaluated_positions, model_token_loss
 from .dryrun import _fake_process_group
-from .suggest_run import decoder_layers_glob
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

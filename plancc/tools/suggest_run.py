@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from torch import nn
 
 from ..compiler.plan import Plan
+from ..models import decoder_layers_glob
 from .suggest import meta_model
 from .suggest_costs import Candidate, Suggestion
 
@@ -100,15 +100,6 @@ def edited_plan(plan_path: str, candidate: Candidate, every_layer: str | None) -
         pipeline.update(schedule=candidate.schedule, microbatches=candidate.microbatches)
         pipeline["virtual_stages_per_rank"] = candidate.virtual_stages
     return data
-
-
-def decoder_layers_glob(model: nn.Module) -> str | None:
-    """The glob of every decoder layer (``model.layers.*``, the longest ``ModuleList``): what
-    "full" checkpointing names."""
-    lists = [(name, child) for name, child in model.named_modules() if isinstance(child, nn.ModuleList)]
-    if not lists:
-        return None
-    return f"{max(lists, key=lambda found: len(found[1]))[0]}.*"
 
 
 def write_best(folder: Path, plan_path: str, plan: Plan, model: str, suggestion: Suggestion) -> tuple[Path, Path, str]:
