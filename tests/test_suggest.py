@@ -426,3 +426,25 @@ def test_a_layout_within_the_headroom_of_the_whole_memory_does_not_fit():
     kept, at_98 = candidate(DEFAULT_HEADROOM)
     assert not at_98.fits and kept.usable_memory == memory * 95 // 100
     assert candidate(0.0)[1].fits
+
+
+def test_a_written_pipeline_run_is_a_plan_and_run_file_validate_passes(cli, tmp_path):
+    """Llama 3.1 405B on 512 GPUs with pp allowed: --write's plan carries the candidate's
+    checkpointing and pipeline schedule, its run file the layout, sequence, dtype, batch and the
+    64 nodes, and `plancc validate` passes the two at that layout."""
+    import yaml
+
+    code, out, err = cli("suggest", "plans/llama.yaml", "--model", "llama-3.1-405b", "--gpus", 512, "--seq-len", 8192,
+                         "--tokens-per-step", 1_048_576, "--allow", "pp", "--write", tmp_path, "--format", "json")
+    assert code == 0, err
+    best = json.loads(out)["best"]
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    run = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    assert run["pp"] == best["layout"]["pp"] > 1 and run["nnodes"] == 64 and run["nproc_per_node"] == 8
+    assert run["seq_len"] == 8192 and run["param_dtype"] == "bf16"
+    assert plan["pipeline"]["schedule"] == best["schedule"]
+    assert plan["pipeline"]["microbatches"] == best["microbatches"]
+    if best["activation_checkpointing"] == "full":
+        assert plan["activation_checkpointing"] == ["model.layers.*"]
+    code, out, err = cli("validate", tmp_path / "run.yaml")
+    assert code == 0 and "ok: 0 error(s)" in out, out + err

@@ -729,6 +729,8 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
             f"fp32 vs fp64 of the unsharded model: {report.grad_floor:.1e})"
             if report.floor_measured
             else "fp32 within its fixed bars: no fp64 look)"
+            if report.grad_max_rel <= TOLERANCES["grad_rel"] and report.logits_max_rel <= TOLERANCES["logits_rel"]
+            else "the model does not run in fp64: the fixed bars apply)"
         )
     )
     if report.grad_exact_rel > 0:

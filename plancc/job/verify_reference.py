@@ -103,9 +103,8 @@ def chunked_loss(model: nn.Module, batch: Batch, chunk_rows: int) -> float:
     total = 0.0
     for rows in _chunks(batch["input_ids"].shape[0], chunk_rows):
         part = {name: value[rows] for name, value in batch.items()}
-        total += nll_sum(_forward(model, part), part["input_ids"], part["attention_mask"], part.get("token_mask"))[
-            0
-        ].item()
+        chunk_sum, _ = nll_sum(_forward(model, part), part["input_ids"], part["attention_mask"], part.get("token_mask"))
+        total += chunk_sum.item()
     return total / _count(batch).item()
 
 
