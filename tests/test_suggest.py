@@ -448,3 +448,13 @@ def test_a_written_pipeline_run_is_a_plan_and_run_file_validate_passes(cli, tmp_
         assert plan["activation_checkpointing"] == ["model.layers.*"]
     code, out, err = cli("validate", tmp_path / "run.yaml")
     assert code == 0 and "ok: 0 error(s)" in out, out + err
+
+
+def test_write_into_a_file_or_a_headroom_out_of_bounds_is_a_usage_error(cli, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file, not a folder")
+    args = ("suggest", "plans/qwen3.yaml", "--model", "tiny-qwen3", "--gpus", 2, "--seq-len", 64)
+    code, _, err = cli(*args, "--write", taken)
+    assert code == 2 and f"--write {taken}" in err and "Traceback" not in err
+    code, _, err = cli(*args, "--headroom", 0.9)
+    assert code == 2 and "--headroom" in err
