@@ -32,22 +32,18 @@ from ..engine import checkpoint
 from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
-from ..engine.param_groups import decay_split
 from ..engine.policy import BatchTotals, NonFiniteError, Policy
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import default_preset, load_config
 from ..runtime import faults
-from ..runtime.activation_checkpointing import checkpointed_count
 from ..runtime.agreement import on_rank0
 from ..runtime.failures import diagnosed
-from ..runtime.lora import adapters_of
 from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from ..runtime.rank_memory import PeakRecorder
 from . import reporting
 from .config import DATA_COPY, EVAL_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
 from .data import (
-    SYNTHETIC,
     DataFields,
     TokenDataset,
     Tokenizer,
@@ -57,16 +53,23 @@ from .data import (
     read_jsonl,
     read_tokens,
     synthetic_batch,
-    truncated,
 )
 from .data_order import RowOrder
 from .evaluation import evaluate
-from .hf_datasets import split_note
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .loggers import Trackers
-from .lr_schedule import LrSchedule, describe, lr_factor, min_ratio_of
+from .lr_schedule import LrSchedule, lr_factor, min_ratio_of
 from .reporting import MetricsFile, RunProgress, log
 from .run_file import RUN_FILE
+from .run_notes import data_note, eta_of, lora_note, memory_note, optimizer_note
+from .run_record import (
+    batch_shape,
+    data_changes,
+    run_settings,
+    schedule_changes,
+    shape_changes,
+    tracked_settings,
+)
 from .verify import (
     EXACT_FACTOR,
     TOLERANCES,
@@ -422,94 +425,6 @@ def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
     return lock
 
 
-def tracked_settings(cfg: RunConfig, job: Any) -> dict[str, Any]:
-    """What a tracker records as the run's configuration: the plan, model, layout and the settings
-    that shape the curve."""
-    return {
-        "plan": job.plan.name,
-        "model": job.model_name,
-        "layout": job.layout.describe(),
-        "batch_size": cfg.batch_size,
-        "seq_len": cfg.seq_len,
-        "micro_batch_size": cfg.micro_batch_size,
-        "param_dtype": cfg.param_dtype,
-        "seed": cfg.seed,
-        "data": cfg.data,
-        **run_settings(cfg),
-    }
-
-
-def run_settings(cfg: RunConfig) -> dict[str, Any]:
-    """What of a run fixes its learning rate at every step: kept in each checkpoint, so that a
-    resume with other settings says so (``schedule_changes``)."""
-    return {
-        "steps": cfg.steps,
-        "warmup_steps": cfg.warmup_steps,
-        "schedule_steps": cfg.schedule_steps or cfg.steps,
-        "lr": cfg.lr,
-        "lr_schedule": cfg.lr_schedule,
-        "min_lr": cfg.min_lr,
-        "weight_decay": cfg.weight_decay,
-    }
-
-
-def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """One line naming each setting a resumed run changed (``--steps 200 -> 300``), or "" when
-    none did or the checkpoint kept none (a ``Policy.save`` of the caller's own loop)."""
-    flags = {
-        "steps": "--steps",
-        "warmup_steps": "--warmup-steps",
-        "schedule_steps": "--schedule-steps",
-        "lr": "--lr",
-        "lr_schedule": "--lr-schedule",
-        "min_lr": "--min-lr",
-        "weight_decay": "--weight-decay",
-    }
-    changed = [
-        f"{flag} {saved[key]} -> {now[key]}" for key, flag in flags.items() if key in saved and saved[key] != now[key]
-    ]
-    return ", ".join(changed)
-
-
-def batch_shape(cfg: RunConfig) -> dict[str, Any]:
-    """Which rows a step takes besides the data itself: the global batch's rows and how long they
-    are cut (a resume with another --batch-size or --seq-len trains on other batches)."""
-    seq_len = cfg.seq_len if cfg.data else cfg.synthetic_seq_len
-    return {"batch_size": cfg.batch_size, "seq_len": seq_len, "seed": cfg.seed, "shuffle": cfg.shuffle}
-
-
-def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """``--batch-size 4 -> 8`` for each of them a resumed run changed ("" for a checkpoint that kept none)."""
-    flags = {"batch_size": "--batch-size", "seq_len": "--seq-len", "seed": "--seed", "shuffle": "--shuffle"}
-
-    def said(value: Any) -> str:
-        return "unset (rows as they are)" if value is None else str(value).lower()
-
-    return ", ".join(
-        f"{flag} {said(saved[key])} -> {said(now[key])}"
-        for key, flag in flags.items()
-        if key in saved and saved[key] != now[key]
-    )
-
-
-def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """What differs between the rows a checkpoint's run trained on and this run's ("" when the
-    same, or when the checkpoint kept none: one of an older plancc, or of a caller's own loop)."""
-    if saved.get("data_digest", now["data_digest"]) == now["data_digest"]:
-        return ""
-    if SYNTHETIC in (saved["data_digest"], now["data_digest"]):
-
-        def said(run: dict[str, Any]) -> str:
-            return "synthetic rows" if run["data_digest"] == SYNTHETIC else f"--data ({run.get('data_rows')} rows)"
-
-        return f"the checkpoint's run trained on {said(saved)}, this one on {said(now)}"
-    counts = (saved.get("data_rows"), saved.get("data_tokens")), (now["data_rows"], now["data_tokens"])
-    if counts[0] == counts[1]:
-        return f"the data holds other rows than the checkpoint's run's ({now['data_rows']} rows either way)"
-    (rows, tokens), (rows_now, tokens_now) = counts
-    return f"the data differs from the checkpoint's run's: {rows} rows of {tokens} tokens -> {rows_now} of {tokens_now}"
-
-
 def _schedule(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
     """Warmup, then --lr-schedule to --min-lr over --schedule-steps (default: --steps, the run's
     total), as a function of the global step (``job.lr_schedule``): ``Policy.load`` restores the
@@ -541,96 +456,16 @@ def _policy(cfg: RunConfig, job: _Job) -> Policy:
     )
 
 
-def _lora_note(policy: Policy) -> str:
-    """What trains, when it is adapters: their rank, modules and share of the parameters."""
-    adapters = adapters_of(policy.model)
-    if adapters is None:
-        return ""
-    trained = sum(p.numel() for p in policy.model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in policy.model.parameters())
-    return f" | LoRA r={adapters.spec.r} on {len(adapters.modules)} modules ({trained / total:.2%} of parameters train)"
-
-
-def eta_of(elapsed: float, done: int, left: int) -> str:
-    """The time the ``left`` steps will take at this run's mean step so far, as ``H:MM:SS``."""
-    seconds = round(elapsed / max(1, done) * left)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-def _data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
-    """What each step trains on: its rows, their length, what the loss counts."""
-    if dataset is None:
-        return f"data: synthetic, {cfg.batch_size} rows of {cfg.synthetic_seq_len} tokens a step"
-    if cfg.row_length is not None:
-        documents = dataset.documents or len(dataset.sequences)
-        length = f"{documents} documents as {len(dataset.sequences)} rows of at most --seq-len {cfg.seq_len} tokens" + (
-            " (a longer document cut into rows, every token kept)" if dataset.documents else ""
-        )
-    elif cfg.seq_len is not None:
-        longer = truncated(dataset, cfg.seq_len)
-        length = f"rows cut to --seq-len {cfg.seq_len} ({longer} of {len(dataset.sequences)} longer)"
-    else:
-        length = f"rows as they are (the longest {dataset.longest} tokens; --seq-len cuts them)"
-    counted = (
-        "the tokens its masks count (labels / loss_mask, a chat's assistant turns, a completion)"
-        if dataset.masks is not None
-        else "every token after the first"
-    )
-    split = split_note(dataset.path)
-    return (
-        f"data: {dataset.path}{split}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}; "
-        f"{_order_note(cfg, len(dataset.sequences))}"
-    )
-
-
-def _order_note(cfg: RunConfig, rows: int) -> str:
-    """The rows' order and the run's length in epochs (``job.data_order``)."""
-    order = f"shuffled by --seed {cfg.seed}, anew each epoch" if cfg.shuffle else "in file order (--no-shuffle)"
-    per_epoch = rows / cfg.batch_size
-    length = f"--epochs {cfg.epochs:g}" if cfg.epochs is not None else f"{cfg.steps * cfg.batch_size / rows:.3g} epochs"
-    return f"{order}; an epoch is {rows} rows ({per_epoch:.3g} steps), {cfg.steps} steps are {length}"
-
-
-def _optimizer_note(cfg: RunConfig, policy: Policy) -> str:
-    """The learning rate's course and what weight decay reaches (``engine.param_groups``)."""
-    course = describe(
-        cast(LrSchedule, cfg.lr_schedule),
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        warmup=cfg.warmup_steps,
-        total=cfg.schedule_steps or cfg.steps,
-    )
-    if not cfg.weight_decay:
-        return f"optimizer: AdamW, {course}; no weight decay"
-    split = decay_split(policy.model)
-    return (
-        f"optimizer: AdamW, {course}; weight decay {cfg.weight_decay:g} on {split.decayed} matrices, "
-        f"none on {split.excluded} norm, bias and embedding tensors"
-    )
-
-
-def _memory_note(cfg: RunConfig, job: Any, policy: Policy) -> str:
-    """What decides the run's memory beside the layout: the compute dtype, checkpointing and
-    FSDP's resharding (the settings ``plancc suggest`` costs a layout with)."""
-    compute = f"{PARAM_DTYPES[cfg.param_dtype]} over fp32 masters" if cfg.param_dtype else "fp32"
-    checkpointed = checkpointed_count(policy.model)
-    reshard = "on" if job.plan.fsdp_reshard_after_forward else "off (weights kept gathered from forward to backward)"
-    return (
-        f"memory: compute in {compute}; activation checkpointing on {checkpointed} "
-        f"module{'' if checkpointed == 1 else 's'}; FSDP resharding after forward {reshard}"
-    )
-
-
 def train(cfg: RunConfig) -> dict[str, Any]:
     job = _setup(cfg)
     policy = _policy(cfg, job)
     log(
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
-        f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{_lora_note(policy)}"
+        f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{lora_note(policy)}"
     )
-    log(_data_note(cfg, job.dataset))
-    log(_memory_note(cfg, job, policy))
-    log(_optimizer_note(cfg, policy))
+    log(data_note(cfg, job.dataset))
+    log(memory_note(cfg, job, policy))
+    log(optimizer_note(cfg, policy))
     if job.eval_rows is not None:
         every = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
         rows = job.eval_rows
