@@ -4,7 +4,7 @@ much recomputed -- what a user checks before a long run, from the log alone."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 from ..engine.param_groups import decay_split
 from ..engine.policy import Policy
@@ -14,6 +14,9 @@ from .config import PARAM_DTYPES, RunConfig
 from .data import TokenDataset, truncated
 from .hf_datasets import split_note
 from .lr_schedule import LrSchedule, describe
+
+if TYPE_CHECKING:
+    from .run_setup import Job
 
 
 def lora_note(policy: Policy) -> str:
@@ -84,7 +87,7 @@ def optimizer_note(cfg: RunConfig, policy: Policy) -> str:
     )
 
 
-def memory_note(cfg: RunConfig, job: Any, policy: Policy) -> str:
+def memory_note(cfg: RunConfig, job: Job, policy: Policy) -> str:
     """What decides the run's memory beside the layout: the compute dtype, checkpointing and
     FSDP's resharding (the settings ``plancc suggest`` costs a layout with)."""
     compute = f"{PARAM_DTYPES[cfg.param_dtype]} over fp32 masters" if cfg.param_dtype else "fp32"

@@ -5,13 +5,16 @@ and what an experiment tracker records as the run's configuration."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import RunConfig
 from .data import SYNTHETIC
 
+if TYPE_CHECKING:
+    from .run_setup import Job
 
-def tracked_settings(cfg: RunConfig, job: Any) -> dict[str, Any]:
+
+def tracked_settings(cfg: RunConfig, job: Job) -> dict[str, Any]:
     """What a tracker records as the run's configuration: the plan, model, layout and the settings
     that shape the curve."""
     return {

@@ -15,50 +15,33 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from transformers import PretrainedConfig
 
-from ..compiler.plan import Plan, load_plan, parse_plan
 from ..engine import checkpoint
 from ..engine.batches import BatchError
 from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
 from ..engine.policy import BatchTotals, NonFiniteError, Policy
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
-from ..layout import Layout
-from ..models import default_preset, load_config
 from ..runtime import faults
 from ..runtime.agreement import on_rank0
 from ..runtime.failures import diagnosed
-from ..runtime.mesh import ParallelMesh, build_mesh, default_device_type, init_process_group
 from ..runtime.rank_memory import PeakRecorder
 from . import reporting
-from .config import DATA_COPY, EVAL_COPY, PARAM_DTYPES, PLAN_COPY, RunConfig
+from .config import RunConfig
 from .data import (
-    DataFields,
-    TokenDataset,
-    Tokenizer,
     data_identity,
-    dataset_batch,
     padded_rows,
-    read_jsonl,
-    read_tokens,
-    synthetic_batch,
 )
-from .data_order import RowOrder
 from .evaluation import evaluate
 from .lifecycle import EXIT_FAILED, LauncherWatch, StopRequest, log_traceback
 from .loggers import Trackers
-from .lr_schedule import LrSchedule, lr_factor, min_ratio_of
 from .reporting import MetricsFile, RunProgress, log
 from .run_file import RUN_FILE
 from .run_notes import data_note, eta_of, lora_note, memory_note, optimizer_note
@@ -70,6 +53,7 @@ from .run_record import (
     shape_changes,
     tracked_settings,
 )
+from .run_setup import Job, global_batches, job_policy, setup_job
 from .verify import (
     EXACT_FACTOR,
     TOLERANCES,
@@ -80,114 +64,13 @@ from .verify import (
 )
 
 
-def _batches(
-    cfg: RunConfig, dataset: TokenDataset | None, vocab_size: int, start: int, count: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """The global batch of each step: ``input_ids``, ``attention_mask`` and, for data with
-    loss masks, ``token_mask``."""
-    order = row_order(cfg, dataset)
-    for step in range(start, start + count):
-        if dataset is None:
-            ids = synthetic_batch(
-                step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.synthetic_seq_len, vocab_size=vocab_size
-            )
-            yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        else:
-            yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, order=order)
-
-
-def row_order(cfg: RunConfig, dataset: TokenDataset | None) -> RowOrder | None:
-    """The order the run reads ``--data``'s rows in (None: synthetic rows)."""
-    return RowOrder(rows=len(dataset.sequences), seed=cfg.seed, shuffle=cfg.shuffle) if dataset is not None else None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Job:
-    """What every worker mode starts from: process group, mesh, plan, model config."""
-
-    device: str
-    mesh: ParallelMesh  # rebuilt once from the layout the CLI serialised into the run config
-    plan: Plan
-    model_name: str
-    config: PretrainedConfig
-    dataset: TokenDataset | None = None  # the --data file, read and validated once
-    eval_rows: TokenDataset | None = None  # --eval-data / --eval-split, likewise
-
-    @property
-    def layout(self) -> Layout:
-        return self.mesh.layout
-
-
-def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None, TokenDataset | None]:
-    """The plan, data and eval rows as the launcher read and checked them (its copies), shown
-    by the user's paths; without a launcher (a runner started by hand), the paths themselves."""
-    if cfg.inputs is None:
-        return load_plan(cfg.plan), None, None
-    folder = Path(cfg.inputs)
-    plan = parse_plan(folder.joinpath(PLAN_COPY).read_text(encoding="utf-8"), path=cfg.plan)
-    data, held_out = folder / DATA_COPY, folder / EVAL_COPY
-    return (
-        plan,
-        read_tokens(data) if data.is_file() else None,
-        read_tokens(held_out) if held_out.is_file() else None,
-    )
-
-
-def _setup(cfg: RunConfig) -> _Job:
-    device = cfg.device or default_device_type()
-    init_process_group(device, cfg.timeout_s)  # the one init (Policy finds it made)
-    layout = cfg.layout
-    if layout.world_size != dist.get_world_size():  # an elastic job (--nnodes MIN:MAX) got another size
-        layout = Layout.infer(
-            world_size=dist.get_world_size(),
-            cp=layout.cp,
-            tp=layout.tp,
-            ep=layout.ep,
-            sequence_parallel=layout.sequence_parallel,
-            pp=layout.pp,
-        )
-    mesh = build_mesh(layout, device_type=device)
-    plan, dataset, eval_rows = _inputs(cfg)
-    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
-    assert model_name is not None, "the CLI resolves the model before launching"
-    config = load_config(model_name)
-    if cfg.data and dataset is None:  # a runner started by hand: validate the whole file before any step
-        dataset = read_jsonl(
-            cfg.data,
-            vocab_size=config.vocab_size,
-            min_tokens=2 if cfg.mode == "train" else 1,
-            fields=DataFields.of(cfg.data_fields),
-            tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
-            row_length=cfg.row_length,
-        )
-    if (cfg.eval_data or cfg.eval_split) and eval_rows is None:  # likewise
-        eval_rows = read_jsonl(
-            cfg.eval_data or cfg.data or "",
-            vocab_size=config.vocab_size,
-            min_tokens=2,
-            fields=DataFields.of(cfg.data_fields),
-            tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
-            row_length=cfg.row_length,
-            split=cfg.eval_split,
-        )
-    return _Job(
-        device=device,
-        mesh=mesh,
-        plan=plan,
-        model_name=model_name,
-        config=config,
-        dataset=dataset,
-        eval_rows=eval_rows,
-    )
-
-
 @dataclass(kw_only=True, slots=True)
 class _Trainer:
     """The LR schedule and step loop of one training run, over a ``plancc.Policy`` (which owns
     the model, the optimizer, the microbatching and the step itself)."""
 
     cfg: RunConfig
-    job: _Job
+    job: Job
     policy: Policy
     start: int = 0
     done: int = 0  # the global step after the last finished step
@@ -290,7 +173,7 @@ class _Trainer:
         metrics = MetricsFile(
             self.cfg.metrics, start=self.start, device=device, tensorboard=self.cfg.tensorboard, trackers=trackers
         )
-        batches = _batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
+        batches = global_batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
         started = time.perf_counter()
         try:
             for step, batch in enumerate(batches, start=self.start):
@@ -425,40 +308,9 @@ def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
     return lock
 
 
-def _schedule(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
-    """Warmup, then --lr-schedule to --min-lr over --schedule-steps (default: --steps, the run's
-    total), as a function of the global step (``job.lr_schedule``): ``Policy.load`` restores the
-    position on --resume, so a resumed run's rate at every step is the uninterrupted run's."""
-    schedule = partial(
-        lr_factor,
-        schedule=cast(LrSchedule, cfg.lr_schedule),
-        warmup=cfg.warmup_steps,
-        total=cfg.schedule_steps or cfg.steps,
-        min_ratio=min_ratio_of(cfg.lr, cfg.min_lr),
-    )
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def _policy(cfg: RunConfig, job: _Job) -> Policy:
-    """The engine every mode of a run drives."""
-    return Policy(
-        job.plan,
-        cfg.model or job.model_name,
-        layout=job.mesh,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
-        lr_scheduler=_schedule(cfg) if cfg.mode == "train" else None,
-        max_grad_norm=cfg.max_grad_norm,
-        weight_decay=cfg.weight_decay,
-        param_dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None,
-        lora=cfg.lora,
-        seed=cfg.seed,
-        device=job.device,
-    )
-
-
 def train(cfg: RunConfig) -> dict[str, Any]:
-    job = _setup(cfg)
-    policy = _policy(cfg, job)
+    job = setup_job(cfg)
+    policy = job_policy(cfg, job)
     log(
         f"plancc apply: {job.plan.name} on {job.model_name} | world {dist.get_world_size()} "
         f"{job.layout.describe()} | {job.device} | weights: {policy.weight_source}{lora_note(policy)}"
@@ -508,12 +360,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
 
 def run_verify(cfg: RunConfig) -> dict[str, Any]:
-    job = _setup(cfg)
+    job = setup_job(cfg)
     # a resumed run's next batches are those after its checkpoint's step: the step found once, and
     # handed on (a newer checkpoint appearing meanwhile must not be the one verify loads)
     step_dir = checkpoint.agreed_find(cfg.resume) if cfg.resume else None
     start = checkpoint.read_info(step_dir).step if step_dir is not None else 0
-    batches = list(_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.steps + 1))
+    batches = list(global_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.steps + 1))
     with diagnosed("verify", fallback=SourceLoc(path=cfg.plan)):
         report = verify_against_unsharded(
             job.plan,
@@ -595,9 +447,7 @@ def _gather_rows(results: dict[int, Row], worst: float, device: str) -> tuple[di
     return merged, worst_t.item()
 
 
-def _logprobs_of(
-    cfg: RunConfig, job: _Job, policy: Policy, reference: nn.Module | None
-) -> tuple[dict[int, Row], float]:
+def _logprobs_of(cfg: RunConfig, job: Job, policy: Policy, reference: nn.Module | None) -> tuple[dict[int, Row], float]:
     """This rank's rows of log-probs (and entropy) by ``Policy.logprobs``, and the worst
     difference from the unsharded ``reference`` when there is one. The data goes in global
     batches of --batch-size rows per dp rank, each rank its ``slice_of``; the last one is filled
@@ -637,7 +487,7 @@ def _evaluated(
         raise _data_problem(cfg, str(exc)) from None
 
 
-def _weight_warnings(model: nn.Module, cfg: RunConfig, job: _Job) -> list[dict[str, Any]]:
+def _weight_warnings(model: nn.Module, cfg: RunConfig, job: Job) -> list[dict[str, Any]]:
     """What the loaded weights warn of (rank 0 says it on stderr now; the result carries it to
     ``--format json``)."""
     found = non_finite_weight_warning(model, cfg.model, job.device)
@@ -650,10 +500,10 @@ def _weight_warnings(model: nn.Module, cfg: RunConfig, job: _Job) -> list[dict[s
 
 def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
     """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
-    job = _setup(cfg)
+    job = setup_job(cfg)
     assert job.dataset is not None, "the CLI requires --data for logprobs"
     sequences, device = job.dataset.sequences, job.device
-    policy = _policy(cfg, job)
+    policy = job_policy(cfg, job)
     source = policy.weight_source
     # log-probs of NaN weights are NaN lines with exit 0: refused, as save and export refuse them
     found = non_finite_weight_warning(policy.model, cfg.model, job.device)  # collective: one verdict
