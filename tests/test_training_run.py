@@ -379,3 +379,28 @@ def test_wandb_and_mlflow_get_the_metrics_files_numbers_offline(tmp_path, monkey
         == list(enumerate(losses, start=1))
     code, _, err = forked_cli("apply", QWEN3, "--steps", 1, "--logger", "neptune")
     assert code == 2 and "--logger 'neptune' is no tracker" in err and "one of wandb, mlflow" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_packing_and_the_token_budget_read_the_rows_in_their_shuffled_order(tmp_path):
+    """A shuffled run with --pack and --max-tokens trains exactly as a run in file order on the
+    file written in that shuffled order: the packer and the token budget see the order the
+    seed drew, not the file's."""
+    from plancc.job.data_order import RowOrder
+
+    rows = [{"input_ids": [(11 * i + j) % 200 for j in range(3 + 2 * i)]} for i in range(8)]
+    data, drawn = tmp_path / "rows.jsonl", tmp_path / "drawn.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    order = RowOrder(rows=8, seed=3)
+    drawn.write_text("".join(json.dumps(rows[order.row(i)]) + "\n" for i in range(8)))  # one epoch, as drawn
+    assert [order.row(i) for i in range(8)] != list(range(8))
+    flags = ("--batch-size", 4, "--steps", 2, "--pack", "--max-tokens", 24, "--seed", 3)
+    code, shuffled, err = forked_cli("apply", QWEN3, "--data", data, *flags)
+    assert code == 0, err
+    code, in_order, err = forked_cli("apply", QWEN3, "--data", drawn, "--no-shuffle", *flags)
+    assert code == 0, err
+    assert losses(shuffled) == pytest.approx(losses(in_order), rel=1e-6) and len(losses(shuffled)) == 2
+    code, file_order, err = forked_cli("apply", QWEN3, "--data", data, "--no-shuffle", *flags)
+    assert code == 0, err
+    assert losses(file_order) != pytest.approx(losses(shuffled), rel=1e-6)  # the order is what differs
