@@ -99,7 +99,9 @@ def apply(
             "(default: as they are, none past the model's max_position_embeddings)",
         ),
     ] = None,
-    lr: Annotated[float, typer.Option("--lr", help="peak learning rate (AdamW, warmup then cosine)")] = 1e-3,
+    lr: Annotated[
+        float, typer.Option("--lr", help="peak learning rate (AdamW: --warmup-steps, then --lr-schedule to --min-lr)")
+    ] = 1e-3,
     schedule_steps: Annotated[
         int | None,
         typer.Option("--schedule-steps", min=1, help="LR schedule horizon (default: --steps)"),
