@@ -563,10 +563,15 @@ def build_meta_model(model: str | Path | Any) -> nn.Module:
         ) from None
 
 
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None:
+    """(parent, attribute, list) of the model's decoder layers: its longest ``ModuleList``."""
+    lists = [(m, n, c) for m in model.modules() for n, c in m.named_children() if isinstance(c, nn.ModuleList)]
+    return max(lists, key=lambda found: len(found[2]), default=None)
+
+
 def decoder_layers_glob(model: nn.Module) -> str | None:
-    """The glob of every decoder layer (``model.layers.*``, the longest ``ModuleList``): what
-    "full" checkpointing names."""
-    lists = [(name, child) for name, child in model.named_modules() if isinstance(child, nn.ModuleList)]
-    if not lists:
+    """The glob of every decoder layer (``model.layers.*``): what "full" checkpointing names."""
+    found = decoder_layers(model)
+    if found is None:
         return None
-    return f"{max(lists, key=lambda found: len(found[1]))[0]}.*"
+    return f"{next(n for n, m in model.named_modules() if m is found[2])}.*"

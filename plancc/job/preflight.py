@@ -411,12 +411,14 @@ def preflight(
                 fix="pass --tensorboard a folder (it is created if missing)",
             )
         )
+    # one tokenizer for the training and the held-out rows: loaded once, when a line needs it
+    fields, tokenizer = DataFields.of(cfg.data_fields), Tokenizer(str(folder) if folder is not None else None)
     if cfg.data:
         try:
             dataset = read_jsonl(
                 cfg.data,
-                fields=DataFields.of(cfg.data_fields),
-                tokenizer=Tokenizer(str(folder) if folder is not None else None),
+                fields=fields,
+                tokenizer=tokenizer,
                 vocab_size=config.vocab_size,
                 min_tokens=2 if cfg.mode == "train" else 1,
                 # a row longer than the model takes is refused, by apply as by logprobs, unless
@@ -431,8 +433,8 @@ def preflight(
         try:
             eval_rows = read_jsonl(
                 cfg.eval_data or cfg.data or "",
-                fields=DataFields.of(cfg.data_fields),
-                tokenizer=Tokenizer(str(folder) if folder is not None else None),
+                fields=fields,
+                tokenizer=tokenizer,
                 vocab_size=config.vocab_size,
                 min_tokens=2,
                 max_tokens=longest if cfg.seq_len is None else None,

@@ -97,13 +97,15 @@ def setup_job(cfg: RunConfig) -> Job:
     model_name = cfg.model or default_preset(plan.architectures, tiny=True)
     assert model_name is not None, "the CLI resolves the model before launching"
     config = load_config(model_name)
+    # one tokenizer for the training and the held-out rows: loaded once, when a line needs it
+    fields, tokenizer = DataFields.of(cfg.data_fields), Tokenizer(model_name if Path(model_name).is_dir() else None)
     if cfg.data and dataset is None:  # a runner started by hand: validate the whole file before any step
         dataset = read_jsonl(
             cfg.data,
             vocab_size=config.vocab_size,
             min_tokens=2 if cfg.mode == "train" else 1,
-            fields=DataFields.of(cfg.data_fields),
-            tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
+            fields=fields,
+            tokenizer=tokenizer,
             row_length=cfg.row_length,
         )
     if (cfg.eval_data or cfg.eval_split) and eval_rows is None:  # likewise
@@ -111,8 +113,8 @@ def setup_job(cfg: RunConfig) -> Job:
             cfg.eval_data or cfg.data or "",
             vocab_size=config.vocab_size,
             min_tokens=2,
-            fields=DataFields.of(cfg.data_fields),
-            tokenizer=Tokenizer(model_name if Path(model_name).is_dir() else None),
+            fields=fields,
+            tokenizer=tokenizer,
             row_length=cfg.row_length,
             split=cfg.eval_split,
         )

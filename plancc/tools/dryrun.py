@@ -32,7 +32,7 @@ from ..compiler.resolve import resolve_plan
 from ..dataflow import batched_experts
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
-from ..models import build_model
+from ..models import build_model, decoder_layers
 from ..runtime.collectives import CountCollectives, Traffic, mesh_axes
 from ..runtime.failures import ModuleTracker, failure_diagnostic
 from ..runtime.mesh import ParallelMesh, build_mesh
@@ -167,16 +167,10 @@ def _stages_forward_backward(
         measured.grad_bytes = sum(_local_bytes(p.grad) for p in params)
 
 
-def _layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
-    """(parent, attribute, list) of the model's decoder layers: its longest ModuleList."""
-    lists = [(m, n, c) for m in model.modules() for n, c in m.named_children() if isinstance(c, torch.nn.ModuleList)]
-    return max(lists, key=lambda found: len(found[2]), default=None)
-
-
 def _cut(model: torch.nn.Module, keep: list[int]) -> torch.nn.Module:
     """A copy of an unparallelized meta ``model`` with only its decoder layers ``keep`` (the
     list swapped while copying: a 64-layer model is not built, or copied, again)."""
-    found = _layers(model)
+    found = decoder_layers(model)
     assert found is not None, "the caller found the layers"
     parent, name, layers = found
     setattr(parent, name, torch.nn.ModuleList([layers[i] for i in keep]))
@@ -213,7 +207,7 @@ Cuts = dict[tuple[int, ...], torch.nn.Module]
 def _layer_cuts(model: torch.nn.Module) -> Cuts:
     """Copies of an unparallelized meta ``model`` with its first and last layers, with only the
     first, and with only the last (empty for a model of fewer than two layers)."""
-    found = _layers(model)
+    found = decoder_layers(model)
     if found is None or len(found[2]) < 2:
         return {}
     first, last = 0, len(found[2]) - 1
@@ -302,7 +296,7 @@ def dry_run(
                         rule_id="dry-run",
                     )
                 )
-        layers = len(found[2]) if (found := _layers(model)) is not None else 0
+        layers = len(found[2]) if (found := decoder_layers(model)) is not None else 0
         traffic = LayerTraffic()
         if not diagnostics and layout.pp == 1:
             traffic = _one_layer(cuts, plan, layout, config, seq_len=seq_len, batch=batch)
