@@ -22,6 +22,13 @@ inside each of them (which hold the same tokens) split those experts further wit
 token. So a layer's experts are spread over ``ep * tp`` ranks, and FSDP shards each expert's
 weights over the ``dp / ep`` ranks left (``expert_fsdp_size``). ``ep`` must divide ``dp``;
 with ``cp`` it is not supported yet (cp ranks would have to join the token exchange).
+
+HSDP (torchtitan's ``dp_replicate`` x ``dp_shard``) splits data parallelism in two: ``dp`` stays
+the number of ranks that take different rows, and ``dp_replicate`` of them hold whole replicas of
+the sharded model, each replica's parameters sharded over the ``dp_shard = dp / dp_replicate``
+ranks inside it (times cp). FSDP then reduce-scatters gradients within a replica and all-reduces
+the shards between replicas: the slow inter-node link carries one shard's all-reduce instead of
+every all-gather and reduce-scatter. ``dp_replicate`` is 1 (plain FSDP) unless asked for.
 """
 
 from __future__ import annotations
@@ -52,9 +59,10 @@ class Layout:
     ep: int = 1
     sequence_parallel: bool = False
     pp: int = 1
+    dp_replicate: int = 1  # HSDP: replicas of the FSDP-sharded model among the dp ranks
 
     def __post_init__(self) -> None:
-        for axis in (*AXES, "ep", "pp"):
+        for axis in (*AXES, "ep", "pp", "dp_replicate"):
             size = getattr(self, axis)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise LayoutError(
@@ -68,6 +76,7 @@ class Layout:
                     ]
                 )
         problem = _expert_parallel_problem(self.dp, self.cp, self.ep, SourceLoc(path="<layout>"))
+        problem = problem or _replicate_problem(self.dp, self.dp_replicate, self.ep, SourceLoc(path="<layout>"))
         if problem is not None:
             raise LayoutError([problem])
 
@@ -82,6 +91,8 @@ class Layout:
         }
         if self.pp > 1:  # written only where it says something: older readers take the rest
             found["pp"] = self.pp
+        if self.dp_replicate > 1:
+            found["dp_replicate"] = self.dp_replicate
         return found
 
     @property
@@ -89,9 +100,15 @@ class Layout:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks one replica's parameters are sharded over (all of dp without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
     def fsdp_size(self) -> int:
-        """Ranks FSDP shards parameters over: data- and context-parallel ranks together."""
-        return self.dp * self.cp
+        """Ranks FSDP shards parameters over: a replica's data- and context-parallel ranks
+        together (every dp rank without HSDP)."""
+        return self.dp_shard * self.cp
 
     @property
     def expert_fsdp_size(self) -> int:
@@ -117,7 +134,10 @@ class Layout:
     def describe(self) -> str:
         experts = f" ep={self.ep}" if self.ep > 1 else ""
         stages = f"pp={self.pp} " if self.pp > 1 else ""
-        return f"{stages}dp={self.dp} cp={self.cp} tp={self.tp}{experts}" + (" +sp" if self.sequence_parallel else "")
+        data = f"dp={self.dp}"
+        if self.dp_replicate > 1:
+            data = f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}"
+        return f"{stages}{data} cp={self.cp} tp={self.tp}{experts}" + (" +sp" if self.sequence_parallel else "")
 
     @classmethod
     def infer(
@@ -131,11 +151,20 @@ class Layout:
         sequence_parallel: bool = False,
         loc: SourceLoc | None = None,
         pp: int = 1,
+        dp_replicate: int = 1,
     ) -> Layout:
         """The layout of ``world_size`` ranks with ``dp`` inferred when omitted; raises
         ``LayoutError`` (rule ``mesh-sizes``) when the sizes cannot fit."""
         layout, problems = cls.diagnose(
-            world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=loc, pp=pp
+            world_size=world_size,
+            dp=dp,
+            cp=cp,
+            tp=tp,
+            ep=ep,
+            sequence_parallel=sequence_parallel,
+            loc=loc,
+            pp=pp,
+            dp_replicate=dp_replicate,
         )
         if problems:
             raise LayoutError(problems)
@@ -153,6 +182,7 @@ class Layout:
         sequence_parallel: bool = False,
         loc: SourceLoc | None = None,
         pp: int = 1,
+        dp_replicate: int = 1,
     ) -> tuple[Layout, list[Diagnostic]]:
         """(layout, problems): the best layout these sizes describe and why they do not fit.
 
@@ -162,7 +192,15 @@ class Layout:
         where = loc or SourceLoc(path="<layout>")
         bad = [
             (axis, size)
-            for axis, size in (("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep), ("dp", dp), ("world size", world_size))
+            for axis, size in (
+                ("pp", pp),
+                ("cp", cp),
+                ("tp", tp),
+                ("ep", ep),
+                ("dp", dp),
+                ("dp_replicate", dp_replicate),
+                ("world size", world_size),
+            )
             if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
         ]
         if bad:
@@ -177,15 +215,29 @@ class Layout:
             ]
         if world_size is None:
             # no world size: dp as given, or the least that holds ep
-            size = dp if dp is not None else ep
+            size = dp if dp is not None else math.lcm(ep, dp_replicate)
             return cls._with_experts(
-                dp=size, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where, pp=pp
+                dp=size,
+                cp=cp,
+                tp=tp,
+                ep=ep,
+                sequence_parallel=sequence_parallel,
+                loc=where,
+                pp=pp,
+                dp_replicate=dp_replicate,
             )
         inner = pp * cp * tp
         inferred = dp if dp is not None else (world_size // inner if world_size % inner == 0 else None)
         if inferred is not None and inferred * inner == world_size:
             return cls._with_experts(
-                dp=inferred, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, loc=where, pp=pp
+                dp=inferred,
+                cp=cp,
+                tp=tp,
+                ep=ep,
+                sequence_parallel=sequence_parallel,
+                loc=where,
+                pp=pp,
+                dp_replicate=dp_replicate,
             )
         divisors = divisors_of(world_size)
         shown = f"dp={dp} x " if dp is not None else ""
@@ -204,13 +256,28 @@ class Layout:
 
     @classmethod
     def _with_experts(
-        cls, *, dp: int, cp: int, tp: int, ep: int, sequence_parallel: bool, loc: SourceLoc, pp: int = 1
+        cls,
+        *,
+        dp: int,
+        cp: int,
+        tp: int,
+        ep: int,
+        sequence_parallel: bool,
+        loc: SourceLoc,
+        pp: int = 1,
+        dp_replicate: int = 1,
     ) -> tuple[Layout, list[Diagnostic]]:
-        """The layout, or (without ep) the layout and why ep does not fit it."""
+        """The layout, or (without ep, or without HSDP) the layout and why ep or dp_replicate
+        does not fit it."""
         problem = _expert_parallel_problem(dp, cp, ep, loc)
         if problem is not None:
             return cls(dp=dp, cp=cp, tp=tp, sequence_parallel=sequence_parallel, pp=pp), [problem]
-        return cls(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp), []
+        problem = _replicate_problem(dp, dp_replicate, ep, loc)
+        if problem is not None:
+            return cls(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp), [problem]
+        return cls(
+            dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp, dp_replicate=dp_replicate
+        ), []
 
 
 def _expert_parallel_problem(dp: int, cp: int, ep: int, loc: SourceLoc) -> Diagnostic | None:
@@ -231,6 +298,28 @@ def _expert_parallel_problem(dp: int, cp: int, ep: int, loc: SourceLoc) -> Diagn
             loc=loc,
             message=f"ep={ep} does not divide dp={dp}: expert parallelism borrows its ranks from data parallelism",
             fix=f"choose --ep among the divisors of dp={dp}: {options}, or more ranks (dp a multiple of {ep})",
+        )
+    return None
+
+
+def _replicate_problem(dp: int, dp_replicate: int, ep: int, loc: SourceLoc) -> Diagnostic | None:
+    """Why ``dp`` cannot hold ``dp_replicate`` replicas of the sharded model, or None."""
+    if dp_replicate == 1:
+        return None
+    if ep > 1:
+        return Diagnostic(
+            rule=RULE,
+            loc=loc,
+            message=f"dp_replicate={dp_replicate} with ep={ep}: HSDP with expert parallelism is not supported",
+            fix="drop --dp-replicate (plain FSDP over dp), or drop --ep",
+        )
+    if dp % dp_replicate:
+        return Diagnostic(
+            rule=RULE,
+            loc=loc,
+            message=f"dp_replicate={dp_replicate} does not divide dp={dp}: "
+            "each replica shards over dp / dp_replicate ranks",
+            fix=f"choose --dp-replicate among the divisors of dp={dp}: {listed(divisors_of(dp))}",
         )
     return None
 

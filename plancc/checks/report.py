@@ -165,6 +165,7 @@ def validate_plan(
     seq_len: int | None = None,
     skeleton: bool = True,
     pp: int = 1,
+    dp_replicate: int = 1,
 ) -> ValidationReport:
     """Everything ``plancc validate`` reports: schema, globs and every model-aware check at
     ``layout`` (or at the sizes given). Raises ``PlanError`` when the plan file itself cannot
@@ -189,7 +190,16 @@ def validate_plan(
     resolved, problems = resolve_sections(plan, meta)
     # diagnosed here, once: the report shows this layout and why the sizes did not fit
     layout, layout_problems = layout_for(
-        plan, layout, world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp
+        plan,
+        layout,
+        world_size=world_size,
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        ep=ep,
+        sequence_parallel=sequence_parallel,
+        pp=pp,
+        dp_replicate=dp_replicate,
     )
     problems += check_at(plan, meta, layout, layout_problems, seq_len=seq_len, resolved=resolved)
     problems = [*partial.problems, *independent_of(problems, _unbound_globs(plan, meta, partial.left_out))]

@@ -113,6 +113,7 @@ def check_plan(
     world_size: int | None = None,
     sequence_parallel: bool = False,
     pp: int = 1,
+    dp_replicate: int = 1,
 ) -> list[Diagnostic]:
     """Every problem of ``plan`` on this model at ``layout``, errors and warnings.
 
@@ -122,7 +123,16 @@ def check_plan(
     one; sizes that do not fit are a ``mesh-sizes`` problem and the other rules still run.
     """
     layout, layout_problems = layout_for(
-        plan, layout, world_size=world_size, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, pp=pp
+        plan,
+        layout,
+        world_size=world_size,
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        ep=ep,
+        sequence_parallel=sequence_parallel,
+        pp=pp,
+        dp_replicate=dp_replicate,
     )
     return check_at(plan, model_or_config, layout, layout_problems, seq_len=seq_len, resolved=resolved)
 

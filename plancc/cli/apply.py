@@ -114,6 +114,14 @@ def apply(
             "AdamW state are fp32 whatever the model's dtype",
         ),
     ] = None,
+    cpu_offload: Annotated[
+        bool,
+        typer.Option(
+            "--cpu-offload",
+            help="FSDP CPU offload: the parameter shards, their gradients and AdamW's state live in host "
+            "memory (copied to the device unit by unit for the gathers; the optimizer steps on the host)",
+        ),
+    ] = False,
     micro_batch_size: Annotated[
         int | None,
         typer.Option("--micro-batch-size", min=1, help="rows per microbatch on each dp rank (gradient accumulation)"),
@@ -175,6 +183,8 @@ def apply(
             fix="--export-adapters writes the LoRA adapters of --export-hf DIR: give both, with "
             "--lora-r/--lora-targets or a plan with a lora: section",
         )
+    if chosen.pp > 1 and cpu_offload:
+        usage_error(f"--pp {chosen.pp} with --cpu-offload: not supported yet", fmt, fix="offload without --pp")
     if chosen.pp > 1 and lora is not None:
         usage_error(
             f"--pp {chosen.pp} with LoRA: not supported yet",
@@ -202,6 +212,7 @@ def apply(
         lr=lr,
         schedule_steps=schedule_steps,
         param_dtype=param_dtype,
+        cpu_offload=cpu_offload,
         micro_batch_size=micro_batch_size,
         max_tokens=max_tokens,
         pack=pack,

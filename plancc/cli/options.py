@@ -75,12 +75,30 @@ PpOpt = Annotated[
     ),
 ]
 DpOpt = Annotated[int | None, typer.Option("--dp", min=1, help="data-parallel degree (inferred)")]
+DpReplicateOpt = Annotated[
+    int,
+    typer.Option(
+        "--dp-replicate",
+        min=1,
+        help="HSDP: replicas of the FSDP-sharded model among the dp ranks (torchtitan's dp_replicate; "
+        "each shards over dp / dp_replicate ranks, gradients all-reduced between replicas)",
+    ),
+]
+DpShardOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--dp-shard",
+        min=1,
+        help="HSDP: ranks each replica shards over (torchtitan's dp_shard); dp = dp_replicate x dp_shard",
+    ),
+]
 SpOpt = Annotated[bool, typer.Option("--sp", help="sequence parallelism (the plan's overlay)")]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayoutFlags:
-    """--tp --cp --ep --dp --sp --pp, declared once for every command that takes a layout."""
+    """--tp --cp --ep --dp --sp --pp --dp-replicate --dp-shard, declared once for every command
+    that takes a layout."""
 
     tp: TpOpt = 1
     cp: CpOpt = 1
@@ -88,10 +106,31 @@ class LayoutFlags:
     dp: DpOpt = None
     sp: SpOpt = False
     pp: PpOpt = 1
+    dp_replicate: DpReplicateOpt = 1
+    dp_shard: DpShardOpt = None
 
     def sizes(self) -> dict[str, Any]:
-        """The layout keywords of ``validate_plan`` and ``Layout.infer``."""
-        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "ep": self.ep, "sequence_parallel": self.sp, "pp": self.pp}
+        """The layout keywords of ``validate_plan`` and ``Layout.infer`` (--dp-shard names dp as
+        dp_replicate x dp_shard; a --dp that says otherwise is refused by ``conflict``)."""
+        dp = self.dp_replicate * self.dp_shard if self.dp_shard is not None else self.dp
+        return {
+            "dp": dp,
+            "cp": self.cp,
+            "tp": self.tp,
+            "ep": self.ep,
+            "sequence_parallel": self.sp,
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+        }
+
+    def conflict(self) -> str | None:
+        """Why --dp, --dp-replicate and --dp-shard disagree, or None."""
+        if self.dp_shard is not None and self.dp is not None and self.dp != self.dp_replicate * self.dp_shard:
+            return (
+                f"--dp {self.dp} is not --dp-replicate {self.dp_replicate} x --dp-shard {self.dp_shard}: "
+                "give --dp or --dp-shard, not both"
+            )
+        return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

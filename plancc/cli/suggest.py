@@ -60,7 +60,8 @@ def suggest(
     ] = None,
     hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, a100 or b200 (docs/suggest.md)")] = "h100",
     allow: Annotated[
-        str, typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep,pp")
+        str,
+        typer.Option("--allow", help="axes beside tp and dp to search: any of sp,cp,ep,pp,hsdp (HSDP's dp_replicate)"),
     ] = "sp,cp,ep",
     top: Annotated[int, typer.Option("--top", min=1, help="candidates to print")] = 10,
     verify_top: Annotated[
@@ -99,10 +100,10 @@ def suggest(
     from ..tools.suggest_report import as_dict, no_fit_problem, render  # lazy: loads torch
 
     axes = [a.strip() for a in allow.split(",") if a.strip()]
-    unknown = [a for a in axes if a not in ("sp", "cp", "ep", "pp")]
+    unknown = [a for a in axes if a not in ("sp", "cp", "ep", "pp", "hsdp")]
     memory = _bytes_of(gpu_memory) if gpu_memory is not None else None
     if unknown:
-        usage_error(f"--allow {allow!r}: unknown axis {unknown[0]!r}", fmt, fix="--allow takes any of sp,cp,ep,pp")
+        usage_error(f"--allow {allow!r}: unknown axis {unknown[0]!r}", fmt, fix="--allow takes any of sp,cp,ep,pp,hsdp")
     if gpu_memory is not None and not memory:
         usage_error(f"--gpu-memory {gpu_memory!r} is not a size", fmt, fix="write it like 80GiB or 141GB")
     from ..compiler.plan import load_plan  # lazy: loads torch

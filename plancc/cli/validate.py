@@ -47,8 +47,18 @@ def validate(
         try:
             # a run file: checked itself, then its plan for its model and layout (flags win)
             plan_path, settings = plan_of_run_file(plan_path) if is_run_file(plan_path) else (plan_path, {})
-            flags = (("dp", "dp"), ("cp", "cp"), ("tp", "tp"), ("ep", "ep"), ("sp", "sequence_parallel"), ("pp", "pp"))
+            flags = (
+                ("dp", "dp"),
+                ("cp", "cp"),
+                ("tp", "tp"),
+                ("ep", "ep"),
+                ("sp", "sequence_parallel"),
+                ("pp", "pp"),
+                ("dp_replicate", "dp_replicate"),
+            )
             from_file = {size: settings[flag] for flag, size in flags if settings.get(flag) is not None}
+            if settings.get("dp_shard") is not None:  # the run file's dp as HSDP names it
+                from_file["dp"] = settings.get("dp_replicate", 1) * settings["dp_shard"]
             sizes = {**from_file, **given_sizes(layout)}
             report = validate_plan(
                 plan_path,

@@ -115,7 +115,7 @@ def agreed_batch(
         verdicts = torch.stack(every).tolist()
     if any(v[0] for v in verdicts):  # a rank's own slice is unusable: its words, gathered now
         agree(partial(raise_if, problem), device)
-    assert (mesh.device_mesh.mesh_dim_names or ("",))[0] == "dp", "the (dp, cp, tp) mesh: dp first"
+    assert (mesh.device_mesh.mesh_dim_names or ("",))[0] in ("dp", "dp_replicate"), "the (dp, cp, tp) mesh: dp first"
     ranks = mesh.device_mesh.mesh.reshape(mesh.layout.dp, -1).tolist()  # each dp rank's replicas
     sizes = [int(verdicts[group[0]][1]) for group in ranks]
     if len(set(sizes)) > 1:

@@ -90,6 +90,7 @@ def build_parallel_model(
     seed: int,
     param_dtype: torch.dtype | None = None,
     lora: LoraSpec | None = None,
+    cpu_offload: bool = False,
 ) -> tuple[nn.Module, str]:
     """The model built on meta, parallelized with the plan and filled; (model, weight source)."""
     # its own config (cp changes it; so does building at another dtype); fp32 masters whatever
@@ -98,7 +99,7 @@ def build_parallel_model(
         problem = with_lora(plan.compile.loc, "lora=")
         raise PlanError([Diagnostic(rule="compile", loc=problem.loc, message=problem.message, fix=problem.fix)])
     model = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
-    parallelize(model, plan, mesh, param_dtype=param_dtype, lora=lora)
+    parallelize(model, plan, mesh, param_dtype=param_dtype, lora=lora, cpu_offload=cpu_offload)
     # packed documents attend one at a time, no [T, T] mask (cp's attention does the same itself)
     enable_document_attention(model)
     return model, load_weights(model, source, config, device, seed)

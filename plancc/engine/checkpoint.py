@@ -74,6 +74,7 @@ class CheckpointInfo:
     tp: int
     ep: int = 1  # expert parallelism (absent before plancc 0.3)
     pp: int = 1  # pipeline stages (absent before pipeline parallelism)
+    dp_replicate: int = 1  # HSDP's replicas among the dp ranks (absent before HSDP)
     # name -> global shape of every parameter, to say which one differs (absent in plancc 0.1)
     parameters: dict[str, list[int]] = field(default_factory=dict)
     # the LR schedule's counters (plancc.Policy with an lr_scheduler; absent before plancc 0.4)

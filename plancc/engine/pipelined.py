@@ -84,6 +84,7 @@ class PipelinePolicy(Policy, stages=True):
         max_grad_norm: float | None = 1.0,
         weight_decay: float | None = None,
         param_dtype: torch.dtype | str | None = None,
+        cpu_offload: bool = False,
         reference: bool | str = False,
         lora: Any = None,
         seed: int = 0,
@@ -100,6 +101,7 @@ class PipelinePolicy(Policy, stages=True):
             for what, on in (
                 (f"ep={sizes.ep}", sizes.ep > 1),
                 ("LoRA", lora is not None),
+                ("FSDP CPU offload", cpu_offload),
             )
             if on
         ]
@@ -286,7 +288,8 @@ class PipelinePolicy(Policy, stages=True):
         if refused:
             raise BatchError(f"rank {refused[0][0]}: {refused[0][1]}")
         assert rows is not None, "no rank refused, so this rank built its rows"
-        grid = self.mesh.device_mesh.mesh  # (pp, dp, cp, tp): a rank's dp share is its index on dim 1
+        # (pp, dp, cp*tp) -- HSDP's (dp_replicate, dp_shard) read as one dp: a rank's dp share is its index on dim 1
+        grid = self.mesh.device_mesh.mesh.reshape(self.layout.pp, self.layout.dp, -1)
         share = {int(r): int(d) for d in range(grid.shape[1]) for r in grid[:, d].flatten()}
         shares: dict[int, list[int]] = {}
         for r in range(len(every)):

@@ -94,7 +94,8 @@ class Policy:
     state and the checkpoints are fp32 (``models.MASTER_DTYPE``); ``export_hf`` writes the
     config's dtype. ``reference=True`` keeps the initial weights for ``reference_logprobs`` on the
     device in the compute dtype (``"host"``: in host memory; ``engine.reference`` says what each
-    costs).
+    costs). ``cpu_offload=True``: FSDP2's CPU offload -- the parameter shards, their gradients
+    and so the optimizer's state in host memory, each unit copied to the device for its gather.
     ``lora={"r": 16, "alpha": 32, "targets": [globs], "dropout": 0.0}``: low-rank adapters on
     the targets (``runtime.lora``), laid out with each base layer's style; only they train
     (and hold optimizer state), the base is frozen and is the reference (adapters disabled:
@@ -134,6 +135,7 @@ class Policy:
         max_grad_norm: float | None = 1.0,
         weight_decay: float | None = None,
         param_dtype: torch.dtype | str | None = None,
+        cpu_offload: bool = False,
         reference: bool | str = False,
         lora: LoraSpec | Mapping[str, Any] | None = None,
         seed: int = 0,
@@ -161,6 +163,7 @@ class Policy:
             seed=seed,
             param_dtype=dtype,
             lora=self.lora,
+            cpu_offload=cpu_offload,
         )
         self._whole = self.model  # the model's structure (checkpoints state it): all of it here
         seed_data_shard_streams(self.mesh, seed)

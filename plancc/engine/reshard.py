@@ -49,7 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..runtime import faults
-from ..runtime.local_tensors import local_tensor
+from ..runtime.local_tensors import full_value, local_tensor
 from ..runtime.lora import adapters_of, merged
 from .agreement import RefitAgreement
 from .channel import InFlight, WeightChannel, WeightChannelError, digest
@@ -172,7 +172,7 @@ def _box(value: Any) -> Box:
 
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
-    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+    return full_value(param)
 
 
 def _merged_piece(piece: torch.Tensor, part: Box, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -223,7 +223,7 @@ def send_shards(
         if name in strided and name != held_name:  # collective: every policy rank is here now
             agreement.settle()
             param = params[name]
-            gathered, held_name = (param.full_tensor() if isinstance(param, DTensor) else param).detach(), name
+            gathered, held_name = full_value(param), name
         if p == channel.rank and not agreement.problem:  # after a failure this rank sends no more
             try:
                 faults.inject("send", rank=channel.rank, step=index + 1)

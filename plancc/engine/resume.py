@@ -48,6 +48,7 @@ def save_state(
         tp=layout.tp,
         ep=layout.ep,
         pp=layout.pp,
+        dp_replicate=layout.dp_replicate,
         parameters=checkpoint.parameter_shapes(whole),
         schedule=schedule_state(scheduler),
         run=dict(run or {}),

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from ..runtime.local_tensors import full_value
 from .streaming import state_entries
 
 
@@ -46,7 +46,7 @@ class StageValues:
             raise KeyError(f"{name}: no pipeline stage holds it")
         mine = self.held.get(name)
         if mine is not None:
-            tensor = (mine.full_tensor() if isinstance(mine, DTensor) else mine).detach().contiguous()
+            tensor = full_value(mine).contiguous()
         else:
             meta = self.meta[name]
             tensor = torch.empty(tuple(meta.shape), dtype=meta.dtype, device=self.device)

@@ -25,7 +25,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import quiet_logger
 from ..runtime import faults
-from ..runtime.local_tensors import local_tensor
+from ..runtime.local_tensors import full_value, local_tensor
 from ..runtime.lora import Adapters, adapters_of, merged, peft_name
 from .agreement import RefitAgreement
 from .bucket import Bucket
@@ -299,5 +299,5 @@ def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     # (a DTensor redistribute costs host time per tensor, more than the copy it makes)
     if isinstance(value, DTensor) and value.device_mesh.size() == 1:
         value = value.to_local()
-    tensor = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+    tensor = full_value(value)
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor

@@ -81,6 +81,7 @@ class RunConfig:
     temperature: float = 1.0  # logprobs: under the sampler's temperature
     device: str | None = None  # cpu or cuda; default: cuda when available
     param_dtype: str | None = None  # e.g. bfloat16 for FSDP mixed precision
+    cpu_offload: bool = False  # FSDP's shards, gradients and optimizer state in host memory
     timeout_s: int = 300  # collectives time out instead of hanging a job
     json_output: bool = False  # --format json: the CLI prints one JSON document on stdout
     metrics: str | None = None  # train: one JSON line per step (rank 0), appended when resuming

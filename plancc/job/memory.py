@@ -43,10 +43,11 @@ class Need:
     logits: int  # one microbatch's logits (and their gradient in training)
     init: int  # host bytes the seeded random init holds for a moment (0 with a model folder)
     reference: int = 0  # --verify's unsharded model, its gradients, its share of AdamW and its logits
+    offloaded: bool = False  # --cpu-offload on a GPU: the state is in host memory, not the device's
 
     @property
     def device(self) -> int:
-        return self.state + self.logits + self.reference
+        return (0 if self.offloaded else self.state) + self.logits + self.reference
 
 
 def _gib(n: float) -> str:
@@ -107,10 +108,12 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
         chunk = reference_chunk_rows(cfg.batch_size, row, vocab)
         reference = params * 8 + math.ceil(params * 8 / world) + chunk * row * vocab * 4 * 3
     return Need(
-        state=math.ceil(params * per_param / world),
+        # HSDP: each replica holds the whole state, sharded over its own ranks
+        state=math.ceil(params * per_param * layout.dp_replicate / world),
         logits=logits,
         init=0 if from_folder else params * 4,
         reference=reference,
+        offloaded=cfg.cpu_offload and cfg.mode == "train",
     )
 
 
@@ -136,7 +139,7 @@ def memory_problems(
     layout = f"over {cfg.layout.world_size} rank{'s' if cfg.layout.world_size > 1 else ''}"
     if device == "cuda" and gpu:
         have, where = gpu, f"one GPU holds {_gib(gpu)}"
-        host_need = needed.init
+        host_need = needed.init + (needed.state if needed.offloaded else 0)
     else:
         have = host // max(1, local_ranks) if host else 0
         where = f"this machine has {_gib(host or 0)} available, {_gib(have)} for each of its {local_ranks} workers"
@@ -180,6 +183,17 @@ def memory_problems(
                     fix="pass a smaller --micro-batch-size, --max-tokens or --seq-len, or shard the vocabulary (--tp)",
                 )
             )
+    elif host and needed.offloaded and host_need * max(1, local_ranks) > host:
+        found.append(
+            Diagnostic(
+                rule="memory",
+                loc=SourceLoc(path=cfg.model or cfg.plan),
+                message=f"--cpu-offload keeps {_gib(needed.state)} of {what} a rank in host memory, "
+                f"{_gib(host_need * max(1, local_ranks))} for {local_ranks} workers; "
+                f"the machine has {_gib(host)} available",
+                fix="launch more ranks (--nnodes), or drop --cpu-offload where the GPUs hold the state",
+            )
+        )
     elif host and needed.init and host_need * max(1, local_ranks) > host:
         found.append(
             Diagnostic(

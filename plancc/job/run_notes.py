@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, cast
 from ..engine.param_groups import decay_split
 from ..engine.policy import Policy
 from ..runtime.activation_checkpointing import checkpointed_count
+from ..runtime.local_tensors import local_tensor
 from ..runtime.lora import adapters_of
+from ..runtime.parallelize import params_on_host
 from .config import PARAM_DTYPES, RunConfig
 from .data import TokenDataset, truncated
 from .hf_datasets import split_note
@@ -93,7 +95,14 @@ def memory_note(cfg: RunConfig, job: Job, policy: Policy) -> str:
     compute = f"{PARAM_DTYPES[cfg.param_dtype]} over fp32 masters" if cfg.param_dtype else "fp32"
     checkpointed = checkpointed_count(policy.model)
     reshard = "on" if job.plan.fsdp_reshard_after_forward else "off (weights kept gathered from forward to backward)"
+    offload = ""
+    if params_on_host(policy.model):  # what left the device: 16 bytes an fp32 element (weight, grad, 2 moments)
+        shard = sum(local_tensor(p).numel() for p in policy.model.parameters() if p.requires_grad)
+        offload = (
+            f"; FSDP CPU offload: {shard * 16 / 2**20:.1f} MiB a rank of parameter shards, gradients and AdamW "
+            "state in host memory (each unit copied to the device for its gather)"
+        )
     return (
         f"memory: compute in {compute}; activation checkpointing on {checkpointed} "
-        f"module{'' if checkpointed == 1 else 's'}; FSDP resharding after forward {reshard}"
+        f"module{'' if checkpointed == 1 else 's'}; FSDP resharding after forward {reshard}{offload}"
     )

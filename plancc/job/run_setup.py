@@ -91,6 +91,7 @@ def setup_job(cfg: RunConfig) -> Job:
             ep=layout.ep,
             sequence_parallel=layout.sequence_parallel,
             pp=layout.pp,
+            dp_replicate=layout.dp_replicate,
         )
     mesh = build_mesh(layout, device_type=device)
     plan, dataset, eval_rows = _inputs(cfg)
@@ -154,6 +155,7 @@ def job_policy(cfg: RunConfig, job: Job) -> Policy:
         max_grad_norm=cfg.max_grad_norm,
         weight_decay=cfg.weight_decay,
         param_dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None,
+        cpu_offload=cfg.cpu_offload,
         lora=cfg.lora,
         seed=cfg.seed,
         device=job.device,

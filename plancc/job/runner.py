@@ -104,8 +104,9 @@ class _Trainer:
             self.start = self.done = info.step
             experts = f" ep={info.ep}" if info.ep > 1 else ""
             stages = f"pp={info.pp} " if info.pp > 1 else ""
+            data = f"dp={info.dp}" if info.dp_replicate == 1 else f"dp_replicate={info.dp_replicate} dp={info.dp}"
             log(
-                f"resumed from step {info.step} (saved at {stages}dp={info.dp} cp={info.cp} tp={info.tp}{experts}); "
+                f"resumed from step {info.step} (saved at {stages}{data} cp={info.cp} tp={info.tp}{experts}); "
                 f"training to step {self.total}"
             )
             changed = schedule_changes(info.run, run_settings(self.cfg))

@@ -40,6 +40,7 @@ from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.cp import load_balanced_indices
+from ..runtime.local_tensors import full_value
 from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, parallel_mesh
@@ -96,7 +97,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     # Gathering FSDP+TP gradients (_StridedShard on dp, Shard on tp) takes two all-gathers
     # and torch warns about it on every call; verification accepts the cost.
     with quiet_logger("torch.distributed.tensor._redistribute"):
-        return t.full_tensor()
+        return full_value(t)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

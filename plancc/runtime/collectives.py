@@ -88,7 +88,7 @@ class Traffic:
 Ranks = tuple[int, ...]
 
 # which axis a rank set is named after when two axes hold the same ranks (cp=1: dp and dp_cp)
-_PRECEDENCE = ("tp", "cp", "dp_cp", "dp")
+_PRECEDENCE = ("tp", "cp", "dp_cp", "dp", "dp_shard_cp", "dp_shard", "dp_replicate")
 
 
 def mesh_axes(*meshes: DeviceMesh | None) -> dict[Ranks, str]:

@@ -37,7 +37,9 @@ def global_grad_norm(
             # torch 2.13 is no Shard (and says is_shard() False): missing it undercounted every
             # such gradient dp times, and clipping at dp x tp scaled the step wrongly
             axes = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
-        device = local.device
+        # where the sums meet: the collective's device (a CPU-offloaded gradient's shard is in
+        # host memory while NCCL reduces on the GPU)
+        device = torch.device(mesh.device_type) if mesh is not None and mesh.device_type != "cpu" else local.device
         buckets.setdefault((mesh, axes), []).append(local.detach())
     total = torch.zeros((), dtype=torch.float64, device=device)
     for (mesh, axes), grads in buckets.items():
@@ -45,7 +47,7 @@ def global_grad_norm(
         # the gradients' dtype: fp32 sums of a million squares miss the fp64 norm by ~5e-5
         # relative (bf16 gradients: NeMo-RL's precision test asks 1e-6); the kernel reads
         # what it reads either way, so the wider sum costs no memory traffic
-        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum()
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum().to(total.device)
         for axis in axes:  # replicated axes already hold the same values: not summed again
             assert mesh is not None
             dist.all_reduce(sq, group=mesh.get_group(axis))

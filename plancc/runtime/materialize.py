@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .parallelize import params_on_host
+
 
 def materialize(
     model: nn.Module, device: torch.device | str, *, full_state_dict: dict[str, Any] | None = None
@@ -29,13 +31,19 @@ def materialize(
     """
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers() if not buf.is_meta}
     lost = [name for name, buf in model.named_buffers() if buf.is_meta and _is_non_persistent(model, name)]
-    model.to_empty(device=device)
+    # offloaded shards are allocated in host memory (FSDP2 refuses them anywhere else); the
+    # buffers (rotary frequencies) stay with the activations, on the device
+    model.to_empty(device="cpu" if params_on_host(model) else device)
     modules = dict(model.named_modules())
     for name, value in buffers.items():
         owner, _, attr = name.rpartition(".")
         modules[owner]._buffers[attr] = value.to(device)
     if lost:
         _recompute_buffers(model, lost)
+    for module in modules.values():
+        for attr, value in module._buffers.items():
+            if value is not None and value.device != torch.device(device):
+                module._buffers[attr] = value.to(device)
     if full_state_dict is not None:
         # a copy: torch 2.13's set_model_state_dict replaces the caller's full tensors with
         # this rank's DTensor shards in the dict it is given

@@ -6,6 +6,11 @@ flattened ``dp_cp`` axis that FSDP shards over: context-parallel ranks hold the 
 parameters. ``layout_of`` reads the layout back off a mesh, so a mesh and its layout can
 never disagree.
 
+With HSDP (``Layout.dp_replicate > 1``) the mesh's outer axes are torchtitan's ``dp_replicate`` and
+``dp_shard``, flattened into the same ``dp`` (so every slice by ``dp`` reads as before), and FSDP
+shards over the 2-D ``(dp_replicate, dp_shard_cp)`` mesh (``fsdp_mesh``): sharded within a replica,
+replicated across them. Without HSDP the mesh is the (dp, cp, tp) one it always was.
+
 With expert parallelism a second mesh over the same ranks, ``(edp, ep, tp)``, carries the
 experts: ``build_expert_mesh`` (``plancc.layout`` says how ep borrows from dp).
 
@@ -67,7 +72,7 @@ class ParallelMesh:
     expert_mesh: DeviceMesh | None = None
 
     def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
-        return self.device_mesh[axes]
+        return sliced(self.device_mesh, axes)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -79,8 +84,14 @@ class ParallelMesh:
 
     @property
     def dp_cp(self) -> DeviceMesh:
-        """The flattened (dp, cp) axis FSDP shards over."""
+        """The flattened (dp, cp) axis: every rank that holds other rows or other positions."""
         return dp_cp_mesh(self.device_mesh)
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """The mesh FSDP shards parameters over: ``dp_cp``, or under HSDP the 2-D
+        ``(dp_replicate, dp_shard_cp)`` mesh."""
+        return fsdp_mesh(self.device_mesh)
 
     def to_json(self) -> dict[str, Any]:
         """The serialised form (the layout: a mesh is rebuilt from it, once, on every rank)."""
@@ -124,6 +135,7 @@ def build_mesh(
     ep: int = 1,
     sequence_parallel: bool = False,
     device_type: str | None = None,
+    dp_replicate: int = 1,
 ) -> ParallelMesh:
     """The ``ParallelMesh`` of ``layout`` (or of sizes, dp inferred from the world size) over the
     default process group (initialized by the caller or by torchrun's environment): the (dp, cp,
@@ -136,7 +148,9 @@ def build_mesh(
         )
     world = dist.get_world_size()
     if layout is None:
-        layout = Layout.infer(world_size=world, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel)
+        layout = Layout.infer(
+            world_size=world, dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sequence_parallel, dp_replicate=dp_replicate
+        )
     elif layout.world_size != world:
         raise LayoutError.from_message(
             f"the layout {layout.describe()} has {layout.world_size} ranks, the process group {world}",
@@ -149,18 +163,61 @@ def build_mesh(
     # within a stage the (dp, cp, tp) mesh every other part of plancc slices by name
     sizes: tuple[int, ...] = (layout.dp, layout.cp, layout.tp)
     names: tuple[str, ...] = AXES
+    if layout.dp_replicate > 1:  # HSDP: dp split in two, replicas outermost (their all-reduce is rarest)
+        sizes, names = (layout.dp_replicate, layout.dp_shard, *sizes[1:]), (*HSDP_AXES, *names[1:])
     if layout.pp > 1:
         sizes, names = (layout.pp, *sizes), ("pp", *names)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    dp_cp_mesh(mesh)  # create the flattened axis on every rank now: it is collective
+    if layout.dp_replicate > 1:
+        mesh[HSDP_AXES]._flatten("dp")  # the same dp every other part of plancc slices by name
+    # create the flattened axes on every rank now: it is collective
+    dp_cp_mesh(mesh)
+    fsdp_mesh(mesh)
     return _with_experts(layout, mesh)
+
+
+HSDP_AXES = ("dp_replicate", "dp_shard")
+
+
+def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axes a mesh can be sliced by: its dims and the flattened ones (``dp`` under HSDP)."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    flattened = tuple(getattr(root, "_flatten_mapping", None) or {})
+    return (*(mesh.mesh_dim_names or ()), *flattened)
+
+
+def is_hsdp(mesh: DeviceMesh | ParallelMesh) -> bool:
+    return HSDP_AXES[0] in (device_mesh_of(mesh).mesh_dim_names or ())
+
+
+def fsdp_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
+    """The mesh FSDP shards parameters over: the flattened (dp, cp) axis, or under HSDP the
+    2-D (dp_replicate, dp_shard_cp) mesh -- FSDP2 shards over its second dim and all-reduces
+    over its first."""
+    mesh = device_mesh_of(mesh)
+    if not is_hsdp(mesh):
+        return dp_cp_mesh(mesh)
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return sliced(mesh, ("dp_replicate", "dp_shard_cp"))
+
+
+def sliced(mesh: DeviceMesh, axes: str | tuple[str, ...]) -> DeviceMesh:
+    """``mesh[axes]``. Under HSDP ``dp`` is a flattened axis of the root mesh, which torch
+    2.13 slices as asked but warns about on every slice (its future API keeps flattened meshes
+    apart); plancc's flattened axes are made once, in ``build_mesh``, so the warning says
+    nothing here and would flood every rank's log."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh[axes]
 
 
 def dp_cp_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
     """The flattened (dp, cp) axis FSDP shards over. torch keeps flattened axes on the root
     mesh (``_flatten`` returns the existing one), so there is nothing to cache here; slicing
     ``mesh["dp_cp"]`` off the root is deprecated since torch 2.11."""
-    return mesh["dp", "cp"]._flatten("dp_cp")
+    return sliced(device_mesh_of(mesh), ("dp", "cp"))._flatten("dp_cp")
 
 
 def layout_of(mesh: DeviceMesh | ParallelMesh, *, sequence_parallel: bool = False, ep: int = 1) -> Layout:
@@ -168,8 +225,14 @@ def layout_of(mesh: DeviceMesh | ParallelMesh, *, sequence_parallel: bool = Fals
     A ``ParallelMesh`` carries its own."""
     if isinstance(mesh, ParallelMesh):
         return mesh.layout
+    replicas = mesh["dp_replicate"].size() if is_hsdp(mesh) else 1
     return Layout(
-        dp=mesh["dp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), ep=ep, sequence_parallel=sequence_parallel
+        dp=sliced(mesh, "dp").size(),
+        cp=mesh["cp"].size(),
+        tp=mesh["tp"].size(),
+        ep=ep,
+        sequence_parallel=sequence_parallel,
+        dp_replicate=replicas,
     )
 
 
@@ -197,7 +260,7 @@ def require_plancc_axes(mesh: DeviceMesh | ParallelMesh) -> None:
     with a slicing error; say what is needed instead."""
     mesh = device_mesh_of(mesh)
     names = tuple(mesh.mesh_dim_names or ())
-    if set(AXES) <= set(names):
+    if set(AXES) <= set(axis_names(mesh)):
         return
     got = f"axes {names} of sizes {tuple(mesh.shape)}" if names else f"an unnamed mesh of shape {tuple(mesh.shape)}"
     raise ValueError(
@@ -213,7 +276,7 @@ def seed_data_shard_streams(mesh: ParallelMesh, seed: int) -> None:
     hold other modules), another on each dp and cp rank (other rows, other positions: a mask
     repeated on every dp rank is no dropout). The global generator, as torch's activation
     checkpointing saves and restores it: a recomputed forward draws the same masks."""
-    names = mesh.device_mesh.mesh_dim_names or ()
+    names = axis_names(mesh.device_mesh)
     dp_rank = mesh["dp"].get_local_rank() if "dp" in names else 0
     cp_rank = mesh["cp"].get_local_rank() if "cp" in names else 0
     torch.manual_seed(seed * 1_000_003 + 0x5EED + dp_rank * mesh.layout.cp + cp_rank)

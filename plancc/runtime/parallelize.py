@@ -11,6 +11,7 @@ ranks FSDP reduces over would count them ep times.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -162,6 +163,18 @@ def apply_fsdp(
     return model
 
 
+# models whose FSDP shards (parameters, gradients, optimizer state) live in host memory
+_OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def params_on_host(model: nn.Module) -> bool:
+    """Whether ``parallelize(cpu_offload=True)`` put the model's sharded parameters, their
+    gradients and so the optimizer's state in host memory (FSDP2's ``CPUOffloadPolicy``: each
+    unit's shards copied to the device for its all-gather, gradients copied back after the
+    reduce-scatter, the optimizer stepping on the host)."""
+    return model in _OFFLOADED
+
+
 def parallelize(
     model: nn.Module,
     plan: Plan,
@@ -228,10 +241,12 @@ def parallelize(
     # pinned host memory where there is a GPU to copy from (torchtitan pins too): its copies then
     # run without a staging buffer and overlap compute; a CPU-only host has nothing to pin for
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    if cpu_offload:
+        _OFFLOADED.add(model)
     return apply_fsdp(
         model,
         resolved.fsdp_units,
-        pm.dp_cp,
+        pm.fsdp,
         mp_policy=mp,
         offload_policy=offload,
         reshard_after_forward=plan.fsdp_reshard_after_forward,

@@ -195,7 +195,7 @@ def parallelize_stages(
         apply_fsdp(
             stage,
             [n for n, m in stage.named_modules() if n and names.get(id(m)) in units],
-            mesh.dp_cp,
+            mesh.fsdp,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
             offload_policy=OffloadPolicy(),
             reshard_after_forward=plan.fsdp_reshard_after_forward,

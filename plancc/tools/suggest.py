@@ -63,7 +63,8 @@ if TYPE_CHECKING:  # the search itself never measures: see verify_top
 
 
 def layouts_for(gpus: int, *, allow: Iterable[str], max_tp: int) -> list[Layout]:
-    """Every layout of ``gpus`` ranks with the allowed axes (tp always; sp, cp, ep when allowed)."""
+    """Every layout of ``gpus`` ranks with the allowed axes (tp always; sp, cp, ep, pp and HSDP's
+    dp_replicate when allowed)."""
     allowed = set(allow)
     found = []
     for pp in divisors_of(gpus) if "pp" in allowed else [1]:
@@ -74,9 +75,15 @@ def layouts_for(gpus: int, *, allow: Iterable[str], max_tp: int) -> list[Layout]
             for cp in divisors_of(ranks // tp) if "cp" in allowed else [1]:
                 dp = ranks // (tp * cp)
                 for ep in divisors_of(dp) if "ep" in allowed else [1]:
-                    for sp in (False, True) if "sp" in allowed and tp > 1 else (False,):
+                    replicas = divisors_of(dp) if "hsdp" in allowed and ep == 1 else [1]
+                    sps = (False, True) if "sp" in allowed and tp > 1 else (False,)
+                    for sp, dp_replicate in itertools.product(sps, replicas):
                         try:
-                            found.append(Layout(dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp, pp=pp))
+                            found.append(
+                                Layout(
+                                    dp=dp, cp=cp, tp=tp, ep=ep, sequence_parallel=sp, pp=pp, dp_replicate=dp_replicate
+                                )
+                            )
                         except LayoutError:  # sizes plancc has no mesh for (ep with cp)
                             continue
     return found

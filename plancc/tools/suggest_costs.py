@@ -19,7 +19,7 @@ from ..compiler.styles import canonical_style
 from ..layout import Layout
 from ..runtime.vocab_stats import default_chunk
 from .explain import explain, tensor_parallel_rows
-from .suggest_model import BF16, FP32, Hardware, Memory, StepTime
+from .suggest_model import BF16, FP32, Hardware, Memory, StepTime, fsdp_span, replicate_time
 from .suggest_model import bandwidth as _bandwidth
 
 # per element, what transformers' RMSNorm keeps for backward: its input in fp32 and the normalized
@@ -424,12 +424,13 @@ def time_of(
         span = layout.tp * layout.cp * layout.ep
         ep_time = shape.layers * passes * 2 * wire / _bandwidth(hardware, span, gpus_per_node)
     fsdp_time = 0.0
-    if layout.fsdp_size > 1:
+    if layout.fsdp_size > 1 or layout.dp_replicate > 1:
         params = _all_units_params(shape, layout)
         share = (layout.fsdp_size - 1) / layout.fsdp_size
         gathers = 2 if reshard_after_forward else 1  # forward, and again in backward unless kept
-        bandwidth = _bandwidth(hardware, layout.world_size, gpus_per_node)
+        bandwidth = _bandwidth(hardware, fsdp_span(layout), gpus_per_node)
         total = microbatches * params * share * (gathers * BF16 + FP32) / bandwidth
+        total += microbatches * replicate_time(params, layout, hardware, gpus_per_node)
         # the first unit's all-gather is exposed either way (nothing computes before it), per pass
         first_unit = params * share * (2 * BF16 + FP32) / bandwidth / max(shape.layers, 1) / 3
         fsdp_time = max(0.0, total - compute) + microbatches * first_unit

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import Layout
+
 GiB = 2**30
 BF16, FP32 = 2, 4
 
@@ -87,3 +89,20 @@ class StepTime:
 def bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
     """A group of ``span`` consecutive-stride ranks stays inside a node when it fits one."""
     return hardware.intra_node if span <= gpus_per_node else hardware.inter_node
+
+
+def fsdp_span(layout: Layout) -> int:
+    """The ranks FSDP's all-gathers and reduce-scatters span, consecutive ones: every rank of the
+    pipeline stage, or under HSDP one replica's (its dp_shard x cp x tp ranks: a node, when the
+    replicas are the nodes)."""
+    return layout.world_size // layout.pp // layout.dp_replicate
+
+
+def replicate_time(params: float, layout: Layout, hardware: Hardware, gpus_per_node: int) -> float:
+    """HSDP's all-reduce of each rank's fp32 gradient shard between the replicas, a backward:
+    a ring all-reduce moves 2 (R-1)/R of it, over the link that joins the replicas."""
+    if layout.dp_replicate == 1:
+        return 0.0
+    replicas = layout.dp_replicate
+    wire = 2 * (replicas - 1) / replicas * params / layout.fsdp_size * FP32
+    return wire / bandwidth(hardware, layout.world_size // layout.pp, gpus_per_node)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..layout import Layout
-from .suggest_model import BF16, FP32, Hardware, Memory, StepTime, bandwidth
+from .suggest_model import BF16, FP32, Hardware, Memory, StepTime, bandwidth, fsdp_span, replicate_time
 
 # schedules suggest costs, with their stages a rank
 COSTED = (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2))
@@ -96,10 +96,11 @@ def stage_time(
     traffic) for a rank of a pipeline stage."""
     pp = layout.pp
     fsdp = 0.0
-    if layout.fsdp_size > 1:
+    if layout.fsdp_size > 1 or layout.dp_replicate > 1:
         share = (layout.fsdp_size - 1) / layout.fsdp_size
-        wire = bandwidth(hardware, layout.world_size, gpus_per_node)
+        wire = bandwidth(hardware, fsdp_span(layout), gpus_per_node)
         total = layers_params / pp * share * (BF16 + FP32) / wire  # gathered once, reduced once a step
+        total += replicate_time(layers_params / pp, layout, hardware, gpus_per_node)
         first_unit = layers_params / max(layers, 1) * share * (BF16 + FP32) / wire
         fsdp = max(0.0, total - one_pass.compute) + first_unit
     # one sequence's hidden states across each stage boundary, forward and backward, between nodes

@@ -34,7 +34,7 @@ def run_settings(suggestion: Suggestion, candidate: Candidate, model: str) -> di
     compute dtype, global batch and microbatch, and the workers a node."""
     layout = candidate.layout
     settings: dict[str, Any] = {"model": model, "tp": layout.tp}
-    for axis in ("cp", "ep", "pp"):
+    for axis in ("cp", "ep", "pp", "dp_replicate"):
         if getattr(layout, axis) > 1:
             settings[axis] = getattr(layout, axis)
     if layout.sequence_parallel:
