@@ -26,7 +26,7 @@ from torch import nn
 from ..compiler.globs import ModuleTree, glob_problem
 from ..compiler.plan import PipelineSpec
 from ..schedules import schedule_problem, stage_layers
-from .context import CheckContext, Problem, text_config
+from .context import CheckContext, Problem
 from .example import Example
 
 ID = "pipeline"
@@ -92,13 +92,6 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             message=f"pp={layout.pp} with {' and '.join(unsupported)}: the pipeline runtime runs stages under "
             "tp (with sequence parallelism) and dp (FSDP) only for now",
             fix="drop --pp, or the other axis",
-        )
-    if getattr(text_config(ctx.config), "tie_word_embeddings", False):
-        yield Problem(
-            loc=loc,
-            message="the input and output embeddings share one weight (tie_word_embeddings), which would live on "
-            "the first and the last stage: not supported yet",
-            fix="use --pp 1 for this model",
         )
     if spec.stages:
         yield from _stage_globs(ctx, spec, stages, layers)

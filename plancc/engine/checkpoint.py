@@ -508,8 +508,11 @@ def load(
     plan: str,
     shapes: dict[str, list[int]] | None = None,
     base: str | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> CheckpointInfo:
-    """Collective: load model and optimizer state saved at any layout into this one. ``shapes``:
+    """Collective: load model and optimizer state saved at any layout into this one. ``aliases``:
+    a tied weight's copy -> the weight (``runtime.pipeline_ties``), whose optimizer state a
+    checkpoint saved without pipeline stages holds once, under the weight's name. ``shapes``:
     the whole model's parameter shapes, where ``model`` holds only some of them (a pipeline
     rank's stages); default ``model``'s own. ``base``: where this model's frozen base came from
     (LoRA), which must be the base a checkpoint of adapters alone was trained on."""
@@ -531,16 +534,23 @@ def load(
         )
     reader = SafeFileSystemReader(str(step_dir))
     # checkpoints before the optimizer state went by name number its groups (optim.param_groups.0...)
-    numbered = any(_NUMBERED_GROUPS.match(key) for key in reader.read_metadata().state_dict_metadata)
+    saved = set(reader.read_metadata().state_dict_metadata)
+    numbered = any(_NUMBERED_GROUPS.match(key) for key in saved)
     # a LoRA checkpoint holds the adapters alone: the frozen base stays as this run loaded it
     options = StateDictOptions(
         flatten_optimizer_state_dict=not numbered,
         ignore_frozen_params=info.adapters_only,
         strict=not info.adapters_only,  # (the frozen keys are absent by design; every adapter is loaded)
     )
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd, optim_state = get_state_dict(model, optimizer, options=options)
+    optim_sd: dict[str, Any] = dict(optim_state)  # flattened: one value a key
+    reading, copied = _tied_reads(optim_sd, {} if numbered else dict(aliases or {}), saved)
     try:  # DCP loads in place, into the tensors of these two state dicts
-        dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
+        dcp.load({"model": model_sd, "optim": reading}, storage_reader=reader, planner=SafeLoadPlanner())
+        for key, other in copied.items():  # the copies' state: their weight's, read once
+            value = reading[other]
+            optim_sd[key] = value.clone() if isinstance(value, torch.Tensor) and other in optim_sd else value
+        optim_sd.update({key: value for key, value in reading.items() if key in optim_sd})
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP reports mismatches deep inside; say what it means
@@ -554,6 +564,25 @@ def load(
         ) from None
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     return info
+
+
+def _tied_reads(
+    optim_sd: dict[str, Any], aliases: dict[str, str], saved: set[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The optimizer state to read, and {a tied copy's key: the weight's key it is read from} for
+    the copies the checkpoint holds no state of (saved without pipeline stages, where the tie is
+    one tensor with one state). A copy whose weight this rank holds too (a V schedule) is read
+    once, into the weight's entry, and cloned after."""
+    copied: dict[str, str] = {}
+    for key in optim_sd:
+        for copy, weight in aliases.items():
+            other = key.replace(copy, weight)
+            if copy in key and f"optim.{key}" not in saved and f"optim.{other}" in saved:
+                copied[key] = other
+    reading = {key: value for key, value in optim_sd.items() if key not in copied}
+    for key, other in copied.items():
+        reading.setdefault(other, optim_sd[key])
+    return reading, copied
 
 
 def _refusal(exc: BaseException) -> CheckpointError | None:

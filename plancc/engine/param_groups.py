@@ -9,6 +9,7 @@ on the steps its token is absent. A tied head is the embedding's tensor, so it i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +26,16 @@ class DecaySplit:
     excluded_numel: int
 
 
-def trained_parameters(model: nn.Module, weight_decay: float | None) -> list[Any]:
+def trained_parameters(model: nn.Module, weight_decay: float | None, *, embeddings: Iterable[int] = ()) -> list[Any]:
     """What the optimizer gets: the trainable parameters as a list (``weight_decay`` None: the
     optimizer's own default applies to every one), or as two parameter groups, the matrices
-    with ``weight_decay`` and the rest with none."""
+    with ``weight_decay`` and the rest with none. ``embeddings``: ids of parameters that are an
+    embedding's weight though no ``nn.Embedding`` holds them (a tied lm_head's copy on the last
+    pipeline stage: decayed, it would leave its embedding)."""
     trained = [p for p in model.parameters() if p.requires_grad]
     if weight_decay is None:
         return trained
-    excluded = _excluded(model)
+    excluded = _excluded(model) | set(embeddings)
     decay = [p for p in trained if id(p) not in excluded]
     rest = [p for p in trained if id(p) in excluded]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]

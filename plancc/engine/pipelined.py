@@ -39,6 +39,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan, load_plan
+from ..compiler.resolve import tied_parameter_groups
 from ..layout import Layout, LayoutError
 from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.gradient_scale import loss_scale
@@ -46,7 +47,15 @@ from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.local_step import optimizer_step
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
-from ..runtime.pipeline import DecoderStage, PipelineRunner, RankStages, parallelize_stages, pipeline_grad_norm
+from ..runtime.pipeline import (
+    DecoderStage,
+    PipelineRunner,
+    RankStages,
+    parallelize_stages,
+    pipeline_grad_norm,
+    plan_stage_layers,
+)
+from ..runtime.pipeline_ties import stage_ties, untie_across_stages
 from ..runtime.weights import load_hf_weights
 from .batch_agreement import different_fields, fields_fingerprint
 from .batches import Batch, BatchError, Microbatching, check_batch
@@ -124,7 +133,12 @@ class PipelinePolicy(Policy, stages=True):
         self.model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
         self.weight_source = self._fill(seed)
         seed_data_shard_streams(self.mesh, seed)
-        self.optimizer = make_optimizer(optimizer, trained_parameters(self.model, weight_decay))
+        spec = self.plan.pipeline or PipelineSpec()
+        held = dict(self.model.named_parameters())
+        self.tied = stage_ties(self._ties, held, self.mesh, spec.schedule, self._stage_count // sizes.pp)
+        self.optimizer = make_optimizer(
+            optimizer, trained_parameters(self.model, weight_decay, embeddings=self.tied.copies)
+        )
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0
@@ -134,7 +148,7 @@ class PipelinePolicy(Policy, stages=True):
         beside = self._reference.device_tensors if self._reference is not None else tuple
         self._memory = Offloader(self.model, self.optimizer, beside_params=beside, device=self.device)
         # the weights out stream the whole model's structure, each tensor from its stage
-        values = StageValues(self.model, self._whole, self.mesh["pp"].get_group(), self.device)
+        values = self._values = StageValues(self.model, self._whole, self.mesh["pp"].get_group(), self.device)
         self._transport = WeightTransport(self._whole, self.config, self.device, values=values, held=self.model)
         spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
@@ -146,18 +160,26 @@ class PipelinePolicy(Policy, stages=True):
             device=torch.device(self.device),
         )
 
+    @property
+    def weight_aliases(self) -> dict[str, str]:
+        return dict(self._ties)
+
+    def tied_copies_identical(self) -> bool:
+        # each side whole, broadcast from the pipeline rank holding it (collective, names in one order)
+        return all(torch.equal(self._values(copy), self._values(weight)) for copy, weight in self._ties.items())
+
     # ------------------------------------------------------------------ building
     def _build_stages(self, dtype: torch.dtype | None) -> tuple[nn.Module, list[tuple[int, DecoderStage]]]:
         """The whole model on meta (what checkpoints and weights out are shaped by) and this
         rank's stages of it, laid out (``runtime.pipeline.parallelize_stages``)."""
         whole = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
-        if getattr(self.config, "tie_word_embeddings", False):
-            raise LayoutError.from_message(
-                f"pp={self.layout.pp}: {type(whole).__name__} ties its input and output embeddings, which would "
-                "live on the first and the last stage; not supported yet",
-                "train without --pp",
-            )
-        return whole, parallelize_stages(whole, self.plan, self.mesh, param_dtype=dtype)
+        body = whole
+        self._ties: dict[str, str] = {}
+        if tied_parameter_groups(whole):  # the stages are cut from an untied copy (runtime.pipeline_ties)
+            body = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
+            self._ties = untie_across_stages(body)
+        self._stage_count = len(plan_stage_layers(body, self.plan.pipeline or PipelineSpec(), self.layout.pp))
+        return whole, parallelize_stages(body, self.plan, self.mesh, param_dtype=dtype)
 
     def _fill(self, seed: int) -> str:
         """The stages' weights: a model folder's safetensors, or the seeded initial weights of
@@ -165,7 +187,7 @@ class PipelinePolicy(Policy, stages=True):
         if self.source is not None and from_folder(self.source):
             for _, stage in self.stages:
                 materialize(stage, self.device)
-            load_hf_weights(self.model, self.source, whole=self._whole)
+            load_hf_weights(self.model, self.source, whole=self._whole, aliases=self._ties)
             return f"safetensors from {self.source}"
         full = seeded_model(self.config, seed).state_dict()
         for _, stage in self.stages:
@@ -206,8 +228,9 @@ class PipelinePolicy(Policy, stages=True):
             loss, metrics, problem = self._agreed_outcome(recorded)
             if problem:
                 raise BatchError(problem)
+            self.tied.sum_gradients()  # before the norm: the tied weight's gradient is the sum of its copies'
             params = [p for p in self.model.parameters() if p.grad is not None]
-            norm_value = pipeline_grad_norm(params, self.mesh["pp"].get_group())
+            norm_value = pipeline_grad_norm(self.tied.counted_once(params), self.mesh["pp"].get_group())
             grad_norm = float(norm_value)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=None, parameter=None)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan, load_plan
@@ -199,6 +200,23 @@ class Policy:
     @property
     def dp_size(self) -> int:
         return self.layout.dp
+
+    @property
+    def whole_model(self) -> nn.Module:
+        """The model's structure: ``model`` itself, or under pipeline stages the whole model on
+        meta (tied weights tied, as a Hugging Face folder and a checkpoint name them)."""
+        return self._whole
+
+    def tied_copies_identical(self) -> bool:
+        """Collective: whether every copy of a tied weight (``weight_aliases``) holds the weight's
+        values -- the tie kept through training. Nothing is copied here."""
+        return True
+
+    @property
+    def weight_aliases(self) -> dict[str, str]:
+        """Names of ``model``'s tensors that a Hugging Face folder holds under another name: a
+        tied lm_head's copy on the last pipeline stage (``runtime.pipeline_ties``); none here."""
+        return {}
 
     def slice_of(self, global_rows: int) -> slice:
         """This rank's rows of a global batch of ``global_rows`` (which dp must divide)."""
@@ -486,6 +504,7 @@ class Policy:
             plan=self.plan.name,
             whole=self._whole,
             base=self.weight_source if self.lora is not None else None,
+            aliases=self.weight_aliases,
         )
         self.step = info.step
         return info

@@ -68,6 +68,7 @@ def load_state(
     plan: str,
     whole: nn.Module | None = None,
     base: str | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> checkpoint.CheckpointInfo:
     """``save_state``'s newest checkpoint in ``folder`` into these objects (any layout): the
     weights, the optimizer's state and the schedule's position; the learning rate stays the
@@ -75,7 +76,14 @@ def load_state(
     configured = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
     shapes = checkpoint.parameter_shapes(whole) if whole is not None else None
     info = checkpoint.load(
-        folder, model, optimizer, architecture=architecture_of(config), plan=plan, shapes=shapes, base=base
+        folder,
+        model,
+        optimizer,
+        architecture=architecture_of(config),
+        plan=plan,
+        shapes=shapes,
+        base=base,
+        aliases=aliases,
     )
     restore_schedule(optimizer, scheduler, info.schedule, configured, step=info.step)
     return info

@@ -429,6 +429,8 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
     for i, d in enumerate(report.step_loss_abs, start=1):
         log(f"  loss after step {i}: |diff| {d:.3e}")
     log(f"  replicated parameters identical across tp ranks: {report.replicas_identical}")
+    if report.tied_identical is not None:
+        log(f"  tied weights identical on the first and the last pipeline stage: {report.tied_identical}")
     log("verify: OK" if ok else "verify: FAILED (beyond tolerance)")
     return {"ok": ok, **report.as_dict()}
 

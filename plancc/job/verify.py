@@ -69,6 +69,9 @@ class VerifyReport:
     worst_grad: str = ""
     step_loss_abs: list[float] = field(default_factory=list)
     replicas_identical: bool = True
+    # the tied weights' copies on the last pipeline stage equal to their weights after the steps
+    # (None: nothing tied across stages)
+    tied_identical: bool | None = None
     params_compared: int = 0
     # what fp32 alone misses (the unsharded model, fp32 against fp64), on the first batch
     logits_floor: float = 0.0
@@ -116,6 +119,7 @@ def within_tolerance(report: VerifyReport, reference_loss: float = 5.0) -> bool:
         and _gradients_within(report)
         and all(d <= TOLERANCES["step_loss_rel"] * reference_loss for d in report.step_loss_abs)
         and report.replicas_identical
+        and report.tied_identical is not False
     )
 
 
@@ -245,7 +249,8 @@ class _FirstGradients:
     def __init__(self, policy: Policy, reference: torch.nn.Module, report: VerifyReport):
         self.beyond: dict[str, torch.Tensor] | None = None
         self.policy, self.report = policy, report
-        self.reference = dict(reference.named_parameters())
+        # every name of a tied weight (pipeline stages hold a copy of it at its other name)
+        self.reference = dict(reference.named_parameters(remove_duplicate=False))
         self.handle = policy.optimizer.register_step_pre_hook(self._capture)
 
     def _capture(self, *_: Any) -> None:
@@ -350,7 +355,7 @@ def verify_against_unsharded(
     )
     source = policy.weight_source
     if weights is not None:
-        load_hf_weights(policy.model, weights)
+        load_hf_weights(policy.model, weights, whole=policy.whole_model, aliases=policy.weight_aliases)
         source = f"safetensors from {weights}"
     ref_opt_state = None
     if resume is not None:
@@ -360,7 +365,7 @@ def verify_against_unsharded(
     reference = unsharded_reference(config, seed=seed, device=device)
     if weights is not None or resume is not None:  # the policy's own weights, whole, on every rank
         state = _whole_state(policy)
-        reference.load_state_dict({k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)})
+        load_tied(reference, {k: v.to(device) for k, v in state.items() if isinstance(v, torch.Tensor)})
         del state
     if batches is None:
         batches = _random_batches(config, count=steps + 1, global_batch=global_batch, seq_len=seq_len, seed=seed)
@@ -408,6 +413,8 @@ def verify_against_unsharded(
             report.step_loss_abs.append(abs(row["loss"] - ref_loss))
         ref_opt.step()
     report.replicas_identical = _replicas_identical(policy.model, mesh)
+    if policy.weight_aliases:
+        report.tied_identical = policy.tied_copies_identical()
     if policy.layout.pp > 1:  # each rank compared its own stages' gradients
         _over_stages(report, policy)
     return report
@@ -468,6 +475,19 @@ def _measure_floor(
     first = {"input_ids": whole["input_ids"][:rows], "attention_mask": whole["attention_mask"][:rows]}
     report.logits_floor = _rel(chunked_logits(reference, first, chunk).double(), logits64)
     _compare_gradients(beyond, reference, grads64, report)
+
+
+def load_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(state)``, strict but for the other names of tied weights: a
+    pipeline's weights out name a tied weight once, as a Hugging Face folder does."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    aliases = {name for group in names.values() if len(group) > 1 for name in group}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    left = [name for name in missing if name not in aliases]
+    if left or unexpected:
+        raise RuntimeError(f"state dict keys missing: {left}; unexpected: {list(unexpected)}")
 
 
 def _whole_state(policy: Policy) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,13 @@ def _receive_slice(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     return local
 
 
-def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.nn.Module | None = None) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    folder: str | Path,
+    *,
+    whole: torch.nn.Module | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
     """Collective: fill a materialized, parallelized model from an HF folder read on rank 0.
 
     Every rank works out which slice of each tensor it holds (torch's own
@@ -85,7 +92,10 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.
     once and sends every rank exactly its slice, point to point. Ranks may hold different
     tensors (pipeline stages): rank 0 sends each tensor any rank holds. ``whole``: the whole
     model (meta will do) the folder is checked against, where ``model`` is a rank's part of it.
+    ``aliases``: tensors of ``model`` read from another name of the folder (a tied lm_head's
+    copy on the last pipeline stage, from the embedding the folder holds).
     """
+    aliases = dict(aliases or {})
     folder = Path(folder)
     rank, world = dist.get_rank(), dist.get_world_size()
     # rank 0 checks the folder against the model: every rank stops on one verdict, before a byte is sent
@@ -98,7 +108,7 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.
     dist.broadcast_object_list(names, src=0)
     available = set(names[0] or ())
     # tied weights (lm_head) are absent from HF files: they share the embedding's storage
-    state = {k: v for k, v in model.state_dict().items() if k in available}
+    state = {k: v for k, v in model.state_dict().items() if aliases.get(k, k) in available}
     mine = {name: _local_slice(target) for name, target in state.items()}
     dtypes = {name: str(target.dtype).removeprefix("torch.") for name, target in state.items()}
     gathered: list[Any] = [None] * world if rank == 0 else []
@@ -120,11 +130,12 @@ def load_hf_weights(model: torch.nn.Module, folder: str | Path, *, whole: torch.
             target = state.get(name)
             local_target = target.to_local() if isinstance(target, DTensor) else target
             if layouts is not None:
-                path = files[name]
+                stored = aliases.get(name, name)
+                path = files[stored]
                 if path not in handles:
                     handles[path] = safe_open(str(path), framework="pt")
                 dtype = getattr(torch, wanted[name])
-                local = _send_slices(handles[path].get_tensor(name).to(dtype), name, layouts, device)
+                local = _send_slices(handles[path].get_tensor(stored).to(dtype), name, layouts, device)
             elif local_target is not None:
                 local = _receive_slice(mine[name][0], local_target.dtype, local_target.device)
             else:
