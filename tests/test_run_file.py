@@ -101,5 +101,5 @@ def test_the_readmes_run_file_is_a_valid_run_file(tmp_path, monkeypatch):
     monkeypatch.chdir(root)  # its plan is plans/qwen3.yaml
     settings = read_run_file(tmp_path / "sft.yaml")
     for key in ("epochs", "eval_data", "eval_every", "lr_schedule", "warmup_steps", "min_lr", "weight_decay", "keep",
-                "logger"):
+                "logger", "dp_replicate", "cpu_offload"):
         assert key in settings, key
