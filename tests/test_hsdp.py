@@ -63,6 +63,27 @@ def test_a_replica_gathers_and_reduce_scatters_inside_and_all_reduces_between_re
     ]
 
 
+def test_with_cp_and_tp_the_replicas_leave_every_other_collective_as_it_was():
+    """At dp 4 x cp 2 x tp 2 + SP (16 ranks, the fake world) HSDP's replicas shard over dp_shard x
+    cp and add one all-reduce; the cp and tp collectives are plain FSDP's, call for call."""
+    plan, config = plancc.load_plan(QWEN3), load_config("tiny-qwen3")
+
+    def rows(layout):
+        traffic = layer_traffic(plan, config, layout, seq_len=16).layer
+        return sorted((c.phase, c.axis, c.kind, c.count) for c in traffic.collectives)
+
+    sizes = {"dp": 4, "cp": 2, "tp": 2, "sequence_parallel": True}
+    plain, hsdp = rows(plancc.Layout(**sizes)), rows(plancc.Layout(**sizes, dp_replicate=2))
+    inner = {"cp", "tp"}
+    assert [r for r in hsdp if r[1] in inner] == [r for r in plain if r[1] in inner]
+    assert [r for r in hsdp if r[1] not in inner] == [
+        ("backward", "dp_replicate", "all_reduce", 1),
+        ("backward", "dp_shard_cp", "all_gather", 1),
+        ("backward", "dp_shard_cp", "reduce_scatter", 1),
+        ("forward", "dp_shard_cp", "all_gather", 1),
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hsdp_trains_as_the_unsharded_model_and_its_checkpoint_resumes_at_plain_fsdp(tmp_path):

@@ -84,6 +84,26 @@ def _fake_process_group(world: int) -> Iterator[None]:
     finally:
         if owns_group:
             dist.destroy_process_group()
+            _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions, which hold the device meshes they were made
+    on: a mesh equals another of the same ranks and names whatever its process groups, so a
+    second fake world (suggest's --verify-top, a test's second layout) would be handed the first
+    world's meshes, whose groups are gone (an HSDP world after a plain one: 'Could not resolve
+    the process group')."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    clear_redistribute_planner_cache()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch's own
+    if native is not None:
+        native()
 
 
 @dataclass(kw_only=True, slots=True)
