@@ -172,7 +172,7 @@ def _box(value: Any) -> Box:
 
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
-    return full_value(param)
+    return full_value(param).detach()
 
 
 def _merged_piece(piece: torch.Tensor, part: Box, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -223,7 +223,7 @@ def send_shards(
         if name in strided and name != held_name:  # collective: every policy rank is here now
             agreement.settle()
             param = params[name]
-            gathered, held_name = full_value(param), name
+            gathered, held_name = full_value(param).detach(), name
         if p == channel.rank and not agreement.problem:  # after a failure this rank sends no more
             try:
                 faults.inject("send", rank=channel.rank, step=index + 1)

@@ -46,7 +46,7 @@ class StageValues:
             raise KeyError(f"{name}: no pipeline stage holds it")
         mine = self.held.get(name)
         if mine is not None:
-            tensor = full_value(mine).contiguous()
+            tensor = full_value(mine).detach().contiguous()
         else:
             meta = self.meta[name]
             tensor = torch.empty(tuple(meta.shape), dtype=meta.dtype, device=self.device)

@@ -299,5 +299,5 @@ def _full(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     # (a DTensor redistribute costs host time per tensor, more than the copy it makes)
     if isinstance(value, DTensor) and value.device_mesh.size() == 1:
         value = value.to_local()
-    tensor = full_value(value)
+    tensor = full_value(value).detach()
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor

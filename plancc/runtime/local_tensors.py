@@ -15,14 +15,14 @@ def local_tensor(x: Any) -> Any:
 
 
 def full_value(x: torch.Tensor) -> torch.Tensor:
-    """``x`` whole (a DTensor gathered over its mesh; collective), detached, on the mesh's
+    """``x`` whole (a DTensor gathered over its mesh; collective; differentiable), on the mesh's
     device: a shard FSDP offloads to host memory is moved to the device its collectives run
     on first (NCCL gathers no host tensor)."""
     if not isinstance(x, DTensor):
-        return x.detach()
+        return x
     local = x.to_local()
     if x.device_mesh.device_type != local.device.type:
         kind = x.device_mesh.device_type
         device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
         x = DTensor.from_local(local.to(device), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
-    return x.full_tensor().detach()
+    return x.full_tensor()
