@@ -135,3 +135,28 @@ def test_suggest_costs_hsdp_and_prints_its_replicas(cli):
     assert best.startswith("dp_replicate=")
     replicas = int(best.split("dp_replicate=")[1].split()[0])
     assert f"--dp-replicate {replicas} " in best
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_resharded_refit_from_hsdp_sends_each_shard_once_from_one_replica(tmp_path):
+    """Weights out of an HSDP policy (dp_replicate 2 x dp_shard 2) into a rollout engine at tp2:
+    each engine rank receives its shard alone, from the first replica (the second holds the same
+    shards and sends nothing), and computes the policy's log-probs."""
+    import torch
+
+    from .distributed import free_port, launch, launch_beside
+    from .reshard_worker import policy_side, receiver_rank
+
+    port = free_port()
+    manifest = tmp_path / "manifest.json"
+    engine = launch_beside(receiver_rank, 2, port, str(manifest), 60, 1)
+    policy = launch(policy_side, 4, port, str(manifest), {"dp_replicate": 2}, None, None, None, None, 1)
+    receivers = engine.result(timeout=300)
+    slices = {got["start"]: got["logprobs"] for got in policy.values()}
+    want = torch.cat([slices[start] for start in sorted(slices)])
+    for rank, got in receivers.items():
+        assert 0 < got["received"] <= 1.05 * got["shard"], (rank, got["received"], got["shard"])
+        assert (got["logprobs"] - want).abs().max() <= 1e-5, rank
+    sent = {rank: got["sent"] for rank, got in policy.items()}
+    assert all(sent[r] > 0 for r in (0, 1)) and all(sent[r] == 0 for r in (2, 3)), sent
