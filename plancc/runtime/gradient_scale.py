@@ -12,7 +12,9 @@ The gradient every rank must end with is ``dL/dθ``. Three things happen between
    the parameter gradients are ``cp * dL_d/dθ``.
 2. **FSDP sums over dp x cp and divides.** Its reduce-scatter runs over the ``dp * cp`` ranks
    that shard the parameters (``Layout.fsdp_size``) and divides by ``fsdp_divisor``: FSDP's own
-   default for the units sharded over that mesh. Experts spread over ep shard over only
+   default for the units sharded over that mesh. Under HSDP it reduce-scatters over a replica's
+   ``dp_shard * cp`` ranks and all-reduces the shards between the ``dp_replicate`` replicas: the
+   same sum over all ``dp * cp`` ranks, divided by the same divisor. Experts spread over ep shard over only
    ``dp / ep`` ranks, but their all-to-all's backward already brought each ep rank's tokens, so
    ``runtime.parallelize`` tells them to divide by the same ``fsdp_divisor``.
 3. **The loss is scaled** by ``loss_scale`` before ``backward()``.
