@@ -150,7 +150,6 @@ class PipelinePolicy(Policy, stages=True):
         # the weights out stream the whole model's structure, each tensor from its stage
         values = self._values = StageValues(self.model, self._whole, self.mesh["pp"].get_group(), self.device)
         self._transport = WeightTransport(self._whole, self.config, self.device, values=values, held=self.model)
-        spec = self.plan.pipeline or PipelineSpec()
         self.runner = PipelineRunner(
             stages,
             sizes.pp,
