@@ -114,3 +114,15 @@ def test_a_v_schedule_holds_both_copies_on_one_rank_and_sums_them_there(tmp_path
     )
     assert code == 0, err + out
     assert "verify: OK" in out and "tied weights identical on the first and the last pipeline stage: True" in out
+
+
+def test_explain_counts_the_copy_on_the_last_stage(cli):
+    """Qwen3-0.6B at pp2: each end stage holds one vocabulary-sized matrix (the embedding, its
+    copy as the lm_head), so the stages add up to the whole model plus the copy."""
+    code, out, err = cli("explain", QWEN3, "--model", "qwen3-0.6b", "--pp", 2, "--format", "json")
+    assert code == 0, err
+    found = json.loads(out)
+    config = load_config("qwen3-0.6b")
+    copy = config.vocab_size * config.hidden_size
+    whole = sum(p.numel() for p in build_meta_model("qwen3-0.6b").parameters())
+    assert sum(s["parameters"] for s in found["stages"]) == whole + copy

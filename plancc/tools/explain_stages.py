@@ -32,11 +32,14 @@ class StageBytes:
 
 
 def stage_bytes(model: nn.Module, exp: Explanation, stage_of_layer: dict[int, int], stages: int) -> list[StageBytes]:
-    """Every stage's parameters and per-rank bytes, parameter by parameter."""
+    """Every stage's parameters and per-rank bytes, parameter by parameter. A weight tied across
+    two stages (the embedding and lm_head) is held by both: the last stage keeps a copy
+    (``runtime.pipeline_ties``), counted there at the weight's size."""
     per_instance = {(r.group, r.param): (r.local_bytes // max(r.count, 1), r.trainable) for r in exp.rows}
     params, held, grads = [0] * stages, [0] * stages, [0] * stages
     layers: list[set[int]] = [set() for _ in range(stages)]
-    for name, p in model.named_parameters():
+    first_seen: dict[int, tuple[int, tuple[int, bool]]] = {}  # id -> (its stage, its size and trained)
+    for name, p in model.named_parameters(remove_duplicate=False):
         module, _, param = name.rpartition(".")
         layer = _LAYER.search(f".{name}")
         if layer is not None:
@@ -44,7 +47,11 @@ def stage_bytes(model: nn.Module, exp: Explanation, stage_of_layer: dict[int, in
             layers[stage].add(int(layer[1]))
         else:  # the embedding on the first stage; the final norm and lm_head on the last
             stage = 0 if "embed" in module else stages - 1
-        size, trained = per_instance.get((generalize(module), param), (0, True))
+        seen = first_seen.get(id(p))
+        if seen is not None and seen[0] == stage:
+            continue  # tied within one stage: one tensor
+        size, trained = seen[1] if seen is not None else per_instance.get((generalize(module), param), (0, True))
+        first_seen.setdefault(id(p), (stage, (size, trained)))
         params[stage] += p.numel()
         held[stage] += size
         grads[stage] += size if trained else 0
