@@ -22,6 +22,7 @@ checkpointing and the attention kernel).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,9 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
     """The lower bound of one rank's bytes for ``cfg`` on ``model`` (a meta model will do)."""
     params = sum(p.numel() for p in model.parameters())
     layout = cfg.layout
+    if layout.pp > 1:  # a weight tied across stages has a copy on the last one (runtime.pipeline_ties)
+        uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        params += sum(p.numel() for p in model.parameters() if uses[id(p)] > 1)
     world = max(1, layout.world_size)
     # logits come out in the compute dtype: --param-dtype's, else fp32
     dtype_bytes = getattr(torch, PARAM_DTYPES[cfg.param_dtype]).itemsize if cfg.param_dtype else 4
