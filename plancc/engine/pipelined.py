@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan, load_plan
@@ -45,6 +46,7 @@ from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.local_step import optimizer_step
+from ..runtime.lora import Adapters, LoraSpec, adapters_of, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.pipeline import (
@@ -109,7 +111,6 @@ class PipelinePolicy(Policy, stages=True):
             what
             for what, on in (
                 (f"ep={sizes.ep}", sizes.ep > 1),
-                ("LoRA", lora is not None),
                 ("FSDP CPU offload", cpu_offload),
             )
             if on
@@ -120,17 +121,19 @@ class PipelinePolicy(Policy, stages=True):
                 "drop it, or train without --pp (docs/pipeline.md says what runs)",
             )
         self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
-        if self.plan.lora is not None:
-            raise LayoutError.from_message(
-                f"pp={sizes.pp} with the plan's lora: section: not supported yet", "train without --pp"
-            )
         self.source = None if isinstance(model, PretrainedConfig) else str(model)
         self.config = load_config(model)
-        self.lora = None
+        # lora= here, else the plan's lora: section; adapters laid out as at pp=1, on the stages
+        self.lora = LoraSpec.of(lora) if lora is not None else self.plan.lora
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
         self._whole, stages = self._build_stages(dtype)
         self.stages = stages
         self.model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
+        adapters = adapters_of(self._whole)
+        if adapters is not None:  # the adapters this rank's stages hold, at the model's names
+            modules = {name for name, _ in self.model.named_modules()}
+            mine = Adapters(spec=adapters.spec, modules=tuple(m for m in adapters.modules if m in modules))
+            self.model.__dict__["_plancc_adapters"] = mine
         self.weight_source = self._fill(seed)
         seed_data_shard_streams(self.mesh, seed)
         spec = self.plan.pipeline or PipelineSpec()
@@ -143,7 +146,9 @@ class PipelinePolicy(Policy, stages=True):
         self.max_grad_norm = max_grad_norm
         self.step = 0
         place = reference_place(reference)
-        self._reference = ReferenceWeights(self.model, place=place, dtype=dtype) if place else None
+        # with LoRA the reference is the frozen base, its adapters disabled (no second copy)
+        kept = place if self.lora is None else None
+        self._reference = ReferenceWeights(self.model, place=kept, dtype=dtype) if kept else None
         # the reference's bound method, not a closure over the policy (a cycle: ``Policy``'s)
         beside = self._reference.device_tensors if self._reference is not None else tuple
         self._memory = Offloader(self.model, self.optimizer, beside_params=beside, device=self.device)
@@ -175,20 +180,33 @@ class PipelinePolicy(Policy, stages=True):
         body = whole
         self._ties: dict[str, str] = {}
         if tied_parameter_groups(whole):  # the stages are cut from an untied copy (runtime.pipeline_ties)
+            if self.lora is not None:  # the weights out read the adapters off the whole model: this one
+                raise LayoutError.from_message(
+                    f"pp={self.layout.pp} with LoRA on {type(whole).__name__}, which ties its embeddings across "
+                    "the first and the last stage: not supported yet",
+                    "train the adapters without --pp, or the tied model with --pp and no LoRA",
+                )
             body = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
             self._ties = untie_across_stages(body)
         self._stage_count = len(plan_stage_layers(body, self.plan.pipeline or PipelineSpec(), self.layout.pp))
-        return whole, parallelize_stages(body, self.plan, self.mesh, param_dtype=dtype)
+        return whole, parallelize_stages(body, self.plan, self.mesh, param_dtype=dtype, lora=self.lora)
 
     def _fill(self, seed: int) -> str:
         """The stages' weights: a model folder's safetensors, or the seeded initial weights of
         the whole model (each rank keeps its stages' shards)."""
+        adapters = adapters_of(self._whole)
+        # LoRA: every adapter from its seeded initialization, as at pp=1 (build.load_weights)
+        initial = {} if adapters is None else initial_adapter_state(adapters, base_shapes(self._whole, adapters), seed)
         if self.source is not None and from_folder(self.source):
             for _, stage in self.stages:
                 materialize(stage, self.device)
             load_hf_weights(self.model, self.source, whole=self._whole, aliases=self._ties)
+            for _, stage in self.stages:
+                mine = {k: initial[k].to(self.device) for k in stage.state_dict() if k in initial}
+                if mine:
+                    set_model_state_dict(stage, mine, options=StateDictOptions(full_state_dict=True, strict=False))
             return f"safetensors from {self.source}"
-        full = seeded_model(self.config, seed).state_dict()
+        full = {**seeded_model(self.config, seed).state_dict(), **initial}
         for _, stage in self.stages:
             materialize(stage, self.device, full_state_dict={k: full[k].to(self.device) for k in stage.state_dict()})
         return f"random init (seed {seed})"

@@ -191,8 +191,8 @@ def weight_buckets(
         gathers = isinstance(value, DTensor) and value.device_mesh.size() > 1
         # no_grad: the entries are the parameters themselves (``_state``), gathered as values
         with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
-            if values is not None:
-                return _full(values(name), dtype)
+            if values is not None:  # a pipeline's: each tensor whole from its stage, merged here
+                return _full_merged(_ValuesOf(values), name, merge.get(name), adapters, dtype)
             return _full_merged(state, name, merge.get(name), adapters, dtype)
 
     def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -276,6 +276,22 @@ def _conversions(model: nn.Module) -> list | None:
             found = [x for x in every if not isinstance(x, PrefixChange)] or None
         _CONVERSIONS[model] = found
     return _CONVERSIONS[model]
+
+
+class _ValuesOf(Mapping[str, torch.Tensor]):
+    """``values`` read as a state dict (each lookup a collective: ``stage_values``)."""
+
+    def __init__(self, values: ValueOf) -> None:
+        self._of = values
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._of(name)
+
+    def __iter__(self) -> Iterator[str]:
+        raise TypeError("a pipeline's values are read by name")
+
+    def __len__(self) -> int:
+        raise TypeError("a pipeline's values are read by name")
 
 
 def _full_merged(

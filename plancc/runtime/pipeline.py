@@ -53,6 +53,7 @@ from .cp_key_selection import select_keys_over_the_sequence
 from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
+from .lora import LoraSpec, add_adapters
 from .mesh import ParallelMesh
 from .parallelize import apply_fsdp, apply_tensor_parallel
 
@@ -167,7 +168,12 @@ def plan_stage_layers(model: nn.Module, spec: PipelineSpec, pp: int) -> list[lis
 
 
 def parallelize_stages(
-    model: nn.Module, plan: Plan, mesh: ParallelMesh, *, param_dtype: torch.dtype | None = None
+    model: nn.Module,
+    plan: Plan,
+    mesh: ParallelMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    lora: LoraSpec | None = None,
 ) -> list[tuple[int, DecoderStage]]:
     """This rank's stages of ``model`` (on meta: materialize them after), laid out as a pipeline
     rank of ``mesh``: the plan's TP styles and activation checkpointing on the whole model, the
@@ -177,6 +183,8 @@ def parallelize_stages(
     spec = plan.pipeline or PipelineSpec()
     resolved = resolve_plan(plan, model, sequence_parallel=layout.sequence_parallel)
     apply_tensor_parallel(model, resolved, mesh["tp"])
+    if lora is not None:  # after the tp styles (they shard the base), before FSDP (it shards both): as parallelize
+        add_adapters(model, lora, resolved, mesh["tp"])
     apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
     compile_blocks(model, plan.compile)
     layers = plan_stage_layers(model, spec, layout.pp)
