@@ -1,7 +1,7 @@
 """LoRA under pipeline stages: the adapters laid out on the stages as at pp=1 (after the tp styles,
 before FSDP), seeded alike, trained alone; the weights go out merged from the stages that hold
 them, or as PEFT's adapters. At pp2 a run is the one-rank run step for step (loss and gradient
-norm), and its merged export is the one-rank run's."""
+norm), and its merged export is the one-rank run's; on a model whose embeddings are tied too."""
 
 from __future__ import annotations
 
@@ -51,6 +51,22 @@ def test_lora_at_pp2_is_the_one_rank_run_and_exports_its_merged_weights(tmp_path
     assert meta["adapters_only"], "a LoRA checkpoint holds the adapters and their state, not the base"
 
 
-def test_lora_on_a_tied_model_under_stages_is_refused_before_launch(cli):
-    code, _, err = cli("apply", QWEN3, "--model", "qwen3-0.6b", "--pp", 2, *LORA, "--steps", 1)
-    assert code == 2 and "with LoRA on a model that ties its embeddings: not supported yet" in err
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lora_on_a_tied_model_at_pp2_is_the_one_rank_run(tmp_path):
+    """The embedding and its lm_head copy frozen with the rest of the base: nothing to sum
+    between the stages, and the export merged from the stages as at pp=1."""
+    from .test_pipeline_tied import tied_folder
+
+    folder = tied_folder(tmp_path / "tied")
+    flags = ("--model", folder, *LORA, "--steps", 3, "--lr", 0.01)
+    code, one, err = forked_cli("apply", QWEN3, *flags, "--nproc-per-node", 1, "--export-hf", tmp_path / "one")
+    assert code == 0, err
+    code, staged, err = forked_cli("apply", QWEN3, *flags, "--pp", 2, "--export-hf", tmp_path / "pp2")
+    assert code == 0, err
+    assert [float(x) for s in steps(staged) for x in s] == pytest.approx(
+        [float(x) for s in steps(one) for x in s], rel=1e-6
+    )
+    want, got = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "pp2"))
+    assert sorted(got) == sorted(want) and "lm_head.weight" not in got
+    assert max(float((got[k].double() - want[k].double()).abs().max()) for k in want) <= 1e-6

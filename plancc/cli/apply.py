@@ -185,14 +185,6 @@ def apply(
         )
     if chosen.pp > 1 and cpu_offload:
         usage_error(f"--pp {chosen.pp} with --cpu-offload: not supported yet", fmt, fix="offload without --pp")
-    if chosen.pp > 1 and (lora is not None or report.plan.lora is not None):
-        text = getattr(report.config, "get_text_config", lambda: report.config)()
-        if getattr(text, "tie_word_embeddings", False):
-            usage_error(
-                f"--pp {chosen.pp} with LoRA on a model that ties its embeddings: not supported yet",
-                fmt,
-                fix="train the adapters without --pp, or the tied model with --pp and no LoRA",
-            )
     if worker.verify:
         from ..job.verify import unverifiable  # lazy: loads torch
 

@@ -40,13 +40,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan, load_plan
-from ..compiler.resolve import tied_parameter_groups
+from ..compiler.resolve import resolve_plan, tied_parameter_groups
 from ..layout import Layout, LayoutError
 from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.local_step import optimizer_step
-from ..runtime.lora import Adapters, LoraSpec, adapters_of, base_shapes, initial_adapter_state
+from ..runtime.lora import Adapters, LoraSpec, adapters_of, add_adapters, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
 from ..runtime.pipeline import (
@@ -180,14 +180,11 @@ class PipelinePolicy(Policy, stages=True):
         body = whole
         self._ties: dict[str, str] = {}
         if tied_parameter_groups(whole):  # the stages are cut from an untied copy (runtime.pipeline_ties)
-            if self.lora is not None:  # the weights out read the adapters off the whole model: this one
-                raise LayoutError.from_message(
-                    f"pp={self.layout.pp} with LoRA on {type(whole).__name__}, which ties its embeddings across "
-                    "the first and the last stage: not supported yet",
-                    "train the adapters without --pp, or the tied model with --pp and no LoRA",
-                )
             body = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
             self._ties = untie_across_stages(body)
+            if self.lora is not None:  # the whole model names the adapters too: the weights out merge them
+                resolved = resolve_plan(self.plan, whole, sequence_parallel=self.layout.sequence_parallel)
+                add_adapters(whole, self.lora, resolved, None)
         self._stage_count = len(plan_stage_layers(body, self.plan.pipeline or PipelineSpec(), self.layout.pp))
         return whole, parallelize_stages(body, self.plan, self.mesh, param_dtype=dtype, lora=self.lora)
 

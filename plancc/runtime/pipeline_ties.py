@@ -72,8 +72,9 @@ class StageTies:
         """Each tied weight's gradient, summed over its copies, on every copy (collective over
         ``group``; local where one rank holds both)."""
         for weight, copy in self.pairs:
-            held = [p for p in (weight, copy) if p is not None]
-            if not held:  # a middle stage's rank
+            # frozen (LoRA trains adapters alone, on every rank alike) or a middle stage's rank
+            held = [p for p in (weight, copy) if p is not None and p.requires_grad]
+            if not held:
                 continue
             grads = [_local(p.grad) for p in held if p.grad is not None]
             if len(grads) != len(held):
