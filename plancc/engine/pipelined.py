@@ -20,8 +20,10 @@ of the sequence; the last stage gathers its log-probs over cp, ``pipeline_last_s
 It is a ``Policy``: the weights out (``weights``, ``weights_manifest``, ``send_weights``,
 ``share_weights``, ``export_hf``: the whole model's structure on meta, each tensor gathered by its
 stage, ``engine.stage_values``), the checkpoints, the reference and offloading are ``Policy``'s
-own code; this class builds the stages and runs the step over them. Not yet (refused with the
-reason): expert parallelism, LoRA, packing and the resharded refit under pp.
+own code; this class builds the stages and runs the step over them. LoRA's adapters are laid out
+on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
+(``runtime.pipeline_ties``). Not yet (refused with the reason): expert parallelism, packing,
+FSDP CPU offload and the resharded refit under pp.
 """
 
 from __future__ import annotations
