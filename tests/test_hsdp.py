@@ -94,12 +94,6 @@ def test_hsdp_trains_as_the_unsharded_model_and_its_checkpoint_resumes_at_plain_
     )
     assert code == 0, err + out
     assert "(dp_replicate=2 dp_shard=2 cp=1 tp=1) against the unsharded model" in out and "verify: OK" in out
-    # under pipeline stages: each stage's FSDP mesh is its own replicas' (a dp rank's rows by dp, both halves)
-    code, out, err = forked_cli(
-        "apply", QWEN3, "--nproc-per-node", 4, "--pp", 2, "--dp-replicate", 2, "--verify", "--steps", 2
-    )
-    assert code == 0, err + out
-    assert "(pp=2 dp_replicate=2 dp_shard=1 cp=1 tp=1) against the unsharded model" in out and "verify: OK" in out
     flags = ("--steps", 3, "--seed", 3, "--batch-size", 4)
     code, straight, err = forked_cli(
         "apply", QWEN3, *flags, "--nproc-per-node", 4, "--dp-replicate", 2, "--save", tmp_path / "ck", "--save-every", 1
@@ -109,6 +103,19 @@ def test_hsdp_trains_as_the_unsharded_model_and_its_checkpoint_resumes_at_plain_
     assert code == 0, err
     assert "(saved at dp_replicate=2 dp=4 cp=1 tp=1)" in resumed
     assert losses(resumed) == pytest.approx(losses(straight)[1:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+def test_hsdp_under_pipeline_stages_trains_as_the_unsharded_model():
+    """pp2 x dp_replicate 2: each stage's FSDP mesh is its own replicas' (the extended tier: the
+    default run has HSDP's verify above and pipeline stages' own)."""
+    code, out, err = forked_cli(
+        "apply", QWEN3, "--nproc-per-node", 4, "--pp", 2, "--dp-replicate", 2, "--verify", "--steps", 2
+    )
+    assert code == 0, err + out
+    assert "(pp=2 dp_replicate=2 dp_shard=1 cp=1 tp=1) against the unsharded model" in out and "verify: OK" in out
 
 
 @pytest.mark.parametrize(

@@ -52,10 +52,12 @@ def test_lora_at_pp2_is_the_one_rank_run_and_exports_its_merged_weights(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(600)
 def test_lora_on_a_tied_model_at_pp2_is_the_one_rank_run(tmp_path):
     """The embedding and its lm_head copy frozen with the rest of the base: nothing to sum
-    between the stages, and the export merged from the stages as at pp=1."""
+    between the stages, and the export merged from the stages as at pp=1 (the extended tier: the
+    default run has LoRA under stages above and tied stages in test_pipeline_tied)."""
     from .test_pipeline_tied import tied_folder
 
     folder = tied_folder(tmp_path / "tied")
