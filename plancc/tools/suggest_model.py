@@ -92,9 +92,12 @@ def bandwidth(hardware: Hardware, span: int, gpus_per_node: int) -> float:
 
 
 def fsdp_span(layout: Layout) -> int:
-    """The ranks FSDP's all-gathers and reduce-scatters span, consecutive ones: every rank of the
-    pipeline stage, or under HSDP one replica's (its dp_shard x cp x tp ranks: a node, when the
-    replicas are the nodes)."""
+    """The ranks FSDP's all-gathers and reduce-scatters span, consecutive ones: under HSDP one
+    replica's (its dp_shard x cp x tp ranks: a node, when the replicas are the nodes). Without
+    HSDP the whole world, as the cost model has always counted it (a pipeline stage's FSDP
+    spans only its own ranks; counting that would move suggest's pp rankings, unmeasured)."""
+    if layout.dp_replicate == 1:
+        return layout.world_size
     return layout.world_size // layout.pp // layout.dp_replicate
 
 
