@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import PretrainedConfig
 
 from ..compiler.plan import Plan
+from ..compiler.resolve import tied_parameter_groups
 from ..engine.batches import default_token_mask
 from ..engine.build import seeded_model
 from ..engine.losses import token_nll
@@ -480,10 +481,8 @@ def _measure_floor(
 def load_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """``model.load_state_dict(state)``, strict but for the other names of tied weights: a
     pipeline's weights out name a tied weight once, as a Hugging Face folder does."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    aliases = {name for group in names.values() if len(group) > 1 for name in group}
+    groups = tied_parameter_groups(model)
+    aliases = {f"{module}.{param}" if module else param for group in groups for module, param in group}
     missing, unexpected = model.load_state_dict(state, strict=False)
     left = [name for name in missing if name not in aliases]
     if left or unexpected:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..compiler.resolve import tied_parameter_groups
 from ..layout import LayoutError
 from ..schedules import rank_stages
 from .mesh import ParallelMesh
@@ -32,18 +33,14 @@ from .mesh import ParallelMesh
 def untie_across_stages(model: nn.Module) -> dict[str, str]:
     """Give every tied parameter's later names their own Parameter (meta, the same shape):
     ``{copy name: the name it copies}``, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
     ties: dict[str, str] = {}
-    for names in owners.values():
-        kept, *copies = names
-        for copied in copies:
-            owner, _, attr = copied.rpartition(".")
+    for (kept_module, kept_param), *copies in tied_parameter_groups(model):
+        kept = f"{kept_module}.{kept_param}" if kept_module else kept_param
+        for owner, attr in copies:
             module = model.get_submodule(owner)
             original = getattr(module, attr)
             setattr(module, attr, nn.Parameter(torch.empty_like(original), requires_grad=original.requires_grad))
-            ties[copied] = kept
+            ties[f"{owner}.{attr}" if owner else attr] = kept
     config = getattr(model, "config", None)
     if ties and config is not None:
         # transformers re-ties on tie_weights() (post_init, resize, from_pretrained): not here
