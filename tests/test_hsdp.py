@@ -130,6 +130,12 @@ def test_replicas_that_do_not_fit_the_ranks_are_a_usage_error_before_launch(cli,
     assert code == 2 and says in err and "[mesh-sizes]" in err
 
 
+@pytest.mark.parametrize("command", ["validate", "explain"])
+def test_validate_and_explain_refuse_a_dp_that_contradicts_replicas_times_shards(cli, command):
+    code, _, err = cli(command, QWEN3, "--dp", 2, "--dp-replicate", 2, "--dp-shard", 2)
+    assert code == 1 and "--dp 2 is not --dp-replicate 2 x --dp-shard 2" in err and "[mesh-sizes]" in err
+
+
 def test_suggest_costs_hsdp_and_prints_its_replicas(cli):
     """Across two nodes plain FSDP's gathers cross the slow link every layer; HSDP keeps them in
     a node and sends one gradient all-reduce between nodes: the best layout is HSDP, and its

@@ -45,9 +45,6 @@ def prelaunch(
     assert nodes is not None, "the launcher's flags are checked first (launcher_checked)"
     world = nproc_per_node * nodes[1]
     try:
-        conflict = flags.conflict()
-        if conflict:
-            raise LayoutError.from_message(conflict, "--dp-replicate R --dp-shard S, or --dp-replicate R --dp R*S")
         layout = Layout.infer(world_size=world, **flags.sizes())
     except LayoutError as exc:
         fit = f"choose --tp/--cp/--dp whose product is {world}"

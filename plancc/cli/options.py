@@ -17,6 +17,7 @@ import typer
 from ..errors import PlanError
 from ..job.loggers import names_of
 from ..job.run_file import read_run_file
+from ..layout import LayoutError
 from .app import Format, fail
 
 if TYPE_CHECKING:
@@ -111,7 +112,11 @@ class LayoutFlags:
 
     def sizes(self) -> dict[str, Any]:
         """The layout keywords of ``validate_plan`` and ``Layout.infer`` (--dp-shard names dp as
-        dp_replicate x dp_shard; a --dp that says otherwise is refused by ``conflict``)."""
+        dp_replicate x dp_shard). Raises ``LayoutError`` when --dp says otherwise: every command
+        that takes a layout (apply, logprobs, validate, explain) refuses it alike."""
+        conflict = self.conflict()
+        if conflict:
+            raise LayoutError.from_message(conflict, "--dp-replicate R --dp-shard S, or --dp-replicate R --dp R*S")
         dp = self.dp_replicate * self.dp_shard if self.dp_shard is not None else self.dp
         return {
             "dp": dp,

@@ -191,9 +191,9 @@ def weight_buckets(
         gathers = isinstance(value, DTensor) and value.device_mesh.size() > 1
         # no_grad: the entries are the parameters themselves (``_state``), gathered as values
         with quiet_logger("torch.distributed.tensor") if gathers else nullcontext(), torch.no_grad():
-            if values is not None:  # a pipeline's: each tensor whole from its stage, merged here
-                return _full_merged(_ValuesOf(values), name, merge.get(name), adapters, dtype)
-            return _full_merged(state, name, merge.get(name), adapters, dtype)
+            # a pipeline's: each tensor whole from its stage (``values``), merged here as at pp=1
+            value_of = values if values is not None else state.__getitem__
+            return _full_merged(value_of, name, merge.get(name), adapters, dtype)
 
     def gathered(names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names:
@@ -278,34 +278,19 @@ def _conversions(model: nn.Module) -> list | None:
     return _CONVERSIONS[model]
 
 
-class _ValuesOf(Mapping[str, torch.Tensor]):
-    """``values`` read as a state dict (each lookup a collective: ``stage_values``)."""
-
-    def __init__(self, values: ValueOf) -> None:
-        self._of = values
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._of(name)
-
-    def __iter__(self) -> Iterator[str]:
-        raise TypeError("a pipeline's values are read by name")
-
-    def __len__(self) -> int:
-        raise TypeError("a pipeline's values are read by name")
-
-
 def _full_merged(
-    state: Mapping[str, torch.Tensor],
+    value_of: ValueOf,
     name: str,
     pair: tuple[str, str] | None,
     adapters: Adapters | None,
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """The full tensor of ``name``; a base weight with adapters merged with them first."""
+    """The full tensor of ``name`` (``value_of``: a state dict's entry, or a pipeline stage's
+    whole tensor); a base weight with adapters merged with them first."""
     if pair is None or adapters is None:
-        return _full(state[name], dtype)
+        return _full(value_of(name), dtype)
     weight = merged(
-        _full(state[name], None), _full(state[pair[0]], None), _full(state[pair[1]], None), adapters.spec.scale
+        _full(value_of(name), None), _full(value_of(pair[0]), None), _full(value_of(pair[1]), None), adapters.spec.scale
     )
     return weight.to(dtype) if dtype is not None else weight
 

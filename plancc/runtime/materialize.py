@@ -33,17 +33,17 @@ def materialize(
     lost = [name for name, buf in model.named_buffers() if buf.is_meta and _is_non_persistent(model, name)]
     # offloaded shards are allocated in host memory (FSDP2 refuses them anywhere else); the
     # buffers (rotary frequencies) stay with the activations, on the device
-    model.to_empty(device="cpu" if params_on_host(model) else device)
+    host = params_on_host(model)
+    model.to_empty(device="cpu" if host else device)
     modules = dict(model.named_modules())
     for name, value in buffers.items():
         owner, _, attr = name.rpartition(".")
         modules[owner]._buffers[attr] = value.to(device)
     if lost:
         _recompute_buffers(model, lost)
-    for module in modules.values():
-        for attr, value in module._buffers.items():
-            if value is not None and value.device != torch.device(device):
-                module._buffers[attr] = value.to(device)
+    if host:  # the buffers to_empty left on the host, and those recomputed there, to the device
+        for module in modules.values():
+            module._buffers.update({k: v.to(device) for k, v in module._buffers.items() if v is not None})
     if full_state_dict is not None:
         # a copy: torch 2.13's set_model_state_dict replaces the caller's full tensors with
         # this rank's DTensor shards in the dict it is given
