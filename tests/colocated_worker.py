@@ -23,7 +23,7 @@ def consumer(connection, out_path):
     torch.save({"weights": received, "buffers": len(buffers)}, out_path)
 
 
-def policy_side(out_path, export_dir, bucket):
+def policy_side(out_path, export_dir, bucket, layout):
     import torch
 
     import plancc
@@ -32,7 +32,7 @@ def policy_side(out_path, export_dir, bucket):
     from .policy_worker import ROWS_PER_RANK, global_batch, nll
 
     init_gloo()
-    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", layout=sized(tp=2))
+    policy = plancc.Policy("plans/qwen3.yaml", "tiny-qwen3-tied", layout=sized(**layout))
     policy.train(global_batch(ROWS_PER_RANK, load_config("tiny-qwen3-tied").vocab_size, seed=6), nll)
     process, mine = None, None
     if torch.distributed.get_rank() == 0:

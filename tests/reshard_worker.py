@@ -34,7 +34,7 @@ class CountingStore:
         return getattr(self.store, name)
 
 
-def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, then=None, refits=1):
+def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, then=None, refits=1, model=MODEL):
     """The policy's rank: trains a step, sends its weights resharded (in ``dtype`` when given),
     and reports what it sent, the peak bytes the send made (tests/live_bytes.py), and for the
     bound: the largest parameter and all the strided ones (FSDP x TP) together, full size.
@@ -51,15 +51,16 @@ def policy_side(port, manifest_path, layout, dtype=None, fault=None, lora=None, 
     from .policy_worker import nll
 
     init_gloo()
-    policy = plancc.Policy(PLAN, MODEL, lora=lora, layout=sized(**layout))
-    batch = _batch(load_config(MODEL).vocab_size)
+    policy = plancc.Policy(PLAN, model, lora=lora, layout=sized(**layout))
+    batch = _batch(load_config(model).vocab_size)
     mine = policy.slice_of(batch["input_ids"].shape[0])
     policy.train({k: v[mine] for k, v in batch.items()}, nll)
     def publish_manifest(path):
         if torch.distributed.get_rank() == 0:
             with open(path + ".tmp", "w") as f:
                 manifest = policy.weights_manifest(dtype=getattr(torch, dtype) if dtype else None)
-                json.dump({**manifest, "policy_ranks": torch.distributed.get_world_size()}, f)
+                note = {"policy_ranks": torch.distributed.get_world_size(), "policy_model": model}
+                json.dump({**manifest, **note}, f)
             os.replace(path + ".tmp", path)
 
     publish_manifest(manifest_path)
@@ -121,12 +122,13 @@ def receiver_rank(port, manifest_path, timeout=60, refits=1):
     with open(manifest_path) as f:
         manifest = json.load(f)
     rank = torch.distributed.get_rank()
-    policy_world = int(manifest.pop("policy_ranks"))  # the test's note, not part of the manifest
+    policy_world = int(manifest.pop("policy_ranks"))  # the test's notes, not part of the manifest
+    name = manifest.pop("policy_model")
     channel = plancc.weight_channel(
         "127.0.0.1", port, rank=policy_world + rank, world_size=policy_world + 2, backend="gloo", timeout=timeout
     )
     # the engine's own model at its own layout, filled with other weights until the refit
-    config = load_config(MODEL)
+    config = load_config(name)
     mesh = plancc.build_mesh(tp=2, device_type="cpu")
     model = build_model(config, device="meta")
     plancc.parallelize(model, plancc.load_plan(PLAN), mesh)

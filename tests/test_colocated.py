@@ -8,7 +8,9 @@ import pytest
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_colocated_consumer_gets_export_hfs_weights_by_handle_through_two_buffers(tmp_path):
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_a_colocated_consumer_gets_export_hfs_weights_by_handle_through_two_buffers(tmp_path, layout):
+    """From pipeline stages too: each tensor whole from the stage that holds it, a tied weight once."""
     import torch
     from safetensors.torch import load_file
 
@@ -16,7 +18,7 @@ def test_a_colocated_consumer_gets_export_hfs_weights_by_handle_through_two_buff
     from .distributed import launch
 
     out = tmp_path / "received.pt"
-    results = launch(policy_side, 2, str(out), str(tmp_path / "hf"), 32 * 1024)
+    results = launch(policy_side, 2, str(out), str(tmp_path / "hf"), 32 * 1024, layout)
     assert results[0]["consumer_exit"] == 0 and results[0]["shared"] > 0, results
     got = torch.load(out)
     want = load_file(tmp_path / "hf" / "model.safetensors")

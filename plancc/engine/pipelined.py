@@ -22,8 +22,9 @@ It is a ``Policy``: the weights out (``weights``, ``weights_manifest``, ``send_w
 stage, ``engine.stage_values``), the checkpoints, the reference and offloading are ``Policy``'s
 own code; this class builds the stages and runs the step over them. LoRA's adapters are laid out
 on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
-(``runtime.pipeline_ties``). Not yet (refused with the reason): expert parallelism, packing,
-FSDP CPU offload and the resharded refit under pp.
+(``runtime.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
+holds them (``engine.reshard``). Not yet (refused with the reason): expert parallelism, packing
+and FSDP CPU offload under pp.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ is computed once per pair of layouts and kept on the channel (``transfer_plan``)
 refit's members all-gather their layouts' digests and, finding them known, publish and read
 nothing (Perplexity's static transfer schedule, computed once).
 
+Under pipeline stages a policy rank publishes boxes for its stages' tensors alone, at the whole
+model's names: every piece goes out from a rank of the stage that holds it, straight to its
+receiver, and nothing crosses the pipeline first (a tied weight's copy on the last stage is not
+one of the model's names: the first stage sends the weight).
+
 FSDP2 over a dim TP also shards (``_StridedShard`` on dp, at dp > 1: every column-sharded weight
 under FSDP x TP) cuts each tp shard into dp rows, a box torch's own rule gives: each policy rank
 sends its piece of those too. A parameter whose local elements are no box (a ``Partial``, or a
@@ -37,12 +42,11 @@ import contextlib
 import json
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -158,9 +162,11 @@ def _transfers(
         for r, wanted in enumerate(receivers):
             want = _box(wanted[name]["box"])
             for p, held in enumerate(policy):
-                entry = held[name]
-                if not entry["owner"]:
+                entry = held.get(name)  # None: another pipeline stage's
+                if entry is None or not entry["owner"]:
                     continue
+                if entry.get("gathered") and any(name in boxes for boxes in policy[:p]):
+                    continue  # gathered whole by its holders: the first of them alone sends it
                 part = intersect(_box(entry["box"]), want)
                 if part is not None:
                     yield name, p, first_receiver + r, part
@@ -190,46 +196,61 @@ def send_shards(
     dtype: torch.dtype | None = None,
     device: str = "cpu",
     bucket_bytes: int = 512 * 2**20,
+    held: nn.Module | None = None,
+    values: Callable[[str], torch.Tensor] | None = None,
 ) -> int:
     """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
     this rank sent, with at most ``channel.in_flight * bucket_bytes`` of them unfinished at a
     time. A problem on any policy rank is raised on every one (``engine.agreement``;
-    ``device``: the policy's process group's)."""
+    ``device``: the policy's process group's).
+
+    With pipeline stages ``model`` is the whole model on meta (the names every rank walks, in one
+    order), ``held`` this rank's stages at the model's names and ``values`` a tensor's full value
+    from its stage (``engine.stage_values``): a rank publishes boxes for what it holds only, so
+    each piece goes out from the stage that holds it, and nothing crosses the pipeline."""
     agreement = RefitAgreement(device, unit="transfer")
     flights = _Sends(channel, agreement, channel.in_flight * bucket_bytes)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters())  # the names, in the order every member walks
+    mine = dict((held or model).named_parameters())  # the tensors this rank holds
     # LoRA: the receivers hold the base model; each adapted weight goes out merged, piece by
     # piece (a piece's block of B @ A from the adapters, gathered whole first: r x (in + out))
     adapters = adapters_of(model)
+    whole = values if values is not None else (lambda name: _whole(params[name]))
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if adapters is not None:
         for base, (a, b) in adapters.by_base_weight().items():  # collective, in one order on every rank
-            deltas[base] = (_whole(params[a]), _whole(params[b]))
+            deltas[base] = (whole(a), whole(b))
         for name in adapters.parameter_names():
             del params[name]
-    boxes, strided = {}, set()
-    for name, param in params.items():
-        box, owner = local_box(param)
-        if box is None:  # no box here: gathered whole when its turn comes, rank 0 sends
-            strided.add(name)
-            box, owner = (tuple(0 for _ in param.shape), tuple(param.shape)), dist.get_rank() == 0
-        boxes[name] = {"box": [list(box[0]), list(box[1])], "owner": owner}
+    boxes = {}
+    for name in params:
+        param = mine.get(name)
+        if param is None:  # another pipeline stage's
+            continue
+        found, owner = local_box(param)
+        # no box here: gathered whole by its ranks when its turn comes, the first of them sends
+        box = found if found is not None else (tuple(0 for _ in param.shape), tuple(param.shape))
+        boxes[name] = {"box": [list(box[0]), list(box[1])], "owner": owner or found is None, "gathered": found is None}
     plan = transfer_plan(channel, boxes, list(params), channel.world_size - receivers)
     policy, transfers = plan.policy, plan.transfers
+    # every policy rank knows which tensors are gathered (the plan holds every rank's boxes), so
+    # all of them settle at the same transfers, holders or not
+    strided = {name for boxes_of in policy for name, entry in boxes_of.items() if entry.get("gathered")}
     last = {name: index for index, (name, *_) in enumerate(transfers)}
     sent, gathered, held_name = 0, None, None
     for index, (name, p, r, part) in enumerate(transfers):
         agreement.bucket = index + 1
         if name in strided and name != held_name:  # collective: every policy rank is here now
             agreement.settle()
-            param = params[name]
-            gathered, held_name = full_value(param).detach(), name
+            # the holders gather it (a collective over their stage's mesh alone)
+            gathered = full_value(mine[name]).detach() if name in mine else None
+            held_name = name
         if p == channel.rank and not agreement.problem:  # after a failure this rank sends no more
             try:
                 faults.inject("send", rank=channel.rank, step=index + 1)
-                held = gathered if name == held_name else local_tensor(params[name]).detach()
-                assert held is not None
-                piece = held[_slices(part, _box(policy[p][name]["box"]))]
+                held_value = gathered if name == held_name else local_tensor(mine[name]).detach()
+                assert held_value is not None, "a transfer's sender holds its tensor"
+                piece = held_value[_slices(part, _box(policy[p][name]["box"]))]
                 if name in deltas:
                     piece = _merged_piece(piece, part, *deltas[name], adapters.spec.scale if adapters else 1.0)
                 if dtype is not None and piece.is_floating_point():

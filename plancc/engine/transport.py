@@ -112,10 +112,6 @@ class WeightTransport:
         more and closes without waiting the timeout for them."""
         if reshard:
             self._require(
-                self.values is None,
-                "a resharded refit from pipeline stages is not supported yet: send the weights plain, from rank 0",
-            )
-            self._require(
                 not out.adapters_only,
                 "a resharded refit sends the merged weights (the receivers' model has no adapters): "
                 "send adapters_only=True plain, from rank 0",
@@ -133,6 +129,8 @@ class WeightTransport:
                     dtype=out.dtype,
                     device=self.device,
                     bucket_bytes=out.bucket_bytes,
+                    held=self.held,
+                    values=self.values,
                 )
             except Exception:
                 channel.broken = True
