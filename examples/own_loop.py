@@ -25,13 +25,13 @@ def train(*, steps: int = 3, sequence_parallel: bool = False, seed: int = 0) -> 
     """Train the tiny Qwen3 preset at tp = world size; returns the loss of every step."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # "nccl" on GPUs; torchrun set the rank and world size
-    mesh = plancc.build_mesh(tp=dist.get_world_size(), device_type="cpu")
+    mesh = plancc.build_mesh(tp=dist.get_world_size(), sequence_parallel=sequence_parallel, device_type="cpu")
     config = load_config("tiny-qwen3")
 
     torch.manual_seed(seed)  # every rank builds the same full weights, then keeps its shards
     state = build_model(config, device="cpu").state_dict()
     model = build_model(config, device="meta")
-    plancc.parallelize(model, plancc.load_plan(PLAN), mesh, sequence_parallel=sequence_parallel)
+    plancc.parallelize(model, plancc.load_plan(PLAN), mesh)
     plancc.materialize(model, "cpu", full_state_dict=state)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

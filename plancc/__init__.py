@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .engine.batches import BatchError, Microbatching
     from .engine.channel import WeightChannelError, weight_channel
     from .engine.colocated import receive_shared_weights
-    from .engine.policy import BatchTotals, NonFiniteError, Norm, Policy
+    from .engine.policy import BatchTotals, NonFiniteError, Policy
     from .engine.refit import receive_weights
     from .engine.streaming import WeightFormat
     from .errors import Diagnostic, PlanError, Severity, SourceLoc
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .runtime.gradnorm import clip_grad_norm_
     from .runtime.loss import causal_lm_loss
     from .runtime.materialize import materialize
-    from .runtime.mesh import ParallelMesh, build_mesh, layout_of
+    from .runtime.mesh import ParallelMesh, build_mesh
     from .runtime.parallelize import parallelize
     from .runtime.styles.lower import compile_plan
     from .tools.suggest import suggest
@@ -48,9 +48,9 @@ _HOMES = {
     "materialize": "plancc.runtime.materialize",
     "causal_lm_loss": "plancc.runtime.loss",
     "clip_grad_norm_": "plancc.runtime.gradnorm",
-    **dict.fromkeys(["ParallelMesh", "build_mesh", "layout_of"], "plancc.runtime.mesh"),
+    **dict.fromkeys(["ParallelMesh", "build_mesh"], "plancc.runtime.mesh"),
     "parallelize": "plancc.runtime.parallelize",
-    **dict.fromkeys(["BatchTotals", "NonFiniteError", "Norm", "Policy"], "plancc.engine.policy"),
+    **dict.fromkeys(["BatchTotals", "NonFiniteError", "Policy"], "plancc.engine.policy"),
     **dict.fromkeys(["BatchError", "Microbatching"], "plancc.engine.batches"),
     "WeightFormat": "plancc.engine.streaming",
     **dict.fromkeys(["WeightChannelError", "weight_channel"], "plancc.engine.channel"),
@@ -68,7 +68,6 @@ __all__ = [
     "LayoutError",
     "Microbatching",
     "NonFiniteError",
-    "Norm",
     "ParallelMesh",
     "Plan",
     "PlanError",
@@ -86,7 +85,6 @@ __all__ = [
     "clip_grad_norm_",
     "compile_plan",
     "cp",
-    "layout_of",
     "load_plan",
     "logprobs",
     "materialize",

@@ -70,8 +70,8 @@ def compare_cp_token_logprobs(plan_path, preset, cp, tp, sp):
 
     init_gloo()
     try:
-        mesh = plancc.build_mesh(cp=cp, tp=tp, device_type="cpu")
-        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=sp)
+        mesh = plancc.build_mesh(cp=cp, tp=tp, sequence_parallel=sp, device_type="cpu")
+        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh)
         gen = torch.Generator().manual_seed(1)
         n = 4 * cp * tp  # every length below is a multiple of 2*cp(*tp)
         ids = torch.randint(0, config.vocab_size, (2, 2 * n), generator=gen)

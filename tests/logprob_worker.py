@@ -71,8 +71,8 @@ def compare_token_logprobs(plan_path, preset, tp, sp):
 
     init_gloo()
     try:
-        mesh = plancc.build_mesh(tp=tp, device_type="cpu")
-        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh, sequence_parallel=sp)
+        mesh = plancc.build_mesh(tp=tp, sequence_parallel=sp, device_type="cpu")
+        model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, config.vocab_size, (2, 16), generator=gen)
         mask = torch.ones_like(ids)

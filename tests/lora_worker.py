@@ -55,11 +55,11 @@ def _peft_step(config, spec, adapters, batch, loss_fn, dtype, groups=None):
     import torch
 
     from plancc.engine.batches import default_token_mask
-    from plancc.engine.policy import Norm
+    from plancc.engine.policy import BatchTotals
     from plancc.runtime.logprobs import per_position
 
     model = peft_model(config, spec, adapters, dtype)
-    norm = Norm(
+    norm = BatchTotals(
         tokens=float(default_token_mask(batch["attention_mask"]).sum()), sequences=float(batch["input_ids"].shape[0])
     )
     total = 0.0

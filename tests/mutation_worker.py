@@ -25,9 +25,9 @@ def verify_unchecked(cases: list[tuple[str, str, bool]]) -> dict[int, dict[str, 
         for i, (plan_path, model, sp) in enumerate(cases):
             start = time.perf_counter()
             try:
-                mesh = build_mesh(dp=1, cp=1, tp=2, device_type="cpu")
+                mesh = build_mesh(dp=1, cp=1, tp=2, sequence_parallel=sp, device_type="cpu")
                 plan = plancc.load_plan(plan_path)
-                report = verify_against_unsharded(plan, model, mesh, sequence_parallel=sp, steps=1)
+                report = verify_against_unsharded(plan, model, mesh, steps=1)
                 out[i] = {"exact": within_tolerance(report), "rc": 0, "detail": ""}
             except Exception as exc:  # noqa: BLE001 - a crash is the verdict
                 out[i] = {"exact": False, "rc": 1, "detail": f"{type(exc).__name__}: {exc}"[:300]}

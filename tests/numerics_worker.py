@@ -14,15 +14,15 @@ def verify_cases(cases):
     def layout(case):
         plan_path, preset, dp, *sizes, sp = case
         cp, tp = sizes if len(sizes) == 2 else (1, sizes[0])
-        return plan_path, preset, dict(dp=dp, cp=cp, tp=tp), dict(sequence_parallel=sp)
+        return plan_path, preset, dict(dp=dp, cp=cp, tp=tp, sequence_parallel=sp)
 
     return _verify_each(cases, layout)
 
 
 def _verify_each(cases, layout):
     """Each case against the unsharded model on this gloo group; ``layout(case)`` ->
-    (plan path, model, build_mesh sizes, verify_against_unsharded options). A failing case is
-    reported and the others still run."""
+    (plan path, model, build_mesh's layout keywords). A failing case is reported and the others
+    still run."""
     import torch.distributed as dist
 
     import plancc
@@ -33,10 +33,10 @@ def _verify_each(cases, layout):
     out = {}
     try:
         for i, case in enumerate(cases):
-            plan_path, preset, sizes, options = layout(case)
+            plan_path, preset, sizes = layout(case)
             try:
                 mesh = build_mesh(**sizes, device_type="cpu")
-                out[i] = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh, **options).as_dict()
+                out[i] = verify_against_unsharded(plancc.load_plan(plan_path), preset, mesh).as_dict()
             except Exception as exc:  # report per case; other cases still run
                 out[i] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
                 dist.barrier()
@@ -99,7 +99,7 @@ def reshard_after_forward_cases(plan_paths, preset):
             weights = [layer.self_attn.q_proj.weight for layer in model.model.layers]
             rows = [(w.to_local() if hasattr(w, "to_local") else w).shape[0] for w in weights]
             emb = model.model.embed_tokens.weight
-            report = verify_against_unsharded(plan, preset, mesh, sequence_parallel=False)
+            report = verify_against_unsharded(plan, preset, mesh)
             out[path] = {
                 "rows_held_after_forward": rows,
                 "embedding_rows_held_after_forward": (emb.to_local() if hasattr(emb, "to_local") else emb).shape[0],
@@ -197,10 +197,9 @@ def decoder_called_directly(cases, cp=1):
     init_gloo()
     out = {}
     try:
-        mesh = plancc.build_mesh(cp=cp, tp=2 // cp, device_type="cpu")
+        mesh = plancc.build_mesh(cp=cp, tp=2 // cp, sequence_parallel=cp == 1, device_type="cpu")
         for plan_path, preset, direct in cases:
-            model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh,
-                                                  sequence_parallel=cp == 1)
+            model, reference, config = build_pair(plancc.load_plan(plan_path), preset, mesh)
             ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
                 if direct:  # this rank's sequence shard
@@ -226,7 +225,7 @@ def decoder_called_directly(cases, cp=1):
 def verify_ep_cases(cases):
     """cases: [(plan_path, preset, dp, tp, ep)] -> {case index: report dict}: expert parallelism
     (experts over ep x tp, tokens by all-to-all) against the unsharded model."""
-    return _verify_each(cases, lambda c: (c[0], c[1], dict(dp=c[2], tp=c[3]), dict(ep=c[4])))
+    return _verify_each(cases, lambda c: (c[0], c[1], dict(dp=c[2], tp=c[3], ep=c[4])))
 
 
 def packed_projections_match(blocks_cases):

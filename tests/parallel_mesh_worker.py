@@ -5,10 +5,10 @@ from __future__ import annotations
 from .distributed import init_gloo
 
 
-def three_ways_to_say_sp():
-    """The same plan under SP at tp=2, told three ways: the layout inside the ParallelMesh,
-    plancc 0.1's keyword on build_mesh's result, and the keyword on a bare DeviceMesh.
-    Returns this rank's losses and what the mesh says of itself."""
+def two_ways_to_say_sp():
+    """The same plan under SP at tp=2, told two ways: a ``Layout`` to build_mesh, and build_mesh's
+    sizes. A bare DeviceMesh, and plancc 0.1's keyword beside the mesh, are refused. Returns this
+    rank's losses, the refusals and what the mesh says of itself."""
     import copy
 
     import torch
@@ -24,13 +24,21 @@ def three_ways_to_say_sp():
     ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     plan = plancc.load_plan("plans/qwen3.yaml")
     pm = plancc.build_mesh(plancc.Layout(tp=2, sequence_parallel=True), device_type="cpu")
-    plain = plancc.build_mesh(tp=2, device_type="cpu")
-    ways = {"layout": (pm, {}), "keyword": (plain, {"sequence_parallel": True}),
-            "device_mesh": (plain.device_mesh, {"sequence_parallel": True})}
+    sized = plancc.build_mesh(tp=2, sequence_parallel=True, device_type="cpu")
+    refused = {}
+    for name, call in {
+        "device_mesh": lambda: plancc.parallelize(build_model(config, device="meta"), plan, sized.device_mesh),
+        "keyword": lambda: plancc.parallelize(build_model(config, device="meta"), plan, sized, sequence_parallel=True),
+    }.items():
+        try:
+            call()
+            refused[name] = None
+        except (TypeError, ValueError) as exc:
+            refused[name] = f"{type(exc).__name__}: {exc}"
     losses, seen = {}, {}
-    for name, (mesh, keywords) in ways.items():
+    for name, mesh in {"layout": pm, "sizes": sized}.items():
         model = build_model(copy.deepcopy(config), device="meta")
-        plancc.parallelize(model, plan, mesh, **keywords)
+        plancc.parallelize(model, plan, mesh)
         plancc.materialize(model, "cpu", full_state_dict=dict(state))
         # under SP a decoder layer holds this rank's half of the sequence
         model.model.layers[0].register_forward_pre_hook(
@@ -57,5 +65,6 @@ def three_ways_to_say_sp():
         "sp": pm.sequence_parallel,
         "rebuilt_equal": rebuilt == pm.layout,
         "copy_equal": copy.copy(pm) == pm,
-        "layout_of": plancc.layout_of(pm) == pm.layout,
+        "sized_equal": sized.layout == pm.layout,
+        "refused": refused,
     }

@@ -115,13 +115,13 @@ def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=N
     import torch
 
     from plancc.engine.batches import default_token_mask
-    from plancc.engine.policy import Norm
+    from plancc.engine.policy import BatchTotals
     from plancc.models import build_model
     from plancc.runtime.logprobs import per_position
 
     torch.manual_seed(seed)
     model = build_model(copy.deepcopy(config), device="cpu").to(dtype)
-    norm = Norm(
+    norm = BatchTotals(
         tokens=float(default_token_mask(batch["attention_mask"]).sum()), sequences=float(batch["input_ids"].shape[0])
     )
     total = 0.0

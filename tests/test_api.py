@@ -11,8 +11,9 @@ def test_public_api_names_and_keywords():
     assert {"plan", "model_or_config", "tp", "cp", "dp", "world_size", "sequence_parallel"} <= set(
         inspect.signature(plancc.check_plan).parameters)
     assert {"dp", "cp", "tp", "device_type"} <= set(inspect.signature(plancc.build_mesh).parameters)
-    assert {"model", "plan", "mesh", "sequence_parallel", "param_dtype", "reduce_dtype", "cpu_offload",
-            "activation_checkpointing"} <= set(inspect.signature(plancc.parallelize).parameters)
+    # the layout is the mesh's (build_mesh): plancc 0.1's sequence_parallel= / ep= are gone (issue 75)
+    assert set(inspect.signature(plancc.parallelize).parameters) == {
+        "model", "plan", "mesh", "param_dtype", "reduce_dtype", "cpu_offload", "activation_checkpointing", "lora"}
     assert {"logits", "targets", "group", "vocab_start", "chunk_size"} <= set(
         inspect.signature(plancc.logprobs.vocab_parallel_logprobs).parameters)
     assert {"model", "input_ids", "attention_mask", "mesh", "position_ids", "cp", "temperature"} <= set(
@@ -51,9 +52,9 @@ def test_parallelize_explains_which_mesh_it_needs():
     from .numerics_worker import parallelize_with_foreign_meshes
 
     errors = launch(parallelize_with_foreign_meshes, 1, str(PLANS / "qwen3.yaml"))[0]
-    assert all(e and "axes named ('dp', 'cp', 'tp')" in e and "plancc.build_mesh" in e for e in errors), errors
-    assert "an unnamed mesh of shape (1,)" in errors[0]
-    assert "axes ('dp_shard', 'tp') of sizes (1, 1)" in errors[2]
+    assert all(e and "takes the mesh plancc.build_mesh returns" in e and "('dp', 'cp', 'tp')" in e for e in errors), errors
+    assert "an unnamed DeviceMesh of shape (1,)" in errors[0]
+    assert "a DeviceMesh with axes ('dp_shard', 'tp') of sizes (1, 1)" in errors[2]
 
 
 def test_a_model_built_on_meta_skips_its_weight_init_and_keeps_its_buffers_real():

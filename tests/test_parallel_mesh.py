@@ -1,6 +1,6 @@
 """One parallel-mesh object from the CLI to every runtime call: ``plancc.build_mesh`` returns
 a ``ParallelMesh`` (layout, device mesh, expert mesh) that ``parallelize`` and the loss take
-whole, and plancc 0.1's loose keywords on a bare DeviceMesh still mean the same."""
+whole; a bare DeviceMesh, or plancc 0.1's loose keywords beside the mesh, are refused by name."""
 
 import pytest
 
@@ -14,14 +14,18 @@ def test_a_layout_survives_its_serialised_form():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sequence_parallel_said_by_the_mesh_or_by_the_old_keywords_trains_the_same():
+def test_sequence_parallel_is_said_by_the_mesh_alone():
     from .distributed import launch
-    from .parallel_mesh_worker import three_ways_to_say_sp
+    from .parallel_mesh_worker import two_ways_to_say_sp
 
-    for rank, got in launch(three_ways_to_say_sp, 2).items():
+    for rank, got in launch(two_ways_to_say_sp, 2).items():
         assert got["is_parallel_mesh"] and got["tp"] == 2 and got["sp"], (rank, got)
-        assert got["rebuilt_equal"] and got["copy_equal"] and got["layout_of"], (rank, got)
-        assert got["sequence_seen"] == {"layout": 8, "keyword": 8, "device_mesh": 8}, (rank, got)  # 16 / tp
+        assert got["rebuilt_equal"] and got["copy_equal"] and got["sized_equal"], (rank, got)
+        assert got["sequence_seen"] == {"layout": 8, "sizes": 8}, (rank, got)  # 16 / tp
         assert got["fused_mesh_equals_group"] and got["fused_mesh_right"], (rank, got)
         losses = got["losses"]
-        assert losses["layout"] == losses["keyword"] == losses["device_mesh"], (rank, losses)
+        assert losses["layout"] == losses["sizes"], (rank, losses)
+        device_mesh, keyword = got["refused"]["device_mesh"], got["refused"]["keyword"]
+        assert device_mesh.startswith("ValueError: plancc.parallelize takes the mesh plancc.build_mesh returns"), device_mesh
+        assert "a DeviceMesh with axes ('dp', 'cp', 'tp') of sizes (1, 1, 2)" in device_mesh, device_mesh
+        assert keyword.startswith("TypeError") and "sequence_parallel" in keyword, keyword

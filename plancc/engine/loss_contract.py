@@ -37,11 +37,6 @@ class BatchTotals:
     sequences: float
 
 
-# the name users' losses know it by (``loss_fn(logprobs, fields, norm)``: ``norm.tokens``): plancc's
-# public ``plancc.Norm``, the same class
-Norm = BatchTotals
-
-
 def call_loss(loss_fn: LossFn, lp: torch.Tensor, fields: dict[str, torch.Tensor], norm: BatchTotals, index: int) -> Any:
     """The caller's loss on one microbatch, refused (as a ``BatchError``) when it fails or is not a
     scalar (a non-finite one is backpropagated first, then refused: ``_raise_non_finite``)."""

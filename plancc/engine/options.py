@@ -34,12 +34,9 @@ def policy_mesh(layout: Layout | ParallelMesh | None, *, device: str) -> Paralle
 
 def pipeline_stages(layout: Layout | ParallelMesh | None) -> int:
     """The pipeline size of a layout given to ``Policy`` (1 for None)."""
-    return the_layout(layout).pp if isinstance(layout, Layout | ParallelMesh) else 1
-
-
-def the_layout(layout_or_mesh: Layout | ParallelMesh) -> Layout:
-    """The sizes of a layout given either way (a ``Layout``, or a mesh built from one)."""
-    return layout_or_mesh.layout if isinstance(layout_or_mesh, ParallelMesh) else layout_or_mesh
+    if isinstance(layout, ParallelMesh):
+        return layout.layout.pp
+    return layout.pp if isinstance(layout, Layout) else 1
 
 
 def _resolve(name: str) -> Any:

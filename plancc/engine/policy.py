@@ -50,12 +50,11 @@ from .batches import (
 )
 from .build import build_parallel_model
 from .channel import WeightChannel
-from .loss_contract import (  # noqa: F401 - Norm, NonFiniteError, check_temperature: public here too
+from .loss_contract import (  # noqa: F401 - NonFiniteError, check_temperature: public here too
     MIN_TEMPERATURE,
     BatchTotals,
     LossFn,
     NonFiniteError,
-    Norm,
     TokenLoss,
     call_loss,
     check_temperature,

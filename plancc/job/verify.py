@@ -44,7 +44,7 @@ from ..runtime.cp import load_balanced_indices
 from ..runtime.local_tensors import full_value
 from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
-from ..runtime.mesh import MeshLike, parallel_mesh
+from ..runtime.mesh import MeshLike, ParallelMesh, require_parallel_mesh
 from ..runtime.parallelize import parallelize
 from ..runtime.weights import load_hf_weights
 from .verify_reference import (
@@ -195,21 +195,18 @@ def without_dropout(config: PretrainedConfig) -> tuple[PretrainedConfig, list[st
 def build_pair(
     plan: Plan,
     model_spec: Any,
-    mesh: MeshLike,
+    mesh: ParallelMesh,
     *,
-    sequence_parallel: bool | None = None,
-    ep: int | None = None,
     seed: int = 0,
     device: str = "cpu",
 ) -> tuple[torch.nn.Module, torch.nn.Module, PretrainedConfig]:
-    """(parallelized model, unsharded reference, config) with the same seeded weights.
-    ``sequence_parallel``/``ep`` override ``mesh``'s layout (as ``parallelize``'s do)."""
+    """(parallelized model at ``mesh``'s layout, unsharded reference, config) with the same seeded weights."""
     config = load_config(model_spec)
     reference = seeded_model(config, seed).to(device)
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     # A config of its own: cp switches the attention implementation on the model's config.
     model = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
-    parallelize(model, plan, mesh, sequence_parallel=sequence_parallel, ep=ep)
+    parallelize(model, plan, mesh)
     materialize(model, device, full_state_dict=state)
     return model, reference, config
 
@@ -315,10 +312,8 @@ def unsharded_reference(
 def verify_against_unsharded(
     plan: Plan,
     model_spec: Any,
-    mesh: MeshLike,
+    mesh: ParallelMesh,
     *,
-    sequence_parallel: bool | None = None,
-    ep: int | None = None,
     steps: int = 3,
     global_batch: int = 4,
     seq_len: int = 16,
@@ -343,7 +338,7 @@ def verify_against_unsharded(
     folder's safetensors), or the checkpoint ``resume`` names -- then the optimizer's state too,
     so the steps compared are the resumed run's."""
     config, dropped = without_dropout(load_config(model_spec))
-    mesh = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
+    mesh = require_parallel_mesh(mesh, "verify_against_unsharded")
     policy = Policy(
         plan,
         config,

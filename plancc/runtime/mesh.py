@@ -3,8 +3,8 @@
 ``build_mesh`` turns a layout into a ``DeviceMesh`` whose axes are always named ``dp``,
 ``cp``, ``tp`` (size-1 axes included, so code never branches on which axes exist), plus a
 flattened ``dp_cp`` axis that FSDP shards over: context-parallel ranks hold the same
-parameters. ``layout_of`` reads the layout back off a mesh, so a mesh and its layout can
-never disagree.
+parameters. It is the one conversion from a layout to a mesh, made once at the edge (a job's
+worker, ``Policy``, a user's own loop); the mesh carries its layout from there on.
 
 With HSDP (``Layout.dp_replicate > 1``) the mesh's outer axes are torchtitan's ``dp_replicate`` and
 ``dp_shard``, flattened into the same ``dp`` (so every slice by ``dp`` reads as before), and FSDP
@@ -17,14 +17,13 @@ experts: ``build_expert_mesh`` (``plancc.layout`` says how ep borrows from dp).
 ``ParallelMesh`` holds all of it as one frozen value -- the ``Layout`` (sizes, ep, sequence
 parallelism), the device mesh and the expert mesh -- and is what ``build_mesh`` returns and what
 every runtime call takes (torchtitan's ``ParallelDims`` is the model). ``mesh["tp"]`` and the
-other sub-meshes read off it as off a ``DeviceMesh``. A bare ``DeviceMesh`` with loose
-``sequence_parallel``/``ep`` keywords still works everywhere (``parallel_mesh`` turns it into one).
+other sub-meshes read off it as off a ``DeviceMesh``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,31 +97,13 @@ class ParallelMesh:
         return self.layout.to_json()
 
 
-# What the runtime's calls take: a ParallelMesh, or (plancc 0.1's way) a bare plancc DeviceMesh.
+# What the runtime's collective helpers take: the ParallelMesh, or one of its sub-meshes
+# (a context-parallel evaluator is handed ``mesh["cp"]``).
 MeshLike = ParallelMesh | DeviceMesh
 
 
-def parallel_mesh(
-    mesh: ParallelMesh | DeviceMesh, *, sequence_parallel: bool | None = None, ep: int | None = None
-) -> ParallelMesh:
-    """``mesh`` as a ``ParallelMesh``: as it is, with any keyword given overriding its layout
-    (the keywords of plancc 0.1, which took a bare ``DeviceMesh`` plus loose ``sequence_parallel``
-    and ``ep``). Building an expert mesh is collective: every rank calls this alike."""
-    if isinstance(mesh, ParallelMesh):
-        layout = mesh.layout
-        if sequence_parallel is not None:
-            layout = replace(layout, sequence_parallel=sequence_parallel)
-        if ep is not None and ep != layout.ep:
-            layout = replace(layout, ep=ep)
-            return _with_experts(layout, mesh.device_mesh)
-        return mesh if layout == mesh.layout else replace(mesh, layout=layout)
-    require_plancc_axes(mesh)
-    layout = layout_of(mesh, sequence_parallel=bool(sequence_parallel), ep=ep or 1)
-    return _with_experts(layout, mesh)
-
-
 def _with_experts(layout: Layout, mesh: DeviceMesh) -> ParallelMesh:
-    expert_mesh = build_expert_mesh(mesh, layout.ep) if layout.ep > 1 else None
+    expert_mesh = build_expert_mesh(mesh, layout) if layout.ep > 1 else None
     return ParallelMesh(layout=layout, device_mesh=mesh, expert_mesh=expert_mesh)
 
 
@@ -220,33 +201,15 @@ def dp_cp_mesh(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
     return sliced(device_mesh_of(mesh), ("dp", "cp"))._flatten("dp_cp")
 
 
-def layout_of(mesh: DeviceMesh | ParallelMesh, *, sequence_parallel: bool = False, ep: int = 1) -> Layout:
-    """The layout a plancc mesh was built from (ep is not an axis of it: it borrows from dp).
-    A ``ParallelMesh`` carries its own."""
-    if isinstance(mesh, ParallelMesh):
-        return mesh.layout
-    replicas = mesh["dp_replicate"].size() if is_hsdp(mesh) else 1
-    return Layout(
-        dp=sliced(mesh, "dp").size(),
-        cp=mesh["cp"].size(),
-        tp=mesh["tp"].size(),
-        ep=ep,
-        sequence_parallel=sequence_parallel,
-        dp_replicate=replicas,
-    )
-
-
 EXPERT_AXES = ("edp", "ep", "tp")
 
 
-def build_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+def build_expert_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The ``(edp, ep, tp)`` mesh of the same ranks as a plancc ``mesh``: each dp group of
     ``ep`` consecutive data-parallel ranks shares one layer's experts (``ep``, with ``tp``
     inside), and FSDP shards expert weights over ``edp`` (the ``dp / ep`` ranks left).
-    Collective: every rank calls it, in the same order. Raises ``LayoutError`` when ep does
-    not fit the mesh."""
-    layout = layout_of(mesh, ep=ep)
-    ranks = mesh.mesh.reshape(layout.expert_fsdp_size, ep, layout.tp)
+    Collective: every rank calls it, in the same order (``layout``'s ep fits: ``Layout`` checked it)."""
+    ranks = mesh.mesh.reshape(layout.expert_fsdp_size, layout.ep, layout.tp)
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_AXES)
 
 
@@ -255,17 +218,25 @@ def device_mesh_of(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:
     return mesh.device_mesh if isinstance(mesh, ParallelMesh) else mesh
 
 
-def require_plancc_axes(mesh: DeviceMesh | ParallelMesh) -> None:
-    """A mesh from elsewhere (torchtitan's dp_shard/tp, a 1-D mesh) fails deep inside torch
-    with a slicing error; say what is needed instead."""
-    mesh = device_mesh_of(mesh)
-    names = tuple(mesh.mesh_dim_names or ())
-    if set(AXES) <= set(axis_names(mesh)):
-        return
-    got = f"axes {names} of sizes {tuple(mesh.shape)}" if names else f"an unnamed mesh of shape {tuple(mesh.shape)}"
+def require_parallel_mesh(mesh: Any, caller: str) -> ParallelMesh:
+    """``mesh`` when it is the ``ParallelMesh`` ``build_mesh`` returns. A bare ``DeviceMesh``
+    (torchtitan's dp_shard/tp, a 1-D mesh, or plancc's own without its layout) says neither
+    sequence nor expert parallelism and would fail deep inside torch: say what is needed."""
+    if isinstance(mesh, ParallelMesh):
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        names = tuple(mesh.mesh_dim_names or ())
+        got = (
+            f"a DeviceMesh with axes {names} of sizes {tuple(mesh.shape)}"
+            if names
+            else (f"an unnamed DeviceMesh of shape {tuple(mesh.shape)}")
+        )
+    else:
+        got = f"a {type(mesh).__name__}"
     raise ValueError(
-        f"plancc.parallelize needs a device mesh with axes named {AXES} (size 1 where unused); got {got}. "
-        "Build it with plancc.build_mesh(dp=..., cp=..., tp=...)"
+        f"{caller} takes the mesh plancc.build_mesh returns (a ParallelMesh: its {AXES} device mesh and the "
+        f"layout, sequence and expert parallelism included); got {got}. Build it with "
+        "plancc.build_mesh(plancc.Layout(tp=..., sequence_parallel=...)) or plancc.build_mesh(dp=..., cp=..., tp=...)"
     )
 
 

@@ -36,7 +36,7 @@ from .expert_parallel import ExpertParallel
 from .gradient_scale import fsdp_divisor
 from .hooks import GlobalSequenceInputs
 from .lora import LoraSpec, add_adapters
-from .mesh import ParallelMesh, parallel_mesh
+from .mesh import ParallelMesh, require_parallel_mesh
 from .styles.experts import ExpertsOverTensorParallel
 from .styles.lower import lower
 
@@ -178,10 +178,8 @@ def params_on_host(model: nn.Module) -> bool:
 def parallelize(
     model: nn.Module,
     plan: Plan,
-    mesh: ParallelMesh | DeviceMesh,
+    mesh: ParallelMesh,
     *,
-    sequence_parallel: bool | None = None,
-    ep: int | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
@@ -192,16 +190,15 @@ def parallelize(
     then FSDP2 ``fully_shard`` on the plan's units and the root. Works on a meta-device model
     (materialize it afterwards with ``plancc.materialize``).
 
-    ``mesh``: a ``ParallelMesh`` (``plancc.build_mesh``), which says the layout -- sequence
-    parallelism and expert parallelism included. ``sequence_parallel`` and ``ep``, the keywords of
-    plancc 0.1 (which took a bare ``DeviceMesh``), still work and override the mesh's layout.
+    ``mesh``: the ``ParallelMesh`` of ``plancc.build_mesh``, which says the layout -- sequence
+    parallelism and expert parallelism included.
     Expert parallelism borrows ranks from dp (``plancc.layout`` explains): the plan's
     ``moe_experts`` spread over ep*tp ranks with all-to-all token exchange.
     ``activation_checkpointing``: None follows the plan, False disables, True requires the
     plan to name targets. ``lora``: low-rank adapters on its targets, laid out with each base
     layer's style (``runtime.lora``); the base frozen.
     """
-    pm = parallel_mesh(mesh, sequence_parallel=sequence_parallel, ep=ep)
+    pm = require_parallel_mesh(mesh, "plancc.parallelize")
     resolved = resolve_plan(plan, model, sequence_parallel=pm.sequence_parallel)
     failures.remember(model, resolved)
     expert_mesh = pm.expert_mesh
