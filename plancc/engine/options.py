@@ -32,13 +32,6 @@ def policy_mesh(layout: Layout | ParallelMesh | None, *, device: str) -> Paralle
     return build_mesh(layout or Layout.infer(world_size=dist.get_world_size()), device_type=device)
 
 
-def pipeline_stages(layout: Layout | ParallelMesh | None) -> int:
-    """The pipeline size of a layout given to ``Policy`` (1 for None)."""
-    if isinstance(layout, ParallelMesh):
-        return layout.layout.pp
-    return layout.pp if isinstance(layout, Layout) else 1
-
-
 def _resolve(name: str) -> Any:
     module, _, attr = name.rpartition(".")
     try:

@@ -1,6 +1,8 @@
-"""``plancc.Policy`` with pipeline stages (``Layout(pp=N)``): the same calls -- ``train`` with any
-loss at global normalization, ``logprobs``, ``reference_logprobs``, ``weights``, ``save`` /
-``load`` -- over a rank's stages and torch's schedules (``runtime.pipeline``).
+"""``plancc.Policy``'s step executor for pipeline stages (``Layout(pp=N)``): ``build_stages``
+builds this rank's stages as the policy's model parts, and ``PipelineSteps`` runs ``train``'s
+forward and backward (any loss at global normalization), ``logprobs`` and ``logits`` over them
+through torch's schedules (``runtime.pipeline``). Everything else -- the optimizer and schedule,
+the reference, the weights out, checkpoints, offloading -- is ``Policy``'s own code, as at pp=1.
 
 How a step runs. Each rank holds the stages its schedule gives it (``plancc.schedules``), cut
 from the model after the plan's TP styles and before FSDP2, which shards each stage over the
@@ -17,10 +19,9 @@ every rank of the pipeline by one broadcast.
 Sequence and context parallelism run inside each stage (a stage sends its tp and cp rank's shard
 of the sequence; the last stage gathers its log-probs over cp, ``pipeline_last_stage``).
 
-It is a ``Policy``: the weights out (``weights``, ``weights_manifest``, ``send_weights``,
-``share_weights``, ``export_hf``: the whole model's structure on meta, each tensor gathered by its
-stage, ``engine.stage_values``), the checkpoints, the reference and offloading are ``Policy``'s
-own code; this class builds the stages and runs the step over them. LoRA's adapters are laid out
+The weights out (``weights``, ``weights_manifest``, ``send_weights``, ``share_weights``,
+``export_hf``) read the whole model's structure on meta, each tensor gathered by its stage
+(``engine.stage_values``). LoRA's adapters are laid out
 on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
 (``runtime.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
 holds them (``engine.reshard``). Not yet (refused with the reason): expert parallelism, packing
@@ -31,9 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,16 +41,15 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PretrainedConfig
 
-from ..compiler.plan import PipelineSpec, Plan, load_plan
+from ..compiler.plan import PipelineSpec, Plan
 from ..compiler.resolve import resolve_plan, tied_parameter_groups
-from ..layout import Layout, LayoutError
-from ..models import MASTER_DTYPE, build_model, load_config
+from ..layout import LayoutError
+from ..models import MASTER_DTYPE, build_model
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
-from ..runtime.local_step import optimizer_step
 from ..runtime.lora import Adapters, LoraSpec, adapters_of, add_adapters, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
-from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
+from ..runtime.mesh import ParallelMesh
 from ..runtime.pipeline import (
     DecoderStage,
     PipelineRunner,
@@ -60,183 +58,156 @@ from ..runtime.pipeline import (
     pipeline_grad_norm,
     plan_stage_layers,
 )
-from ..runtime.pipeline_ties import stage_ties, untie_across_stages
+from ..runtime.pipeline_ties import StageTies, stage_ties, untie_across_stages
 from ..runtime.weights import load_hf_weights
 from .batch_agreement import different_fields, fields_fingerprint
 from .batches import Batch, BatchError, Microbatching, check_batch
 from .build import from_folder, seeded_model
-from .loss_contract import BatchTotals, NonFiniteError, check_temperature
-from .offload import Offloader
-from .options import (
-    OptimizerSpec,
-    SchedulerSpec,
-    make_optimizer,
-    make_scheduler,
-    policy_mesh,
-)
-from .param_groups import trained_parameters
-from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Loss, Recorded, per_token
+from .loss_contract import BatchTotals, LossFn, NonFiniteError, TokenLoss
+from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Recorded, per_token
 from .pipeline_rows import PipelineRows, RowGroup, fingerprint
-from .policy import Policy
-from .reference import ReferenceWeights, reference_place
 from .stage_values import StageValues
-from .transport import WeightTransport
+from .steps import ModelParts, StepOutcome
 
 
-class PipelinePolicy(Policy, stages=True):
-    """``plancc.Policy`` for a layout with ``pp > 1`` (``Policy(...)`` returns one): see the
-    module's docstring. Its methods are ``Policy``'s, with the limits stated there."""
+def build_stages(
+    plan: Plan,
+    source: str | None,
+    config: PretrainedConfig,
+    mesh: ParallelMesh,
+    *,
+    lora: LoraSpec | None,
+    dtype: torch.dtype | None,
+    seed: int,
+    cpu_offload: bool,
+    device: str,
+) -> tuple[ModelParts, PipelineSteps]:
+    """This rank's stages of the model as ``Policy``'s parts, filled with the weights (a model
+    folder's, or the seeded initial ones), and the executor that steps them."""
+    sizes = mesh.layout
+    unsupported = [what for what, on in ((f"ep={sizes.ep}", sizes.ep > 1), ("FSDP CPU offload", cpu_offload)) if on]
+    if unsupported:
+        raise LayoutError.from_message(
+            f"pp={sizes.pp} with {', '.join(unsupported)}: not supported yet",
+            "drop it, or train without --pp (docs/pipeline.md says what runs)",
+        )
+    spec = plan.pipeline or PipelineSpec()
+    # the whole model on meta (what checkpoints and weights out are shaped by); the stages are cut
+    # from it, or from an untied copy when it ties a weight across stages (runtime.pipeline_ties)
+    whole = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
+    body, ties = whole, {}
+    if tied_parameter_groups(whole):
+        body = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
+        ties = untie_across_stages(body)
+        if lora is not None:  # the whole model names the adapters too: the weights out merge them
+            resolved = resolve_plan(plan, whole, sequence_parallel=sizes.sequence_parallel)
+            add_adapters(whole, lora, resolved, None)
+    stage_count = len(plan_stage_layers(body, spec, sizes.pp))
+    stages = parallelize_stages(body, plan, mesh, param_dtype=dtype, lora=lora)
+    model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
+    adapters = adapters_of(whole)
+    if adapters is not None:  # the adapters this rank's stages hold, at the model's names
+        modules = {name for name, _ in model.named_modules()}
+        mine = Adapters(spec=adapters.spec, modules=tuple(m for m in adapters.modules if m in modules))
+        model.__dict__["_plancc_adapters"] = mine
+    weight_source = _fill(stages, model, whole, config, source, ties, seed, device)
+    tied = stage_ties(ties, dict(model.named_parameters()), mesh, spec.schedule, stage_count // sizes.pp)
+    runner = PipelineRunner(
+        stages,
+        sizes.pp,
+        microbatches=spec.microbatches or sizes.pp,
+        schedule=spec.schedule,
+        group=mesh["pp"].get_group(),
+        device=torch.device(device),
+    )
+    values = StageValues(model, whole, mesh["pp"].get_group(), device)
+    parts = ModelParts(
+        model=model,
+        whole=whole,
+        weight_source=weight_source,
+        values=values,
+        aliases=ties,
+        copies=frozenset(tied.copies),
+    )
+    return parts, PipelineSteps(model, mesh, config, device, runner=runner, tied=tied, ties=ties, values=values)
+
+
+def _fill(
+    stages: list[tuple[int, DecoderStage]],
+    model: RankStages,
+    whole: nn.Module,
+    config: PretrainedConfig,
+    source: str | None,
+    ties: dict[str, str],
+    seed: int,
+    device: str,
+) -> str:
+    """The stages' weights: a model folder's safetensors, or the seeded initial weights of
+    the whole model (each rank keeps its stages' shards)."""
+    adapters = adapters_of(whole)
+    # LoRA: every adapter from its seeded initialization, as at pp=1 (build.load_weights)
+    initial = {} if adapters is None else initial_adapter_state(adapters, base_shapes(whole, adapters), seed)
+    if source is not None and from_folder(source):
+        for _, stage in stages:
+            materialize(stage, device)
+        load_hf_weights(model, source, whole=whole, aliases=ties)
+        for _, stage in stages:
+            mine = {k: initial[k].to(device) for k in stage.state_dict() if k in initial}
+            if mine:
+                set_model_state_dict(stage, mine, options=StateDictOptions(full_state_dict=True, strict=False))
+        return f"safetensors from {source}"
+    full = {**seeded_model(config, seed).state_dict(), **initial}
+    for _, stage in stages:
+        materialize(stage, device, full_state_dict={k: full[k].to(device) for k in stage.state_dict()})
+    return f"random init (seed {seed})"
+
+
+class PipelineSteps:
+    """A step over this rank's stages (see the module's docstring)."""
 
     def __init__(
         self,
-        plan: str | Path | Plan,
-        model: str | Path | PretrainedConfig,
+        model: RankStages,
+        mesh: ParallelMesh,
+        config: PretrainedConfig,
+        device: str,
         *,
-        layout: Layout | ParallelMesh | None = None,
-        optimizer: OptimizerSpec = None,
-        lr_scheduler: SchedulerSpec = None,
-        max_grad_norm: float | None = 1.0,
-        weight_decay: float | None = None,
-        param_dtype: torch.dtype | str | None = None,
-        cpu_offload: bool = False,
-        reference: bool | str = False,
-        lora: Any = None,
-        seed: int = 0,
-        device: str | None = None,
-        timeout_s: float = 600.0,
+        runner: PipelineRunner,
+        tied: StageTies,
+        ties: dict[str, str],
+        values: StageValues,
     ) -> None:
-        self.device = device or default_device_type()
-        init_process_group(self.device, timeout_s)
-        self.mesh: ParallelMesh = policy_mesh(layout, device=self.device)
-        sizes = self.mesh.layout
-        self._dp_rank: int | None = None
-        unsupported = [
-            what
-            for what, on in (
-                (f"ep={sizes.ep}", sizes.ep > 1),
-                ("FSDP CPU offload", cpu_offload),
-            )
-            if on
-        ]
-        if unsupported:
-            raise LayoutError.from_message(
-                f"pp={sizes.pp} with {', '.join(unsupported)}: not supported yet",
-                "drop it, or train without --pp (docs/pipeline.md says what runs)",
-            )
-        self.plan = plan if isinstance(plan, Plan) else load_plan(str(plan))
-        self.source = None if isinstance(model, PretrainedConfig) else str(model)
-        self.config = load_config(model)
-        # lora= here, else the plan's lora: section; adapters laid out as at pp=1, on the stages
-        self.lora = LoraSpec.of(lora) if lora is not None else self.plan.lora
-        dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
-        self._whole, stages = self._build_stages(dtype)
-        self.stages = stages
-        self.model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
-        adapters = adapters_of(self._whole)
-        if adapters is not None:  # the adapters this rank's stages hold, at the model's names
-            modules = {name for name, _ in self.model.named_modules()}
-            mine = Adapters(spec=adapters.spec, modules=tuple(m for m in adapters.modules if m in modules))
-            self.model.__dict__["_plancc_adapters"] = mine
-        self.weight_source = self._fill(seed)
-        seed_data_shard_streams(self.mesh, seed)
-        spec = self.plan.pipeline or PipelineSpec()
-        held = dict(self.model.named_parameters())
-        self.tied = stage_ties(self._ties, held, self.mesh, spec.schedule, self._stage_count // sizes.pp)
-        self.optimizer = make_optimizer(
-            optimizer, trained_parameters(self.model, weight_decay, embeddings=self.tied.copies)
-        )
-        self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
-        self.max_grad_norm = max_grad_norm
-        self.step = 0
-        place = reference_place(reference)
-        # with LoRA the reference is the frozen base, its adapters disabled (no second copy)
-        kept = place if self.lora is None else None
-        self._reference = ReferenceWeights(self.model, place=kept, dtype=dtype) if kept else None
-        # the reference's bound method, not a closure over the policy (a cycle: ``Policy``'s)
-        beside = self._reference.device_tensors if self._reference is not None else tuple
-        self._memory = Offloader(self.model, self.optimizer, beside_params=beside, device=self.device)
-        # the weights out stream the whole model's structure, each tensor from its stage
-        values = self._values = StageValues(self.model, self._whole, self.mesh["pp"].get_group(), self.device)
-        self._transport = WeightTransport(self._whole, self.config, self.device, values=values, held=self.model)
-        self.runner = PipelineRunner(
-            stages,
-            sizes.pp,
-            microbatches=spec.microbatches or sizes.pp,
-            schedule=spec.schedule,
-            group=self.mesh["pp"].get_group(),
-            device=torch.device(self.device),
-        )
-
-    @property
-    def weight_aliases(self) -> dict[str, str]:
-        return dict(self._ties)
+        self.model, self.mesh, self.config, self.device = model, mesh, config, device
+        self.runner, self.tied, self._ties, self._values = runner, tied, ties, values
+        self.layout = mesh.layout
+        self.dp_size = self.layout.dp
 
     def tied_copies_identical(self) -> bool:
         # each side whole, broadcast from the pipeline rank holding it (collective, names in one order)
         return all(torch.equal(self._values(copy), self._values(weight)) for copy, weight in self._ties.items())
 
-    # ------------------------------------------------------------------ building
-    def _build_stages(self, dtype: torch.dtype | None) -> tuple[nn.Module, list[tuple[int, DecoderStage]]]:
-        """The whole model on meta (what checkpoints and weights out are shaped by) and this
-        rank's stages of it, laid out (``runtime.pipeline.parallelize_stages``)."""
-        whole = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
-        body = whole
-        self._ties: dict[str, str] = {}
-        if tied_parameter_groups(whole):  # the stages are cut from an untied copy (runtime.pipeline_ties)
-            body = build_model(copy.deepcopy(self.config), device="meta", dtype=MASTER_DTYPE)
-            self._ties = untie_across_stages(body)
-            if self.lora is not None:  # the whole model names the adapters too: the weights out merge them
-                resolved = resolve_plan(self.plan, whole, sequence_parallel=self.layout.sequence_parallel)
-                add_adapters(whole, self.lora, resolved, None)
-        self._stage_count = len(plan_stage_layers(body, self.plan.pipeline or PipelineSpec(), self.layout.pp))
-        return whole, parallelize_stages(body, self.plan, self.mesh, param_dtype=dtype, lora=self.lora)
-
-    def _fill(self, seed: int) -> str:
-        """The stages' weights: a model folder's safetensors, or the seeded initial weights of
-        the whole model (each rank keeps its stages' shards)."""
-        adapters = adapters_of(self._whole)
-        # LoRA: every adapter from its seeded initialization, as at pp=1 (build.load_weights)
-        initial = {} if adapters is None else initial_adapter_state(adapters, base_shapes(self._whole, adapters), seed)
-        if self.source is not None and from_folder(self.source):
-            for _, stage in self.stages:
-                materialize(stage, self.device)
-            load_hf_weights(self.model, self.source, whole=self._whole, aliases=self._ties)
-            for _, stage in self.stages:
-                mine = {k: initial[k].to(self.device) for k in stage.state_dict() if k in initial}
-                if mine:
-                    set_model_state_dict(stage, mine, options=StateDictOptions(full_state_dict=True, strict=False))
-            return f"safetensors from {self.source}"
-        full = {**seeded_model(self.config, seed).state_dict(), **initial}
-        for _, stage in self.stages:
-            materialize(stage, self.device, full_state_dict={k: full[k].to(self.device) for k in stage.state_dict()})
-        return f"random init (seed {seed})"
-
     # ------------------------------------------------------------------ training
-    def train(
+    def train_step(
         self,
         batch: Batch,
-        loss_fn: Loss | None = None,
+        loss_fn: LossFn | None,
+        token_loss: TokenLoss | None,
+        cut: Microbatching,
         *,
-        token_loss: Loss | None = None,
-        microbatching: Microbatching | None = None,
-        entropy: bool = False,
-        temperature: float = 1.0,
-        **cuts: Any,  # Microbatching's fields as keywords
-    ) -> dict[str, float]:
-        """``Policy.train`` over the pipeline: one optimizer step on this rank's slice, the loss
-        normalized over the global batch. ``loss_fn(logprobs [rows, L], fields, norm)`` sees a
+        entropy: bool,
+        temperature: float,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None,
+    ) -> StepOutcome:
+        """The forward and backward of this rank's slice over the pipeline, the loss normalized
+        over the global batch, then clipped. ``loss_fn(logprobs [rows, L], fields, norm)`` sees a
         microbatch of rows of one length ``L`` (their padding removed, every field cut alike);
         ``token_loss(logprobs [n], tokens, norm)`` its predicted tokens flat."""
-        if (loss_fn is None) == (token_loss is None):
-            raise TypeError("Policy.train takes one loss: loss_fn (per microbatch) or token_loss= (per token)")
-        self._memory.require_onloaded("train", optimizer=True)
-        check_temperature(temperature)
-        started = time.perf_counter()
-        rows, norm, input_tokens = self._prepared(batch, Microbatching.of(microbatching, cuts))
+        rows, norm, input_tokens = self._prepared(batch, cut)
         self.model.train()
         recorded = Recorded()
         fn = per_token(token_loss) if token_loss is not None else loss_fn
-        assert fn is not None, "one loss is given (checked above)"
+        assert fn is not None, "one loss is given (Policy.train checked)"
         scale = loss_scale(self.layout)
         try:
             for group in rows.groups():
@@ -251,27 +222,19 @@ class PipelinePolicy(Policy, stages=True):
             grad_norm = float(norm_value)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=None, parameter=None)
-            scale_to_norm_(params, grad_norm, self.max_grad_norm or math.inf)
+            scale_to_norm_(params, grad_norm, max_grad_norm or math.inf)
         except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             raise
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        optimizer_step(self.optimizer)  # on the local shards where that is the same update
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": norm.tokens,
-            "sequences": norm.sequences,
-            "input_tokens": input_tokens,
-            "microbatches": float(sum(g.microbatches for g in rows.groups())),
-            "seconds": time.perf_counter() - started,
-            **metrics,
-        }
+        return StepOutcome(
+            loss=loss,
+            grad_norm=grad_norm,
+            metrics=metrics,
+            tokens=norm.tokens,
+            sequences=norm.sequences,
+            input_tokens=input_tokens,
+            microbatches=sum(g.microbatches for g in rows.groups()),
+        )
 
     def _agreed_outcome(self, recorded: Recorded) -> tuple[float, dict[str, float], str]:
         """The loss and metrics summed over the microbatches of the last stage and over dp; a
@@ -353,19 +316,11 @@ class PipelinePolicy(Policy, stages=True):
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(
-        self,
-        batch: Batch,
-        *,
-        entropy: bool = False,
-        temperature: float = 1.0,
-        microbatching: Microbatching | None = None,
-        **cuts: Any,  # Microbatching's fields as keywords
+        self, batch: Batch, cut: Microbatching, *, entropy: bool, temperature: float
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[rows, s]`` fp32 log-probs of this rank's rows (0 at position 0 and padding) on
         every rank of the pipeline; with ``entropy=True`` a pair."""
-        self._memory.require_onloaded("logprobs")
-        check_temperature(temperature)
-        rows, _, _ = self._prepared(batch, Microbatching.of(microbatching, cuts))
+        rows, _, _ = self._prepared(batch, cut)
         shape = tuple(batch["input_ids"].shape)
         out = torch.zeros((2, *shape), dtype=torch.float32, device=self.device)
         self._forward_only(rows, lambda group: LastStageLogprobs(group, out, temperature, entropy, self.runner.cp))
@@ -375,7 +330,6 @@ class PipelinePolicy(Policy, stages=True):
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[rows, s, vocab]`` fp32 logits of this rank's rows (0 at padding) on every rank of
         the pipeline, the vocabulary whole: what ``--verify`` compares with the unsharded model."""
-        self._memory.require_onloaded("logits")
         rows, _, _ = self._prepared(batch, Microbatching())
         vocab = self.config.get_text_config().vocab_size
         out = torch.zeros((*batch["input_ids"].shape, vocab), dtype=torch.float32, device=self.device)

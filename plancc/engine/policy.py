@@ -19,13 +19,11 @@ full length: the engine shards the sequence for cp itself).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from importlib import import_module
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,16 +32,12 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan, load_plan
 from ..layout import Layout
 from ..models import load_config
-from ..runtime.gradnorm import global_grad_norm, local_gradients, scale_local_to_norm_
 from ..runtime.local_step import optimizer_step
 from ..runtime.lora import LoraSpec, adapters_disabled
 from ..runtime.mesh import ParallelMesh, default_device_type, init_process_group, seed_data_shard_streams
-from ..runtime.stepping import require_stepped
 from . import checkpoint, shards
-from .batch_agreement import AgreedBatch, agreed_batch, raise_non_finite, settled_step
 from .batches import (
     Batch,
-    Microbatch,
     Microbatching,
     balanced_dp_rows,
     dp_slice,
@@ -59,19 +53,19 @@ from .loss_contract import (  # noqa: F401 - NonFiniteError, check_temperature: 
     call_loss,
     check_temperature,
 )
-from .microbatch_passes import forward, loss_pass, token_pass
 from .offload import Offloader
 from .options import (
     OptimizerSpec,
     SchedulerSpec,
     make_optimizer,
     make_scheduler,
-    pipeline_stages,
     policy_mesh,
 )
 from .param_groups import trained_parameters
+from .pipelined import build_stages
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
+from .steps import ModelParts, PlainSteps, StepExecutor, step_metrics
 from .streaming import WeightFormat
 from .transport import WeightTransport
 
@@ -101,28 +95,6 @@ class Policy:
     (and hold optimizer state), the base is frozen and is the reference (adapters disabled:
     no second copy); weights go out merged, or as the adapters alone (``adapters_only=True``).
     """
-
-    # The class a layout with pipeline stages is built as: a Policy whose model is the rank's
-    # stages, built and stepped by ``engine.pipelined``, which names itself here when it is
-    # imported. It subclasses this one, so it is loaded on the first Policy with pp > 1
-    # (``__new__``), not by this module: and not by ``plancc.engine``'s light modules either,
-    # which the launcher imports without DTensor or DCP (tests/test_startup.py). Issue 75 makes
-    # the stages a step executor that Policy owns, which removes this indirection.
-    _with_stages: ClassVar[type[Policy] | None] = None
-
-    def __init_subclass__(cls, *, stages: bool = False, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if stages:
-            Policy._with_stages = cls
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # pp > 1: that class's instance (Python then runs its __init__ with these arguments)
-        if cls is Policy and pipeline_stages(kwargs.get("layout")) > 1:
-            if Policy._with_stages is None:
-                import_module(f"{__package__}.pipelined")
-            assert Policy._with_stages is not None, "engine.pipelined names its class on import"
-            return super().__new__(Policy._with_stages)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -154,31 +126,52 @@ class Policy:
         dtype = getattr(torch, param_dtype) if isinstance(param_dtype, str) else param_dtype
         # lora= here, else the plan's lora: section
         self.lora = LoraSpec.of(lora) if lora is not None else self.plan.lora
-        self.model, self.weight_source = build_parallel_model(
-            self.plan,
-            self.source,
-            self.config,
-            self.mesh,
-            device=self.device,
-            seed=seed,
-            param_dtype=dtype,
-            lora=self.lora,
-            cpu_offload=cpu_offload,
-        )
-        self._whole = self.model  # the model's structure (checkpoints state it): all of it here
+        # the model's parts and the step executor over them: the one place stages are known
+        self._steps: StepExecutor
+        if self.layout.pp > 1:
+            parts, self._steps = build_stages(
+                self.plan,
+                self.source,
+                self.config,
+                self.mesh,
+                lora=self.lora,
+                dtype=dtype,
+                seed=seed,
+                cpu_offload=cpu_offload,
+                device=self.device,
+            )
+        else:
+            model_, source = build_parallel_model(
+                self.plan,
+                self.source,
+                self.config,
+                self.mesh,
+                device=self.device,
+                seed=seed,
+                param_dtype=dtype,
+                lora=self.lora,
+                cpu_offload=cpu_offload,
+            )
+            parts = ModelParts(model=model_, whole=model_, weight_source=source)
+            self._steps = PlainSteps(model_, self.mesh, self.config, self.device, self.plan.loc)
+        self.model, self._whole, self.weight_source = parts.model, parts.whole, parts.weight_source
+        self._aliases = dict(parts.aliases)
         seed_data_shard_streams(self.mesh, seed)
         # with LoRA only the adapters train: the frozen base gets no gradient and no state
-        self.optimizer = make_optimizer(optimizer, trained_parameters(self.model, weight_decay))
+        self.optimizer = make_optimizer(
+            optimizer, trained_parameters(self.model, weight_decay, embeddings=parts.copies)
+        )
         self.scheduler = make_scheduler(lr_scheduler, self.optimizer)
         self.max_grad_norm = max_grad_norm
         self.step = 0
-        # with LoRA the frozen base is the reference: nothing to copy
+        # with LoRA the frozen base is the reference (its adapters disabled): nothing to copy
         place = reference_place(reference)
         self._reference = (
             ReferenceWeights(self.model, place=place, dtype=dtype) if place and self.lora is None else None
         )
-        # the roles beside training (each its own module): weights out, memory
-        self._transport = WeightTransport(self.model, self.config, self.device)
+        # the roles beside training (each its own module): weights out -- the whole model's
+        # structure, each tensor from the part that holds it --, memory
+        self._transport = WeightTransport(self._whole, self.config, self.device, values=parts.values, held=self.model)
         # the reference's bound method, not a closure over the policy: no cycle keeps a dropped
         # policy's memory until the garbage collector runs
         beside = self._reference.device_tensors if self._reference is not None else tuple
@@ -208,14 +201,14 @@ class Policy:
 
     def tied_copies_identical(self) -> bool:
         """Collective: whether every copy of a tied weight (``weight_aliases``) holds the weight's
-        values -- the tie kept through training. Nothing is copied here."""
-        return True
+        values -- the tie kept through training (without stages there are no copies)."""
+        return self._steps.tied_copies_identical()
 
     @property
     def weight_aliases(self) -> dict[str, str]:
         """Names of ``model``'s tensors that a Hugging Face folder holds under another name: a
-        tied lm_head's copy on the last pipeline stage (``runtime.pipeline_ties``); none here."""
-        return {}
+        tied lm_head's copy on the last pipeline stage (``runtime.pipeline_ties``); none without."""
+        return dict(self._aliases)
 
     def slice_of(self, global_rows: int) -> slice:
         """This rank's rows of a global batch of ``global_rows`` (which dp must divide)."""
@@ -269,70 +262,23 @@ class Policy:
         if token_loss is not None and entropy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
-        cut = Microbatching.of(microbatching, cuts)
-        agreed = self._agreed(batch, cut)
-        batch, norm, plan, spans = agreed.batch, agreed.totals, agreed.microbatches, agreed.spans
-        if not self.model.training:  # every module's flag: a walk of the model, not free on each step
-            self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums: dict[str, torch.Tensor | float] = {}
-        # Nothing reads the device inside the loop (a GPU's queue never stalls on the host): a
-        # microbatch whose loss the caller's function refused is noted and agreed on after the
-        # last backward, whether each loss is finite is read once at the end, metrics are summed
-        # where they are.
-        refused = ""  # this rank's first refused microbatch
-        finite: list[torch.Tensor] = []
-        try:
-            for index, rows in enumerate(plan):
-                mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=cut.pack, spans=spans)
-                if token_loss is not None:
-                    loss, metrics, problem = token_pass(
-                        self.model, self.mesh, mb, token_loss, norm, index, temperature=temperature
-                    )
-                else:
-                    assert loss_fn is not None, "one loss is given (checked above)"
-                    loss, metrics, problem = loss_pass(
-                        self.model, self.mesh, mb, loss_fn, norm, index, entropy=entropy, temperature=temperature
-                    )
-                refused = refused or problem
-                finite.append(torch.isfinite(loss))
-                loss_sum += loss.to(torch.float64)
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            # the norm is read with the step's verdicts and sums (one read of the device, not two);
-            # what clipping scales is found before that read, while the device runs the backward
-            clipped = local_gradients(params)
-            gradient_norm = global_grad_norm(params, clipped)
-            # the shares are the dp ranks' (a token loss's: dp x cp, each cp rank its positions)
-            shares = self.dp_size * (self.layout.cp if token_loss is not None else 1)
-            settled = settled_step(refused, finite, loss_sum, sums, shares, self.device, gradient_norm)
-            loss_total, grad_norm, metric_sums = settled.loss, settled.grad_norm, settled.metrics
-            if settled.not_finite or not math.isfinite(grad_norm):
-                raise_non_finite(self.model, finite, loss_total, grad_norm, self.device)
-            scale_local_to_norm_(clipped, grad_norm, self.max_grad_norm or math.inf)
-            require_stepped(self.model, self.optimizer, where=self.plan.loc)
-        except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
-            shards.back_to_shards(self.model)
-            raise
+        outcome = self._steps.train_step(
+            batch,
+            loss_fn,
+            token_loss,
+            Microbatching.of(microbatching, cuts),
+            entropy=entropy,
+            temperature=temperature,
+            optimizer=self.optimizer,
+            max_grad_norm=self.max_grad_norm,
+        )
         lr = float(self.optimizer.param_groups[0]["lr"])
         optimizer_step(self.optimizer)  # on the local shards where that is the same update
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {
-            "loss": loss_total,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": norm.tokens,
-            "sequences": norm.sequences,
-            "input_tokens": agreed.input_tokens,
-            "microbatches": float(len(plan)),
-            "seconds": time.perf_counter() - started,
-            **metric_sums,
-        }
+        return step_metrics(outcome, lr, time.perf_counter() - started)
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(
@@ -350,24 +296,14 @@ class Policy:
         self._memory.require_onloaded("logprobs")
         check_temperature(temperature)
         cut = Microbatching.of(microbatching, cuts)
-        agreed = self._agreed(batch, cut)
-        batch, plan, spans = agreed.batch, agreed.microbatches, agreed.spans
-        rows_total, seq = batch["input_ids"].shape
-        out = torch.zeros((rows_total, seq), dtype=torch.float32, device=self.device)
-        ent_out = torch.zeros_like(out) if entropy else None
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for rows in plan:
-                    mb = Microbatch.of(batch, rows, multiple=self.layout.sequence_multiple, pack=cut.pack, spans=spans)
-                    lp, ent = forward(self.model, self.mesh, mb, entropy=entropy, temperature=temperature)
-                    out[rows] = lp
-                    if ent_out is not None and ent is not None:
-                        ent_out[rows] = ent
-        finally:
-            self.model.train(was_training)
-        return (out, ent_out) if ent_out is not None else out
+        return self._steps.logprobs(batch, cut, entropy=entropy, temperature=temperature)
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits of this rank's rows, the vocabulary whole, for comparing with an unsharded
+        model (``--verify``): the model's own (a cp rank's positions) without stages, or every
+        position on every rank of the pipeline (0 at padding) with them."""
+        self._memory.require_onloaded("logits")
+        return self._steps.logits(batch)
 
     def reference_logprobs(self, batch: Batch, **options: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``logprobs`` (the same options) under the frozen initial weights (``reference=True``;
@@ -509,17 +445,6 @@ class Policy:
         return info
 
     # ------------------------------------------------------------------ internals
-    def _agreed(self, batch: Batch, cut: Microbatching) -> AgreedBatch:
-        vocab = getattr(self.config.get_text_config(), "vocab_size", None)
-        return agreed_batch(
-            batch,
-            self.mesh,
-            device=self.device,
-            vocab_size=vocab,
-            micro_batch_size=cut.micro_batch_size,
-            max_tokens=cut.max_tokens,
-        )
-
     def _shards(self) -> list[torch.Tensor]:
         """This rank's storage of every parameter, in order (written in place by swaps)."""
         return shards.local_shards(self.model)

@@ -36,7 +36,6 @@ from ..compiler.resolve import tied_parameter_groups
 from ..engine.batches import default_token_mask
 from ..engine.build import seeded_model
 from ..engine.losses import token_nll
-from ..engine.pipelined import PipelinePolicy
 from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import MASTER_DTYPE, build_model, load_config
@@ -429,7 +428,8 @@ def _compare_logits(
     pipeline's last stage every attended position), ``chunk`` rows at a time: the largest
     difference and the largest reference logit, whose ratio is the relative difference."""
     ids, mask = whole["input_ids"][mine], whole["attention_mask"][mine]
-    if isinstance(policy, PipelinePolicy):  # the schedule takes the rank's rows whole
+    staged = policy.layout.pp > 1
+    if staged:  # the schedule takes the rank's rows whole
         pieces = [slice(0, ids.shape[0])]
     else:
         pieces = [slice(a, min(ids.shape[0], a + chunk)) for a in range(0, ids.shape[0], chunk)]
@@ -437,14 +437,12 @@ def _compare_logits(
     for rows in pieces:
         part = {"input_ids": ids[rows], "attention_mask": mask[rows]}
         ref_logits = chunked_logits(reference, part, chunk)
-        if isinstance(policy, PipelinePolicy):
+        logits = policy.logits(part)  # the logits the loss never builds, for comparison
+        if staged:  # every position, on every rank of the pipeline
             attended = part["attention_mask"].bool()
-            logits, ref_logits = policy.logits(part)[attended], ref_logits[attended]
-        else:
-            if local_index is not None:
-                ref_logits = ref_logits.index_select(1, local_index)
-            with torch.no_grad():  # the logits the loss never builds, for comparison
-                logits = full(policy.model(**part, use_cache=False).logits)
+            logits, ref_logits = logits[attended], ref_logits[attended]
+        elif local_index is not None:  # a cp rank's positions
+            ref_logits = ref_logits.index_select(1, local_index)
         diff = max(diff, (logits - ref_logits).abs().max().item())
         scale = max(scale, ref_logits.abs().max().item())
     report.logits_max_abs = diff

@@ -1,5 +1,5 @@
 """Pipeline stages of a Hugging Face decoder and torch's schedules, with the step's loss normalized
-over the whole batch (``engine.pipelined``'s ``Policy`` with stages drives them; ``apply --pp``
+over the whole batch (``Policy``'s step executor for stages, ``engine.pipelined``, drives them; ``apply --pp``
 through it).
 
 A stage is a module of its own built from the model: the embedding on the first stage, a
