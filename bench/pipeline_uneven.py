@@ -1,5 +1,6 @@
-"""RL's uneven rows through a pipeline: one schedule step per length (``step_rows``) against
-padding every row to the longest (one step), side by side in one run.
+"""RL's uneven rows through a pipeline: ``Policy(pp=N).train`` on rows of their own lengths (one
+schedule step per length) against the same rows padded to the longest (every position attended:
+one step), side by side in one run.
 
     python bench/pipeline_uneven.py [--rows 16] [--pp 2] [--repeats 3]
 
@@ -25,36 +26,36 @@ from tests.distributed import init_gloo, launch  # noqa: E402
 def worker(rows: int, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages
+    import plancc
 
-    rank, world = init_gloo(timeout_s=1800)
+    from tests.policy_worker import nll
+
+    _, world = init_gloo(timeout_s=1800)
     torch.set_num_threads(1)
     try:
         config = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=64, vocab_size=512, attn_implementation="sdpa")
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(config)
-        runner = PipelineRunner(build_rank_stages(model, rank, world), world, microbatches=world)
+        policy = plancc.Policy("plans/qwen3.yaml", config, layout=plancc.Layout(pp=world),
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
         gen = torch.Generator().manual_seed(3)
         # long-tailed lengths in whole 32s: most near 64, a tail up to 512
         lengths = [int(min(512, 64 * (1 + torch.empty(1).exponential_(generator=gen).item() ** 2))) // 32 * 32
                    for _ in range(rows)]
-        batch = [torch.randint(0, 512, (n,), generator=gen) for n in lengths]
         longest = max(lengths)
-        padded = torch.stack([torch.cat([r, r.new_zeros(longest - len(r))]) for r in batch])
-        runner_padded = PipelineRunner(runner.stages, world, microbatches=rows)
+        ids = torch.randint(0, 512, (rows, longest), generator=gen)
+        mask = (torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]).long()
+        uneven = {"input_ids": ids, "attention_mask": mask}
+        padded = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}  # the padding's tokens computed
         times: dict[str, list[float]] = {"by length": [], "padded": []}
-        ways = (("by length", lambda: runner.step_rows(batch)), ("padded", lambda: runner_padded.step(padded)))
+        ways = (("by length", lambda: policy.train(uneven, nll)), ("padded", lambda: policy.train(padded, nll)))
         for _ in range(repeats + 1):
             for name, fn in ways:
                 dist.barrier()
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
-                for p in runner.parameters():
-                    p.grad = None
         return {
             "lengths": lengths,
             "distinct": len(set(lengths)),

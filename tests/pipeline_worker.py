@@ -6,273 +6,6 @@ from .conftest import PLANS
 from .distributed import init_gloo, sized
 
 
-def _model_pair(preset, layers):
-    """A tiny model of ``layers`` full-attention layers (the same on every rank) and its copy,
-    the unsharded reference."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from plancc.models import load_config
-
-    config = load_config(preset)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = ["full_attention"] * layers
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    return model, copy.deepcopy(model)
-
-
-def _against_reference(runner, names, reference, ids, step, pp_group):
-    """One pipeline step (``step()``: this pipeline's share of the loss summed over dp) against
-    the reference on all of ``ids``: the loss, every gradient of this rank's stages, the grad norm
-    over all stages, and the loss after an AdamW step on both."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from plancc.runtime.pipeline import next_token_targets, pipeline_grad_norm
-
-    def reference_loss():
-        logits = reference(input_ids=ids, use_cache=False).logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten())
-
-    params = runner.parameters()
-    loss = step()
-    ref = reference_loss()
-    ref.backward()
-    ref_params = dict(reference.named_parameters())
-    worst, sharded = 0.0, 0
-    for p in params:
-        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        sharded += isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
-        want = ref_params[names[id(p)]].grad
-        worst = max(worst, (got - want).abs().max().item() / (want.abs().max().item() or 1.0))
-    norm = pipeline_grad_norm(params, pp_group)
-    ref_norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt()
-    torch.optim.AdamW(params, lr=1e-3).step()
-    torch.optim.AdamW(list(reference.parameters()), lr=1e-3).step()
-    for p in params:
-        p.grad = None
-    reference.zero_grad(set_to_none=True)
-    after = step()
-    ref_after = reference_loss()
-    return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst, "compared": len(params), "sharded": sharded,
-            "norm": abs(norm.item() - ref_norm.item()) / ref_norm.item(), "after": abs(after.item() - ref_after.item())}
-
-
-def _rows(config_vocab, rows):
-    import torch
-
-    return torch.randint(0, config_vocab, (rows, 16), generator=torch.Generator().manual_seed(1))
-
-
-def compare_pipeline(preset, layers, schedule, microbatches, rows, virtual=1):
-    """One step of a pipeline of ``world`` stages against the unsharded model on the whole batch."""
-    import torch.distributed as dist
-
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages
-
-    rank, world = init_gloo()
-    try:
-        model, reference = _model_pair(preset, layers)
-        names = {id(p): n for n, p in model.named_parameters()}
-        stages = build_rank_stages(model, rank, world, schedule=schedule, virtual=virtual)
-        runner = PipelineRunner(stages, world, microbatches=microbatches, schedule=schedule)
-        ids = _rows(model.config.vocab_size, rows)
-        result = _against_reference(runner, names, reference, ids, lambda: runner.step(ids), None)
-        held = [None] * world
-        dist.all_gather_object(held, [i for i, _ in stages])
-        return {**result, "stage_params": held}
-    finally:
-        dist.destroy_process_group()
-
-
-def compare_pipeline_fsdp(preset, layers, schedule, microbatches, rows, pp, virtual=1):
-    """pp x dp: each stage FSDP2-sharded over the dp ranks, each dp rank a share of the rows;
-    against the unsharded model on all of them."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets, shard_stages
-
-    rank, world = init_gloo()
-    try:
-        dp = world // pp
-        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-        model, reference = _model_pair(preset, layers)
-        names = {id(p): n for n, p in model.named_parameters()}
-        stages = build_rank_stages(model, mesh["pp"].get_local_rank(), pp, schedule=schedule, virtual=virtual)
-        # FSDP replaces the parameters: name them by their place in the stages first
-        origin = {(i, n): names[id(p)] for i, m in stages for n, p in m.named_parameters()}
-        shard_stages(stages, mesh["dp"])
-        names = {id(p): origin[(i, n)] for i, m in stages for n, p in m.named_parameters()}
-        runner = PipelineRunner(stages, pp, microbatches=microbatches, schedule=schedule, group=mesh["pp"].get_group())
-        ids = _rows(model.config.vocab_size, rows)
-        mine = ids.chunk(dp)[mesh["dp"].get_local_rank()]
-        total = int((next_token_targets(ids) != -100).sum())
-
-        def step():
-            share = runner.step(mine, total_tokens=total, data_parallel=dp)
-            dist.all_reduce(share, group=mesh["dp"].get_group())
-            return share
-
-        return _against_reference(runner, names, reference, ids, step, mesh["pp"].get_group())
-    finally:
-        dist.destroy_process_group()
-
-
-def compare_pipeline_tp(plan_path, preset, layers, schedule, microbatches, rows, pp, virtual=1):
-    """pp x tp: the plan's TP styles applied to the model (plancc's own), then the stages cut
-    from it; against the unsharded model on the whole batch."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import plancc
-    from plancc.compiler.resolve import resolve_plan
-    from plancc.runtime.parallelize import apply_tensor_parallel
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages
-
-    rank, world = init_gloo()
-    try:
-        mesh = init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "tp"))
-        model, reference = _model_pair(preset, layers)
-        apply_tensor_parallel(model, resolve_plan(plancc.load_plan(plan_path), model), mesh["tp"])
-        names = {id(p): n for n, p in model.named_parameters()}
-        stages = build_rank_stages(model, mesh["pp"].get_local_rank(), pp, schedule=schedule, virtual=virtual)
-        runner = PipelineRunner(stages, pp, microbatches=microbatches, schedule=schedule, group=mesh["pp"].get_group())
-        ids = _rows(model.config.vocab_size, rows)
-        return _against_reference(runner, names, reference, ids, lambda: runner.step(ids), mesh["pp"].get_group())
-    finally:
-        dist.destroy_process_group()
-
-
-def compare_pipeline_rows(preset, layers, schedule, lengths, virtual=1):
-    """RL's uneven rows through ``step_rows`` (no padding) against the unsharded model on each
-    row alone, summed over all rows' tokens."""
-    import torch
-    import torch.distributed as dist
-
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, next_token_targets
-
-    rank, world = init_gloo()
-    try:
-        model, reference = _model_pair(preset, layers)
-        names = {id(p): n for n, p in model.named_parameters()}
-        stages = build_rank_stages(model, rank, world, schedule=schedule, virtual=virtual)
-        runner = PipelineRunner(stages, world, microbatches=world, schedule=schedule)
-        gen = torch.Generator().manual_seed(2)
-        rows = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in lengths]
-        total = sum(n - 1 for n in lengths)
-        loss = runner.step_rows(rows)
-
-        ref = sum(
-            torch.nn.functional.cross_entropy(
-                reference(input_ids=r[None], use_cache=False).logits[0], next_token_targets(r[None])[0], reduction="sum"
-            )
-            for r in rows
-        ) / total
-        ref.backward()
-        ref_params = dict(reference.named_parameters())
-        worst = max(
-            (p.grad - ref_params[names[id(p)]].grad).abs().max().item()
-            / (ref_params[names[id(p)]].grad.abs().max().item() or 1.0)
-            for p in runner.parameters()
-        )
-        dist.barrier()
-        return {"loss": abs(loss.item() - ref.item()), "grad_rel": worst}
-    finally:
-        dist.destroy_process_group()
-
-
-def checkpoint_across_pp(folder):
-    """A pp=2 step saved by stages loads into the whole model (pp=1) and equals the unsharded
-    model after the same step; a whole model's checkpoint loads into pp=2 stages."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, load_stages, next_token_targets, save_stages
-
-    rank, world = init_gloo()
-    try:
-        model, reference = _model_pair("tiny-qwen3", 4)
-        stages = build_rank_stages(model, rank, world)
-        runner = PipelineRunner(stages, world, microbatches=2)
-        ids = _rows(model.config.vocab_size, 4)
-        runner.step(ids)
-        torch.optim.SGD(runner.parameters(), lr=0.5).step()
-        logits = reference(input_ids=ids, use_cache=False).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten()).backward()
-        torch.optim.SGD(reference.parameters(), lr=0.5).step()
-        save_stages(f"{folder}/pp2", stages)
-        # pp=1: every rank loads the whole model from the stages' checkpoint
-        whole, _ = _model_pair("tiny-qwen3", 4)
-        with torch.no_grad():
-            for p in whole.parameters():
-                p.zero_()
-        state = dict(whole.named_parameters())
-        dcp.load(state, checkpoint_id=f"{folder}/pp2")
-        ref = dict(reference.named_parameters())
-        to_whole = max((state[n] - ref[n]).abs().max().item() for n in ref)
-        # and back: the reference's whole state into fresh pp=2 stages
-        dcp.save(dict(reference.named_parameters()), checkpoint_id=f"{folder}/whole")
-        fresh, _ = _model_pair("tiny-qwen3", 4)
-        with torch.no_grad():
-            for p in fresh.parameters():
-                p.zero_()
-        fresh_stages = build_rank_stages(fresh, rank, world)
-        load_stages(f"{folder}/whole", fresh_stages)
-        to_stages = max((p - ref[module.model_names[n]]).abs().max().item()
-                        for _, module in fresh_stages for n, p in module.named_parameters())
-        dist.barrier()
-        return {"to_whole": to_whole, "to_stages": to_stages, "params": len(ref)}
-    finally:
-        dist.destroy_process_group()
-
-
-def resume_across_steps(folder):
-    """Two AdamW steps in a row against one step, a save (parameters and AdamW's state), fresh
-    stages and a fresh optimizer loaded from it, and the second step: the same parameters."""
-    import torch
-    import torch.distributed as dist
-
-    from plancc.runtime.pipeline import PipelineRunner, build_rank_stages, load_stages, save_stages
-
-    rank, world = init_gloo()
-    try:
-        model, _ = _model_pair("tiny-qwen3", 4)
-        ids = _rows(model.config.vocab_size, 4)
-
-        def trained(stages, optimizer):
-            runner = PipelineRunner(stages, world, microbatches=2)
-            runner.step(ids)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        straight = build_rank_stages(model, rank, world)
-        params = [p for _, m in straight for p in m.parameters()]
-        adamw = torch.optim.AdamW(params, lr=1e-2)
-        trained(straight, adamw)
-        save_stages(f"{folder}/step1", straight, adamw)
-        trained(straight, adamw)
-        fresh_model, _ = _model_pair("tiny-qwen3", 4)
-        with torch.no_grad():
-            for p in fresh_model.parameters():
-                p.add_(1.0)  # not the saved weights
-        resumed = build_rank_stages(fresh_model, rank, world)
-        fresh_adamw = torch.optim.AdamW([p for _, m in resumed for p in m.parameters()], lr=1e-2)
-        load_stages(f"{folder}/step1", resumed, fresh_adamw)
-        trained(resumed, fresh_adamw)
-        diff = max((a - b).abs().max().item() for a, b in zip(params, [p for _, m in resumed for p in m.parameters()]))
-        dist.barrier()
-        return {"diff": diff, "state": len(fresh_adamw.state)}
-    finally:
-        dist.destroy_process_group()
-
-
 def policy_calls(folder):
     """``Policy`` with pipeline stages beyond ``train``: log-probs against the unsharded model,
     the reference's after a step (the initial weights'), weights out, and a save loaded at pp=2
@@ -418,11 +151,11 @@ def legacy_checkpoint(folder):
         dist.destroy_process_group()
 
 
-def policy_schedule(folder, schedule, cp=1):
-    """``Policy(pp=2)`` (``x cp``) under a two-stages-a-rank ``schedule`` with the plan's activation
-    checkpointing (``model.layers.*.mlp``), one NLL step on rows of every length against the
-    unsharded model: the loss, the gradient norm and every gradient of this rank's stages; and
-    the log-probs (forward only) of the same rows."""
+def policy_schedule(folder, schedule, cp=1, pp=2, virtual=2, microbatches=4, layers=4):
+    """``Policy(pp=pp)`` (``x cp``) under ``schedule`` with ``virtual`` stages a rank and the plan's
+    activation checkpointing (``model.layers.*.mlp``), one NLL step on rows of every length
+    against the unsharded model: the loss, the gradient norm and every gradient of this rank's
+    stages; the log-probs (forward only) of the same rows; the decoder layers this rank holds."""
     import torch
     import torch.distributed as dist
 
@@ -434,21 +167,22 @@ def policy_schedule(folder, schedule, cp=1):
 
     init_gloo()
     try:
+        virtual_line = f"  virtual_stages_per_rank: {virtual}\n" if virtual > 1 else ""
         text = (PLANS / "qwen3.yaml").read_text().replace(
-            "schedule: 1f1b\n", f"schedule: {schedule}\n  virtual_stages_per_rank: 2\n  microbatches: 4\n")
+            "schedule: 1f1b\n", f"schedule: {schedule}\n{virtual_line}  microbatches: {microbatches}\n")
         assert "activation_checkpointing: [model.layers.*.mlp]" in text
         path = f"{folder}/plan-{dist.get_rank()}.yaml"
         with open(path, "w") as f:
             f.write(text)
         config = load_config("tiny-qwen3")
-        config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+        config.num_hidden_layers, config.layer_types = layers, ["full_attention"] * layers
         grads = {}
 
         def keep(optimizer, *_):
             grads.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                           for n, p in policy.model.named_parameters()})
 
-        policy = plancc.Policy(path, config, max_grad_norm=None, layout=sized(pp=2, cp=cp),
+        policy = plancc.Policy(path, config, max_grad_norm=None, layout=sized(pp=pp, cp=cp),
                                optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
         policy.optimizer.register_step_pre_hook(keep)
         shards = watch_sequence_shards(policy.model)
@@ -469,7 +203,8 @@ def policy_schedule(folder, schedule, cp=1):
         norm = torch.stack([p.grad.pow(2).sum() for p in reference.parameters()]).sum().sqrt().item()
         dist.barrier()
         return {"loss": abs(got["loss"] - loss.item()), "norm": abs(got["grad_norm"] - norm) / norm, "grad": worst,
-                "compared": len(grads), "sequence_shards": sorted(shards), "logprobs": logprobs}
+                "compared": len(grads), "sequence_shards": sorted(shards), "logprobs": logprobs,
+                "layers": sorted(int(i) for i in policy.model.model.layers)}
     finally:
         dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
-"""Pipeline stages under torch's schedules equal the unsharded model trained on the whole batch
-(issue 59's first runtime piece): loss, every stage's gradients, the norm over every stage, and
-the loss after an AdamW step, with GPipe and 1F1B and several microbatches a stage."""
+"""Pipeline stages under torch's schedules, through ``Policy`` (the engine; no runner API of its
+own since issue 75), equal the unsharded model trained on the whole batch: loss, every stage's
+gradients, the norm over every stage, with every schedule and several microbatches a stage;
+and ``plancc apply --pp``'s checks, runs and exports."""
 
 from __future__ import annotations
 
@@ -23,93 +24,27 @@ def test_stages_cover_every_layer_once_in_order_the_first_taking_the_remainder()
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world,layers,schedule,microbatches,virtual,held", [
     (2, 2, "1f1b", 2, 1, [[0], [1]]),
-    (2, 3, "1f1b", 4, 1, [[0], [1]]),
+    (2, 3, "1f1b", 4, 1, [[0, 1], [2]]),
     (2, 2, "gpipe", 4, 1, [[0], [1]]),
     (4, 4, "1f1b", 4, 1, [[0], [1], [2], [3]]),
     (2, 4, "interleaved_1f1b", 4, 2, [[0, 2], [1, 3]]),
-    (2, 4, "zero_bubble", 4, 2, [[0, 2], [1, 3]]),
     (2, 4, "zbv", 4, 2, [[0, 3], [1, 2]]),
-    (2, 4, "dualpipev", 4, 2, [[0, 3], [1, 2]]),
 ], ids=["pp2-1f1b-2mb", "pp2-1f1b-4mb-uneven-stages", "pp2-gpipe-4mb", "pp4-1f1b-4mb", "pp2-interleaved-1f1b",
-        "pp2-interleaved-zero-bubble", "pp2-zbv", "pp2-dualpipev"])
+        "pp2-zbv"])
 def test_a_pipeline_step_equals_the_unsharded_model_on_the_whole_batch(
-        world, layers, schedule, microbatches, virtual, held):
-    from .pipeline_worker import compare_pipeline
+        tmp_path, world, layers, schedule, microbatches, virtual, held):
+    """``Policy`` with stages, through the engine (no runner of its own): each schedule and cut
+    of the layers, one step on rows of every length against the unsharded model on all of them
+    (loss, norm, every gradient of the rank's stages), and forward-only log-probs. Zero bubble
+    and DualPipeV: test_policy_runs_two_stage_schedules_with_activation_checkpointing; pp x dp,
+    pp x tp and pp x cp: tests/test_policy.py's layouts."""
+    from .pipeline_worker import policy_schedule
 
-    results = launch(compare_pipeline, world, "tiny-qwen3", layers, schedule, microbatches, 8, virtual)
+    results = launch(policy_schedule, world, str(tmp_path), schedule, 1, world, virtual, microbatches, layers)
     for rank, r in results.items():
-        assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
-        assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5, (rank, r)
-        assert r["compared"] > 0 and r["stage_params"] == held, (rank, r)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_pipeline_stages_sharded_by_fsdp_over_data_parallel_ranks_are_exact(schedule, virtual):
-    """pp=2 x dp=2: every stage FSDP2-sharded over its dp pair (gradients summed, not averaged),
-    each dp rank half the rows in 2 microbatches, against the unsharded model on all of them."""
-    from .pipeline_worker import compare_pipeline_fsdp
-
-    results = launch(compare_pipeline_fsdp, 4, "tiny-qwen3", 4, schedule, 2, 8, 2, virtual)
-    for rank, r in results.items():
-        assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
-        assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5 and r["compared"] > 0, (rank, r)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_pipeline_stages_of_a_tensor_parallel_model_are_exact():
-    """pp=2 x tp=2: plans/qwen3.yaml's TP styles (vocab-parallel embedding and lm_head, head-sharded
-    attention, colwise/rowwise MLP) on the model, then its stages; the last stage's vocab-sharded
-    logits go through the vocab-parallel loss. The grad norm counts tp shards once each."""
-    from .pipeline_worker import compare_pipeline_tp
-
-    results = launch(compare_pipeline_tp, 4, "plans/qwen3.yaml", "tiny-qwen3", 4, "1f1b", 2, 8, 2)
-    for rank, r in results.items():
-        assert r["loss"] <= 1e-5 and r["after"] <= 1e-4, (rank, r)
-        assert r["grad_rel"] <= 1e-5 and r["norm"] <= 1e-5 and r["sharded"] > 0, (rank, r)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_uneven_rows_go_through_the_pipeline_without_padding_exactly(schedule, virtual):
-    """RL's long-tailed rows (lengths 5 to 23, three of one length, single ones of others): each
-    length one schedule step, one row a microbatch; a length with fewer rows than pipeline ranks
-    breadth first (GPipe / looped BFS). Loss and every gradient equal the unsharded model on the
-    rows alone, normalized over all their tokens."""
-    from .pipeline_worker import compare_pipeline_rows
-
-    lengths = [9, 5, 9, 23, 9, 12, 5]
-    results = launch(compare_pipeline_rows, 2, "tiny-qwen3", 4, schedule, lengths, virtual)
-    for rank, r in results.items():
-        assert r["loss"] <= 1e-5 and r["grad_rel"] <= 1e-5, (rank, r)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_pipeline_checkpoint_resumes_without_stages_and_a_whole_one_into_stages(tmp_path):
-    """DCP keyed by the model's names: after a pp=2 step the stages' checkpoint loads into the
-    whole model and equals the unsharded model after the same step; the whole model's loads into
-    pp=2 stages."""
-    from .pipeline_worker import checkpoint_across_pp
-
-    results = launch(checkpoint_across_pp, 2, str(tmp_path))
-    for rank, r in results.items():
-        assert r["to_whole"] <= 1e-6 and r["to_stages"] == 0.0 and r["params"] > 20, (rank, r)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_pipeline_resumes_with_its_optimizer_state_as_if_never_stopped(tmp_path):
-    """AdamW's moments and step go in the stages' checkpoint by the model's names: a second step
-    after loading equals the second step of the run that went straight on."""
-    from .pipeline_worker import resume_across_steps
-
-    results = launch(resume_across_steps, 2, str(tmp_path))
-    for rank, r in results.items():
-        assert r["diff"] == 0.0 and r["state"] > 0, (rank, r)
+        assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5 and r["grad"] <= 1e-5 and r["compared"] > 0, (rank, r)
+        assert r["logprobs"] <= 1e-5, (rank, r)
+        assert r["layers"] == held[rank], (rank, r)
 
 
 def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():

@@ -7,8 +7,8 @@ contiguous run of decoder layers (each with the rotary embedding it needs), the 
 the lm_head on the last. ``torch.distributed.pipelining``'s schedules (GPipe, 1F1B, Interleaved
 1F1B, ...) move the hidden states between stages and run forward and backward per microbatch.
 
-Exactness as plancc means it: the loss of a microbatch is its tokens' NLL summed and divided by
-the *global* batch's token count (``global_token_loss``), and the schedule is told not to scale
+Exactness as plancc means it: the loss of a microbatch is its share of the *global* batch's loss
+(``engine.pipeline_last_stage``: its tokens' terms over the global batch's count), and the schedule is told not to scale
 gradients (``scale_grads=False``): the gradients are then those of the mean NLL over the whole
 batch in one pass, whatever the number of microbatches. Gradient norms are summed over the
 pipeline group (``pipeline_grad_norm``). Rows are unpadded and unpacked here: a stage attends
@@ -24,11 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import _init_optim_state
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -39,8 +36,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor
 
 from ..checks.pipeline import layers_of_stages
 from ..compiler.plan import PipelineSpec, Plan
@@ -48,7 +44,7 @@ from ..compiler.resolve import resolve_plan
 from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import compile_blocks
-from .cp import CPContext, cp_attention_context, load_balanced_indices
+from .cp import CPContext, cp_attention_context
 from .cp_key_selection import select_keys_over_the_sequence
 from .gradient_scale import fsdp_divisor
 from .gradnorm import global_grad_norm
@@ -212,48 +208,6 @@ def parallelize_stages(
     return stages
 
 
-def build_stage(model: nn.Module, stage: int, stages: int) -> DecoderStage:
-    """Stage ``stage`` of ``stages`` of ``model`` (a transformers causal LM with ``model.layers``).
-    Tied input and output embeddings would live on two stages: refused."""
-    config: Any = getattr(model, "config", None)
-    if stages > 1 and getattr(config, "tie_word_embeddings", False):
-        raise ValueError("tied input and output embeddings across pipeline stages are not supported yet")
-    decoder: Any = getattr(model, "model", model)
-    layers = stage_layers(len(decoder.layers), stages)
-    return DecoderStage(model, layers[stage], first=stage == 0, last=stage == stages - 1)
-
-
-def build_rank_stages(
-    model: nn.Module, rank: int, pp: int, *, schedule: str = "1f1b", virtual: int = 1
-) -> list[tuple[int, DecoderStage]]:
-    """(stage index, stage) for every stage ``rank`` holds under ``schedule``."""
-    return [(i, build_stage(model, i, pp * virtual)) for i in rank_stages(rank, pp, schedule, virtual)]
-
-
-def global_token_loss(total_tokens: int, scale: float = 1.0) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A microbatch's share of the batch's mean next-token NLL: its tokens' NLL summed over the
-    ``total_tokens`` the whole batch predicts (times ``scale``: what FSDP divides the gradients
-    by, where it averages them over data-parallel ranks)."""
-
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if isinstance(logits, DTensor):  # vocab-sharded (colwise_logits): the vocab-parallel loss
-            with loss_parallel():
-                parallel: Any = nn.functional.cross_entropy(
-                    logits.float().flatten(0, 1),
-                    DTensor.from_local(targets.flatten(), logits.device_mesh, [Replicate()]),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                nll = parallel.full_tensor()  # a replicated DTensor: every tp rank's whole sum
-        else:
-            nll = nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-        return nll * (scale / total_tokens)
-
-    return loss
-
-
 def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
     """What each position predicts; the last predicts nothing."""
     targets = torch.full_like(input_ids, IGNORE_INDEX)
@@ -262,8 +216,8 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineRunner:
-    """A rank's stages, their schedule and the pipeline group: ``step(input_ids)`` runs forward
-    and backward of a batch in ``microbatches`` and returns the batch's mean NLL on every rank."""
+    """A rank's stages, their schedule and the pipeline group: ``run`` puts one schedule step of
+    microbatches through them (``engine.pipelined`` says what the last stage computes)."""
 
     def __init__(
         self,
@@ -290,66 +244,6 @@ class PipelineRunner:
         # the stages' context parallelism: the last stage's output is this cp rank's positions
         self.cp: CPContext | None = getattr(stages[0][1], "cp", None) if stages else None
         self._last_rank: int | None = None
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for _, module in self.stages for p in module.parameters()]
-
-    def step(self, input_ids: torch.Tensor, total_tokens: int | None = None, data_parallel: int = 1) -> torch.Tensor:
-        """Forward and backward of ``input_ids`` [B, S] (the same rows on every rank of the
-        pipeline; B divisible by the microbatches); the gradients accumulate in the stages'
-        parameters. ``total_tokens``: the tokens the whole batch predicts, where this pipeline
-        runs one of ``data_parallel`` shares of it (default: these rows'); FSDP averages the
-        shares' gradients, so each share's loss is scaled by their count. Returns this share's
-        loss (unscaled)."""
-        if input_ids.shape[0] % self.microbatches:
-            raise ValueError(f"a batch of {input_ids.shape[0]} rows in {self.microbatches} microbatches")
-        targets = next_token_targets(input_ids)
-        total = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
-        return self._run(input_ids, total, data_parallel, self.schedule_name, self.microbatches)
-
-    def step_rows(
-        self, rows: Sequence[torch.Tensor], total_tokens: int | None = None, data_parallel: int = 1
-    ) -> torch.Tensor:
-        """RL's uneven rows (``rows[i]`` [S_i], lengths of their own) without padding: the rows of
-        one length go through the pipeline together, one row a microbatch (a stage's shapes are
-        fixed within a schedule's step, not across steps); a length with fewer rows than pipeline
-        ranks runs breadth first (GPipe, or looped BFS for several stages a rank), which has no
-        1F1B steady state to wait in. Every row's tokens count over the total of all rows: the
-        gradients are the whole batch's. Each length costs one pipeline fill and drain (its
-        bubble) where padding to the longest would cost the padding's tokens."""
-        if not rows:
-            raise ValueError("no rows to train on")
-        total = sum(len(r) - 1 for r in rows) if total_tokens is None else total_tokens
-        by_length: dict[int, list[torch.Tensor]] = {}
-        for row in rows:
-            by_length.setdefault(len(row), []).append(row)
-        loss = torch.zeros((), device=self.device)
-        for length in sorted(by_length):
-            same = by_length[length]
-            schedule = self.breadth_first(len(same))  # too few for a 1F1B steady state: breadth first
-            loss = loss + self._run(torch.stack(same), total, data_parallel, schedule, len(same))
-        return loss
-
-    def _run(
-        self, input_ids: torch.Tensor, total: int, data_parallel: int, name: str, microbatches: int
-    ) -> torch.Tensor:
-        targets = next_token_targets(input_ids)
-        if self.cp is None:
-            loss_fn = global_token_loss(total, float(data_parallel))
-        else:
-            # each cp rank's loss is its own positions' share (nothing copied), and FSDP divides
-            # by dp x cp: scaled by both (``runtime.gradient_scale.token_loss_scale``)
-            cp = self.cp
-            shard = load_balanced_indices(targets.shape[1], cp.size, cp.rank).to(self.device)
-            targets = targets.to(self.device).index_select(1, shard)
-            loss_fn = global_token_loss(total, float(data_parallel * cp.size))
-        losses = self.run(input_ids, targets, loss_fn, schedule=name, microbatches=microbatches)
-        scale = data_parallel * (self.cp.size if self.cp is not None else 1)
-        loss = torch.stack(losses).sum().detach() / scale if losses else torch.zeros((), device=self.device)
-        loss = self.from_last_stage(loss)
-        if self.cp is not None:
-            dist.all_reduce(loss, group=self.cp.group)  # every cp rank's positions
-        return loss
 
     @property
     def holds_last(self) -> bool:
@@ -402,7 +296,7 @@ class PipelineRunner:
         # torch clears the FSDP stages' gradients after a new stage's shape inference (its dry
         # backward accumulates into them): a step of several schedule steps (one per length of
         # RL's rows) keeps what the earlier ones accumulated aside, and adds it back after
-        params = self.parameters()
+        params = [p for _, module in self.stages for p in module.parameters()]
         kept = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -515,55 +409,6 @@ def _initialized(schedule: Any, forward_only: bool) -> bool:
     forward = getattr(schedule, "_stage_forward_initialized", getattr(schedule, "_stages_forward_initialized", True))
     backward = getattr(schedule, "_stage_backward_initialized", getattr(schedule, "_stages_backward_initialized", True))
     return bool(forward) and (forward_only or bool(backward))
-
-
-def stage_state_dict(
-    stages: list[tuple[int, DecoderStage]], optimizer: torch.optim.Optimizer | None = None
-) -> dict[str, Any]:
-    """The rank's stages' parameters by the model's names (TP and FSDP shards as DTensors), and
-    with an ``optimizer`` its state per parameter under ``optimizer.{name}.{key}`` (AdamW's
-    moments and step): keys that mean the same at any pp."""
-    params = {module.model_names[n]: p for _, module in stages for n, p in module.named_parameters()}
-    state: dict[str, Any] = dict(params)
-    if optimizer is not None:
-        for name, p in params.items():
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    state[f"optimizer.{name}.{key}"] = value
-    return state
-
-
-def save_stages(
-    checkpoint: str, stages: list[tuple[int, DecoderStage]], optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """A DCP checkpoint of every rank's stages (and their optimizer state), keyed by the model's
-    parameter names: it loads at another pp, or into the whole model (its parameters under their
-    names: ``torch.distributed.checkpoint.load`` of its state dict)."""
-    dcp.save(stage_state_dict(stages, optimizer), checkpoint_id=checkpoint)
-
-
-def load_stages(
-    checkpoint: str, stages: list[tuple[int, DecoderStage]], optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """The rank's stages' parameters (and ``optimizer``'s state, created first where the optimizer
-    has none: torch's zero-gradient, zero-lr step) from a DCP checkpoint keyed by the model's
-    names, written by ``save_stages`` at any pp or from a whole model's state dict; in place."""
-    if optimizer is not None:
-        _init_optim_state(optimizer)
-    with torch.no_grad():
-        dcp.load(stage_state_dict(stages, optimizer), checkpoint_id=checkpoint)
-
-
-def shard_stages(stages: list[tuple[int, DecoderStage]], dp_mesh: DeviceMesh) -> None:
-    """FSDP2 over the data-parallel ranks of each stage: every decoder layer a unit, the stage
-    the root. FSDP averages the ranks' gradients; ``PipelineRunner.step(data_parallel=)`` scales
-    each share's loss by their count, so the sum is the whole batch's gradient (as plancc's FSDP
-    does, ``runtime.gradient_scale``). The pipeline's stages see an FSDP module and accumulate
-    unsynced until a step's last backward."""
-    for _, module in stages:
-        for layer in module.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(module, mesh=dp_mesh)
 
 
 def pipeline_grad_norm(parameters: Sequence[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
