@@ -22,6 +22,39 @@ def test_the_schema_names_every_flag_of_apply():
     assert keys == options, "a flag of apply without a key (or a key without a flag): regenerate schemas/run.schema.json"
 
 
+# How apply's and logprobs' flags reach RunConfig where a flag is not a field of the same name:
+# folded into one field, or the launcher's alone (torch's elastic launcher), or set by the
+# launcher itself. A flag or a field outside these, without its partner, fails the test below.
+FOLDED = {
+    "layout": {"dp", "dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "sp"},
+    "data_fields": {"text_field", "messages_field", "prompt_field", "completion_field"},
+    "lora": {"lora_r", "lora_alpha", "lora_targets"},
+    "loggers": {"logger"},
+    "timeout_s": {"timeout"},
+    "json_output": {"fmt"},
+    "plan": {"plan_path"},
+}
+LAUNCHER_FLAGS = {"nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id",
+                  "max_restarts", "config"}
+SET_BY_THE_LAUNCHER = {"mode", "inputs", "run_file", "log_dir"}
+
+
+def test_every_field_of_the_run_config_is_a_flag_and_every_flag_a_field():
+    """A new setting is one RunConfig field plus its option: a field no command's flag sets, or a
+    flag that reaches no field, is caught here (as --max-grad-norm was: a field without a flag)."""
+    import dataclasses
+
+    from plancc.cli import apply, logprobs
+    from plancc.job.config import RunConfig
+
+    flags = (set(inspect.signature(apply).parameters) | set(inspect.signature(logprobs).parameters)) - {"ctx"}
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    folded = {flag: field for field, group in FOLDED.items() for flag in group}
+    reached = {folded.get(flag, flag) for flag in flags - LAUNCHER_FLAGS}
+    assert reached - fields == set(), "flags that reach no RunConfig field"
+    assert fields - reached - SET_BY_THE_LAUNCHER == set(), "RunConfig fields that no flag sets"
+
+
 def test_both_run_schemas_are_what_apply_s_flags_make():
     """One definition: the packaged schema and the editors' copy are generated from apply's options
     (types and bounds); `python -m plancc.cli.run_schema` rewrites them."""

@@ -251,7 +251,8 @@ class LrScheduleName(StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleFlags:
-    """The learning rate's course and AdamW's weight decay (``job.lr_schedule``, ``engine.param_groups``)."""
+    """The learning rate's course, AdamW's weight decay and the gradient clip (``job.lr_schedule``,
+    ``engine.param_groups``)."""
 
     warmup_steps: Annotated[
         int, typer.Option("--warmup-steps", min=0, help="linear warmup over the first N steps (default 1)")
@@ -274,6 +275,14 @@ class ScheduleFlags:
             help="AdamW decoupled weight decay of the matrices; norms, biases and embeddings get none (default 0)",
         ),
     ] = 0.0
+    max_grad_norm: Annotated[
+        float,
+        typer.Option(
+            "--max-grad-norm",
+            min=0.0,
+            help="clip the gradients to this global norm over every rank (default 1.0; 0 turns clipping off)",
+        ),
+    ] = 1.0
 
     def run_config(self) -> dict[str, Any]:
         """The ``RunConfig`` fields these flags set."""
@@ -282,6 +291,7 @@ class ScheduleFlags:
             "lr_schedule": self.lr_schedule.value,
             "min_lr": self.min_lr,
             "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
         }
 
 

@@ -64,7 +64,7 @@ class RunConfig:
     eval_every: int | None = None
     shuffle: bool = True  # --data rows in a seeded order, epoch by epoch (job.data_order)
     epochs: float | None = None  # --epochs: what set steps (said in the data line)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # the global gradient norm clipped to (0: no clipping)
     seed: int = 0
     save: str | None = None
     resume: str | None = None

@@ -80,12 +80,13 @@ def optimizer_note(cfg: RunConfig, policy: Policy) -> str:
         warmup=cfg.warmup_steps,
         total=cfg.schedule_steps or cfg.steps,
     )
+    clip = f"gradients clipped to norm {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
     if not cfg.weight_decay:
-        return f"optimizer: AdamW, {course}; no weight decay"
+        return f"optimizer: AdamW, {course}; no weight decay; {clip}"
     split = decay_split(policy.model)
     return (
         f"optimizer: AdamW, {course}; weight decay {cfg.weight_decay:g} on {split.decayed} matrices, "
-        f"none on {split.excluded} norm, bias and embedding tensors"
+        f"none on {split.excluded} norm, bias and embedding tensors; {clip}"
     )
 
 

@@ -42,6 +42,7 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
         "lr_schedule": cfg.lr_schedule,
         "min_lr": cfg.min_lr,
         "weight_decay": cfg.weight_decay,
+        "max_grad_norm": cfg.max_grad_norm,
     }
 
 
@@ -56,6 +57,7 @@ def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
         "lr_schedule": "--lr-schedule",
         "min_lr": "--min-lr",
         "weight_decay": "--weight-decay",
+        "max_grad_norm": "--max-grad-norm",
     }
     changed = [
         f"{flag} {saved[key]} -> {now[key]}" for key, flag in flags.items() if key in saved and saved[key] != now[key]

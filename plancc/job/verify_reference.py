@@ -138,7 +138,10 @@ def clip_exactly(model: nn.Module, max_norm: float) -> float:
 
 
 def clip_scale(norm: float, max_grad_norm: float) -> float:
-    """What ``clip_grad_norm_`` multiplies the gradients by, given the norm before clipping."""
+    """What ``clip_grad_norm_`` multiplies the gradients by, given the norm before clipping (a
+    ``max_grad_norm`` of 0 clips nothing, as ``Policy``'s)."""
+    if not max_grad_norm:
+        return 1.0
     return min(1.0, max_grad_norm / (norm + 1e-6))
 
 
