@@ -45,6 +45,14 @@ def test_the_memory_bound_puts_an_offloaded_runs_state_in_host_memory():
     assert host.rule == "memory" and "--cpu-offload keeps" in host.message and "host memory" in host.message
 
 
-def test_offload_under_pipeline_stages_is_refused_before_launch(cli):
-    code, _, err = cli("apply", QWEN3, "--pp", 2, "--cpu-offload")
-    assert code == 2 and "--pp 2 with --cpu-offload: not supported yet" in err
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_offload_under_pipeline_stages_trains_as_the_unsharded_model():
+    """Each stage's shards in host memory (FSDP2's CPU offload on every stage, as on a whole
+    model): ``--verify`` at pp2, and the memory line states the rank's offloaded MiB."""
+    code, out, err = forked_cli("apply", QWEN3, "--pp", 2, "--cpu-offload", "--verify", "--steps", 2)
+    assert code == 0 and "verify: OK" in out, err + out
+    code, out, err = forked_cli("apply", QWEN3, "--pp", 2, "--cpu-offload", "--steps", 1)
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("memory:"))
+    assert "FSDP CPU offload: " in line and "MiB a rank of parameter shards" in line

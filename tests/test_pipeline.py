@@ -116,11 +116,10 @@ def test_a_pipeline_section_whose_stages_cover_every_layer_in_order_passes(tmp_p
     (dict(virtual=2), "1f1b runs one stage a rank, not 2"),
     (dict(schedule="zbv"), "zbv runs exactly two stages a rank (a V), not 1"),
     (dict(schedule="interleaved_1f1b", virtual=2), "2 stages listed for pp=2 x 2 a rank = 4"),
-    (dict(ep=2, world_size=8), "pp=2 with ep=2"),
     (dict(replace=[("model.norm, lm_head", "model.nrom, lm_head")]), "stage 1's glob 'model.nrom' matches no module"),
     (dict(replace=[("model.norm, lm_head", "'model.[norm', lm_head")]), "has an unclosed '['"),
 ], ids=["layer-missing", "layer-twice", "norm-first", "embedding-last", "microbatches", "v-on-1f1b", "zbv-one",
-        "stage-count", "with-ep", "typo", "malformed"])
+        "stage-count", "typo", "malformed"])
 def test_the_pipeline_check_names_what_cannot_run(tmp_path, kwargs, found):
     layout = {k: kwargs.pop(k) for k in ("pp", "cp", "ep", "tp", "world_size") if k in kwargs}
     layout.setdefault("pp", 2)

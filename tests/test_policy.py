@@ -85,6 +85,15 @@ LAYOUTS = [
     pytest.param(
         4, "plans/qwen3.yaml", "tiny-qwen3", {"pp": 2, "dp": 2}, _cases([UNEVEN], ["grpo", "nll_tokens"]), id="pp2xdp2"
     ),
+    # expert parallelism inside each stage: each pipeline rank's experts over its own dp pair
+    pytest.param(
+        4,
+        "plans/qwen3_moe.yaml",
+        "tiny-qwen3-moe",
+        {"pp": 2, "ep": 2},
+        _cases([UNEVEN], ["grpo", "grpo_tokens"]),
+        id="pp2xep2",
+    ),
     # context parallelism inside each stage: a stage's layers see their cp rank's half of a row
     pytest.param(
         4,

@@ -8,9 +8,9 @@ layers split evenly, the first stages taking the remainder; ``layers_per_stage``
 exactly two); there are at least as many decoder layers as stages; the stages' globs cover every
 decoder layer once and in order, the embedding in the first stage and the final norm and lm_head
 in the last; at least one microbatch per pipeline rank (fewer hang 1F1B: torchtitan#775); and
-what the pipeline runtime does not run yet is refused with the reason: tied input and output
-embeddings (one weight on two stages), pp with ep. Context parallelism runs inside stages (the
-``context-parallel`` rule checks the model for it as without pp).
+what the pipeline runtime does not run yet is refused with the reason. Context and expert
+parallelism run inside stages (the ``context-parallel`` and ``expert-parallel`` rules check the
+model for them as without pp), and a weight tied across stages is kept tied.
 
 A stage glob's segment ``[a-b]`` of two numbers is the numeric range a..b (``model.layers.[0-13]``
 is layers 0 to 13), not a character class.
@@ -84,14 +84,6 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
             message=f"{microbatches} microbatches for DualPipeV at pp={layout.pp}: its order needs two per "
             "pipeline rank (torch's deadlocks with fewer)",
             fix=f"microbatches: {2 * layout.pp} or more",
-        )
-    unsupported = [f"ep={layout.ep}"] if layout.ep > 1 else []
-    if unsupported:
-        yield Problem(
-            loc=loc,
-            message=f"pp={layout.pp} with {' and '.join(unsupported)}: the pipeline runtime runs stages under "
-            "tp (with sequence parallelism) and dp (FSDP) only for now",
-            fix="drop --pp, or the other axis",
         )
     if spec.stages:
         yield from _stage_globs(ctx, spec, stages, layers)

@@ -183,8 +183,6 @@ def apply(
             fix="--export-adapters writes the LoRA adapters of --export-hf DIR: give both, with "
             "--lora-r/--lora-targets or a plan with a lora: section",
         )
-    if chosen.pp > 1 and cpu_offload:
-        usage_error(f"--pp {chosen.pp} with --cpu-offload: not supported yet", fmt, fix="offload without --pp")
     if worker.verify:
         from ..job.verify import unverifiable  # lazy: loads torch
 

@@ -24,8 +24,8 @@ The weights out (``weights``, ``weights_manifest``, ``send_weights``, ``share_we
 (``engine.stage_values``). LoRA's adapters are laid out
 on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
 (``runtime.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
-holds them (``engine.reshard``). Not yet (refused with the reason): expert parallelism, packing
-and FSDP CPU offload under pp.
+holds them (``engine.reshard``). Expert parallelism and FSDP CPU offload run inside each stage
+(``runtime.pipeline.parallelize_stages``). Not yet (refused with the reason): packing under pp.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ from transformers import PretrainedConfig
 
 from ..compiler.plan import PipelineSpec, Plan
 from ..compiler.resolve import resolve_plan, tied_parameter_groups
-from ..layout import LayoutError
 from ..models import MASTER_DTYPE, build_model
 from ..runtime.gradient_scale import loss_scale
 from ..runtime.gradnorm import scale_to_norm_
 from ..runtime.lora import Adapters, LoraSpec, adapters_of, add_adapters, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh
+from ..runtime.parallelize import offloaded
 from ..runtime.pipeline import (
     DecoderStage,
     PipelineRunner,
@@ -85,12 +85,6 @@ def build_stages(
     """This rank's stages of the model as ``Policy``'s parts, filled with the weights (a model
     folder's, or the seeded initial ones), and the executor that steps them."""
     sizes = mesh.layout
-    unsupported = [what for what, on in ((f"ep={sizes.ep}", sizes.ep > 1), ("FSDP CPU offload", cpu_offload)) if on]
-    if unsupported:
-        raise LayoutError.from_message(
-            f"pp={sizes.pp} with {', '.join(unsupported)}: not supported yet",
-            "drop it, or train without --pp (docs/pipeline.md says what runs)",
-        )
     spec = plan.pipeline or PipelineSpec()
     # the whole model on meta (what checkpoints and weights out are shaped by); the stages are cut
     # from it, or from an untied copy when it ties a weight across stages (runtime.pipeline_ties)
@@ -103,8 +97,10 @@ def build_stages(
             resolved = resolve_plan(plan, whole, sequence_parallel=sizes.sequence_parallel)
             add_adapters(whole, lora, resolved, None)
     stage_count = len(plan_stage_layers(body, spec, sizes.pp))
-    stages = parallelize_stages(body, plan, mesh, param_dtype=dtype, lora=lora)
+    stages = parallelize_stages(body, plan, mesh, param_dtype=dtype, lora=lora, cpu_offload=cpu_offload)
     model = RankStages([s for _, s in stages])  # this rank's parameters at the model's names
+    if cpu_offload:  # its stages' shards are in host memory: so are the rank's
+        offloaded(model)
     adapters = adapters_of(whole)
     if adapters is not None:  # the adapters this rank's stages hold, at the model's names
         modules = {name for name, _ in model.named_modules()}

@@ -207,10 +207,15 @@ EXPERT_AXES = ("edp", "ep", "tp")
 def build_expert_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The ``(edp, ep, tp)`` mesh of the same ranks as a plancc ``mesh``: each dp group of
     ``ep`` consecutive data-parallel ranks shares one layer's experts (``ep``, with ``tp``
-    inside), and FSDP shards expert weights over ``edp`` (the ``dp / ep`` ranks left).
+    inside), and FSDP shards expert weights over ``edp`` (the ``dp / ep`` ranks left). Under
+    pipeline stages the mesh is ``(pp, edp, ep, tp)``: each pipeline rank's experts spread over
+    its own ranks (slice it by ``edp`` / ``("ep", "tp")`` as without stages).
     Collective: every rank calls it, in the same order (``layout``'s ep fits: ``Layout`` checked it)."""
-    ranks = mesh.mesh.reshape(layout.expert_fsdp_size, layout.ep, layout.tp)
-    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_AXES)
+    shape: tuple[int, ...] = (layout.expert_fsdp_size, layout.ep, layout.tp)
+    names: tuple[str, ...] = EXPERT_AXES
+    if layout.pp > 1:
+        shape, names = (layout.pp, *shape), ("pp", *names)
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape), mesh_dim_names=names)
 
 
 def device_mesh_of(mesh: DeviceMesh | ParallelMesh) -> DeviceMesh:

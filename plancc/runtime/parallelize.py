@@ -167,6 +167,11 @@ def apply_fsdp(
 _OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def offloaded(model: nn.Module) -> None:
+    """Note that ``model``'s FSDP shards live in host memory (``materialize`` allocates them there)."""
+    _OFFLOADED.add(model)
+
+
 def params_on_host(model: nn.Module) -> bool:
     """Whether ``parallelize(cpu_offload=True)`` put the model's sharded parameters, their
     gradients and so the optimizer's state in host memory (FSDP2's ``CPUOffloadPolicy``: each
@@ -239,7 +244,7 @@ def parallelize(
     # run without a staging buffer and overlap compute; a CPU-only host has nothing to pin for
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     if cpu_offload:
-        _OFFLOADED.add(model)
+        offloaded(model)
     return apply_fsdp(
         model,
         resolved.fsdp_units,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -51,7 +51,7 @@ from .gradnorm import global_grad_norm
 from .logprobs import IGNORE_INDEX
 from .lora import LoraSpec, add_adapters
 from .mesh import ParallelMesh
-from .parallelize import apply_fsdp, apply_tensor_parallel
+from .parallelize import apply_fsdp, apply_tensor_parallel, offloaded
 
 # torch.distributed.pipelining's schedules by the plan's names (``plancc.schedules`` says where
 # each puts a rank's stages)
@@ -170,15 +170,20 @@ def parallelize_stages(
     *,
     param_dtype: torch.dtype | None = None,
     lora: LoraSpec | None = None,
+    cpu_offload: bool = False,
 ) -> list[tuple[int, DecoderStage]]:
     """This rank's stages of ``model`` (on meta: materialize them after), laid out as a pipeline
-    rank of ``mesh``: the plan's TP styles and activation checkpointing on the whole model, the
-    stages its schedule gives this pipeline rank cut from it, each FSDP2-sharded over dp x cp with
-    the plan's units inside it (gradients summed and divided as ``runtime.gradient_scale`` says)."""
+    rank of ``mesh``: the plan's TP styles (its experts over ep, ``mesh.expert_mesh``) and
+    activation checkpointing on the whole model, the stages its schedule gives this pipeline rank
+    cut from it, each FSDP2-sharded over dp x cp with the plan's units inside it (experts over
+    edp; gradients summed and divided as ``runtime.gradient_scale`` says) as ``parallelize``
+    shards a whole model; ``cpu_offload``: FSDP2's CPU offload, as there."""
     layout = mesh.layout
     spec = plan.pipeline or PipelineSpec()
     resolved = resolve_plan(plan, model, sequence_parallel=layout.sequence_parallel)
-    apply_tensor_parallel(model, resolved, mesh["tp"])
+    experts = apply_tensor_parallel(model, resolved, mesh["tp"], expert_mesh=mesh.expert_mesh)
+    if mesh.expert_mesh is not None and not experts:
+        raise ValueError(f"ep={layout.ep} but the plan spreads no experts (no 'moe_experts' rule matched this model)")
     if lora is not None:  # after the tp styles (they shard the base), before FSDP (it shards both): as parallelize
         add_adapters(model, lora, resolved, mesh["tp"])
     apply_activation_checkpointing(model, resolved.activation_checkpointing, resolved.checkpoint_saves)
@@ -195,16 +200,23 @@ def parallelize_stages(
         stage.cp = cp
     names = {id(m): n for n, m in model.named_modules()}
     units = {names[id(model.get_submodule(u))] for u in resolved.fsdp_units}
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for _, stage in stages:
+        modules = dict(stage.named_modules())  # a stage's modules sit at the model's names
         apply_fsdp(
             stage,
-            [n for n, m in stage.named_modules() if n and names.get(id(m)) in units],
+            [n for n, m in modules.items() if n and names.get(id(m)) in units],
             mesh.fsdp,
             mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-            offload_policy=OffloadPolicy(),
+            offload_policy=offload,
             reshard_after_forward=plan.fsdp_reshard_after_forward,
+            experts=[name for name in experts if name in modules],
+            expert_mesh=mesh.expert_mesh,
             gradient_divide_factor=fsdp_divisor(layout),
+            shard_dims=resolved.fsdp_shard_dims,
         )
+        if cpu_offload:
+            offloaded(stage)
     return stages
 
 
