@@ -149,6 +149,9 @@ def test_the_layout_counts_pipeline_ranks_and_apply_checks_the_stages_before_lau
     assert code == 1 and "2 decoder layers for 4 stages" in out + err
     code, out, err = cli("apply", "plans/qwen3.yaml", "--pp", 4, "--nproc-per-node", 4)
     assert code == 1 and "2 decoder layers for 4 stages" in out + err  # no process started
+    # packed rows run under pp, but not yet beside cp inside the stages: refused before launch
+    code, out, err = cli("apply", "plans/qwen3.yaml", "--pp", 2, "--cp", 2, "--pack", "--nproc-per-node", 4)
+    assert code == 2 and "--pack with --pp 2 and --cp 2" in err and "[usage]" in err
 
 
 def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli, tmp_path):
@@ -348,9 +351,11 @@ def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["by-length", "packed"])
+def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path, packed):
     """`plancc logprobs --pp 2`: rows of every length through the stages, the last stage's
-    log-probs (and entropy) written by rank 0, equal to the unsharded model's."""
+    log-probs (and entropy) written by rank 0, equal to the unsharded model's. With --pack the
+    rows go packed end to end (one schedule step), each attending to itself alone."""
     import json
 
     from .conftest import forked_cli
@@ -358,7 +363,7 @@ def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path):
     data = _uneven_rows(tmp_path / "rows.jsonl", rows=6, seed=1)
     out = tmp_path / "lp.jsonl"
     code, stdout, err = forked_cli("logprobs", PLANS_DIR / "qwen3.yaml", "--data", data, "--pp", 2, "--entropy",
-                                   "--verify", "--out", out)
+                                   "--verify", "--out", out, *(["--pack"] if packed else []))
     assert code == 0 and "verify: max |logprob diff|" in stdout and "OK" in stdout, err + stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     lengths = [len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines()]
@@ -452,3 +457,27 @@ def test_layers_per_stage_derives_the_stage_count_from_the_models_layers(tmp_pat
     assert refused and "make 3 stages, not a multiple of pp=2" in refused[0].message and refused[0].line > 0
     with pytest.raises(PlanError, match="both layers_per_stage and virtual_stages_per_rank"):
         problems("  layers_per_stage: 9\n  virtual_stages_per_rank: 1\n", "qwen3-8b", 4)
+
+
+def test_packed_rows_fill_rows_first_fit_and_come_back_at_their_batch_positions():
+    """--pack under pp: rows (right or left padded) packed end to end, each with its own positions
+    from 0 and the padding a document of its own; what the caller's loss sees is the batch's rows
+    again, 0 at each row's first position (nothing in the row predicts it)."""
+    import torch
+
+    from plancc.engine.pipeline_rows import PipelineRows
+
+    ids = torch.tensor([[11, 12, 13, 14, 15, 0], [0, 0, 0, 21, 22, 23], [31, 32, 0, 0, 0, 0]])
+    mask = (ids != 0).long()
+    rows = PipelineRows.of({"input_ids": ids, "attention_mask": mask}, micro_batch_size=None, max_tokens=6,
+                           microbatches=2, pack=True)
+    (group,) = rows.groups()
+    assert group.input_ids.tolist() == [[11, 12, 13, 14, 15, 0], [21, 22, 23, 31, 32, 0]]
+    assert group.positions.tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 0, 1, 0]]
+    assert group.microbatches == 2 and rows.input_tokens == 10
+    lp, fields = group.loss_view(group.input_ids[1:].float(), torch.tensor([1]), {})  # microbatch: bin 1
+    assert fields["input_ids"].tolist() == [[0, 0, 0, 21, 22, 23], [31, 32, 0, 0, 0, 0]]  # bin 1's rows, as given
+    assert lp.tolist() == [[0, 0, 0, 0, 22, 23], [0, 32, 0, 0, 0, 0]]
+    out = torch.zeros(3, 6)
+    group.place(out, group.input_ids.float(), torch.tensor([0, 1]), predicted=True)
+    assert out.tolist() == [[0, 12, 13, 14, 15, 0], [0, 0, 0, 0, 22, 23], [0, 32, 0, 0, 0, 0]]

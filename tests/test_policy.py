@@ -76,11 +76,16 @@ LAYOUTS = [
         "plans/qwen3.yaml",
         "tiny-qwen3",
         {"pp": 2},
-        _cases([ONE, UNEVEN, BUDGET]) + _cases([ONE], ["grpo_tokens"]),
+        _cases([ONE, UNEVEN, BUDGET, PACKED]) + _cases([ONE, PACKED], ["grpo_tokens"]),
         id="pp2",
     ),
     pytest.param(
-        4, "plans/qwen3.yaml", "tiny-qwen3", {"pp": 2, "tp": 2}, _cases([BUDGET], ["grpo", "grpo_tokens"]), id="pp2xtp2"
+        4,
+        "plans/qwen3.yaml",
+        "tiny-qwen3",
+        {"pp": 2, "tp": 2},
+        _cases([BUDGET, PACKED], ["grpo", "grpo_tokens"]),
+        id="pp2xtp2",
     ),
     pytest.param(
         4, "plans/qwen3.yaml", "tiny-qwen3", {"pp": 2, "dp": 2}, _cases([UNEVEN], ["grpo", "nll_tokens"]), id="pp2xdp2"

@@ -17,7 +17,7 @@ from ..runtime.logprobs import IGNORE_INDEX
 from ..runtime.pipeline import PipelineRunner, next_token_targets
 from .batches import BatchError
 from .loss_contract import call_loss
-from .pipeline_rows import RowGroup
+from .pipeline_rows import StepRows
 
 Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
 
@@ -82,7 +82,7 @@ class LastStageLoss:
         self,
         runner: PipelineRunner,
         fn: Loss,
-        group: RowGroup,
+        group: StepRows,
         norm: Any,
         scale: float,
         temperature: float,
@@ -94,13 +94,12 @@ class LastStageLoss:
 
     def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         rows = index.flatten()
-        fields = {name: value[rows] for name, value in self.group.fields.items()}
         cp = self.runner.cp
-        lp = logprobs_of(logits, fields["input_ids"], self.temperature, cp)
+        lp = logprobs_of(logits, self.group.input_ids[rows], self.temperature, cp)
         if self.runner.inferring or self.group.is_filler(rows):  # torch's dry call, or a filler
             return (torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)) * 0).sum()
-        if self.entropy:
-            fields["entropy"] = entropy_of(logits, self.temperature, cp)
+        extra = {"entropy": entropy_of(logits, self.temperature, cp)} if self.entropy else {}
+        lp, fields = self.group.loss_view(lp, rows, extra)  # packed rows: the batch's rows again
         try:
             loss, metrics = call_loss(self.fn, lp, fields, self.norm, 0)
         except BatchError as exc:
@@ -117,7 +116,7 @@ class LastStageLogprobs:
     their rows and positions of ``out`` [2, rows, S]."""
 
     def __init__(
-        self, group: RowGroup, out: torch.Tensor, temperature: float, entropy: bool, cp: CPContext | None = None
+        self, group: StepRows, out: torch.Tensor, temperature: float, entropy: bool, cp: CPContext | None = None
     ) -> None:
         self.group, self.out, self.temperature, self.entropy, self.cp = group, out, temperature, entropy, cp
 
@@ -127,11 +126,9 @@ class LastStageLogprobs:
         lp = logprobs_of(logits, ids, self.temperature, self.cp)
         if self.group.is_filler(local):
             return lp.sum() * 0
-        rows, cols = self.group.places(local, lp.device)
-        length = self.group.length  # the row's own positions (not sequence parallelism's padding)
-        self.out[0][rows, cols] = lp[:, :length]
+        self.group.place(self.out[0], lp, local, predicted=True)
         if self.entropy:
-            self.out[1][rows, cols] = entropy_of(logits, self.temperature, self.cp)[:, :length]
+            self.group.place(self.out[1], entropy_of(logits, self.temperature, self.cp), local)
         return lp.sum() * 0
 
 
@@ -140,7 +137,7 @@ class LastStageLogits:
     gathered, and under context parallelism the positions) at their rows and positions of
     ``out`` [rows, S, V]."""
 
-    def __init__(self, group: RowGroup, out: torch.Tensor, cp: CPContext | None = None) -> None:
+    def __init__(self, group: StepRows, out: torch.Tensor, cp: CPContext | None = None) -> None:
         self.group, self.out, self.cp = group, out, cp
 
     def __call__(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -150,8 +147,7 @@ class LastStageLogits:
             full = all_gather(full, self.cp.group, dim=1)
         if self.group.is_filler(local):
             return full.sum() * 0
-        rows, cols = self.group.places(local, full.device)
-        self.out[rows, cols] = full[:, : self.group.length].float()
+        self.group.place(self.out, full.float(), local)
         return full.sum() * 0
 
 

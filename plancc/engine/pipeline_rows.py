@@ -48,6 +48,7 @@ class RowGroup:
         self.per, self.real = per, len(rows)  # rows beyond ``real`` are fillers (``pad_to``)
         self.input_ids = self.fields["input_ids"]
         self.index = torch.arange(len(rows), device=device)[:, None]  # the target: which rows a microbatch holds
+        self.positions: torch.Tensor | None = None  # each row's own: 0, 1, ... (the stages count them)
 
     @classmethod
     def filler(cls, like: dict[str, torch.Tensor], microbatches: int, length: int = 2) -> RowGroup:
@@ -86,17 +87,149 @@ class RowGroup:
         after the real rows."""
         return int(index.min()) >= self.real
 
+    def loss_view(
+        self, lp: torch.Tensor, local: torch.Tensor, per_position: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """What the caller's loss sees of a microbatch: its log-probs ``[rows, L]`` and every field
+        of its rows (cut to their span), ``per_position`` values among them."""
+        return lp, {**{name: value[local] for name, value in self.fields.items()}, **per_position}
+
+    def place(self, out: torch.Tensor, value: torch.Tensor, local: torch.Tensor, *, predicted: bool = False) -> None:
+        """A microbatch's per-position ``value`` ``[rows, L, ...]`` into its rows and positions of
+        ``out`` ``[batch rows, S, ...]`` (the row's own positions, not sequence parallelism's
+        padding; ``predicted``: log-probs, 0 at a row's first position already)."""
+        rows, cols = self.places(local, value.device)
+        out[rows, cols] = value[:, : self.length].to(out.dtype)
+
+
+def first_fit(spans: list[tuple[int, int, int]], capacity: int) -> list[list[tuple[int, int, int]]]:
+    """(row, first position, tokens) spans packed into bins of ``capacity`` tokens, first fit by
+    decreasing length (ties by row: the same packing on every rank given the same rows)."""
+    bins: list[list[tuple[int, int, int]]] = []
+    room: list[int] = []
+    for span in sorted(spans, key=lambda s: (-s[2], s[0])):
+        fits = next((b for b, left in enumerate(room) if span[2] <= left), None)
+        if fits is None:
+            bins.append([span])
+            room.append(capacity - span[2])
+        else:
+            bins[fits].append(span)
+            room[fits] -= span[2]
+    return bins
+
+
+class PackedGroup:
+    """Rows packed end to end into rows of one length (each row a document: positions from 0,
+    attending to itself only), first fit by decreasing length: one schedule step for a rank's
+    rows whatever their lengths, no pipeline fill and drain per length. The caller's loss still
+    sees its rows as the batch holds them (``loss_view``), as ``Policy`` without stages packs."""
+
+    def __init__(
+        self,
+        batch: dict[str, torch.Tensor],
+        bins: list[list[tuple[int, int, int]]],
+        capacity: int,
+        per: int,
+        multiple: int = 1,
+    ) -> None:
+        """``bins``: each packed row's (row, first position, tokens) spans (``first_fit``);
+        ``capacity``: a packed row's tokens; ``per``: packed rows a microbatch."""
+        device = batch["input_ids"].device
+        self.length = -(-capacity // multiple) * multiple
+        count = len(bins)
+        src_row = torch.zeros((count, self.length), dtype=torch.long)
+        src_col = torch.zeros((count, self.length), dtype=torch.long)
+        positions = torch.zeros((count, self.length), dtype=torch.long)
+        real = torch.zeros((count, self.length), dtype=torch.bool)
+        for b, members in enumerate(bins):
+            at = 0
+            for row, first, n in members:
+                src_row[b, at : at + n], src_col[b, at : at + n] = row, torch.arange(first, first + n)
+                positions[b, at : at + n] = torch.arange(n)
+                real[b, at : at + n] = True
+                at += n
+            positions[b, at:] = torch.arange(self.length - at)  # the padding: a document of its own, last
+        self.batch = batch
+        self.src_row, self.src_col = src_row.to(device), src_col.to(device)
+        self.real_positions = real.to(device)
+        self.positions = positions.to(device)
+        self.input_ids = torch.where(self.real_positions, batch["input_ids"][self.src_row, self.src_col], 0)
+        self.rows_of = [[row for row, _, _ in members] for members in bins]  # each packed row's rows
+        self.per, self.real, self.microbatches = per, count, count // per
+        self.index = torch.arange(count, device=device)[:, None]
+        self.fields = {"input_ids": self.input_ids}  # what a filler is shaped like (``PipelineRows.align``)
+
+    def pad_to(self, microbatches: int) -> None:
+        """Grow to ``microbatches`` by fillers: copies of the first packed row, never counted."""
+        extra = (microbatches - self.microbatches) * self.per
+        if extra <= 0:
+            return
+
+        def grown(value: torch.Tensor) -> torch.Tensor:
+            return torch.cat([value, value[:1].expand(extra, *value.shape[1:])])
+
+        self.input_ids, self.positions = grown(self.input_ids), grown(self.positions)
+        self.fields = {"input_ids": self.input_ids}
+        self.index = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)[:, None]
+        self.microbatches = microbatches
+
+    def is_filler(self, index: torch.Tensor) -> bool:
+        return int(index.min()) >= self.real
+
+    def _rows(self, local: torch.Tensor) -> list[int]:
+        return [row for b in local.tolist() for row in self.rows_of[b]]
+
+    def loss_view(
+        self, lp: torch.Tensor, local: torch.Tensor, per_position: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The microbatch's packed log-probs (0 at each document's first position: nothing in it
+        predicts that token) unpacked into its rows ``[rows, S]`` at their batch positions, and
+        every field of those rows as the batch holds them: the loss sees what it sees without
+        stages. Differentiable (a scatter)."""
+        rows = self._rows(local)
+        device = lp.device
+        slot = torch.full((self.batch["input_ids"].shape[0],), -1, dtype=torch.long, device=device)
+        slot[torch.tensor(rows, device=device)] = torch.arange(len(rows), device=device)
+        width = self.batch["input_ids"].shape[1]
+        real = self.real_positions[local]
+        predicted = real & (self.positions[local] != 0)
+
+        def unpacked(value: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            out = value.new_zeros((len(rows), width, *value.shape[2:]))
+            return out.index_put((slot[self.src_row[local][keep]], self.src_col[local][keep]), value[keep])
+
+        fields = {name: value[torch.tensor(rows, device=value.device)] for name, value in self.batch.items()}
+        fields.update({name: unpacked(value, real) for name, value in per_position.items()})
+        return unpacked(lp, predicted), fields
+
+    def place(self, out: torch.Tensor, value: torch.Tensor, local: torch.Tensor, *, predicted: bool = False) -> None:
+        """A microbatch's packed per-position ``value`` into its rows and positions of ``out``;
+        ``predicted``: log-probs, not written at a document's first position."""
+        keep = self.real_positions[local]
+        if predicted:
+            keep = keep & (self.positions[local] != 0)
+        out[self.src_row[local][keep], self.src_col[local][keep]] = value[keep].to(out.dtype)
+
+
+# one schedule step's rows: of one length, or packed
+StepRows = RowGroup | PackedGroup
+
 
 class PipelineRows:
     """This rank's rows unpadded, grouped by length (each group one schedule step)."""
 
     def __init__(
-        self, groups: list[RowGroup], tokens: float, sequences: float, multiple: int = 1, input_tokens: float = 0.0
+        self,
+        groups: list[StepRows],
+        tokens: float,
+        sequences: float,
+        multiple: int = 1,
+        input_tokens: float = 0.0,
     ) -> None:
         self._groups, self.tokens, self.sequences, self.multiple = groups, tokens, sequences, multiple
         self.input_tokens = input_tokens  # every attended token (what throughput counts)
 
-    def groups(self) -> list[RowGroup]:
+    def groups(self) -> list[StepRows]:
         return self._groups
 
     def align(self, steps: list[list[int]]) -> None:
@@ -121,10 +254,14 @@ class PipelineRows:
         max_tokens: int | None,
         microbatches: int,
         multiple: int = 1,
+        pack: bool = False,
     ) -> PipelineRows:
         """Without --micro-batch-size or --max-tokens, each length's rows go in at least
         ``microbatches`` microbatches where they can (the plan's ``pipeline.microbatches``, or one
-        per pipeline rank): a step of one microbatch would leave every stage but one idle."""
+        per pipeline rank): a step of one microbatch would leave every stage but one idle.
+        ``pack``: the rows packed end to end into rows of one length -- ``max_tokens`` tokens, or
+        by default the rank's tokens over ``microbatches``; never less than the longest row -- one
+        schedule step; ``micro_batch_size`` counts packed rows."""
         mask = batch["attention_mask"].bool()
         counted = batch.get("token_mask")
         token_mask = counted if counted is not None else default_token_mask(batch["attention_mask"])
@@ -141,13 +278,23 @@ class PipelineRows:
                     "(left or right padding)"
                 )
             spans.setdefault(n, []).append((row, first))
-        groups = []
+        sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
+        tokens, attended = float(token_mask.sum()), float(sum(lengths))
+        if pack:
+            every = [(row, first, n) for n, members in spans.items() for row, first in members]
+            # as many packed rows as the schedule wants microbatches, none shorter than the longest
+            # row (a row is never cut), or rows of --max-tokens
+            capacity = max(max(lengths), max_tokens or -(-sum(lengths) // microbatches))
+            bins = first_fit(every, capacity)
+            per = rows_per_microbatch(len(bins), capacity, micro_batch_size, None, microbatches)
+            packed = PackedGroup(batch, bins, capacity, per, multiple)
+            return cls([packed], tokens, sequences, multiple, input_tokens=attended)
+        groups: list[StepRows] = []
         for length in sorted(spans):
             members = spans[length]
             per = rows_per_microbatch(len(members), length, micro_batch_size, max_tokens, microbatches)
             groups.append(RowGroup(batch, [r for r, _ in members], [s for _, s in members], length, per, multiple))
-        sequences = float(sample.sum()) if sample is not None else float(mask.shape[0])
-        return cls(groups, float(token_mask.sum()), sequences, multiple, input_tokens=float(sum(lengths)))
+        return cls(groups, tokens, sequences, multiple, input_tokens=attended)
 
 
 def fingerprint(ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:

@@ -25,7 +25,9 @@ The weights out (``weights``, ``weights_manifest``, ``send_weights``, ``share_we
 on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
 (``runtime.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
 holds them (``engine.reshard``). Expert parallelism and FSDP CPU offload run inside each stage
-(``runtime.pipeline.parallelize_stages``). Not yet (refused with the reason): packing under pp.
+(``runtime.pipeline.parallelize_stages``). Packed rows (``pack=True``) go packed end to end into
+rows of one length, one schedule step (``engine.pipeline_rows.PackedGroup``). Not yet (refused
+with the reason): packing beside context parallelism.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from .batches import Batch, BatchError, Microbatching, check_batch
 from .build import from_folder, seeded_model
 from .loss_contract import BatchTotals, LossFn, NonFiniteError, TokenLoss
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Recorded, per_token
-from .pipeline_rows import PipelineRows, RowGroup, fingerprint
+from .pipeline_rows import PipelineRows, StepRows, fingerprint
 from .stage_values import StageValues
 from .steps import ModelParts, StepOutcome
 
@@ -258,8 +260,8 @@ class PipelineSteps:
         rows_print: tuple[int, int, tuple[int, ...], int] = (0, 0, (), 0)  # rows, then their other fields
         try:
             micro_batch_size, max_tokens = cut.micro_batch_size, cut.max_tokens
-            if cut.pack:
-                raise BatchError("packing rows (--pack) under pipeline parallelism is not supported yet")
+            if cut.pack and self.layout.cp > 1:
+                raise BatchError("packing rows (--pack) under pipeline and context parallelism is not supported yet")
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
             on_device = {name: value.to(self.device) for name, value in batch.items()}
@@ -269,6 +271,7 @@ class PipelineSteps:
                 max_tokens=max_tokens,
                 microbatches=self.runner.microbatches,  # the plan's, or one per stage
                 multiple=self.layout.sequence_multiple,
+                pack=cut.pack,
             )
             ids, mask = on_device["input_ids"], on_device["attention_mask"]
             rows_print = (*fingerprint(ids, mask), int(fields_fingerprint(on_device, ids.device)))
@@ -332,7 +335,7 @@ class PipelineSteps:
         self._forward_only(rows, lambda group: LastStageLogits(group, out, self.runner.cp))
         return self.runner.from_last_stage(out)
 
-    def _forward_only(self, rows: PipelineRows, capture: Callable[[RowGroup], Callable[..., torch.Tensor]]) -> None:
+    def _forward_only(self, rows: PipelineRows, capture: Callable[[StepRows], Callable[..., torch.Tensor]]) -> None:
         """Every length's rows through the stages without backward, in eval mode; ``capture(group)``
         is the last stage's function that keeps what it computes."""
         was_training = self.model.training
@@ -344,7 +347,7 @@ class PipelineSteps:
         finally:
             self.model.train(was_training)
 
-    def _run_step(self, group: RowGroup, last_stage: Callable[..., torch.Tensor], *, forward_only: bool) -> None:
+    def _run_step(self, group: StepRows, last_stage: Callable[..., torch.Tensor], *, forward_only: bool) -> None:
         """One schedule step of a length's rows (a V schedule's padded to whole rounds)."""
         group.pad_to(self.runner.step_size(group.microbatches))
         self.runner.run(
@@ -354,4 +357,5 @@ class PipelineSteps:
             schedule=self.runner.breadth_first(group.microbatches),
             microbatches=group.microbatches,
             forward_only=forward_only,
+            positions=group.positions,
         )

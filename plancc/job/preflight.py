@@ -119,6 +119,15 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "pass a finite, non-negative --lr such as 1e-5",
             )
         )
+    if cfg.pack and cfg.layout.pp > 1 and cfg.layout.cp > 1:  # a stage's cp attention takes whole rows
+        found.append(
+            problem(
+                "--pack",
+                f"--pack with --pp {cfg.layout.pp} and --cp {cfg.layout.cp}: packed rows under pipeline and "
+                "context parallelism together are not supported yet",
+                "drop --pack (rows of one length go through the stages together), or --cp, or --pp",
+            )
+        )
     if not 0 <= cfg.seed < 2**64:  # torch's generators take an unsigned 64-bit seed
         found.append(problem("--seed", f"--seed {cfg.seed} is not a 64-bit seed", "pass a seed in 0 .. 2**64 - 1"))
     if cfg.timeout_s > MAX_TIMEOUT_S:  # a timedelta beyond this overflows c10d's milliseconds

@@ -37,6 +37,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ..checks.pipeline import layers_of_stages
 from ..compiler.plan import PipelineSpec, Plan
@@ -90,6 +91,7 @@ class DecoderStage(nn.Module):
         self.first, self.last = first, last
         self.model = _DecoderPart(getattr(model, "model", model), layers, first=first, last=last)
         self.lm_head = getattr(model, "lm_head", None) if last else None
+        self.config = getattr(model, "config", None)  # what packed rows' masks are built for
         # under sequence parallelism a stage receives and sends its tp rank's shard of the
         # sequence: the positions (rotary) are those of the whole sequence, this many shards long
         self.sequence_shards = 1
@@ -104,10 +106,19 @@ class DecoderStage(nn.Module):
     def layers(self) -> list[nn.Module]:
         return list(self.model.layers.values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: packed rows' (each document's from 0); each document then attends to
+        itself alone, by the mask transformers builds from them (``create_causal_mask``: dense
+        ``[T, T]``, where ``Policy`` without stages attends per document without one)."""
         part = self.model
         embed = part.embed_tokens
         first = embed is not None
+        masks: dict[str, Any] = {}
+        if positions is not None:
+            hidden = embed(x) if embed is not None else x
+            rotary = part.rotary_emb(hidden, positions)
+            masks = self._document_masks(hidden, positions)
+            return self._layers_on(hidden, positions, rotary, masks)
         if self.cp is None:
             length = x.shape[1] if first else x.shape[1] * self.sequence_shards
             positions = torch.arange(length, device=x.device).unsqueeze(0)
@@ -118,9 +129,16 @@ class DecoderStage(nn.Module):
                 x = x.index_select(1, positions[0])
         hidden = embed(x) if embed is not None else x
         rotary = part.rotary_emb(hidden, positions)
+        return self._layers_on(hidden, positions, rotary, masks)
+
+    def _layers_on(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Any, masks: dict[str, Any]
+    ) -> torch.Tensor:
+        part = self.model
         for layer in part.layers.values():
+            mask = masks.get(getattr(layer, "attention_type", "full_attention"))
             out = layer(
-                hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False
+                hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary, use_cache=False
             )
             hidden = out[0] if isinstance(out, tuple) else out
         if part.norm is not None:
@@ -128,6 +146,23 @@ class DecoderStage(nn.Module):
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
         return hidden
+
+    def _document_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+        """Each layer type's mask of packed rows, as the model's own forward makes it (transformers
+        finds the documents from the restarting positions), in its attention's format."""
+        rows, length = positions.shape  # the whole rows: under sequence parallelism ``hidden`` is a shard
+        like = torch.empty((rows, length, 1), dtype=hidden.dtype, device=positions.device)
+        kwargs: dict[str, Any] = {
+            "config": self.config,
+            "inputs_embeds": like,
+            "attention_mask": None,
+            "past_key_values": None,
+            "position_ids": positions,
+        }
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if any(getattr(layer, "attention_type", None) == "sliding_attention" for layer in self.model.layers.values()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
 
 
 class RankStages(nn.Module):
@@ -270,17 +305,22 @@ class PipelineRunner:
         schedule: str,
         microbatches: int,
         forward_only: bool = False,
+        positions: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """One schedule step over ``input_ids`` [B, S] cut into ``microbatches`` along B, with
         ``loss_fn(last stage's output, target's rows of the microbatch)``; ``schedule`` one of
         the plan's, or ``looped_bfs`` (breadth first, several stages a rank). ``forward_only``:
-        no backward (the loss function still sees every microbatch's output). Returns the last
-        stage's losses, one per microbatch, on the rank that holds it ([] elsewhere)."""
+        no backward (the loss function still sees every microbatch's output). ``positions``
+        [B, S]: packed rows' positions (each document's from 0), handed to every stage of this
+        rank with its microbatch (torch splits a step's keyword inputs as it splits the rows;
+        every rank of the pipeline holds them, so nothing travels between stages). Returns the
+        last stage's losses, one per microbatch, on the rank that holds it ([] elsewhere)."""
+        extra = {"positions": positions.to(self.device)} if positions is not None else {}
         if forward_only and schedule in V_SHAPED:
             # torch 2.13's V schedules cannot run without backward (their order sends a stage's
             # output to the same rank's next stage through the backward's buffers): every
             # stage in order instead, one microbatch at a time
-            return self._forward_in_order(input_ids, target, loss_fn, microbatches)
+            return self._forward_in_order(input_ids, target, loss_fn, microbatches, extra)
         pipe = [PipelineStage(m, i, self.total, self.device, group=self.group) for i, m in self.stages]
         kind = SCHEDULES.get(schedule, ScheduleLoopedBFS)
         runner: Any = None
@@ -303,7 +343,7 @@ class PipelineRunner:
         args = (input_ids.to(self.device),) if 0 in held else ()
         last_target = target.to(self.device) if self.holds_last else None
         if forward_only:
-            runner.eval(*args, target=last_target, losses=losses)
+            runner.eval(*args, target=last_target, losses=losses, **extra)
             return losses
         # torch clears the FSDP stages' gradients after a new stage's shape inference (its dry
         # backward accumulates into them): a step of several schedule steps (one per length of
@@ -312,7 +352,7 @@ class PipelineRunner:
         kept = [p.grad for p in params]
         for p in params:
             p.grad = None
-        runner.step(*args, target=last_target, losses=losses)
+        runner.step(*args, target=last_target, losses=losses, **extra)
         for p, earlier in zip(params, kept, strict=True):
             if earlier is not None:
                 p.grad = earlier if p.grad is None else earlier.add_(p.grad)
@@ -324,6 +364,7 @@ class PipelineRunner:
         target: torch.Tensor,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         microbatches: int,
+        extra: dict[str, torch.Tensor],
     ) -> list[torch.Tensor]:
         """Forward only, stage after stage: each microbatch's rows through stage 0, 1, ... on the
         ranks that hold them, an activation sent to the next stage's rank where it is another
@@ -335,14 +376,16 @@ class PipelineRunner:
         me = dist.get_rank(self.group)
         losses: list[torch.Tensor] = []
         ids, targets = input_ids.to(self.device).chunk(microbatches), target.to(self.device).chunk(microbatches)
+        pieces = {name: value.chunk(microbatches) for name, value in extra.items()}
         for m in range(microbatches):
+            mine = {name: chunks[m] for name, chunks in pieces.items()}
             x: torch.Tensor | None = ids[m] if 0 in held else None
             for i in range(self.total):
                 if owner[i] != me:
                     continue
                 if x is None:  # the previous stage is another rank's
                     x = _receive_activation(self.group, owner[i - 1], self.device)
-                out = held[i](x)
+                out = held[i](x, **mine)
                 x = None
                 if i == self.total - 1:
                     losses.append(loss_fn(out, targets[m]))
