@@ -4,9 +4,9 @@ bare SIGKILL (and a ``--timeout`` hint) for it.
 The kernel's OOM killer ends a process with SIGKILL and no message: the rank cannot say what
 killed it. So each rank records its own peak resident memory as it runs (a file in the
 launcher's folder, rewritten as the peak grows), and the launcher compares the kernel's count
-of OOM kills (``/proc/vmstat``'s ``oom_kill``; a cgroup's own where the host's is not
-readable) before and after the run: a rank that died of SIGKILL while the count rose was the
-OOM killer's, and its last recorded peak is what it reached.
+of OOM kills (its memory cgroup's own, where the ranks run; ``/proc/vmstat``'s host-wide
+``oom_kill`` where no cgroup count is readable) before and after the run: a rank that died of
+SIGKILL while the count rose was the OOM killer's, and its last recorded peak is what it reached.
 """
 
 from __future__ import annotations
@@ -70,12 +70,14 @@ def read_peak(folder: str | Path, rank: int) -> int | None:
 
 
 def oom_kills() -> int | None:
-    """The kernel's count of OOM kills so far (the host's, else this process's memory cgroup's);
-    None where neither can be read."""
+    """The kernel's count of OOM kills so far: this process's memory cgroup's (its ranks', not
+    another job's on the same host: a SIGKILL that met some other job's OOM kill is not blamed on
+    memory), else the host's; None where neither can be read."""
     for path, key in (
+        (_cgroup_file("memory.events.local"), "oom_kill"),  # cgroup v2, this cgroup's own
+        (_cgroup_file("memory.events"), "oom_kill"),  # cgroup v2 before 5.7 (its descendants' too)
+        (_cgroup_file("memory.oom_control"), "oom_kill"),  # cgroup v1 (its own)
         ("/proc/vmstat", "oom_kill"),
-        (_cgroup_file("memory.events"), "oom_kill"),  # cgroup v2
-        (_cgroup_file("memory.oom_control"), "oom_kill"),  # cgroup v1
     ):
         try:
             with open(path) as f:
