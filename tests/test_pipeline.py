@@ -318,10 +318,10 @@ def test_apply_pp2_tp2_with_sequence_parallelism_from_a_model_folder_verifies_on
 
     torch.manual_seed(5)
     build_model(load_config("tiny-qwen3"), device="cpu").save_pretrained(tmp_path / "model")
-    data = _uneven_rows(tmp_path / "rows.jsonl", rows=8, seed=3)
+    data = _uneven_rows(tmp_path / "rows.jsonl", rows=4, seed=3)
     code, out, err = forked_cli("apply", PLANS_DIR / "qwen3.yaml", "--model", tmp_path / "model",
                                 "--nproc-per-node", 4, "--pp", 2, "--tp", 2, "--sp", "--verify", "--steps", 2,
-                                "--batch-size", 8, "--data", data)
+                                "--batch-size", 4, "--data", data)
     assert code == 0, err + out
     assert "pp=2 dp=1 cp=1 tp=2 +sp" in out and "verify: OK" in out
     assert f"safetensors from {tmp_path / 'model'}" in out

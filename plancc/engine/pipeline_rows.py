@@ -137,22 +137,31 @@ class PackedGroup:
         device = batch["input_ids"].device
         self.length = -(-capacity // multiple) * multiple
         count = len(bins)
-        src_row = torch.zeros((count, self.length), dtype=torch.long)
-        src_col = torch.zeros((count, self.length), dtype=torch.long)
-        positions = torch.zeros((count, self.length), dtype=torch.long)
-        real = torch.zeros((count, self.length), dtype=torch.bool)
-        for b, members in enumerate(bins):
+        # every packed position's source (row, column), its own position and whether it is a
+        # row's token, made on the host and copied once (``from_host``)
+        src_row: list[int] = []
+        src_col: list[int] = []
+        positions: list[int] = []
+        real: list[int] = []
+        for members in bins:
             at = 0
             for row, first, n in members:
-                src_row[b, at : at + n], src_col[b, at : at + n] = row, torch.arange(first, first + n)
-                positions[b, at : at + n] = torch.arange(n)
-                real[b, at : at + n] = True
+                src_row += [row] * n
+                src_col += range(first, first + n)
+                positions += range(n)
+                real += [1] * n
                 at += n
-            positions[b, at:] = torch.arange(self.length - at)  # the padding: a document of its own, last
+            left = self.length - at  # the padding: a document of its own, last
+            src_row += [0] * left
+            src_col += [0] * left
+            positions += range(left)
+            real += [0] * left
+        shape = (count, self.length)
         self.batch = batch
-        self.src_row, self.src_col = src_row.to(device), src_col.to(device)
-        self.real_positions = real.to(device)
-        self.positions = positions.to(device)
+        self.src_row = from_host(src_row, torch.long, device).view(shape)
+        self.src_col = from_host(src_col, torch.long, device).view(shape)
+        self.real_positions = from_host(real, torch.bool, device).view(shape)
+        self.positions = from_host(positions, torch.long, device).view(shape)
         self.input_ids = torch.where(self.real_positions, batch["input_ids"][self.src_row, self.src_col], 0)
         self.rows_of = [[row for row, _, _ in members] for members in bins]  # each packed row's rows
         self.per, self.real, self.microbatches = per, count, count // per
@@ -189,7 +198,8 @@ class PackedGroup:
         rows = self._rows(local)
         device = lp.device
         slot = torch.full((self.batch["input_ids"].shape[0],), -1, dtype=torch.long, device=device)
-        slot[torch.tensor(rows, device=device)] = torch.arange(len(rows), device=device)
+        index = from_host(rows, torch.long, device)
+        slot[index] = torch.arange(len(rows), device=device)
         width = self.batch["input_ids"].shape[1]
         real = self.real_positions[local]
         predicted = real & (self.positions[local] != 0)
@@ -198,7 +208,7 @@ class PackedGroup:
             out = value.new_zeros((len(rows), width, *value.shape[2:]))
             return out.index_put((slot[self.src_row[local][keep]], self.src_col[local][keep]), value[keep])
 
-        fields = {name: value[torch.tensor(rows, device=value.device)] for name, value in self.batch.items()}
+        fields = {name: value[index.to(value.device)] for name, value in self.batch.items()}
         fields.update({name: unpacked(value, real) for name, value in per_position.items()})
         return unpacked(lp, predicted), fields
 

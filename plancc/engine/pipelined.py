@@ -65,11 +65,11 @@ from ..runtime.weights import load_hf_weights
 from .batch_agreement import different_fields, fields_fingerprint
 from .batches import Batch, BatchError, Microbatching, check_batch
 from .build import from_folder, seeded_model
-from .loss_contract import BatchTotals, LossFn, NonFiniteError, TokenLoss
+from .loss_contract import BatchTotals, NonFiniteError
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Recorded, per_token
 from .pipeline_rows import PipelineRows, StepRows, fingerprint
 from .stage_values import StageValues
-from .steps import ModelParts, StepOutcome
+from .steps import ModelParts, StepOutcome, TrainStep
 
 
 def build_stages(
@@ -185,27 +185,17 @@ class PipelineSteps:
         return all(torch.equal(self._values(copy), self._values(weight)) for copy, weight in self._ties.items())
 
     # ------------------------------------------------------------------ training
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn | None,
-        token_loss: TokenLoss | None,
-        cut: Microbatching,
-        *,
-        entropy: bool,
-        temperature: float,
-        optimizer: torch.optim.Optimizer,
-        max_grad_norm: float | None,
-    ) -> StepOutcome:
+    def train_step(self, step: TrainStep, optimizer: torch.optim.Optimizer) -> StepOutcome:
         """The forward and backward of this rank's slice over the pipeline, the loss normalized
         over the global batch, then clipped. ``loss_fn(logprobs [rows, L], fields, norm)`` sees a
         microbatch of rows of one length ``L`` (their padding removed, every field cut alike);
         ``token_loss(logprobs [n], tokens, norm)`` its predicted tokens flat."""
-        rows, norm, input_tokens = self._prepared(batch, cut)
+        rows, norm, input_tokens = self._prepared(step.batch, step.cut)
         self.model.train()
         recorded = Recorded()
-        fn = per_token(token_loss) if token_loss is not None else loss_fn
+        fn = per_token(step.token_loss) if step.token_loss is not None else step.loss_fn
         assert fn is not None, "one loss is given (Policy.train checked)"
+        temperature, entropy = step.temperature, step.entropy
         scale = loss_scale(self.layout)
         try:
             for group in rows.groups():
@@ -220,7 +210,7 @@ class PipelineSteps:
             grad_norm = float(norm_value)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 raise NonFiniteError(loss=loss, grad_norm=grad_norm, microbatch=None, parameter=None)
-            scale_to_norm_(params, grad_norm, max_grad_norm or math.inf)
+            scale_to_norm_(params, grad_norm, step.max_grad_norm or math.inf)
         except BaseException:
             optimizer.zero_grad(set_to_none=True)
             raise

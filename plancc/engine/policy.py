@@ -65,7 +65,7 @@ from .param_groups import trained_parameters
 from .pipelined import build_stages
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
-from .steps import ModelParts, PlainSteps, StepExecutor, step_metrics
+from .steps import ModelParts, PlainSteps, StepExecutor, TrainStep, step_metrics
 from .streaming import WeightFormat
 from .transport import WeightTransport
 
@@ -262,16 +262,16 @@ class Policy:
         if token_loss is not None and entropy:
             raise ValueError("entropy=True hands the entropy to a loss_fn; token_loss terms get log-probs only")
         started = time.perf_counter()
-        outcome = self._steps.train_step(
+        step = TrainStep(
             batch,
             loss_fn,
             token_loss,
             Microbatching.of(microbatching, cuts),
             entropy=entropy,
             temperature=temperature,
-            optimizer=self.optimizer,
             max_grad_norm=self.max_grad_norm,
         )
+        outcome = self._steps.train_step(step, self.optimizer)
         lr = float(self.optimizer.param_groups[0]["lr"])
         optimizer_step(self.optimizer)  # on the local shards where that is the same update
         if self.scheduler is not None:

@@ -59,6 +59,21 @@ class ModelParts:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainStep:
+    """What one ``Policy.train`` call asks of a step: this rank's rows, the loss (one of a
+    per-microbatch ``loss_fn`` or a per-token ``token_loss``), how the rows are cut, the
+    sampler's temperature, whether the loss sees the entropy, and the clip (None or 0: none)."""
+
+    batch: Batch
+    loss_fn: LossFn | None
+    token_loss: TokenLoss | None
+    cut: Microbatching
+    entropy: bool = False
+    temperature: float = 1.0
+    max_grad_norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutcome:
     """A step's forward and backward, agreed over the ranks and clipped, before the optimizer
     steps: the global batch's loss, the gradient norm before clipping, the loss's metrics summed
@@ -74,18 +89,7 @@ class StepOutcome:
 
 
 class StepExecutor(Protocol):
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn | None,
-        token_loss: TokenLoss | None,
-        cut: Microbatching,
-        *,
-        entropy: bool,
-        temperature: float,
-        optimizer: torch.optim.Optimizer,
-        max_grad_norm: float | None,
-    ) -> StepOutcome: ...
+    def train_step(self, step: TrainStep, optimizer: torch.optim.Optimizer) -> StepOutcome: ...
 
     def logprobs(
         self, batch: Batch, cut: Microbatching, *, entropy: bool, temperature: float
@@ -103,20 +107,9 @@ class PlainSteps:
         """``where``: the plan's location, named when a step would leave a parameter unstepped."""
         self.model, self.mesh, self.config, self.device, self.where = model, mesh, config, device, where
 
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn | None,
-        token_loss: TokenLoss | None,
-        cut: Microbatching,
-        *,
-        entropy: bool,
-        temperature: float,
-        optimizer: torch.optim.Optimizer,
-        max_grad_norm: float | None,
-    ) -> StepOutcome:
-        layout = self.mesh.layout
-        agreed = self._agreed(batch, cut)
+    def train_step(self, step: TrainStep, optimizer: torch.optim.Optimizer) -> StepOutcome:
+        layout, cut, token_loss = self.mesh.layout, step.cut, step.token_loss
+        agreed = self._agreed(step.batch, cut)
         batch, norm, plan, spans = agreed.batch, agreed.totals, agreed.microbatches, agreed.spans
         if not self.model.training:  # every module's flag: a walk of the model, not free on each step
             self.model.train()
@@ -133,12 +126,19 @@ class PlainSteps:
                 mb = Microbatch.of(batch, rows, multiple=layout.sequence_multiple, pack=cut.pack, spans=spans)
                 if token_loss is not None:
                     loss, metrics, problem = token_pass(
-                        self.model, self.mesh, mb, token_loss, norm, index, temperature=temperature
+                        self.model, self.mesh, mb, token_loss, norm, index, temperature=step.temperature
                     )
                 else:
-                    assert loss_fn is not None, "one loss is given (Policy.train checked)"
+                    assert step.loss_fn is not None, "one loss is given (Policy.train checked)"
                     loss, metrics, problem = loss_pass(
-                        self.model, self.mesh, mb, loss_fn, norm, index, entropy=entropy, temperature=temperature
+                        self.model,
+                        self.mesh,
+                        mb,
+                        step.loss_fn,
+                        norm,
+                        index,
+                        entropy=step.entropy,
+                        temperature=step.temperature,
                     )
                 refused = refused or problem
                 finite.append(torch.isfinite(loss))
@@ -155,7 +155,7 @@ class PlainSteps:
             settled = settled_step(refused, finite, loss_sum, sums, shares, self.device, gradient_norm)
             if settled.not_finite or not math.isfinite(settled.grad_norm):
                 raise_non_finite(self.model, finite, settled.loss, settled.grad_norm, self.device)
-            scale_local_to_norm_(clipped, settled.grad_norm, max_grad_norm or math.inf)
+            scale_local_to_norm_(clipped, settled.grad_norm, step.max_grad_norm or math.inf)
             require_stepped(self.model, optimizer, where=self.where)
         except BaseException:
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is kept
