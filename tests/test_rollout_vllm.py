@@ -59,7 +59,7 @@ def test_every_vllm_worker_gets_its_shard_and_vllms_log_probs_are_the_policys(vl
 
 def test_an_expert_parallel_tied_moe_policy_sends_each_vllm_worker_its_slice_of_every_expert(vllm_python):
     """Qwen3-MoE with its head tied to its embedding (as Qwen3-0.6B, Llama 3.2 1B, Gemma), at
-    ep=2, into vLLM at tensor parallel 2, whose fused MoE splits every expert's intermediate
+    ep=2 and at pp=2, into vLLM at tensor parallel 2, whose fused MoE splits every expert's intermediate
     size: each worker receives its slice of each expert and the tied weight once (bytes <= 1.05x
     its shard), and the policy's log-probs of vLLM's samples equal vLLM's within 1e-4 in fp32,
     before and after a step of training.
@@ -69,15 +69,18 @@ def test_an_expert_parallel_tied_moe_policy_sends_each_vllm_worker_its_slice_of_
     left on the dummy weights (``reprocess``; 0.36 off)."""
     from .rollout_worker import refit_sample_train_refit
 
-    layouts = [("ep2", {"dp": 2, "ep": 2, "model": "qwen3-moe-tied"})]
+    # and the same model in pipeline stages: its tied head's copy on the last stage, experts in
+    # each stage; vLLM gets the weight once, as from ep2
+    layouts = [("ep2", {"dp": 2, "ep": 2, "model": "qwen3-moe-tied"}), ("pp2", {"pp": 2, "model": "qwen3-moe-tied"})]
     results = launch(refit_sample_train_refit, 2, vllm_python, layouts, 2, timeout_s=600)
-    got = results[0]["ep2"]
-    assert got["fresh"]["rollout_logprob_max_abs_diff"] <= 1e-4, got["fresh"]
-    assert got["again"]["rollout_logprob_max_abs_diff"] <= 1e-4, got["again"]
-    assert got["stale"]["rollout_logprob_max_abs_diff"] > 1e-2, got["stale"]
-    for worker in got["workers"]:
-        assert worker["bytes"] <= 1.05 * worker["shard_bytes"], worker
-    assert results[1]["ep2"]["fresh"] == got["fresh"]
+    for name, _ in layouts:
+        got = results[0][name]
+        assert got["fresh"]["rollout_logprob_max_abs_diff"] <= 1e-4, (name, got["fresh"])
+        assert got["again"]["rollout_logprob_max_abs_diff"] <= 1e-4, (name, got["again"])
+        assert got["stale"]["rollout_logprob_max_abs_diff"] > 1e-2, (name, got["stale"])
+        for worker in got["workers"]:
+            assert worker["bytes"] <= 1.05 * worker["shard_bytes"], (name, worker)
+        assert results[1][name]["fresh"] == got["fresh"], name
 
 
 def test_a_vllm_killed_mid_update_is_named_on_every_rank_and_a_new_one_takes_the_next_refit(vllm_python):

@@ -131,7 +131,12 @@ def apply(
         typer.Option("--max-tokens", min=1, help="microbatches by a token budget, balanced over dp ranks"),
     ] = None,
     pack: Annotated[
-        bool, typer.Option("--pack", help="pack a microbatch's sequences into one row, without padding")
+        bool,
+        typer.Option(
+            "--pack",
+            help="pack a microbatch's sequences into one row, without padding (under --pp: the rank's rows into "
+            "rows of one length, one schedule step)",
+        ),
     ] = False,
     lora_r: Annotated[
         int | None, typer.Option("--lora-r", help="train LoRA adapters of this rank (the plan's lora: section else)")

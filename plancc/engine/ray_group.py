@@ -269,13 +269,15 @@ class PolicyGroup:
 
 # Policy's public methods that the group runs in its own way (a global batch cut into the dp
 # slices, the channel its actors hold), that answer for one rank (which rows it holds: the group
-# cuts the global batch itself), or that cannot be carried between processes: ``weights`` yields
+# cuts the global batch itself; ``logits`` of a rank's rows, for --verify), or that cannot be
+# carried between processes: ``weights`` yields
 # gathered tensors one bucket at a time on each actor (consume it in an actor: ``call``), and
 # ``share_weights`` takes a connection to a process on the actor's own device.
 NOT_FORWARDED = frozenset(
     {
         "train",
         "logprobs",
+        "logits",
         "reference_logprobs",
         "send_weights",
         "slice_of",
