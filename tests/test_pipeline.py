@@ -303,6 +303,7 @@ def test_the_dry_run_lays_out_rank_zeros_stages_at_the_real_world_size():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the tied pp2 x tp2 + SP verify in test_pipeline_tied: a folder, rows of odd lengths
 @pytest.mark.timeout(300)
 def test_apply_pp2_tp2_with_sequence_parallelism_from_a_model_folder_verifies_on_rows_of_odd_lengths(tmp_path):
     """SP inside each stage: a stage sends its tp rank's shard of the sequence; rows of odd

@@ -50,11 +50,17 @@ def test_the_stages_are_cut_from_a_copy_whose_lm_head_is_its_own():
 def test_a_tied_model_trains_as_the_unsharded_model_at_pp2_x_tp2(tmp_path):
     """From a folder that holds the embedding alone (the lm_head's copy read from it), under
     sequence parallelism, with weight decay strong enough that a decayed copy would leave the
-    tie (the copies' equality is part of the verdict)."""
+    tie (the copies' equality is part of the verdict). The rows are of odd lengths (31, 8, 22,
+    37): each stage pads them on the right to a multiple of tp for SP, after their last token."""
+    import json
+
     folder = tied_folder(tmp_path / "tied")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [(7 * n + i) % 200 + 1 for i in range(n)]}) + "\n"
+                            for n in (31, 8, 22, 37)))
     code, out, err = forked_cli(
         "apply", QWEN3, "--model", folder, "--nproc-per-node", 4, "--pp", 2, "--tp", 2, "--sp", "--verify",
-        "--steps", 3, "--weight-decay", 0.1, "--lr", 0.01,
+        "--steps", 3, "--weight-decay", 0.1, "--lr", 0.01, "--data", data, "--batch-size", 4,
     )
     assert code == 0, err + out
     assert "verify: OK" in out and "over 47 parameters" in out  # 45 + the embedding and its copy
