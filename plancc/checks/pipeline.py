@@ -18,13 +18,11 @@ is layers 0 to 13), not a character class.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator, Mapping
-
-from torch import nn
+from collections.abc import Iterator
 
 from ..compiler.globs import ModuleTree, glob_problem
 from ..compiler.plan import PipelineSpec
+from ..compiler.stage_globs import decoder_layer_names, stage_glob_matches
 from ..schedules import schedule_problem, stage_layers
 from .context import CheckContext, Problem
 from .example import Example
@@ -45,8 +43,6 @@ EXAMPLES = (
         args={"pp": 4, "world_size": 8},
     ),
 )
-
-_RANGE = re.compile(r"^\[(\d+)-(\d+)\]$")
 
 
 def check(ctx: CheckContext) -> Iterator[Problem]:
@@ -106,30 +102,7 @@ def check(ctx: CheckContext) -> Iterator[Problem]:
 
 
 def _decoder_layers(ctx: CheckContext) -> list[str]:
-    return _layer_names(ctx.modules)
-
-
-def _layer_names(modules: Mapping[str, nn.Module]) -> list[str]:
-    """The decoder layers' module names, in order: the children of the model's ``layers`` list."""
-    for name, module in modules.items():
-        if name.rsplit(".", 1)[-1] == "layers" and len(list(module.children())):
-            return [f"{name}.{child}" for child, _ in module.named_children()]
-    return []
-
-
-def _matches(tree: ModuleTree, pattern: str) -> tuple[str, ...]:
-    """``tree.match`` with whole-segment numeric ranges ``[a-b]`` read as a..b."""
-    segments = pattern.split(".")
-    ranges = {i: (int(m[1]), int(m[2])) for i, s in enumerate(segments) if (m := _RANGE.match(s))}
-    if not ranges:
-        return tree.match(pattern)
-    wild = ".".join("*" if i in ranges else s for i, s in enumerate(segments))
-    found = []
-    for name in tree.match(wild):
-        parts = name.split(".")
-        if all(parts[i].isdigit() and low <= int(parts[i]) <= high for i, (low, high) in ranges.items()):
-            found.append(name)
-    return tuple(found)
+    return decoder_layer_names(ctx.modules)
 
 
 def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: list[str]) -> Iterator[Problem]:
@@ -148,7 +121,7 @@ def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: lis
     for stage, (globs, loc) in enumerate(zip(spec.stages, spec.stage_locs, strict=True)):
         names: list[str] = []
         for pattern in globs:
-            why, found = glob_problem(pattern), _matches(tree, pattern)
+            why, found = glob_problem(pattern), stage_glob_matches(tree, pattern)
             if why is not None or not found:
                 shapes = ", ".join(tree.suggest(pattern)) or "model.layers.[0-13]"
                 yield Problem(
@@ -186,14 +159,3 @@ def _stage_globs(ctx: CheckContext, spec: PipelineSpec, stages: int, layers: lis
             message=f"{len(missing)} decoder layers in no stage, the first {missing[0]}",
             fix="every decoder layer in one stage (a segment [a-b] is the range of layers a..b)",
         )
-
-
-def layers_of_stages(modules: Mapping[str, nn.Module], spec: PipelineSpec) -> list[list[int]]:
-    """The decoder layer indices each of the plan's stage globs matches, in stage order."""
-    tree = ModuleTree(modules)
-    names = _layer_names(modules)
-    position = {name: i for i, name in enumerate(names)}
-    return [
-        sorted({position[n] for pattern in globs for n in _matches(tree, pattern) if n in position})
-        for globs in spec.stages
-    ]

@@ -65,7 +65,7 @@ def explain(
 
 def _pipeline_stages(report: ValidationReport, exp: Any) -> tuple[list[Any], dict[int, int]]:
     """Each pipeline stage's parameters and bytes (``tools.explain_stages``) and its pp rank."""
-    from ..checks.pipeline import layers_of_stages  # lazy: loads torch
+    from ..compiler.stage_globs import layers_of_stages  # lazy: loads torch
     from ..tools.explain_stages import rank_of_stage, stage_bytes, stages_of  # lazy: loads torch
 
     assert report.meta_model is not None, "explain runs on a plan validate passed"

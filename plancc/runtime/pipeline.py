@@ -39,9 +39,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from ..checks.pipeline import layers_of_stages
 from ..compiler.plan import PipelineSpec, Plan
 from ..compiler.resolve import resolve_plan
+from ..compiler.stage_globs import layers_of_stages
 from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import compile_blocks
