@@ -272,6 +272,8 @@ def test_slices_that_do_not_fit_the_layout_are_refused_on_every_rank():
         pytest.param("plans/qwen3.yaml", "tiny-qwen3", {"dp": 2}, id="dense-dp2"),
         pytest.param("plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, id="moe-ep2"),
         pytest.param("plans/phi3.yaml", "tiny-phi3", {"tp": 2}, id="packed-qkv-tp2"),
+        # experts in stages: the pp2 x ep2 policy bars and test_pipeline's offload and weights-out bars cover it
+        pytest.param("plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"pp": 2}, id="moe-pp2", marks=pytest.mark.extended),
     ],
 )
 def test_offload_round_trip_and_weights_out(tmp_path, plan, model, layout):
