@@ -59,7 +59,7 @@ def main() -> None:
 
     import plancc
     from plancc.checks.report import validate_plan
-    from plancc.compiler.lora import LoraSpec
+    from plancc.compiler.lora_spec import LoraSpec
     from plancc.engine.losses import token_nll
     from plancc.models import load_config
     from plancc.tools.explain import explain

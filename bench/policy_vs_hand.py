@@ -35,7 +35,7 @@ def worker(steps: int, layout: str, profile: bool = False):
     import torch
 
     import plancc
-    from plancc.engine.build import seeded_model
+    from plancc.engine.parallel_model import seeded_model
     from plancc.engine.losses import token_nll
     from plancc.models import build_model, load_config
     from plancc.runtime.gradnorm import clip_grad_norm_

@@ -14,7 +14,7 @@ def policy_calls(folder):
     import torch.distributed as dist
 
     import plancc
-    from plancc.engine.build import seeded_model
+    from plancc.engine.parallel_model import seeded_model
     from plancc.engine.losses import token_nll
     from plancc.models import load_config
     from plancc.runtime.logprobs import token_logprobs
@@ -160,7 +160,7 @@ def policy_schedule(folder, schedule, cp=1, pp=2, virtual=2, microbatches=4, lay
     import torch.distributed as dist
 
     import plancc
-    from plancc.engine.build import seeded_model
+    from plancc.engine.parallel_model import seeded_model
     from plancc.models import load_config
 
     from .policy_worker import watch_sequence_shards, global_batch, nll
@@ -216,7 +216,7 @@ def policy_with_plan_stages(folder):
     import torch.distributed as dist
 
     import plancc
-    from plancc.engine.build import seeded_model
+    from plancc.engine.parallel_model import seeded_model
     from plancc.models import load_config
 
     from .policy_worker import global_batch, nll

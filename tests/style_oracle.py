@@ -16,12 +16,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from plancc.compiler.kinds import Layouts, ModuleKind
-from plancc.compiler.placements import Replicate, Shard
+from plancc.compiler.plain_placements import Replicate, Shard
 from plancc.runtime.styles.attention import LatentKeyValueProjection, PerHeadParameters
 from plancc.runtime.styles.basic import RotaryUnderSequenceParallel
 from plancc.runtime.styles.block_input import BlockInput
 from plancc.runtime.styles.experts import ExpertsOverTensorParallel
-from plancc.runtime.styles.placements import from_torch
+from plancc.runtime.styles.dtensor_placements import from_torch
 
 
 def _plain(*, input: Any, output: Any, local_output: bool | None, weight: Any) -> Layouts:

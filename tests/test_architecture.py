@@ -64,7 +64,7 @@ def _function_level_project_imports(path: Path) -> list[tuple[int, str]]:
 LAZY_FOR_STARTUP = {
     "plancc/engine/checkpoint.py": {"..runtime.weights", ".checkpoint_reader"},
     "plancc/job/preflight.py": {"..engine.checkpoint_reader"},
-    "plancc/runtime/lora.py": {".styles.placements"},
+    "plancc/runtime/lora.py": {".styles.dtensor_placements"},
     "plancc/tools/suggest.py": {".measured_memory"},
 }
 

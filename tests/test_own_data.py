@@ -31,7 +31,7 @@ def _lines():
 def _expected_loss(lines) -> float:
     """transformers' own causal-LM loss with ``labels`` (-100 where a token does not count and
     at padding), on the seeded weights ``plancc apply`` starts from: the mean over the batch."""
-    from plancc.engine.build import seeded_model
+    from plancc.engine.parallel_model import seeded_model
     from plancc.models import load_config
 
     model = seeded_model(load_config("tiny-qwen3"), 0)

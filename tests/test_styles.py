@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from plancc.compiler.placements import Replicate, Shard
+from plancc.compiler.plain_placements import Replicate, Shard
 from plancc.compiler.plan import parse_plan
 from plancc.compiler.schema import plan_schema
 from plancc.compiler.styles import ALIASES, STYLE_NAMES, STYLES, canonical_style, default_layouts, style_layouts

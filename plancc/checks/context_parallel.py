@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..errors import Severity
 from ..sequence_mixing import CP_KERNELS, calls_attention_interface, is_cp_attention, sequence_mixing, shards_by_heads
 from .context import CheckContext, Problem, text_config

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from functools import reduce
 from math import gcd
 
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..models import field_values
 from .context import CheckContext, Problem, kind_of, text_config
 from .example import Example

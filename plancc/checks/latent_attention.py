@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..compiler.globs import generalize
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..compiler.styles import canonical_style
 from .context import CheckContext, Problem, flow_of, text_config
 from .example import Example

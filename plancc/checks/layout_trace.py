@@ -30,7 +30,7 @@ from typing import Literal
 
 from torch import nn
 
-from ..compiler.placements import Placement, Replicate, Shard
+from ..compiler.plain_placements import Placement, Replicate, Shard
 from ..compiler.styles import Layouts, ModuleKind, default_layouts, module_kind
 from ..dataflow import Flow
 

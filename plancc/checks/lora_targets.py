@@ -24,7 +24,7 @@ from torch import nn
 
 from ..compiler.adapter_layouts import adapter_layout
 from ..compiler.globs import ModuleTree, generalize, glob_problem
-from ..compiler.lora import LoraSpec
+from ..compiler.lora_spec import LoraSpec
 from ..compiler.resolve import ResolvedPlan, no_match
 from ..errors import SourceLoc
 from .context import CheckContext, Problem

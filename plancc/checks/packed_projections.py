@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..compiler.globs import generalize
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..compiler.styles import ModuleKind
 from .context import CheckContext, Problem, flow_of, kind_of
 from .example import Example

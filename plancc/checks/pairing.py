@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..compiler.declarations import positional_count
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..compiler.styles import declared
 from .context import CheckContext, Problem, flow_of
 from .example import Example

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..compiler.placements import Replicate, Shard
+from ..compiler.plain_placements import Replicate, Shard
 from ..compiler.styles import ModuleKind
 from .context import CheckContext, Problem, head_counts, kind_of
 from .example import Example

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..compiler.styles import ModuleKind
 from ..errors import Severity
 from .context import CheckContext, Problem, kind_of

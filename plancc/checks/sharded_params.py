@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from ..compiler.globs import generalize
 from ..compiler.kinds import ModuleKind
-from ..compiler.placements import Shard
+from ..compiler.plain_placements import Shard
 from ..compiler.styles import canonical_style, style_layouts
 from ..errors import Severity
 from .context import CheckContext, Problem, flow_of, head_counts, kind_of

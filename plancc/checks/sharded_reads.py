@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from ..compiler.globs import generalize
-from ..compiler.placements import Replicate, Shard
+from ..compiler.plain_placements import Replicate, Shard
 from ..compiler.styles import style_layouts
 from ..dataflow import Flow
 from ..errors import Severity

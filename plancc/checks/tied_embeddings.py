@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..compiler.placements import Placement, Replicate
+from ..compiler.plain_placements import Placement, Replicate
 from ..compiler.plan import Rule
 from ..compiler.styles import format_layout, style_layouts
 from .context import CheckContext, Problem, kind_of, text_config

@@ -8,15 +8,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..compiler.lora import LoraSpec
+from ..compiler.lora_spec import LoraSpec
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..job.config import DEFAULT_STEPS, SYNTHETIC_SEQ_LEN, RunConfig
 from ..job.data_order import steps_for_epochs
 from ..job.run_file import run_file_text
 from ..layout import Layout
 from .app import EXIT_PLAN, EXIT_USAGE, Format, FormatOpt, ModelOpt, app, emit, usage_error
-from .launching import launch_and_report, preflight, prelaunch
-from .options import (
+from .flag_groups import (
     DataFieldFlags,
     DataOrderFlags,
     EvalFlags,
@@ -28,6 +27,7 @@ from .options import (
     _path,
     grouped,
 )
+from .launching import launch_and_report, preflight, prelaunch
 
 if TYPE_CHECKING:
     from ..checks.report import ValidationReport

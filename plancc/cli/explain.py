@@ -10,7 +10,7 @@ import typer
 
 from ..errors import PlanError
 from .app import EXIT_PLAN, Format, FormatOpt, ModelOpt, app, emit, fail
-from .options import LayoutFlags, grouped
+from .flag_groups import LayoutFlags, grouped
 
 if TYPE_CHECKING:
     from ..checks.report import ValidationReport

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ..compiler.lora import LoraSpec
+from ..compiler.lora_spec import LoraSpec
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..layout import Layout, LayoutError
 from .app import EXIT_PLAN, EXIT_USAGE, USAGE_RULES, Format, emit, fail
-from .options import LayoutFlags
+from .flag_groups import LayoutFlags
 
 if TYPE_CHECKING:
     from ..checks.report import ValidationReport

@@ -10,8 +10,8 @@ import typer
 from ..job.config import RunConfig
 from .app import Format, FormatOpt, ModelOpt, app
 from .apply import default_nproc, launcher_checked
+from .flag_groups import LaunchFlags, LayoutFlags, WorkerFlags, _path, grouped
 from .launching import launch_and_report, preflight, prelaunch
-from .options import LaunchFlags, LayoutFlags, WorkerFlags, _path, grouped
 
 if TYPE_CHECKING:
     pass

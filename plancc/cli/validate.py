@@ -12,7 +12,7 @@ import typer
 from ..errors import Diagnostic, PlanError
 from ..job.run_file import is_run_file, plan_of_run_file
 from .app import EXIT_PLAN, EXIT_USAGE, Format, FormatOpt, ModelOpt, app, emit, exit_code
-from .options import LayoutFlags, given_sizes, grouped
+from .flag_groups import LayoutFlags, given_sizes, grouped
 
 if TYPE_CHECKING:
     from ..checks.report import ValidationReport

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 from . import declarations as d
-from .placements import Placement, Replicate, Shard
+from .plain_placements import Placement, Replicate, Shard
 from .resolve import ResolvedPlan
 from .styles import declared
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .kinds import Layouts, ModuleKind
-from .placements import Placement, Replicate, Shard
+from .plain_placements import Placement, Replicate, Shard
 
 _LINEAR_COLWISE = {ModuleKind.LINEAR: Shard(0), ModuleKind.EMBEDDING: Shard(1)}
 _LINEAR_ROWWISE = {ModuleKind.LINEAR: Shard(1), ModuleKind.EMBEDDING: Shard(0)}

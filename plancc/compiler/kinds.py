@@ -1,5 +1,5 @@
 """What kind of module a style may go on, and what a style does to it (``Layouts``): plain
-values over ``torch.nn`` modules, with no DTensor import (``compiler.placements``)."""
+values over ``torch.nn`` modules, with no DTensor import (``compiler.plain_placements``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from enum import StrEnum
 
 from torch import nn
 
-from .placements import Placement
+from .plain_placements import Placement
 
 
 def is_experts_module(module: nn.Module) -> bool:

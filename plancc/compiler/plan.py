@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import Diagnostic, PlanError, SourceLoc, raise_if_errors
 from ..schedules import stages_per_rank
 from .declarations import positional_count
-from .lora import LoraSpec
+from .lora_spec import LoraSpec
 from .schema import validate_doc
 from .source import JsonPath, SourceDoc, parse_yaml, read_yaml
 from .styles import ALIASES, canonical_style, format_layout, parse_layout

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from . import declarations as d
 from .kinds import Layouts, ModuleKind, module_kind
-from .placements import Placement, Replicate, Shard
+from .plain_placements import Placement, Replicate, Shard
 
 __all__ = ["Layouts", "ModuleKind", "module_kind"]  # re-exported: the checks' vocabulary
 

@@ -19,7 +19,6 @@ from torch import nn
 
 from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
-from .agreement import first_problem
 from .batches import (
     Batch,
     BatchError,
@@ -32,6 +31,7 @@ from .batches import (
     split_to_count,
 )
 from .loss_contract import BatchTotals, NonFiniteError
+from .refit_agreement import first_problem
 
 FINGERPRINT_MODULUS = 2**52  # a batch fingerprint below it is exact in the float64 verdicts gathered
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import faults
-from ..runtime.agreement import agreed, on_rank0
+from ..runtime.rank_agreement import agreed, on_rank0
 from .checkpoint_error import CheckpointError
 from .checkpoint_error import is_int as _is_int
 from .checkpoint_error import refusal as _error

@@ -29,11 +29,11 @@ from transformers import GenerationConfig, PretrainedConfig
 from ..errors import Diagnostic, PlanError, SourceLoc
 from ..models import architecture_of
 from ..runtime import faults
-from ..runtime.agreement import group_device, on_rank0
 from ..runtime.hf_folder import check_export_target
 from ..runtime.lora import adapters_of
+from ..runtime.rank_agreement import group_device, on_rank0
 from ..runtime.weights import copy_companions, publish_export, refuse_non_finite_weights, write_adapter_config
-from .agreement import RefitAgreement
+from .refit_agreement import RefitAgreement
 from .streaming import ValueOf, bucket_count, weight_buckets
 
 # A shard of the export: what rank 0 holds at once (and safetensors' serialized copy of it).

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ..runtime.cp import CPContext, all_gather, load_balanced_indices
 from ..runtime.logprobs import IGNORE_INDEX
-from ..runtime.pipeline import PipelineRunner, next_token_targets
+from ..runtime.pipeline_stages import PipelineRunner, next_token_targets
 from .batches import BatchError
 from .loss_contract import call_loss
 from .pipeline_rows import StepRows

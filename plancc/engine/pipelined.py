@@ -1,7 +1,7 @@
 """``plancc.Policy``'s step executor for pipeline stages (``Layout(pp=N)``): ``build_stages``
 builds this rank's stages as the policy's model parts, and ``PipelineSteps`` runs ``train``'s
 forward and backward (any loss at global normalization), ``logprobs`` and ``logits`` over them
-through torch's schedules (``runtime.pipeline``). Everything else -- the optimizer and schedule,
+through torch's schedules (``runtime.pipeline_stages``). Everything else -- the optimizer and schedule,
 the reference, the weights out, checkpoints, offloading -- is ``Policy``'s own code, as at pp=1.
 
 How a step runs. Each rank holds the stages its schedule gives it (``plancc.schedules``), cut
@@ -25,7 +25,7 @@ The weights out (``weights``, ``weights_manifest``, ``send_weights``, ``share_we
 on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
 (``runtime.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
 holds them (``engine.reshard``). Expert parallelism and FSDP CPU offload run inside each stage
-(``runtime.pipeline.parallelize_stages``). Packed rows (``pack=True``) go packed end to end into
+(``runtime.pipeline_stages.parallelize_stages``). Packed rows (``pack=True``) go packed end to end into
 rows of one length, one schedule step (``engine.pipeline_rows.PackedGroup``). Not yet (refused
 with the reason): packing beside context parallelism.
 """
@@ -52,7 +52,7 @@ from ..runtime.lora import Adapters, LoraSpec, adapters_of, add_adapters, base_s
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh
 from ..runtime.parallelize import offloaded
-from ..runtime.pipeline import (
+from ..runtime.pipeline_stages import (
     DecoderStage,
     PipelineRunner,
     RankStages,
@@ -64,8 +64,8 @@ from ..runtime.pipeline_ties import StageTies, stage_ties, untie_across_stages
 from ..runtime.weights import load_hf_weights
 from .batch_agreement import different_fields, fields_fingerprint
 from .batches import Batch, BatchError, Microbatching, check_batch
-from .build import from_folder, seeded_model
 from .loss_contract import BatchTotals, NonFiniteError
+from .parallel_model import from_folder, seeded_model
 from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Recorded, per_token
 from .pipeline_rows import PipelineRows, StepRows, fingerprint
 from .stage_values import StageValues

@@ -42,7 +42,6 @@ from .batches import (
     balanced_dp_rows,
     dp_slice,
 )
-from .build import build_parallel_model
 from .channel import WeightChannel
 from .loss_contract import (  # noqa: F401 - NonFiniteError, check_temperature: public here too
     MIN_TEMPERATURE,
@@ -54,15 +53,16 @@ from .loss_contract import (  # noqa: F401 - NonFiniteError, check_temperature: 
     check_temperature,
 )
 from .offload import Offloader
-from .options import (
+from .parallel_model import build_parallel_model
+from .param_groups import trained_parameters
+from .pipelined import build_stages
+from .policy_options import (
     OptimizerSpec,
     SchedulerSpec,
     make_optimizer,
     make_scheduler,
     policy_mesh,
 )
-from .param_groups import trained_parameters
-from .pipelined import build_stages
 from .reference import ReferenceWeights, reference_place
 from .resume import load_state, save_state
 from .steps import ModelParts, PlainSteps, StepExecutor, TrainStep, step_metrics

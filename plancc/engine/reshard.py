@@ -55,8 +55,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..runtime import faults
 from ..runtime.local_tensors import full_value, local_tensor
 from ..runtime.lora import adapters_of, merged
-from .agreement import RefitAgreement
 from .channel import InFlight, WeightChannel, WeightChannelError, digest
+from .refit_agreement import RefitAgreement
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths) in the global tensor
 
@@ -201,7 +201,7 @@ def send_shards(
 ) -> int:
     """The policy's side (every policy rank; channel rank == its global rank). Returns bytes
     this rank sent, with at most ``channel.in_flight * bucket_bytes`` of them unfinished at a
-    time. A problem on any policy rank is raised on every one (``engine.agreement``;
+    time. A problem on any policy rank is raised on every one (``engine.refit_agreement``;
     ``device``: the policy's process group's).
 
     With pipeline stages ``model`` is the whole model on meta (the names every rank walks, in one

@@ -11,7 +11,7 @@ backward of a step over the parts and clips the gradients (``train_step``, retur
   token budget, packing: ``engine.batches``), each microbatch's passes run one after the other
   (``engine.microbatch_passes``);
 - ``PipelineSteps`` (``engine.pipelined``): the parts are this rank's stages, stepped by
-  torch.distributed.pipelining's schedule (``runtime.pipeline``).
+  torch.distributed.pipelining's schedule (``runtime.pipeline_stages``).
 """
 
 from __future__ import annotations

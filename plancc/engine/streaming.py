@@ -27,8 +27,8 @@ from ..errors import quiet_logger
 from ..runtime import faults
 from ..runtime.local_tensors import full_value, local_tensor
 from ..runtime.lora import Adapters, adapters_of, merged, peft_name
-from .agreement import RefitAgreement
 from .bucket import Bucket
+from .refit_agreement import RefitAgreement
 from .values import given_or_keywords
 
 # a bucket of weights out (``Policy.weights``, ``send_weights``, ``share_weights``) unless told
@@ -44,7 +44,7 @@ class WeightFormat:
     """How a policy's weights go out (``weights``, ``weights_manifest``, ``send_weights``,
     ``share_weights``): gathered ``bucket_bytes`` at a time, floating tensors in ``dtype`` (None:
     their own), with LoRA the adapters alone under PEFT's names (``adapters_only``) or merged,
-    the ranks agreeing on failures every ``agree_every`` buckets (``engine.agreement``; None:
+    the ranks agreeing on failures every ``agree_every`` buckets (``engine.refit_agreement``; None:
     before every bucket on the CPU, every ``GPU_AGREE_EVERY``-th on a GPU, where each agreement
     is a read of the device). The same as the keywords of the same names."""
 

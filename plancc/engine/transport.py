@@ -7,7 +7,7 @@
 - **colocated**: rank 0 shares each gathered bucket by handle with a consumer on the same
   device (CUDA IPC, or shared memory on the CPU; ``engine.colocated``).
 
-One failure rule for all three (``engine.agreement``): a problem on any policy rank -- rank 0's
+One failure rule for all three (``engine.refit_agreement``): a problem on any policy rank -- rank 0's
 hand-out, another rank's gather or send -- is noted, and at the next settle the earliest one is
 raised on every rank as the same ``WeightChannelError``, naming the rank, the bucket (or
 transfer) and the cause. A missing channel is such a problem too (a resharded refit's, agreed
@@ -28,11 +28,11 @@ from transformers import PretrainedConfig
 
 from ..models import architecture_of
 from ..runtime.lora import adapters_of
-from .agreement import AgreedRefitError, RefitAgreement, first_problem
 from .bucket import Bucket
 from .channel import WeightChannel, WeightChannelError, handshake, make_manifest, send_buckets
 from .colocated import share_buckets
 from .export import export_hf
+from .refit_agreement import AgreedRefitError, RefitAgreement, first_problem
 from .reshard import send_shards
 from .streaming import GPU_AGREE_EVERY, ValueOf, WeightFormat, manifest_buckets, weight_buckets
 

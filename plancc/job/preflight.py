@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..checks.lora_targets import adapted_modules
-from ..compiler.lora import LoraSpec
+from ..compiler.lora_spec import LoraSpec
 from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import architecture_of, presets

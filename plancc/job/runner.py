@@ -25,13 +25,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..engine import checkpoint
 from ..engine.batches import BatchError
-from ..engine.build import from_folder, non_finite_weight_warning
 from ..engine.losses import token_nll
+from ..engine.parallel_model import from_folder, non_finite_weight_warning
 from ..engine.policy import BatchTotals, NonFiniteError, Policy
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..runtime import faults
-from ..runtime.agreement import on_rank0
 from ..runtime.failures import diagnosed
+from ..runtime.rank_agreement import on_rank0
 from ..runtime.rank_memory import PeakRecorder
 from . import reporting
 from .config import RunConfig
@@ -233,7 +233,7 @@ class _Trainer:
                 if keep
                 else f"checkpoints: every one stays in {folder} (--keep 0)"
             )
-        if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.agreement)
+        if keep:  # rank 0 prunes; its failure is every rank's, at once (runtime.rank_agreement)
             on_rank0(
                 lambda: checkpoint.prune(folder, keep=keep),
                 fail=lambda why: checkpoint.CheckpointError(

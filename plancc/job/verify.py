@@ -34,8 +34,8 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan
 from ..compiler.resolve import tied_parameter_groups
 from ..engine.batches import default_token_mask
-from ..engine.build import seeded_model
 from ..engine.losses import token_nll
+from ..engine.parallel_model import seeded_model
 from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import MASTER_DTYPE, build_model, load_config

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..checks.lora_targets import IDS, adapted_modules, lora_problems
 from ..compiler.adapter_layouts import ADAPTER_PLACEMENTS, adapter_layout
-from ..compiler.lora import LoraSpec
+from ..compiler.lora_spec import LoraSpec
 from ..compiler.resolve import ResolvedPlan
 from ..errors import Diagnostic, PlanError
 
@@ -94,7 +94,7 @@ def add_adapters(
     # this module before any worker starts
     from torch.distributed.tensor import distribute_tensor
 
-    from .styles.placements import to_torch  # lazy: the launcher's LoRA checks run without DTensor
+    from .styles.dtensor_placements import to_torch  # lazy: the launcher's LoRA checks run without DTensor
 
     tp = tp_mesh.size() if tp_mesh is not None else 1
     problems = lora_problems(model, spec, resolved, tp)
@@ -131,7 +131,7 @@ def initial_adapter_state(adapters: Adapters, shapes: Mapping[str, tuple[int, in
     state: dict[str, Any] = {}
     for name in adapters.modules:
         out_features, in_features = shapes[name]
-        # drawn on the host, as the seeded base is (engine.build): one seed, the same numbers anywhere
+        # drawn on the host, as the seeded base is (engine.parallel_model): one seed, the same numbers anywhere
         a = torch.empty(adapters.spec.r, in_features, device="cpu")
         b = torch.empty(out_features, adapters.spec.r, device="cpu")
         _kaiming(a, gen)

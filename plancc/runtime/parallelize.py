@@ -32,7 +32,7 @@ from .compile import compile_blocks
 from .cp import enable_context_parallel
 from .cp_key_selection import select_keys_over_the_sequence
 from .cp_mixers import enable_mixer_context_parallel
-from .expert_parallel import ExpertParallel
+from .expert_dispatch import ExpertParallel
 from .gradient_scale import fsdp_divisor
 from .hooks import GlobalSequenceInputs
 from .lora import LoraSpec, add_adapters

@@ -37,7 +37,7 @@ from ..runtime.collectives import CountCollectives, Traffic, mesh_axes
 from ..runtime.failures import ModuleTracker, failure_diagnostic
 from ..runtime.mesh import ParallelMesh, build_mesh
 from ..runtime.parallelize import parallelize
-from ..runtime.pipeline import parallelize_stages
+from ..runtime.pipeline_stages import parallelize_stages
 from .explain import human_bytes
 
 

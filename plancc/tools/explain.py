@@ -22,8 +22,8 @@ from torch import nn
 from ..checks.lora_targets import adapted_modules
 from ..compiler.adapter_layouts import ADAPTER_PLACEMENTS, adapter_layout
 from ..compiler.globs import generalize
-from ..compiler.lora import LoraSpec
-from ..compiler.placements import Placement, Replicate, Shard
+from ..compiler.lora_spec import LoraSpec
+from ..compiler.plain_placements import Placement, Replicate, Shard
 from ..compiler.resolve import ResolvedPlan
 from ..compiler.styles import canonical_style, format_layout, module_kind, style_layouts
 from ..layout import Layout

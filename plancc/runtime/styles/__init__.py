@@ -6,7 +6,7 @@ modules run collectives and register hooks, so they live in the runtime (as torc
 its styles in ``distributed/``).
 """
 
-from .build import torch_style
 from .lower import compile_plan, lower
+from .to_torch import torch_style
 
 __all__ = ["compile_plan", "lower", "torch_style"]

@@ -19,7 +19,7 @@ expert-parallel path understands (``num_experts`` of this rank, ``_is_expert_par
 their weights zeroed, so every experts implementation (eager, batched_mm, grouped_mm) skips them.
 
 With expert parallelism (``--ep``) the runtime spreads the same experts over an (ep, tp)
-mesh and moves tokens between ep ranks: ``plancc.runtime.expert_parallel``.
+mesh and moves tokens between ep ranks: ``plancc.runtime.expert_dispatch``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ...compiler.plan import Plan
 from ...compiler.resolve import ResolvedPlan, resolve_plan
 from ...compiler.styles import declared
-from .build import torch_style
+from .to_torch import torch_style
 
 
 def lower(resolved: ResolvedPlan) -> dict[str, ParallelStyle]:

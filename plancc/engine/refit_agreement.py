@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..runtime.agreement import first_problem, said
+from ..runtime.rank_agreement import first_problem, said
 from .channel import WeightChannelError
 
 __all__ = ["AgreedRefitError", "RefitAgreement", "first_problem"]

@@ -1,4 +1,4 @@
-"""plancc's plain placements (``compiler.placements``) as torch's DTensor placements, and back."""
+"""plancc's plain placements (``compiler.plain_placements``) as torch's DTensor placements, and back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
-from ...compiler.placements import Placement, Replicate, Shard
+from ...compiler.plain_placements import Placement, Replicate, Shard
 
 
 def to_torch(placement: Placement) -> Any:

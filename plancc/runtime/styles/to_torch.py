@@ -24,9 +24,9 @@ from ...compiler import declarations as d
 from .attention import LatentKeyValueProjection, PerHeadParameters
 from .basic import LeaveWhole, RotaryUnderSequenceParallel
 from .block_input import GatherSequenceInput, SharedInput
+from .dtensor_placements import optional_torch, to_torch
 from .experts import ExpertsOverTensorParallel
 from .packed import PackedColwise, PackedRowwise
-from .placements import optional_torch, to_torch
 
 
 @cache

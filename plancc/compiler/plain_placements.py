@@ -3,7 +3,7 @@
 The plan, the checks and ``plancc explain`` reason about placements without touching torch's
 DTensor package (importing ``torch.distributed.tensor`` costs about a second, which every
 ``plancc validate`` in a pre-commit hook would pay). Only the runtime, building a style for a
-real model, turns them into torch's placements (``plancc.runtime.styles.placements``).
+real model, turns them into torch's placements (``plancc.runtime.styles.dtensor_placements``).
 """
 
 from __future__ import annotations
