@@ -460,7 +460,7 @@ def test_layers_per_stage_derives_the_stage_count_from_the_models_layers(tmp_pat
         problems("  layers_per_stage: 9\n  virtual_stages_per_rank: 1\n", "qwen3-8b", 4)
 
 
-def test_packed_rows_fill_rows_first_fit_and_come_back_at_their_batch_positions():
+def test_packed_rows_fill_rows_by_the_token_budget_rule_and_come_back_at_their_batch_positions():
     """--pack under pp: rows (right or left padded) packed end to end, each with its own positions
     from 0 and the padding a document of its own; what the caller's loss sees is the batch's rows
     again, 0 at each row's first position (nothing in the row predicts it)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .batches import BatchError, default_token_mask, from_host
+from .batches import BatchError, default_token_mask, from_host, plan_microbatches
 
 
 class RowGroup:
@@ -102,25 +102,9 @@ class RowGroup:
         out[rows, cols] = value[:, : self.length].to(out.dtype)
 
 
-def first_fit(spans: list[tuple[int, int, int]], capacity: int) -> list[list[tuple[int, int, int]]]:
-    """(row, first position, tokens) spans packed into bins of ``capacity`` tokens, first fit by
-    decreasing length (ties by row: the same packing on every rank given the same rows)."""
-    bins: list[list[tuple[int, int, int]]] = []
-    room: list[int] = []
-    for span in sorted(spans, key=lambda s: (-s[2], s[0])):
-        fits = next((b for b, left in enumerate(room) if span[2] <= left), None)
-        if fits is None:
-            bins.append([span])
-            room.append(capacity - span[2])
-        else:
-            bins[fits].append(span)
-            room[fits] -= span[2]
-    return bins
-
-
 class PackedGroup:
     """Rows packed end to end into rows of one length (each row a document: positions from 0,
-    attending to itself only), first fit by decreasing length: one schedule step for a rank's
+    attending to itself only), by ``batches.plan_microbatches``' token-budget rule: one schedule step for a rank's
     rows whatever their lengths, no pipeline fill and drain per length. The caller's loss still
     sees its rows as the batch holds them (``loss_view``), as ``Policy`` without stages packs."""
 
@@ -132,7 +116,7 @@ class PackedGroup:
         per: int,
         multiple: int = 1,
     ) -> None:
-        """``bins``: each packed row's (row, first position, tokens) spans (``first_fit``);
+        """``bins``: each packed row's (row, first position, tokens) spans;
         ``capacity``: a packed row's tokens; ``per``: packed rows a microbatch."""
         device = batch["input_ids"].device
         self.length = -(-capacity // multiple) * multiple
@@ -295,7 +279,12 @@ class PipelineRows:
             # as many packed rows as the schedule wants microbatches, none shorter than the longest
             # row (a row is never cut), or rows of --max-tokens
             capacity = max(max(lengths), max_tokens or -(-sum(lengths) // microbatches))
-            bins = first_fit(every, capacity)
+            # the bins --max-tokens makes without stages (longest first, each to the least loaded
+            # bin it fits): the same rule, here at one capacity for every bin
+            lengths_of = [n for _, _, n in every]
+            bins = [
+                [every[i] for i in b] for b in plan_microbatches(lengths_of, micro_batch_size=None, max_tokens=capacity)
+            ]
             per = rows_per_microbatch(len(bins), capacity, micro_batch_size, None, microbatches)
             packed = PackedGroup(batch, bins, capacity, per, multiple)
             return cls([packed], tokens, sequences, multiple, input_tokens=attended)

@@ -113,28 +113,12 @@ class DecoderStage(nn.Module):
         part = self.model
         embed = part.embed_tokens
         first = embed is not None
-        masks: dict[str, Any] = {}
-        if positions is not None:
-            hidden = embed(x) if embed is not None else x
-            rotary = part.rotary_emb(hidden, positions)
-            masks = self._document_masks(hidden, positions)
-            return self._layers_on(hidden, positions, rotary, masks)
-        if self.cp is None:
-            length = x.shape[1] if first else x.shape[1] * self.sequence_shards
-            positions = torch.arange(length, device=x.device).unsqueeze(0)
-        else:  # the rows' whole length: what this rank's shard is of
-            length = x.shape[1] if first else x.shape[1] * self.sequence_shards * self.cp.size
-            positions = self.cp.unpadded(x.shape[0], length, x.device)
-            if first:
-                x = x.index_select(1, positions[0])
+        packed = positions is not None  # packed rows' own positions come with the microbatch
+        if positions is None:
+            positions, x = self._whole_row_positions(x, first)
         hidden = embed(x) if embed is not None else x
         rotary = part.rotary_emb(hidden, positions)
-        return self._layers_on(hidden, positions, rotary, masks)
-
-    def _layers_on(
-        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Any, masks: dict[str, Any]
-    ) -> torch.Tensor:
-        part = self.model
+        masks = self._document_masks(hidden, positions) if packed else {}
         for layer in part.layers.values():
             mask = masks.get(getattr(layer, "attention_type", "full_attention"))
             out = layer(
@@ -146,6 +130,17 @@ class DecoderStage(nn.Module):
         if self.lm_head is not None:
             hidden = self.lm_head(hidden)
         return hidden
+
+    def _whole_row_positions(self, x: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the positions of rows that are one document each, ``x``); under context parallelism
+        this cp rank's shard of them, and on the first stage its shard's tokens of ``x``."""
+        if self.cp is None:
+            length = x.shape[1] if first else x.shape[1] * self.sequence_shards
+            return torch.arange(length, device=x.device).unsqueeze(0), x
+        # the rows' whole length: what this rank's shard is of
+        length = x.shape[1] if first else x.shape[1] * self.sequence_shards * self.cp.size
+        positions = self.cp.unpadded(x.shape[0], length, x.device)
+        return positions, x.index_select(1, positions[0]) if first else x
 
     def _document_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         """Each layer type's mask of packed rows, as the model's own forward makes it (transformers
