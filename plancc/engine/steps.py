@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..errors import SourceLoc, quiet_logger
+from ..errors import SourceLoc
 from ..runtime.gradnorm import global_grad_norm, local_gradients, scale_local_to_norm_
-from ..runtime.local_tensors import full_value
+from ..runtime.local_tensors import full_value_quietly
 from ..runtime.mesh import ParallelMesh
 from ..runtime.stepping import require_stepped
 from . import shards
@@ -198,8 +198,8 @@ class PlainSteps:
     def logits(self, batch: Batch) -> torch.Tensor:
         """The model's own logits of the rows (a cp rank's positions, a tp rank's whole
         vocabulary): what ``--verify`` compares with the unsharded model."""
-        with torch.no_grad(), quiet_logger("torch.distributed.tensor._redistribute"):
-            return full_value(self.model(**batch, use_cache=False).logits)
+        with torch.no_grad():
+            return full_value_quietly(self.model(**batch, use_cache=False).logits)
 
     def tied_copies_identical(self) -> bool:
         return True  # one part: a tied weight is one tensor

@@ -40,7 +40,7 @@ from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import MASTER_DTYPE, build_model, load_config
 from ..runtime.cp import load_balanced_indices
-from ..runtime.local_tensors import full_value
+from ..runtime.local_tensors import full_value_quietly
 from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, ParallelMesh, require_parallel_mesh
@@ -94,13 +94,8 @@ class VerifyReport:
         return asdict(self)
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    if not isinstance(t, DTensor):
-        return t
-    # Gathering FSDP+TP gradients (_StridedShard on dp, Shard on tp) takes two all-gathers
-    # and torch warns about it on every call; verification accepts the cost.
-    with quiet_logger("torch.distributed.tensor._redistribute"):
-        return full_value(t)
+# the whole of a sharded value, for comparison (tests import it by this name)
+full = full_value_quietly
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

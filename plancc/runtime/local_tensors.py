@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..errors import quiet_logger
+
 
 def local_tensor(x: Any) -> Any:
     """``x``'s local shard where it is a DTensor, else ``x``."""
@@ -26,3 +28,12 @@ def full_value(x: torch.Tensor) -> torch.Tensor:
         device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
         x = DTensor.from_local(local.to(device), x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
     return x.full_tensor()
+
+
+def full_value_quietly(x: torch.Tensor) -> torch.Tensor:
+    """``full_value``, for comparing with an unsharded model: gathering FSDP x TP's strided shards
+    takes two all-gathers, and torch warns about it on every call; a comparison accepts the cost."""
+    if not isinstance(x, DTensor):
+        return x
+    with quiet_logger("torch.distributed.tensor._redistribute"):
+        return full_value(x)
