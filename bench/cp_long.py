@@ -80,7 +80,7 @@ def _cp_model():
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from plancc.runtime.cp import enable_context_parallel
+    from plancc.runtime.cp_context import enable_context_parallel
     from plancc.runtime.mesh import build_mesh
 
     init_gloo(timeout_s=3600)

@@ -1,6 +1,6 @@
-"""``plancc.cp``, the documented path of context parallelism (``plancc.runtime.cp``)."""
+"""``plancc.cp``, the documented path of context parallelism (``plancc.runtime.cp_context``)."""
 
-from .runtime.cp import (
+from .runtime.cp_context import (
     CPContext,
     all_gather,
     enable_context_parallel,

@@ -14,7 +14,7 @@ Sequence parallelism is not an axis: it reuses the tp ranks, so it is a flag.
 Pipeline parallelism (``pp``) is the outermost axis: each pipeline rank holds its stages of the
 model and a whole (dp, cp, tp) layout of them. ``build_mesh`` gives it the outermost dim of the
 mesh (``pp, dp, cp, tp``); ``Policy`` with pp > 1 holds its stages as its model parts
-(``engine.pipelined``).
+(``engine.pipeline.pipeline_steps``).
 
 Expert parallelism (``ep``) is not an axis of its own either: like torchtitan and NeMo
 Automodel, it borrows ranks from data parallelism. ``ep`` data-parallel ranks (which hold

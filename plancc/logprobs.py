@@ -1,8 +1,8 @@
-"""``plancc.logprobs``, the documented path of the log-prob evaluator (``plancc.runtime.logprobs``
+"""``plancc.logprobs``, the documented path of the log-prob evaluator (``plancc.runtime.vocab_parallel_logprobs``
 and ``plancc.runtime.fused_logprobs``)."""
 
 from .runtime.fused_logprobs import fused_logprobs, fused_nll_loss, fused_token_loss
-from .runtime.logprobs import (
+from .runtime.vocab_parallel_logprobs import (
     IGNORE_INDEX,
     fusable,
     packed_position_ids,

@@ -1,5 +1,5 @@
 """Pipeline schedules by the plan's names, and where each puts a rank's stages. Pure Python:
-the plan's checks (``checks.pipeline``) and the runtime (``runtime.pipeline_stages``) read the same
+the plan's checks (``checks.pipeline``) and the runtime (``engine.pipeline.pipeline_stages``) read the same
 table.
 
 torch.distributed.pipelining's schedules run one stage a rank (GPipe, 1F1B), several looped

@@ -129,7 +129,7 @@ def logprobs_verify_every_plan(cases, data, kernel=None):
     try:
         for plan, preset in cases:
             for pack in (False, True):
-                cfg = RunConfig(plan=plan, model=preset, layout=Layout(cp=2), mode="logprobs", data=data,
+                cfg = RunConfig.of(plan=plan, model=preset, layout=Layout(cp=2), mode="logprobs", data=data,
                                 verify=True, pack=pack, batch_size=4, device="cpu", timeout_s=120)
                 result = run_logprobs(cfg)
                 out[f"{preset} {'packed' if pack else 'unpacked'}"] = (result["ok"], result["max_abs_diff"])

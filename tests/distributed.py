@@ -89,7 +89,7 @@ _PRELOAD = [
     "transformers.models.phi3.modeling_phi3",
     "plancc",
     "plancc.job.verify",
-    "plancc.runtime.logprobs",
+    "plancc.runtime.vocab_parallel_logprobs",
     "plancc.job.runner",  # the ranks of plancc's own launcher (forked_ranks)
     "peft",  # the LoRA tests' unsharded reference (skipped where the extra is not installed)
 ]

@@ -56,7 +56,7 @@ def _peft_step(config, spec, adapters, batch, loss_fn, dtype, groups=None):
 
     from plancc.engine.batches import default_token_mask
     from plancc.engine.policy import BatchTotals
-    from plancc.runtime.logprobs import per_position
+    from plancc.runtime.vocab_parallel_logprobs import per_position
 
     model = peft_model(config, spec, adapters, dtype)
     norm = BatchTotals(
@@ -164,7 +164,7 @@ def _base_logprobs(config, batch):
 def _logprobs_of(model, batch):
     import torch
 
-    from plancc.runtime.logprobs import per_position
+    from plancc.runtime.vocab_parallel_logprobs import per_position
 
     with torch.no_grad():
         ids, mask = batch["input_ids"], batch["attention_mask"]

@@ -17,7 +17,7 @@ def policy_calls(folder):
     from plancc.engine.parallel_model import seeded_model
     from plancc.engine.losses import token_nll
     from plancc.models import load_config
-    from plancc.runtime.logprobs import token_logprobs
+    from plancc.runtime.vocab_parallel_logprobs import token_logprobs
 
     from pathlib import Path
 

@@ -117,7 +117,7 @@ def _reference_step(config, seed, batch, loss_fn, max_grad_norm, dtype, groups=N
     from plancc.engine.batches import default_token_mask
     from plancc.engine.policy import BatchTotals
     from plancc.models import build_model
-    from plancc.runtime.logprobs import per_position
+    from plancc.runtime.vocab_parallel_logprobs import per_position
 
     torch.manual_seed(seed)
     model = build_model(copy.deepcopy(config), device="cpu").to(dtype)
@@ -224,10 +224,11 @@ def _groups(batch, policy, cutting):
     return groups
 
 
-def train_cases(plan, model_name, layout_kwargs, cases):
+def train_cases(plan, model_name, layout_kwargs, cases, folder):
     """For each (loss, cutting) case: one Policy.train call from the same initial weights against
     the unsharded reference; returns per case the loss difference and the worst relative update
-    difference."""
+    difference. Then the policy's other bars at the same layout (``_refit_and_resume_bars``):
+    the weights out bitwise, and a save loaded into a fresh policy training on identically."""
     import torch
 
     import plancc
@@ -288,14 +289,57 @@ def train_cases(plan, model_name, layout_kwargs, cases):
                 "sequence_shards": sorted(shards),
             }
         )
+    bars = _refit_and_resume_bars(policy, plan, model_name, layout_kwargs, mine_batch, folder)
     torch.distributed.destroy_process_group()
-    return out
+    return {"cases": out, **bars}
+
+
+def _refit_and_resume_bars(policy, plan, model_name, layout_kwargs, batch, folder):
+    """The refit bar: what ``weights()`` streams, loaded by transformers itself into a receiver
+    (its conversions undone: fused experts, tied weights), is bitwise every tensor of the model
+    this rank holds (under pp, its stages'). The resume bar: the policy saved and loaded by a fresh
+    one (other initial weights) trains the next step to the same loss and gradient norm, bitwise,
+    and the two then give the same log-probs, bitwise."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    import plancc
+    from plancc.models import load_config
+
+    own = _full_state(policy.model)
+    streamed = {name: t.contiguous() for name, t in policy.weights()}
+    with tempfile.TemporaryDirectory() as receiver_folder:
+        load_config(model_name).save_pretrained(receiver_folder)
+        save_file(streamed, f"{receiver_folder}/model.safetensors", metadata={"format": "pt"})
+        received = AutoModelForCausalLM.from_pretrained(receiver_folder, dtype=torch.float32).state_dict()
+    shared = sorted(set(own) & set(received))
+    bitwise = bool(shared) and all(torch.equal(received[n], own[n]) for n in shared)
+    missing = sorted(set(own) - set(received))
+    policy.save(folder)
+    twin = plancc.Policy(
+        plan, model_name, seed=7, optimizer=_recording_sgd, max_grad_norm=1.0, layout=sized(**layout_kwargs)
+    )
+    twin.optimizer.names = list(policy.optimizer.names)
+    twin.load(folder)
+    went_on = policy.train(batch, LOSSES["grpo"])
+    resumed = twin.train(batch, LOSSES["grpo"])
+    same_step = (resumed["loss"], resumed["grad_norm"]) == (went_on["loss"], went_on["grad_norm"])
+    same_logprobs = torch.equal(policy.logprobs(batch), twin.logprobs(batch))
+    return {
+        "refit_bitwise": bitwise,
+        "refit_compared": len(shared),
+        "refit_missing": missing,
+        "resumed": (twin.step == policy.step, same_step, same_logprobs),
+    }
 
 
 def watch_sequence_shards(model):
     """What the attention layers under context parallelism see: the rows' whole length over the
     queries a rank holds (cp where the sequence is sharded), one entry per distinct ratio."""
-    from plancc.runtime.cp import context_of
+    from plancc.runtime.cp_context import context_of
     from plancc.sequence_mixing import is_cp_attention
 
     seen = set()
@@ -323,7 +367,7 @@ def logprobs_reference_weights(plan, model_name, layout_kwargs, export_dir):
     from plancc.engine.batches import BatchError
     from plancc.engine.policy import NonFiniteError
     from plancc.models import build_model, load_config
-    from plancc.runtime.logprobs import token_logprobs
+    from plancc.runtime.vocab_parallel_logprobs import token_logprobs
 
     init_gloo()
     policy = plancc.Policy(plan, model_name, reference=True, layout=sized(**layout_kwargs))
@@ -613,7 +657,9 @@ def ratio_at_temperatures(plan, model_name, layout_kwargs, temperatures):
     import plancc
 
     init_gloo()
-    policy = plancc.Policy(plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), layout=sized(**layout_kwargs))
+    policy = plancc.Policy(
+        plan, model_name, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), layout=sized(**layout_kwargs)
+    )
     batch = global_batch(ROWS_PER_RANK * policy.dp_size, 256, seed=5)
     local = {k: v[policy.slice_of(batch["input_ids"].shape[0])] for k, v in batch.items()}
     out = {}
@@ -766,7 +812,10 @@ def calls_out_of_step(plan, model_name, layout_kwargs):
         if dist.get_rank() == 0:
             policy.onload()
         outcome("in step", lambda: policy.train(mine, nll))
-        outcome("different calls", (lambda: policy.logprobs(mine)) if dist.get_rank() == 0 else (lambda: policy.train(mine, nll)))
+        outcome(
+            "different calls",
+            (lambda: policy.logprobs(mine)) if dist.get_rank() == 0 else (lambda: policy.train(mine, nll)),
+        )
         outcome("after", lambda: policy.train(mine, nll))
         return out
     finally:

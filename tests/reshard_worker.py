@@ -114,7 +114,7 @@ def receiver_rank(port, manifest_path, timeout=60, refits=1):
 
     import plancc
     from plancc.models import build_model, load_config
-    from plancc.runtime.logprobs import token_logprobs
+    from plancc.runtime.vocab_parallel_logprobs import token_logprobs
 
     init_gloo()
     while not os.path.exists(manifest_path):

@@ -62,7 +62,7 @@ def _function_level_project_imports(path: Path) -> list[tuple[int, str]]:
 # only some runs use: the launcher checks --save/--resume folders and LoRA flags with these
 # modules before any worker starts, without DCP or DTensor (tests/test_startup.py).
 LAZY_FOR_STARTUP = {
-    "plancc/engine/checkpoint.py": {"..runtime.weights", ".checkpoint_reader"},
+    "plancc/engine/checkpoint.py": {"..runtime.hf_weights", ".checkpoint_reader"},
     "plancc/job/preflight.py": {"..engine.checkpoint_reader"},
     "plancc/runtime/lora.py": {".styles.dtensor_placements"},
     "plancc/tools/suggest.py": {".measured_memory"},
@@ -94,7 +94,7 @@ def test_project_modules_are_imported_at_the_top_of_a_module_except_by_the_cli()
 # the count the rule above pins (issue 61: 45 before the CLI became a package of commands, light
 # modules imported at the top of the commands that use them; 39 with apply's --lora-* flags held to
 # the compile check's answer, checks.compiled_blocks.with_lora; 41 with the launcher's memory
-# estimate (cli.launching: job.memory) and suggest --write (cli.suggest: tools.suggest_run))
+# estimate (cli.launching: job.memory) and suggest --write (cli.suggest_command: tools.suggest_run))
 FUNCTION_LEVEL_IMPORTS = 41
 
 

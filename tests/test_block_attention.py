@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plancc.runtime.block_attention import MAX_TILE, Kind, block_attention, span_blocks
-from plancc.runtime.cp import load_balanced_indices, load_balanced_indices_packed, query_spans, row_segments
+from plancc.runtime.cp_context import load_balanced_indices, load_balanced_indices_packed, query_spans, row_segments
 from plancc.runtime.document_attention import attention_with_sinks
 
 

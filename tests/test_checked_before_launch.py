@@ -407,7 +407,7 @@ def test_the_memory_bound_counts_training_state_over_every_rank():
 
     model, config = build_meta_model("tiny-qwen3"), load_config("tiny-qwen3")
     params = sum(p.numel() for p in model.parameters())
-    cfg = RunConfig(plan="p.yaml", layout=Layout.infer(world_size=4, tp=2), batch_size=4, seq_len=32)
+    cfg = RunConfig.of(plan="p.yaml", layout=Layout.infer(world_size=4, tp=2), batch_size=4, seq_len=32)
     got = need(cfg, model, config, longest=None, from_folder=False)
     assert got.state == -(-params * 16 // 4)
     assert got.logits == (4 // 2) * 32 * (256 // 2) * 4 * 2  # rows per dp rank x tokens x vocab/tp x fp32 x 2

@@ -33,8 +33,8 @@ def test_the_memory_bound_puts_an_offloaded_runs_state_in_host_memory():
     from plancc.models import build_meta_model, load_config
 
     model, config = build_meta_model("tiny-qwen3"), load_config("tiny-qwen3")
-    plain = RunConfig(plan="p.yaml", layout=Layout(dp=2), batch_size=4, seq_len=32)
-    offloaded = RunConfig(plan="p.yaml", layout=Layout(dp=2), batch_size=4, seq_len=32, cpu_offload=True)
+    plain = RunConfig.of(plan="p.yaml", layout=Layout(dp=2), batch_size=4, seq_len=32)
+    offloaded = RunConfig.of(plan="p.yaml", layout=Layout(dp=2), batch_size=4, seq_len=32, cpu_offload=True)
     on_gpu, off_gpu = (need(c, model, config, longest=None, from_folder=True) for c in (plain, offloaded))
     assert off_gpu.state == on_gpu.state and off_gpu.device == on_gpu.device - on_gpu.state
     kw = {"local_ranks": 2, "longest": None, "from_folder": True, "device": "cuda"}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from plancc.runtime import flex_blocks
 from plancc.runtime.block_attention import span_blocks
-from plancc.runtime.cp import load_balanced_indices, load_balanced_indices_packed, query_spans, row_segments
+from plancc.runtime.cp_context import load_balanced_indices, load_balanced_indices_packed, query_spans, row_segments
 from plancc.runtime.flex_blocks import flex_block_attention, flex_layout
 
 from .test_block_attention import _allowed, _dense

@@ -104,7 +104,7 @@ def test_a_learning_rate_that_is_not_finite_or_is_negative_is_a_usage_error_befo
 
 def test_weights_that_are_not_finite_are_never_saved_or_exported(tmp_path):
     from plancc.errors import PlanError
-    from plancc.runtime.weights import refuse_non_finite_weights
+    from plancc.runtime.hf_weights import refuse_non_finite_weights
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     refuse_non_finite_weights(model, what="saving")  # finite: nothing to say

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from plancc.runtime.pipeline_stages import stage_layers
+from plancc.engine.pipeline.pipeline_stages import stage_layers
 
 from .conftest import PLANS as PLANS_DIR
 from .distributed import launch
@@ -51,14 +51,14 @@ def test_fewer_microbatches_than_ranks_is_refused_before_the_schedule_hangs():
     import torch
     from torch import nn
 
-    from plancc.runtime.pipeline_stages import PipelineRunner
+    from plancc.engine.pipeline.pipeline_stages import PipelineRunner
 
     with pytest.raises(ValueError, match="at least one per rank"):
         PipelineRunner([(0, nn.Linear(2, 2))], 4, microbatches=2, device=torch.device("cpu"))  # type: ignore[list-item]
 
 
 def test_each_schedule_places_its_stages_and_v_schedules_take_exactly_two():
-    from plancc.runtime.pipeline_stages import rank_stages
+    from plancc.engine.pipeline.pipeline_stages import rank_stages
 
     assert rank_stages(1, 4, "interleaved_1f1b", 3) == [1, 5, 9]
     assert rank_stages(0, 4, "zbv", 2) == [0, 7]
@@ -399,7 +399,7 @@ def test_the_first_and_last_stages_can_be_lighter_by_the_embedding_and_the_lm_he
     import plancc
     from plancc.compiler.plan import PipelineSpec
     from plancc.models import build_model, load_config
-    from plancc.runtime.pipeline_stages import plan_stage_layers
+    from plancc.engine.pipeline.pipeline_stages import plan_stage_layers
     from plancc.tools.explain_stages import stages_of
 
     assert stage_layers(6, 4, 1, 1) == [range(0, 1), range(1, 3), range(3, 5), range(5, 6)]
@@ -432,7 +432,7 @@ def test_layers_per_stage_derives_the_stage_count_from_the_models_layers(tmp_pat
     from plancc.compiler.plan import PipelineSpec
     from plancc.errors import PlanError
     from plancc.models import build_model, load_config
-    from plancc.runtime.pipeline_stages import plan_stage_layers
+    from plancc.engine.pipeline.pipeline_stages import plan_stage_layers
 
     lighter = {"first_stage_less_layers": 1, "last_stage_less_layers": 1}
     assert PipelineSpec(schedule="1f1b", layers_per_stage=16, **lighter).per_rank(126, 8) == 1
@@ -466,7 +466,7 @@ def test_packed_rows_fill_rows_by_the_token_budget_rule_and_come_back_at_their_b
     again, 0 at each row's first position (nothing in the row predicts it)."""
     import torch
 
-    from plancc.engine.pipeline_rows import PipelineRows
+    from plancc.engine.pipeline.pipeline_rows import PipelineRows
 
     ids = torch.tensor([[11, 12, 13, 14, 15, 0], [0, 0, 0, 21, 22, 23], [31, 32, 0, 0, 0, 0]])
     mask = (ids != 0).long()

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from plancc.models import build_meta_model, build_model, load_config
-from plancc.runtime.pipeline_ties import untie_across_stages
+from plancc.engine.pipeline.pipeline_ties import untie_across_stages
 
 from .conftest import PLANS, forked_cli
 from .test_training_run import losses

@@ -69,7 +69,7 @@ LAYOUTS = [
     pytest.param(
         2, "plans/qwen3_moe.yaml", "tiny-qwen3-moe", {"ep": 2}, _cases([ONE, BUDGET], ["grpo", "grpo_tokens"]), id="ep2"
     ),
-    # pipeline stages (engine.pipelined): rows of every length unpadded, one schedule step a
+    # pipeline stages (engine.pipeline.pipeline_steps): rows of every length unpadded, one schedule step a
     # length, each rank comparing the parameters of its own stages
     pytest.param(
         2,
@@ -114,13 +114,19 @@ LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(("ranks", "plan", "model", "layout", "cases"), LAYOUTS)
-def test_one_train_call_equals_the_unsharded_model_on_the_whole_batch(ranks, plan, model, layout, cases):
+def test_the_policy_bars_hold_at_every_layout(tmp_path, ranks, plan, model, layout, cases):
+    """One list of layouts, pp's included, for every bar of the policy: one train call equals the
+    unsharded model on the whole batch (every loss and cutting), the weights out are the model's
+    bitwise, and a saved policy loaded into a fresh one trains the next step identically."""
     from .distributed import launch
     from .policy_worker import train_cases
 
-    results = launch(train_cases, ranks, plan, model, layout, cases)
-    for rank, rows in results.items():
-        for row in rows:
+    results = launch(train_cases, ranks, plan, model, layout, cases, str(tmp_path / "ckpt"))
+    for rank, got in results.items():
+        assert got["refit_bitwise"] and got["refit_compared"] > 0, (rank, got["refit_compared"])
+        assert got["refit_missing"] == [], (rank, got["refit_missing"])
+        assert got["resumed"] == (True, True, True), (rank, got["resumed"])
+        for row in got["cases"]:
             # the attention saw this rank's shard of every row: cp's, not a whole copy
             assert row["sequence_shards"] == ([layout["cp"]] if layout.get("cp", 1) > 1 else []), (rank, row)
             assert row["loss_diff"] <= TOLERANCE, (rank, row)

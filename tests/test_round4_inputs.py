@@ -94,7 +94,7 @@ def test_a_run_on_a_presets_random_weights_says_so():
     from plancc.layout import Layout
 
     for model in ("qwen3-0.6b", None):
-        cfg = RunConfig(plan=str(QWEN3), layout=Layout(dp=1), model=model, mode="logprobs")
+        cfg = RunConfig.of(plan=str(QWEN3), layout=Layout(dp=1), model=model, mode="logprobs")
         (found,) = [d for d in notices(cfg) if d.rule == "random-init"]
         assert "random weights" in found.message and found.format().count("warning:") == 1
 

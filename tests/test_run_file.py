@@ -42,13 +42,11 @@ SET_BY_THE_LAUNCHER = {"mode", "inputs", "run_file", "log_dir"}
 def test_every_field_of_the_run_config_is_a_flag_and_every_flag_a_field():
     """A new setting is one RunConfig field plus its option: a field no command's flag sets, or a
     flag that reaches no field, is caught here (as --max-grad-norm was: a field without a flag)."""
-    import dataclasses
-
     from plancc.cli import apply, logprobs
     from plancc.job.config import RunConfig
 
     flags = (set(inspect.signature(apply).parameters) | set(inspect.signature(logprobs).parameters)) - {"ctx"}
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    fields = RunConfig.flag_names()
     folded = {flag: field for field, group in FOLDED.items() for flag in group}
     reached = {folded.get(flag, flag) for flag in flags - LAUNCHER_FLAGS}
     assert reached - fields == set(), "flags that reach no RunConfig field"

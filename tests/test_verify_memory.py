@@ -117,8 +117,8 @@ def test_a_verify_that_does_not_fit_is_refused_before_launch_naming_its_referenc
     model, config = build_meta_model("qwen3-0.6b"), load_config("qwen3-0.6b")
     params = sum(p.numel() for p in model.parameters())
     layout = Layout.infer(world_size=2, tp=2)
-    run = RunConfig(plan="p.yaml", layout=layout, batch_size=8, seq_len=64)
-    checked = RunConfig(plan="p.yaml", layout=layout, batch_size=8, seq_len=64, verify=True)
+    run = RunConfig.of(plan="p.yaml", layout=layout, batch_size=8, seq_len=64)
+    checked = RunConfig.of(plan="p.yaml", layout=layout, batch_size=8, seq_len=64, verify=True)
     plain, verified = (need(c, model, config, longest=None, from_folder=True) for c in (run, checked))
     assert plain.reference == 0 and verified.state == plain.state
     assert verified.reference >= params * (8 + 4)  # whole weights and gradients, half of AdamW's moments

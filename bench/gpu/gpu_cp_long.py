@@ -47,7 +47,7 @@ def main() -> None:
 
     from plancc.models import load_config
     from plancc.runtime.block_attention import block_attention, span_blocks
-    from plancc.runtime.cp import load_balanced_indices, load_balanced_indices_packed, query_spans
+    from plancc.runtime.cp_context import load_balanced_indices, load_balanced_indices_packed, query_spans
     from plancc.runtime.document_attention import attention_with_sinks
     from plancc.runtime.flex_blocks import flex_block_attention, flex_layout
 

@@ -22,11 +22,11 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from ..compiler.adapted_modules import adapted_modules
 from ..compiler.adapter_layouts import adapter_layout
-from ..compiler.globs import ModuleTree, generalize, glob_problem
+from ..compiler.globs import generalize
 from ..compiler.lora_spec import LoraSpec
-from ..compiler.resolve import ResolvedPlan, no_match
-from ..errors import SourceLoc
+from ..compiler.resolve import ResolvedPlan
 from .context import CheckContext, Problem
 from .example import Example
 
@@ -69,31 +69,13 @@ EXAMPLES = (
 )
 
 
-def adapted_modules(model: nn.Module, spec: LoraSpec) -> tuple[dict[str, SourceLoc], list[Problem]]:
-    """The module names the spec's targets match (each with the place of the first target
-    that matched it), and the globs' problems."""
-    tree = ModuleTree.of(model)
-    problems: list[Problem] = []
-    names: dict[str, SourceLoc] = {}
-    for index, pattern in enumerate(spec.targets):
-        loc = spec.target_loc(index)
-        if (why := glob_problem(pattern)) is not None:
-            problems.append(Problem(loc=loc, message=f"lora target {pattern!r}: {why}", fix="write a module glob"))
-            continue
-        found = tree.match(pattern)
-        if not found:
-            miss = no_match(pattern, loc, tree, "lora target")
-            problems.append(Problem(loc=loc, message=miss.message, fix=miss.fix))
-        for name in found:
-            names.setdefault(name, loc)
-    return names, problems
-
-
 def lora_problems(model: nn.Module, spec: LoraSpec, resolved: ResolvedPlan | None, tp: int) -> list[Problem]:
     """Every reason the spec's targets cannot carry adapters at ``tp`` (see the module doc),
     once per module shape (``model.layers.*.mlp.up_proj``), not once per layer."""
     names, found = adapted_modules(model, spec)
-    problems: dict[tuple[str | None, str], Problem] = {(p.rule, p.message): p for p in found}
+    problems: dict[tuple[str | None, str], Problem] = {
+        (d.rule, d.message): Problem(loc=d.loc, message=d.message, fix=d.fix, rule=d.rule) for d in found
+    }
     modules = dict(model.named_modules())
     embeddings = getattr(model, "get_output_embeddings", None)
     head = embeddings() if callable(embeddings) else None

@@ -12,11 +12,20 @@ import signal
 import sys
 
 # every command module registers its command on ``app`` as it is imported
-from . import explain, import_hf, models, plot, rules, styles, suggest, validate  # noqa: F401
+from . import (  # noqa: F401
+    explain_command,
+    import_hf_command,
+    models_command,
+    plot_command,
+    rules_command,
+    styles_command,
+    suggest_command,
+    validate_command,
+)
 from .app import EXIT_PLAN, EXIT_USAGE, Format, app
-from .apply import apply
+from .apply_command import apply
 from .launching import Interrupted, interrupt
-from .logprobs import logprobs
+from .logprobs_command import logprobs
 
 __all__ = ["EXIT_PLAN", "EXIT_USAGE", "Format", "app", "apply", "logprobs", "main"]
 

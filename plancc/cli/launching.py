@@ -79,7 +79,7 @@ def preflight(cfg: RunConfig, report: ValidationReport, fmt: Format, local_ranks
 
     assert report.meta_model is not None  # a report without errors has its model
     # the model and config validate built; the workers of this machine share its memory
-    lora = LoraSpec.of(cfg.lora) if cfg.lora is not None else report.plan.lora
+    lora = LoraSpec.of(cfg.model.lora) if cfg.model.lora is not None else report.plan.lora
     checked = preflight(cfg, report.meta_model, report.config, local_ranks=local_ranks, lora=lora)
     if checked.problems:
         emit(checked.problems, fmt)
@@ -133,7 +133,7 @@ def launch_and_report(opts: LaunchOptions, run: Launchable, fmt: Format) -> None
     if outcome.result is not None and outcome.result.get("diagnostics"):  # a worker stopped on a diagnosed problem
         emit([Diagnostic.from_json(d) for d in outcome.result["diagnostics"]], fmt)
         raise typer.Exit(EXIT_PLAN)
-    run_path = SourceLoc(path=cfg.plan)
+    run_path = SourceLoc(path=cfg.model.plan)
     if outcome.result is not None and outcome.result.get("ok") is False:
         emit(
             [
@@ -224,7 +224,7 @@ def report_interruption(signum: int, result: dict[str, Any] | None, cfg: RunConf
 
     info = (result or {}).get("interrupted") or {}
     last = info.get("last_checkpoint")
-    if last is None and (found := checkpoint.newest(cfg.save)):  # the workers could not say: look
+    if last is None and (found := checkpoint.newest(cfg.checkpoint.save)):  # the workers could not say: look
         last = str(found)
     step = info.get("step")
     where = f"at step {step}" if step is not None else "before the workers reported a step"

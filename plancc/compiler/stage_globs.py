@@ -1,5 +1,5 @@
 """Which decoder layers a plan's pipeline stage globs name (``pipeline: stages:``): the
-algorithm the check (``checks.pipeline``), the runtime's stage cutting (``runtime.pipeline_stages``) and
+algorithm the check (``checks.pipeline``), the runtime's stage cutting (``engine.pipeline.pipeline_stages``) and
 ``explain --pp`` share. A glob's segment ``[a-b]`` of two numbers is the numeric range a..b
 (``model.layers.[0-13]`` is layers 0 to 13), not a character class."""
 

@@ -243,7 +243,7 @@ def save(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from ..runtime.weights import refuse_non_finite_weights  # lazy: the launcher's checks run without DTensor
+    from ..runtime.hf_weights import refuse_non_finite_weights  # lazy: the launcher's checks run without DTensor
 
     refuse_non_finite_weights(model, what=f"saving step {info.step}")
     root = Path(root)
@@ -511,7 +511,7 @@ def load(
     aliases: Mapping[str, str] | None = None,
 ) -> CheckpointInfo:
     """Collective: load model and optimizer state saved at any layout into this one. ``aliases``:
-    a tied weight's copy -> the weight (``runtime.pipeline_ties``), whose optimizer state a
+    a tied weight's copy -> the weight (``engine.pipeline.pipeline_ties``), whose optimizer state a
     checkpoint saved without pipeline stages holds once, under the weight's name. ``shapes``:
     the whole model's parameter shapes, where ``model`` holds only some of them (a pipeline
     rank's stages); default ``model``'s own. ``base``: where this model's frozen base came from

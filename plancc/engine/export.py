@@ -9,7 +9,7 @@ being cast) instead of a gathered full state dict plus a second full CPU model (
 parameter: ~420 GB for a 70B model). ``docs/export_memory.md`` has the figures.
 
 The folder is written beside the target's files and moved into place file by file
-(``runtime.weights.publish_export``); failures of any rank are every rank's at once (the
+(``runtime.hf_weights.publish_export``); failures of any rank are every rank's at once (the
 gathers settle bucket by bucket, rank 0's file work ends in an agreement).
 """
 
@@ -30,9 +30,9 @@ from ..errors import Diagnostic, PlanError, SourceLoc
 from ..models import architecture_of
 from ..runtime import faults
 from ..runtime.hf_folder import check_export_target
+from ..runtime.hf_weights import copy_companions, publish_export, refuse_non_finite_weights, write_adapter_config
 from ..runtime.lora import adapters_of
 from ..runtime.rank_agreement import group_device, on_rank0
-from ..runtime.weights import copy_companions, publish_export, refuse_non_finite_weights, write_adapter_config
 from .refit_agreement import RefitAgreement
 from .streaming import ValueOf, bucket_count, weight_buckets
 

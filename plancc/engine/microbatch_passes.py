@@ -14,9 +14,9 @@ from torch import nn
 
 from ..runtime.fused_logprobs import targets_checked
 from ..runtime.gradient_scale import loss_scale, token_loss_scale
-from ..runtime.logprobs import fusable, token_logprobs
 from ..runtime.mesh import ParallelMesh
 from ..runtime.token_loss import evaluated_positions, model_token_loss
+from ..runtime.vocab_parallel_logprobs import fusable, token_logprobs
 from .batches import BatchError, Microbatch
 from .loss_contract import BatchTotals, LossFn, TokenLoss, call_loss
 

@@ -18,12 +18,12 @@ from ..compiler.plan import Plan
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
 from ..models import MASTER_DTYPE, build_model
 from ..runtime.document_attention import enable_document_attention
+from ..runtime.hf_weights import has_safetensors, load_hf_weights
 from ..runtime.lora import LoraSpec, adapters_of, base_shapes, initial_adapter_state
 from ..runtime.materialize import materialize
 from ..runtime.mesh import ParallelMesh
 from ..runtime.non_finite import first_non_finite
 from ..runtime.parallelize import parallelize
-from ..runtime.weights import has_safetensors, load_hf_weights
 
 
 def from_folder(model: str | None) -> bool:

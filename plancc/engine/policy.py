@@ -55,7 +55,7 @@ from .loss_contract import (  # noqa: F401 - NonFiniteError, check_temperature: 
 from .offload import Offloader
 from .parallel_model import build_parallel_model
 from .param_groups import trained_parameters
-from .pipelined import build_stages
+from .pipeline.pipeline_steps import build_stages
 from .policy_options import (
     OptimizerSpec,
     SchedulerSpec,
@@ -207,7 +207,7 @@ class Policy:
     @property
     def weight_aliases(self) -> dict[str, str]:
         """Names of ``model``'s tensors that a Hugging Face folder holds under another name: a
-        tied lm_head's copy on the last pipeline stage (``runtime.pipeline_ties``); none without."""
+        tied lm_head's copy on the last pipeline stage (``engine.pipeline.pipeline_ties``); none without."""
         return dict(self._aliases)
 
     def slice_of(self, global_rows: int) -> slice:

@@ -206,7 +206,7 @@ def send_shards(
 
     With pipeline stages ``model`` is the whole model on meta (the names every rank walks, in one
     order), ``held`` this rank's stages at the model's names and ``values`` a tensor's full value
-    from its stage (``engine.stage_values``): a rank publishes boxes for what it holds only, so
+    from its stage (``engine.pipeline.stage_values``): a rank publishes boxes for what it holds only, so
     each piece goes out from the stage that holds it, and nothing crosses the pipeline."""
     agreement = RefitAgreement(device, unit="transfer")
     flights = _Sends(channel, agreement, channel.in_flight * bucket_bytes)

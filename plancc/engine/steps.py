@@ -10,8 +10,8 @@ backward of a step over the parts and clips the gradients (``train_step``, retur
 - ``PlainSteps`` (here): the model is one part; the batch is cut into microbatches (rows, a
   token budget, packing: ``engine.batches``), each microbatch's passes run one after the other
   (``engine.microbatch_passes``);
-- ``PipelineSteps`` (``engine.pipelined``): the parts are this rank's stages, stepped by
-  torch.distributed.pipelining's schedule (``runtime.pipeline_stages``).
+- ``PipelineSteps`` (``engine.pipeline.pipeline_steps``): the parts are this rank's stages, stepped by
+  torch.distributed.pipelining's schedule (``engine.pipeline.pipeline_stages``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class WeightTransport:
     ) -> None:
         """``model``: what is streamed (names, tied weights, conversions). With pipeline stages it
         is the whole model on meta, ``values`` gives each full tensor (its stage's ranks gather it)
-        and ``held`` is this rank's stages (``engine.stage_values``)."""
+        and ``held`` is this rank's stages (``engine.pipeline.stage_values``)."""
         self.model, self.config, self.device = model, config, device
         self.values, self.held = values, held or model
 

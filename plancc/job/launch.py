@@ -12,7 +12,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ class LaunchResult:
 def torchrun_argv(opts: LaunchOptions, cfg: RunConfig, result_path: str) -> list[str]:
     # --timeout bounds the rendezvous too: connecting to the endpoint (torch's default: 60 s a
     # try) and waiting for every node to join (600 s)
-    meet = f"join_timeout={cfg.timeout_s},read_timeout={cfg.timeout_s}"
+    meet = f"join_timeout={cfg.training.timeout_s},read_timeout={cfg.training.timeout_s}"
     argv = [
         f"--nproc-per-node={opts.nproc_per_node}",
         f"--nnodes={opts.nnodes}",
@@ -127,7 +127,7 @@ def launch(
     eval_rows: TokenDataset | None = None,
 ) -> LaunchResult:
     """Run the job: ``plan_text``, ``dataset`` and ``eval_rows`` are the plan and data the caller
-    read and checked; the workers get them from the launcher's private folder (``cfg.inputs``)."""
+    read and checked; the workers get them from the launcher's private folder (``cfg.training.inputs``)."""
     if "OMP_NUM_THREADS" not in os.environ:  # quiets torchrun; the workers still share the cores out
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ[THREADS_UNSET_BY_USER] = "1"
@@ -141,7 +141,7 @@ def launch(
             write_tokens(dataset, Path(tmp, DATA_COPY))
         if eval_rows is not None:
             write_tokens(eval_rows, Path(tmp, EVAL_COPY))
-        cfg = replace(cfg, inputs=tmp, log_dir=str(logs))
+        cfg = cfg.with_flags(inputs=tmp, log_dir=str(logs))
         args = get_args_parser().parse_args(torchrun_argv(opts, cfg, result_path))
         failures: dict[int, str] = {}
         first = None
@@ -168,7 +168,7 @@ def launch(
         except SignalException as exc:  # the agent stopped the workers (with the same signal) and re-raised
             interrupted = int(exc.sigval)
         except RendezvousError as exc:  # no worker started: the nodes never met
-            unmet = _rendezvous_message(exc, opts, cfg.timeout_s)
+            unmet = _rendezvous_message(exc, opts, cfg.training.timeout_s)
         finally:  # the agent's process context installed its own handlers: the caller's come back
             for sig, handler in handlers.items():
                 if handler is not None:

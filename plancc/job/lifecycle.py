@@ -99,10 +99,10 @@ def log_traceback(cfg: RunConfig, exc: Exception) -> None:
     line it prints), not onto the terminal, where every victim rank's trace of a peer's death
     would bury the line that says which rank failed. Without a log folder: stderr, as before."""
     trace = "".join(traceback.format_exception(exc))
-    if cfg.log_dir is None:
+    if cfg.logging.log_dir is None:
         print(trace, file=sys.stderr, flush=True)
         return
-    path = Path(cfg.log_dir) / f"rank-{os.environ.get('RANK', '0')}.log"
+    path = Path(cfg.logging.log_dir) / f"rank-{os.environ.get('RANK', '0')}.log"
     try:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         path.write_text(trace)

@@ -83,33 +83,33 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
     """The lower bound of one rank's bytes for ``cfg`` on ``model`` (a meta model will do)."""
     params = sum(p.numel() for p in model.parameters())
     layout = cfg.layout
-    if layout.pp > 1:  # a weight tied across stages has a copy on the last one (runtime.pipeline_ties)
+    if layout.pp > 1:  # a weight tied across stages has a copy on the last one (engine.pipeline.pipeline_ties)
         uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         params += sum(p.numel() for p in model.parameters() if uses[id(p)] > 1)
     world = max(1, layout.world_size)
     # logits come out in the compute dtype: --param-dtype's, else fp32
-    dtype_bytes = getattr(torch, PARAM_DTYPES[cfg.param_dtype]).itemsize if cfg.param_dtype else 4
-    per_param = 16 if cfg.mode == "train" else 4  # FSDP keeps fp32 shards; --param-dtype is the compute copy
+    dtype_bytes = getattr(torch, PARAM_DTYPES[cfg.model.param_dtype]).itemsize if cfg.model.param_dtype else 4
+    per_param = 16 if cfg.training.mode == "train" else 4  # FSDP keeps fp32 shards; --param-dtype is the compute copy
     vocab = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", 0) or 0
     dp = max(1, layout.dp)
-    if cfg.mode == "train":
-        rows = cfg.micro_batch_size or max(1, cfg.batch_size // dp)
+    if cfg.training.mode == "train":
+        rows = cfg.data.micro_batch_size or max(1, cfg.data.batch_size // dp)
         # a data row is as long as it is, cut to --seq-len when given; a synthetic row is --seq-len
-        length = longest if longest is not None else cfg.synthetic_seq_len
-        row = min(length, cfg.seq_len) if cfg.seq_len else length
+        length = longest if longest is not None else cfg.data.synthetic_seq_len
+        row = min(length, cfg.data.seq_len) if cfg.data.seq_len else length
         tokens = rows * row
-        if cfg.max_tokens:
-            tokens = min(tokens, max(cfg.max_tokens, longest or 0))
+        if cfg.data.max_tokens:
+            tokens = min(tokens, max(cfg.data.max_tokens, longest or 0))
         copies = 2  # the logits and their gradient
     else:
         row = longest or 1
-        tokens = cfg.batch_size * row
+        tokens = cfg.data.batch_size * row
         copies = 1
     tokens = math.ceil(tokens / max(1, layout.cp))
     logits = tokens * math.ceil(vocab / max(1, layout.tp)) * dtype_bytes * copies
     reference = 0
-    if cfg.verify:  # its weights and gradients whole, its share of AdamW, a chunk's logits (3 copies)
-        chunk = reference_chunk_rows(cfg.batch_size, row, vocab)
+    if cfg.training.verify:  # its weights and gradients whole, its share of AdamW, a chunk's logits (3 copies)
+        chunk = reference_chunk_rows(cfg.data.batch_size, row, vocab)
         reference = params * 8 + math.ceil(params * 8 / world) + chunk * row * vocab * 4 * 3
     return Need(
         # HSDP: each replica holds the whole state, sharded over its own ranks
@@ -117,7 +117,7 @@ def need(cfg: RunConfig, model: nn.Module, config: object, *, longest: int | Non
         logits=logits,
         init=0 if from_folder else params * 4,
         reference=reference,
-        offloaded=cfg.cpu_offload and cfg.mode == "train",
+        offloaded=cfg.training.cpu_offload and cfg.training.mode == "train",
     )
 
 
@@ -139,7 +139,7 @@ def memory_problems(
     host = host_available() if host is None else host
     gpu = device_capacity(device) if gpu is None else gpu
     found = []
-    what = "weights, gradients and AdamW's moments" if cfg.mode == "train" else "weights"
+    what = "weights, gradients and AdamW's moments" if cfg.training.mode == "train" else "weights"
     layout = f"over {cfg.layout.world_size} rank{'s' if cfg.layout.world_size > 1 else ''}"
     if device == "cuda" and gpu:
         have, where = gpu, f"one GPU holds {_gib(gpu)}"
@@ -156,7 +156,7 @@ def memory_problems(
             found.append(
                 Diagnostic(
                     rule="memory",
-                    loc=SourceLoc(path=cfg.model or cfg.plan),
+                    loc=SourceLoc(path=cfg.model.name or cfg.model.plan),
                     message=f"--verify needs at least {_gib(needed.device)} per rank: the run's "
                     f"{_gib(needed.state + needed.logits)} and {_gib(needed.reference)} for the unsharded model "
                     f"it trains beside it (its weights and gradients whole on every rank); {where}",
@@ -168,7 +168,7 @@ def memory_problems(
             found.append(
                 Diagnostic(
                     rule="memory",
-                    loc=SourceLoc(path=cfg.model or cfg.plan),
+                    loc=SourceLoc(path=cfg.model.name or cfg.model.plan),
                     message=f"the run needs at least {_gib(needed.device)} per rank ({shares}, "
                     f"{_gib(needed.logits)} of logits); {where}",
                     fix="launch more ranks (--nproc-per-node, --nnodes) or a smaller model",
@@ -176,7 +176,11 @@ def memory_problems(
             )
         else:  # the batch: fewer tokens per microbatch
             flag = (
-                "--max-tokens" if cfg.max_tokens else "--micro-batch-size" if cfg.micro_batch_size else "--batch-size"
+                "--max-tokens"
+                if cfg.data.max_tokens
+                else "--micro-batch-size"
+                if cfg.data.micro_batch_size
+                else "--batch-size"
             )
             found.append(
                 Diagnostic(
@@ -191,7 +195,7 @@ def memory_problems(
         found.append(
             Diagnostic(
                 rule="memory",
-                loc=SourceLoc(path=cfg.model or cfg.plan),
+                loc=SourceLoc(path=cfg.model.name or cfg.model.plan),
                 message=f"--cpu-offload keeps {_gib(needed.state)} of {what} a rank in host memory, "
                 f"{_gib(host_need * max(1, local_ranks))} for {local_ranks} workers; "
                 f"the machine has {_gib(host)} available",
@@ -202,7 +206,7 @@ def memory_problems(
         found.append(
             Diagnostic(
                 rule="memory",
-                loc=SourceLoc(path=cfg.model or cfg.plan),
+                loc=SourceLoc(path=cfg.model.name or cfg.model.plan),
                 message=f"random init builds the whole model on each of {local_ranks} workers "
                 f"({_gib(needed.init)} each) beside their shares; the machine has {_gib(host)} available",
                 fix="pass --model a folder with the weights (each rank then reads only its shard), or fewer workers",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..checks.lora_targets import adapted_modules
+from ..compiler.adapted_modules import adapted_modules
 from ..compiler.lora_spec import LoraSpec
 from ..engine import checkpoint
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc
@@ -103,23 +103,23 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
         return Diagnostic(rule="usage", loc=SourceLoc(path=flag), message=message, fix=fix)
 
     found = []
-    if cfg.param_dtype is not None and cfg.param_dtype not in PARAM_DTYPES:
+    if cfg.model.param_dtype is not None and cfg.model.param_dtype not in PARAM_DTYPES:
         found.append(
             problem(
                 "--param-dtype",
-                f"--param-dtype {cfg.param_dtype!r} is not a dtype plancc trains in",
+                f"--param-dtype {cfg.model.param_dtype!r} is not a dtype plancc trains in",
                 f"use one of {', '.join(sorted(PARAM_DTYPES))}",
             )
         )
-    if not math.isfinite(cfg.lr) or cfg.lr < 0:
+    if not math.isfinite(cfg.optimizer.lr) or cfg.optimizer.lr < 0:
         found.append(
             problem(
                 "--lr",
-                f"--lr {cfg.lr} is not a learning rate: it must be a finite number >= 0",
+                f"--lr {cfg.optimizer.lr} is not a learning rate: it must be a finite number >= 0",
                 "pass a finite, non-negative --lr such as 1e-5",
             )
         )
-    if cfg.pack and cfg.layout.pp > 1 and cfg.layout.cp > 1:  # a stage's cp attention takes whole rows
+    if cfg.data.pack and cfg.layout.pp > 1 and cfg.layout.cp > 1:  # a stage's cp attention takes whole rows
         found.append(
             problem(
                 "--pack",
@@ -128,39 +128,46 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "drop --pack (rows of one length go through the stages together), or --cp, or --pp",
             )
         )
-    if not 0 <= cfg.seed < 2**64:  # torch's generators take an unsigned 64-bit seed
-        found.append(problem("--seed", f"--seed {cfg.seed} is not a 64-bit seed", "pass a seed in 0 .. 2**64 - 1"))
-    if cfg.timeout_s > MAX_TIMEOUT_S:  # a timedelta beyond this overflows c10d's milliseconds
+    if not 0 <= cfg.training.seed < 2**64:  # torch's generators take an unsigned 64-bit seed
+        found.append(
+            problem("--seed", f"--seed {cfg.training.seed} is not a 64-bit seed", "pass a seed in 0 .. 2**64 - 1")
+        )
+    if cfg.training.timeout_s > MAX_TIMEOUT_S:  # a timedelta beyond this overflows c10d's milliseconds
         found.append(
             problem(
                 "--timeout",
-                f"--timeout {cfg.timeout_s} is beyond the longest wait plancc sets ({MAX_TIMEOUT_S} s, a year)",
+                f"--timeout {cfg.training.timeout_s} is beyond the longest wait plancc sets "
+                f"({MAX_TIMEOUT_S} s, a year)",
                 f"pass --timeout of at most {MAX_TIMEOUT_S} seconds",
             )
         )
-    if cfg.mode == "logprobs" and (not math.isfinite(cfg.temperature) or cfg.temperature <= 0):
+    if cfg.training.mode == "logprobs" and (
+        not math.isfinite(cfg.logprobs.temperature) or cfg.logprobs.temperature <= 0
+    ):
         found.append(
             problem(
                 "--temperature",
-                f"--temperature {cfg.temperature} is not a sampling temperature: it must be finite and > 0 "
+                f"--temperature {cfg.logprobs.temperature} is not a sampling temperature: it must be finite and > 0 "
                 "(an infinite one makes every token equally likely)",
                 "pass the temperature the sampler used, e.g. 0.7 or 1.0",
             )
         )
     dp = cfg.layout.dp
-    if cfg.mode == "train" and dp and cfg.batch_size % dp:
-        fits = sorted({dp * max(1, cfg.batch_size // dp), dp * -(-cfg.batch_size // dp)})
+    if cfg.training.mode == "train" and dp and cfg.data.batch_size % dp:
+        fits = sorted({dp * max(1, cfg.data.batch_size // dp), dp * -(-cfg.data.batch_size // dp)})
         found.append(
             problem(
                 "--batch-size",
-                f"--batch-size {cfg.batch_size} does not split over dp={dp}: each dp rank trains an equal slice, "
-                f"and {cfg.batch_size % dp} row(s) of every step would not be trained",
+                f"--batch-size {cfg.data.batch_size} does not split over dp={dp}: each dp rank trains an equal slice, "
+                f"and {cfg.data.batch_size % dp} row(s) of every step would not be trained",
                 f"use a multiple of {dp}: {' or '.join(map(str, fits))}",
             )
         )
-    if cfg.device not in (None, "cpu", "cuda"):
-        found.append(problem("--device", f"--device {cfg.device!r} is neither cpu nor cuda", "pass cpu or cuda"))
-    elif cfg.device == "cuda" and not torch.cuda.is_available():
+    if cfg.training.device not in (None, "cpu", "cuda"):
+        found.append(
+            problem("--device", f"--device {cfg.training.device!r} is neither cpu nor cuda", "pass cpu or cuda")
+        )
+    elif cfg.training.device == "cuda" and not torch.cuda.is_available():
         found.append(
             problem(
                 "--device",
@@ -168,8 +175,8 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "pass --device cpu (gloo), or run on a GPU machine with the CUDA build of torch",
             )
         )
-    for flag, value in (("--save-every", cfg.save_every), ("--keep", cfg.keep)):
-        if value is not None and not cfg.save:
+    for flag, value in (("--save-every", cfg.checkpoint.save_every), ("--keep", cfg.checkpoint.keep)):
+        if value is not None and not cfg.checkpoint.save:
             found.append(
                 problem(
                     flag,
@@ -177,26 +184,26 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                     f"add --save DIR, or drop {flag}",
                 )
             )
-    evaluated = cfg.eval_data or cfg.eval_split
-    if cfg.eval_data and cfg.eval_split:
+    evaluated = cfg.eval.eval_data or cfg.eval.eval_split
+    if cfg.eval.eval_data and cfg.eval.eval_split:
         found.append(problem("--eval-split", "--eval-data and --eval-split both name eval rows", "give one of the two"))
-    elif cfg.eval_split and not cfg.data:
+    elif cfg.eval.eval_split and not cfg.data.path:
         found.append(
             problem(
                 "--eval-split",
-                f"--eval-split {cfg.eval_split} without --data: it names a split of --data's folder",
+                f"--eval-split {cfg.eval.eval_split} without --data: it names a split of --data's folder",
                 "add --data FOLDER (train-*.parquet, test-*.parquet), or pass --eval-data FILE",
             )
         )
-    elif cfg.eval_every is not None and not evaluated:
+    elif cfg.eval.eval_every is not None and not evaluated:
         found.append(
             problem(
                 "--eval-every",
-                f"--eval-every {cfg.eval_every} without --eval-data or --eval-split: no rows to evaluate",
+                f"--eval-every {cfg.eval.eval_every} without --eval-data or --eval-split: no rows to evaluate",
                 "add --eval-data FILE (or --eval-split test), or drop --eval-every",
             )
         )
-    for name in cfg.loggers:
+    for name in cfg.logging.loggers:
         if name not in LOGGERS:
             allowed = ", ".join(LOGGERS)
             found.append(problem("--logger", f"--logger {name!r} is no tracker plancc logs to", f"one of {allowed}"))
@@ -208,7 +215,9 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                     f"pip install '{EXTRAS[name]}', or use --metrics (every step as JSON lines)",
                 )
             )
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:  # torch's SummaryWriter writes with it
+    if (
+        cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None
+    ):  # torch's SummaryWriter writes with it
         found.append(
             problem(
                 "--tensorboard",
@@ -323,18 +332,18 @@ def launch_problems(opts: LaunchOptions, *, device: str | None) -> list[Diagnost
 
 def run_paths(cfg: RunConfig) -> list[RunPath]:
     """Every path the run reads or writes, named by its flag."""
-    model = cfg.model if cfg.model and os.path.exists(cfg.model) else None  # a preset names no path
+    model = cfg.model.name if cfg.model.name and os.path.exists(cfg.model.name) else None  # a preset names no path
     return [
-        RunPath(flag="PLAN", path=cfg.plan, output=False),
-        RunPath(flag="--data", path=cfg.data or "", output=False),
-        RunPath(flag="--eval-data", path=cfg.eval_data or "", output=False),
+        RunPath(flag="PLAN", path=cfg.model.plan, output=False),
+        RunPath(flag="--data", path=cfg.data.path or "", output=False),
+        RunPath(flag="--eval-data", path=cfg.eval.eval_data or "", output=False),
         RunPath(flag="--model", path=model or "", output=False),
-        RunPath(flag="--resume", path=cfg.resume or "", output=False),
-        RunPath(flag="--save", path=cfg.save or "", output=True),
-        RunPath(flag="--export-hf", path=cfg.export_hf or "", output=True, encloses=True),
-        RunPath(flag="--metrics", path=cfg.metrics or "", output=True),
-        RunPath(flag="--tensorboard", path=cfg.tensorboard or "", output=True),
-        RunPath(flag="--out", path=cfg.out or "", output=True),
+        RunPath(flag="--resume", path=cfg.checkpoint.resume or "", output=False),
+        RunPath(flag="--save", path=cfg.checkpoint.save or "", output=True),
+        RunPath(flag="--export-hf", path=cfg.checkpoint.export_hf or "", output=True, encloses=True),
+        RunPath(flag="--metrics", path=cfg.logging.metrics or "", output=True),
+        RunPath(flag="--tensorboard", path=cfg.logging.tensorboard or "", output=True),
+        RunPath(flag="--out", path=cfg.logprobs.out or "", output=True),
     ]
 
 
@@ -352,15 +361,15 @@ def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagn
     """A row longer than ``--max-tokens``: a row is never split across microbatches, so the run
     would stop at the first batch holding it (perhaps hours in); said before launch instead.
     Training rows are cut to ``--seq-len`` (when given); synthetic rows are that long."""
-    if cfg.mode != "train" or cfg.max_tokens is None or (cfg.data and dataset is None):
+    if cfg.training.mode != "train" or cfg.data.max_tokens is None or (cfg.data.path and dataset is None):
         return []  # (data that could not be read has its own diagnostics)
-    cut = cfg.seq_len
+    cut = cfg.data.seq_len
     if dataset is not None:
         lengths = [min(n, cut) if cut else n for n in dataset.lengths()]
     else:
-        lengths = [cfg.synthetic_seq_len]
+        lengths = [cfg.data.synthetic_seq_len]
     longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
-    if longest is None or lengths[longest] <= cfg.max_tokens:
+    if longest is None or lengths[longest] <= cfg.data.max_tokens:
         return []
     row = f"sequence {longest + 1} of the data" if dataset is not None else "every synthetic row"
     return [
@@ -368,7 +377,7 @@ def _budget_problems(cfg: RunConfig, dataset: TokenDataset | None) -> list[Diagn
             rule="data",
             loc=SourceLoc(path=dataset.path if dataset is not None else "--max-tokens"),
             message=f"{row} has {lengths[longest]} tokens" + (f" (after --seq-len {cut})" if cut else "") + ", "
-            f"more than max_tokens={cfg.max_tokens}: a row is never split across microbatches",
+            f"more than max_tokens={cfg.data.max_tokens}: a row is never split across microbatches",
             fix=f"pass --max-tokens {lengths[longest]} or more, or a smaller --seq-len",
         )
     ]
@@ -392,76 +401,85 @@ def preflight(
     if problems:  # the checks below open the named files and folders: not those of a refused run
         return Preflight(problems=problems)
     dataset = None
-    folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
+    folder = Path(cfg.model.name) if cfg.model.name and Path(cfg.model.name).is_dir() else None
     longest = max_positions(config)
     # --seq-len means one thing with and without --data: a row's length (synthetic rows are that
     # long, data rows are cut to it); beyond the model's positions either way is refused here
-    if cfg.mode == "train" and cfg.seq_len is not None and longest is not None and cfg.seq_len > longest:
+    if (
+        cfg.training.mode == "train"
+        and cfg.data.seq_len is not None
+        and longest is not None
+        and cfg.data.seq_len > longest
+    ):
         problems.append(
             Diagnostic(
                 rule="usage",
                 loc=SourceLoc(path="--seq-len"),
-                message=f"--seq-len {cfg.seq_len} is beyond the model's max_position_embeddings ({longest})",
+                message=f"--seq-len {cfg.data.seq_len} is beyond the model's max_position_embeddings ({longest})",
                 fix=f"pass --seq-len of at most {longest}",
             )
         )
     if folder is not None:
         problems += check_folder(folder, model)
-    if cfg.out:
-        problems += _output_problems(Path(cfg.out))
-    if cfg.metrics:
-        problems += _output_problems(Path(cfg.metrics), "--metrics")
-    if cfg.tensorboard and Path(cfg.tensorboard).exists() and not Path(cfg.tensorboard).is_dir():
+    if cfg.logprobs.out:
+        problems += _output_problems(Path(cfg.logprobs.out))
+    if cfg.logging.metrics:
+        problems += _output_problems(Path(cfg.logging.metrics), "--metrics")
+    if (
+        cfg.logging.tensorboard
+        and Path(cfg.logging.tensorboard).exists()
+        and not Path(cfg.logging.tensorboard).is_dir()
+    ):
         problems.append(
             Diagnostic(
                 rule="output",
-                loc=SourceLoc(path=cfg.tensorboard),
+                loc=SourceLoc(path=cfg.logging.tensorboard),
                 message="--tensorboard names a file: TensorBoard writes its event files into a folder",
                 fix="pass --tensorboard a folder (it is created if missing)",
             )
         )
     # one tokenizer for the training and the held-out rows: loaded once, when a line needs it
-    fields, tokenizer = DataFields.of(cfg.data_fields), Tokenizer(str(folder) if folder is not None else None)
-    if cfg.data:
+    fields, tokenizer = DataFields.of(cfg.data.data_fields), Tokenizer(str(folder) if folder is not None else None)
+    if cfg.data.path:
         try:
             dataset = read_jsonl(
-                cfg.data,
+                cfg.data.path,
                 fields=fields,
                 tokenizer=tokenizer,
                 vocab_size=config.vocab_size,
-                min_tokens=2 if cfg.mode == "train" else 1,
+                min_tokens=2 if cfg.training.mode == "train" else 1,
                 # a row longer than the model takes is refused, by apply as by logprobs, unless
                 # --seq-len cuts it (to no more than the model takes: checked above)
-                max_tokens=longest if cfg.mode == "logprobs" or cfg.seq_len is None else None,
+                max_tokens=longest if cfg.training.mode == "logprobs" or cfg.data.seq_len is None else None,
                 row_length=cfg.row_length,
             )
         except PlanError as exc:
             problems += exc.diagnostics
     eval_rows = None
-    if cfg.eval_data or (cfg.eval_split and cfg.data):
+    if cfg.eval.eval_data or (cfg.eval.eval_split and cfg.data.path):
         try:
             eval_rows = read_jsonl(
-                cfg.eval_data or cfg.data or "",
+                cfg.eval.eval_data or cfg.data.path or "",
                 fields=fields,
                 tokenizer=tokenizer,
                 vocab_size=config.vocab_size,
                 min_tokens=2,
-                max_tokens=longest if cfg.seq_len is None else None,
+                max_tokens=longest if cfg.data.seq_len is None else None,
                 row_length=cfg.row_length,
-                split=cfg.eval_split,
+                split=cfg.eval.eval_split,
             )
         except PlanError as exc:
             problems += exc.diagnostics
     problems += _budget_problems(cfg, dataset)
-    if cfg.resume:
-        problems += _resume_problems(cfg.resume, model, config, lora)
-    if cfg.save:
+    if cfg.checkpoint.resume:
+        problems += _resume_problems(cfg.checkpoint.resume, model, config, lora)
+    if cfg.checkpoint.save:
         try:
-            checkpoint.check_save_folder(cfg.save)
+            checkpoint.check_save_folder(cfg.checkpoint.save)
         except PlanError as exc:
             problems += exc.diagnostics
-    if cfg.export_hf:
-        problems += check_export_target(cfg.export_hf, folder)
+    if cfg.checkpoint.export_hf:
+        problems += check_export_target(cfg.checkpoint.export_hf, folder)
     if not problems:  # the run's lower bound of memory against the machine's
         problems += memory_problems(
             cfg,
@@ -470,7 +488,7 @@ def preflight(
             local_ranks=local_ranks,
             longest=dataset.longest if dataset else None,
             from_folder=folder is not None and has_weights(folder),
-            device=cfg.device or default_device_type(),
+            device=cfg.training.device or default_device_type(),
         )
     return Preflight(problems=problems, dataset=dataset, eval_rows=eval_rows)
 
@@ -481,7 +499,7 @@ def notices(cfg: RunConfig, dataset: TokenDataset | None = None) -> list[Diagnos
     unused = unused_fields_warning(dataset) if dataset is not None else None
     if unused is not None:
         found.append(unused)
-    folder = Path(cfg.model) if cfg.model and Path(cfg.model).is_dir() else None
+    folder = Path(cfg.model.name) if cfg.model.name and Path(cfg.model.name).is_dir() else None
     if folder is not None and not has_weights(folder) and not other_weight_files(folder):
         found.append(
             Diagnostic(
@@ -489,27 +507,27 @@ def notices(cfg: RunConfig, dataset: TokenDataset | None = None) -> list[Diagnos
                 loc=SourceLoc(path=str(folder)),
                 severity=Severity.WARNING,
                 message="the folder holds a config but no weights: the model starts from random "
-                f"init (seed {cfg.seed})",
+                f"init (seed {cfg.training.seed})",
                 fix="add model.safetensors to the folder to start from its weights",
             )
         )
-    preset = cfg.model is None or cfg.model in presets()
-    if preset and not cfg.verify:  # a run on weights nobody trained: said, not only in a banner
-        named = f"preset {cfg.model!r}" if cfg.model else "the plan's default preset (no --model)"
+    preset = cfg.model.name is None or cfg.model.name in presets()
+    if preset and not cfg.training.verify:  # a run on weights nobody trained: said, not only in a banner
+        named = f"preset {cfg.model.name!r}" if cfg.model.name else "the plan's default preset (no --model)"
         found.append(
             Diagnostic(
                 rule="random-init",
-                loc=SourceLoc(path=cfg.model or cfg.plan),
+                loc=SourceLoc(path=cfg.model.name or cfg.model.plan),
                 severity=Severity.WARNING,
-                message=f"{named} is a config without weights: the model has random weights (seed {cfg.seed})",
+                message=f"{named} is a config without weights: the model has random weights (seed {cfg.training.seed})",
                 fix="pass --model a Hugging Face folder with safetensors to train or evaluate real weights",
             )
         )
-    if cfg.mode == "train" and not cfg.data and not cfg.verify:
+    if cfg.training.mode == "train" and not cfg.data.path and not cfg.training.verify:
         found.append(
             Diagnostic(
                 rule="synthetic-data",
-                loc=SourceLoc(path=cfg.plan),
+                loc=SourceLoc(path=cfg.model.plan),
                 severity=Severity.WARNING,
                 message="no --data: training on synthetic token sequences",
                 fix="pass --data: JSONL, parquet, arrow or a saved dataset of input_ids, text, messages or "

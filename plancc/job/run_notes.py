@@ -40,15 +40,16 @@ def eta_of(elapsed: float, done: int, left: int) -> str:
 def data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
     """What each step trains on: its rows, their length, what the loss counts."""
     if dataset is None:
-        return f"data: synthetic, {cfg.batch_size} rows of {cfg.synthetic_seq_len} tokens a step"
+        return f"data: synthetic, {cfg.data.batch_size} rows of {cfg.data.synthetic_seq_len} tokens a step"
     if cfg.row_length is not None:
         documents = dataset.documents or len(dataset.sequences)
-        length = f"{documents} documents as {len(dataset.sequences)} rows of at most --seq-len {cfg.seq_len} tokens" + (
-            " (a longer document cut into rows, every token kept)" if dataset.documents else ""
+        length = (
+            f"{documents} documents as {len(dataset.sequences)} rows of at most --seq-len {cfg.data.seq_len} tokens"
+            + (" (a longer document cut into rows, every token kept)" if dataset.documents else "")
         )
-    elif cfg.seq_len is not None:
-        longer = truncated(dataset, cfg.seq_len)
-        length = f"rows cut to --seq-len {cfg.seq_len} ({longer} of {len(dataset.sequences)} longer)"
+    elif cfg.data.seq_len is not None:
+        longer = truncated(dataset, cfg.data.seq_len)
+        length = f"rows cut to --seq-len {cfg.data.seq_len} ({longer} of {len(dataset.sequences)} longer)"
     else:
         length = f"rows as they are (the longest {dataset.longest} tokens; --seq-len cuts them)"
     counted = (
@@ -58,34 +59,46 @@ def data_note(cfg: RunConfig, dataset: TokenDataset | None) -> str:
     )
     split = split_note(dataset.path)
     return (
-        f"data: {dataset.path}{split}, {cfg.batch_size} rows a step, {length}; the loss counts {counted}; "
+        f"data: {dataset.path}{split}, {cfg.data.batch_size} rows a step, {length}; the loss counts {counted}; "
         f"{order_note(cfg, len(dataset.sequences))}"
     )
 
 
 def order_note(cfg: RunConfig, rows: int) -> str:
     """The rows' order and the run's length in epochs (``job.data_order``)."""
-    order = f"shuffled by --seed {cfg.seed}, anew each epoch" if cfg.shuffle else "in file order (--no-shuffle)"
-    per_epoch = rows / cfg.batch_size
-    length = f"--epochs {cfg.epochs:g}" if cfg.epochs is not None else f"{cfg.steps * cfg.batch_size / rows:.3g} epochs"
-    return f"{order}; an epoch is {rows} rows ({per_epoch:.3g} steps), {cfg.steps} steps are {length}"
+    order = (
+        f"shuffled by --seed {cfg.training.seed}, anew each epoch"
+        if cfg.data.shuffle
+        else "in file order (--no-shuffle)"
+    )
+    per_epoch = rows / cfg.data.batch_size
+    length = (
+        f"--epochs {cfg.data.epochs:g}"
+        if cfg.data.epochs is not None
+        else f"{cfg.training.steps * cfg.data.batch_size / rows:.3g} epochs"
+    )
+    return f"{order}; an epoch is {rows} rows ({per_epoch:.3g} steps), {cfg.training.steps} steps are {length}"
 
 
 def optimizer_note(cfg: RunConfig, policy: Policy) -> str:
     """The learning rate's course and what weight decay reaches (``engine.param_groups``)."""
     course = describe(
-        cast(LrSchedule, cfg.lr_schedule),
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        warmup=cfg.warmup_steps,
-        total=cfg.schedule_steps or cfg.steps,
+        cast(LrSchedule, cfg.optimizer.lr_schedule),
+        lr=cfg.optimizer.lr,
+        min_lr=cfg.optimizer.min_lr,
+        warmup=cfg.optimizer.warmup_steps,
+        total=cfg.optimizer.schedule_steps or cfg.training.steps,
     )
-    clip = f"gradients clipped to norm {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
-    if not cfg.weight_decay:
+    clip = (
+        f"gradients clipped to norm {cfg.optimizer.max_grad_norm:g}"
+        if cfg.optimizer.max_grad_norm
+        else "no gradient clipping"
+    )
+    if not cfg.optimizer.weight_decay:
         return f"optimizer: AdamW, {course}; no weight decay; {clip}"
     split = decay_split(policy.model)
     return (
-        f"optimizer: AdamW, {course}; weight decay {cfg.weight_decay:g} on {split.decayed} matrices, "
+        f"optimizer: AdamW, {course}; weight decay {cfg.optimizer.weight_decay:g} on {split.decayed} matrices, "
         f"none on {split.excluded} norm, bias and embedding tensors; {clip}"
     )
 
@@ -93,7 +106,7 @@ def optimizer_note(cfg: RunConfig, policy: Policy) -> str:
 def memory_note(cfg: RunConfig, job: Job, policy: Policy) -> str:
     """What decides the run's memory beside the layout: the compute dtype, checkpointing and
     FSDP's resharding (the settings ``plancc suggest`` costs a layout with)."""
-    compute = f"{PARAM_DTYPES[cfg.param_dtype]} over fp32 masters" if cfg.param_dtype else "fp32"
+    compute = f"{PARAM_DTYPES[cfg.model.param_dtype]} over fp32 masters" if cfg.model.param_dtype else "fp32"
     checkpointed = checkpointed_count(policy.model)
     reshard = "on" if job.plan.fsdp_reshard_after_forward else "off (weights kept gathered from forward to backward)"
     offload = ""

@@ -21,12 +21,12 @@ def tracked_settings(cfg: RunConfig, job: Job) -> dict[str, Any]:
         "plan": job.plan.name,
         "model": job.model_name,
         "layout": job.layout.describe(),
-        "batch_size": cfg.batch_size,
-        "seq_len": cfg.seq_len,
-        "micro_batch_size": cfg.micro_batch_size,
-        "param_dtype": cfg.param_dtype,
-        "seed": cfg.seed,
-        "data": cfg.data,
+        "batch_size": cfg.data.batch_size,
+        "seq_len": cfg.data.seq_len,
+        "micro_batch_size": cfg.data.micro_batch_size,
+        "param_dtype": cfg.model.param_dtype,
+        "seed": cfg.training.seed,
+        "data": cfg.data.path,
         **run_settings(cfg),
     }
 
@@ -35,14 +35,14 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
     """What of a run fixes its learning rate at every step: kept in each checkpoint, so that a
     resume with other settings says so (``schedule_changes``)."""
     return {
-        "steps": cfg.steps,
-        "warmup_steps": cfg.warmup_steps,
-        "schedule_steps": cfg.schedule_steps or cfg.steps,
-        "lr": cfg.lr,
-        "lr_schedule": cfg.lr_schedule,
-        "min_lr": cfg.min_lr,
-        "weight_decay": cfg.weight_decay,
-        "max_grad_norm": cfg.max_grad_norm,
+        "steps": cfg.training.steps,
+        "warmup_steps": cfg.optimizer.warmup_steps,
+        "schedule_steps": cfg.optimizer.schedule_steps or cfg.training.steps,
+        "lr": cfg.optimizer.lr,
+        "lr_schedule": cfg.optimizer.lr_schedule,
+        "min_lr": cfg.optimizer.min_lr,
+        "weight_decay": cfg.optimizer.weight_decay,
+        "max_grad_norm": cfg.optimizer.max_grad_norm,
     }
 
 
@@ -68,8 +68,13 @@ def schedule_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:
 def batch_shape(cfg: RunConfig) -> dict[str, Any]:
     """Which rows a step takes besides the data itself: the global batch's rows and how long they
     are cut (a resume with another --batch-size or --seq-len trains on other batches)."""
-    seq_len = cfg.seq_len if cfg.data else cfg.synthetic_seq_len
-    return {"batch_size": cfg.batch_size, "seq_len": seq_len, "seed": cfg.seed, "shuffle": cfg.shuffle}
+    seq_len = cfg.data.seq_len if cfg.data.path else cfg.data.synthetic_seq_len
+    return {
+        "batch_size": cfg.data.batch_size,
+        "seq_len": seq_len,
+        "seed": cfg.training.seed,
+        "shuffle": cfg.data.shuffle,
+    }
 
 
 def shape_changes(saved: dict[str, Any], now: dict[str, Any]) -> str:

@@ -35,16 +35,24 @@ def global_batches(
     for step in range(start, start + count):
         if dataset is None:
             ids = synthetic_batch(
-                step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.synthetic_seq_len, vocab_size=vocab_size
+                step,
+                seed=cfg.training.seed,
+                batch_size=cfg.data.batch_size,
+                seq_len=cfg.data.synthetic_seq_len,
+                vocab_size=vocab_size,
             )
             yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         else:
-            yield dataset_batch(dataset, step, batch_size=cfg.batch_size, seq_len=cfg.seq_len, order=order)
+            yield dataset_batch(dataset, step, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len, order=order)
 
 
 def row_order(cfg: RunConfig, dataset: TokenDataset | None) -> RowOrder | None:
     """The order the run reads ``--data``'s rows in (None: synthetic rows)."""
-    return RowOrder(rows=len(dataset.sequences), seed=cfg.seed, shuffle=cfg.shuffle) if dataset is not None else None
+    return (
+        RowOrder(rows=len(dataset.sequences), seed=cfg.training.seed, shuffle=cfg.data.shuffle)
+        if dataset is not None
+        else None
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,10 +75,10 @@ class Job:
 def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None, TokenDataset | None]:
     """The plan, data and eval rows as the launcher read and checked them (its copies), shown
     by the user's paths; without a launcher (a runner started by hand), the paths themselves."""
-    if cfg.inputs is None:
-        return load_plan(cfg.plan), None, None
-    folder = Path(cfg.inputs)
-    plan = parse_plan(folder.joinpath(PLAN_COPY).read_text(encoding="utf-8"), path=cfg.plan)
+    if cfg.training.inputs is None:
+        return load_plan(cfg.model.plan), None, None
+    folder = Path(cfg.training.inputs)
+    plan = parse_plan(folder.joinpath(PLAN_COPY).read_text(encoding="utf-8"), path=cfg.model.plan)
     data, held_out = folder / DATA_COPY, folder / EVAL_COPY
     return (
         plan,
@@ -80,8 +88,8 @@ def _inputs(cfg: RunConfig) -> tuple[Plan, TokenDataset | None, TokenDataset | N
 
 
 def setup_job(cfg: RunConfig) -> Job:
-    device = cfg.device or default_device_type()
-    init_process_group(device, cfg.timeout_s)  # the one init (Policy finds it made)
+    device = cfg.training.device or default_device_type()
+    init_process_group(device, cfg.training.timeout_s)  # the one init (Policy finds it made)
     layout = cfg.layout
     if layout.world_size != dist.get_world_size():  # an elastic job (--nnodes MIN:MAX) got another size
         layout = Layout.infer(
@@ -95,29 +103,32 @@ def setup_job(cfg: RunConfig) -> Job:
         )
     mesh = build_mesh(layout, device_type=device)
     plan, dataset, eval_rows = _inputs(cfg)
-    model_name = cfg.model or default_preset(plan.architectures, tiny=True)
+    model_name = cfg.model.name or default_preset(plan.architectures, tiny=True)
     assert model_name is not None, "the CLI resolves the model before launching"
     config = load_config(model_name)
     # one tokenizer for the training and the held-out rows: loaded once, when a line needs it
-    fields, tokenizer = DataFields.of(cfg.data_fields), Tokenizer(model_name if Path(model_name).is_dir() else None)
-    if cfg.data and dataset is None:  # a runner started by hand: validate the whole file before any step
+    fields, tokenizer = (
+        DataFields.of(cfg.data.data_fields),
+        Tokenizer(model_name if Path(model_name).is_dir() else None),
+    )
+    if cfg.data.path and dataset is None:  # a runner started by hand: validate the whole file before any step
         dataset = read_jsonl(
-            cfg.data,
+            cfg.data.path,
             vocab_size=config.vocab_size,
-            min_tokens=2 if cfg.mode == "train" else 1,
+            min_tokens=2 if cfg.training.mode == "train" else 1,
             fields=fields,
             tokenizer=tokenizer,
             row_length=cfg.row_length,
         )
-    if (cfg.eval_data or cfg.eval_split) and eval_rows is None:  # likewise
+    if (cfg.eval.eval_data or cfg.eval.eval_split) and eval_rows is None:  # likewise
         eval_rows = read_jsonl(
-            cfg.eval_data or cfg.data or "",
+            cfg.eval.eval_data or cfg.data.path or "",
             vocab_size=config.vocab_size,
             min_tokens=2,
             fields=fields,
             tokenizer=tokenizer,
             row_length=cfg.row_length,
-            split=cfg.eval_split,
+            split=cfg.eval.eval_split,
         )
     return Job(
         device=device,
@@ -136,10 +147,10 @@ def lr_scheduler_of(cfg: RunConfig) -> Callable[[torch.optim.Optimizer], Any]:
     position on --resume, so a resumed run's rate at every step is the uninterrupted run's."""
     schedule = partial(
         lr_factor,
-        schedule=cast(LrSchedule, cfg.lr_schedule),
-        warmup=cfg.warmup_steps,
-        total=cfg.schedule_steps or cfg.steps,
-        min_ratio=min_ratio_of(cfg.lr, cfg.min_lr),
+        schedule=cast(LrSchedule, cfg.optimizer.lr_schedule),
+        warmup=cfg.optimizer.warmup_steps,
+        total=cfg.optimizer.schedule_steps or cfg.training.steps,
+        min_ratio=min_ratio_of(cfg.optimizer.lr, cfg.optimizer.min_lr),
     )
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
@@ -148,15 +159,15 @@ def job_policy(cfg: RunConfig, job: Job) -> Policy:
     """The engine every mode of a run drives."""
     return Policy(
         job.plan,
-        cfg.model or job.model_name,
+        cfg.model.name or job.model_name,
         layout=job.mesh,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
-        lr_scheduler=lr_scheduler_of(cfg) if cfg.mode == "train" else None,
-        max_grad_norm=cfg.max_grad_norm,
-        weight_decay=cfg.weight_decay,
-        param_dtype=getattr(torch, PARAM_DTYPES[cfg.param_dtype]) if cfg.param_dtype else None,
-        cpu_offload=cfg.cpu_offload,
-        lora=cfg.lora,
-        seed=cfg.seed,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.optimizer.lr),
+        lr_scheduler=lr_scheduler_of(cfg) if cfg.training.mode == "train" else None,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        weight_decay=cfg.optimizer.weight_decay,
+        param_dtype=getattr(torch, PARAM_DTYPES[cfg.model.param_dtype]) if cfg.model.param_dtype else None,
+        cpu_offload=cfg.training.cpu_offload,
+        lora=cfg.model.lora,
+        seed=cfg.training.seed,
         device=job.device,
     )

@@ -99,8 +99,8 @@ class _Trainer:
         (``Policy.load``); the base learning rate is this run's --lr. --steps is the run's total
         (as torchtitan's ``training.steps`` and HF Trainer's ``max_steps``): the same command
         plus --resume ends where the uninterrupted run ends, on the same schedule."""
-        if self.cfg.resume:
-            info = self.policy.load(self.cfg.resume)
+        if self.cfg.checkpoint.resume:
+            info = self.policy.load(self.cfg.checkpoint.resume)
             self.start = self.done = info.step
             experts = f" ep={info.ep}" if info.ep > 1 else ""
             stages = f"pp={info.pp} " if info.pp > 1 else ""
@@ -124,7 +124,7 @@ class _Trainer:
 
     @property
     def total(self) -> int:
-        return self.cfg.steps
+        return self.cfg.training.steps
 
     @property
     def remaining(self) -> int:
@@ -144,9 +144,9 @@ class _Trainer:
             row = self.policy.train(
                 batch,
                 token_loss=loss_fn,  # the NLL is a sum of per-token terms: the 3-matmul lm_head
-                micro_batch_size=cfg.micro_batch_size,
-                max_tokens=cfg.max_tokens,
-                pack=cfg.pack,
+                micro_batch_size=cfg.data.micro_batch_size,
+                max_tokens=cfg.data.max_tokens,
+                pack=cfg.data.pack,
             )
         except NonFiniteError as exc:  # divergence, the same verdict on every rank (not a BatchError)
             raise _non_finite(step + 1, exc, cfg) from None
@@ -165,14 +165,18 @@ class _Trainer:
         device, history = self.job.device, []
         progress = RunProgress(self.remaining)
         trackers = Trackers(
-            self.cfg.loggers,
+            self.cfg.logging.loggers,
             rank0=dist.get_rank() == 0,
             run_name=f"{self.job.plan.name}-{self.job.model_name}-{self.job.layout.describe().replace(' ', '-')}",
             settings=tracked_settings(self.cfg, self.job),
-            save=self.cfg.save,
+            save=self.cfg.checkpoint.save,
         )
         metrics = MetricsFile(
-            self.cfg.metrics, start=self.start, device=device, tensorboard=self.cfg.tensorboard, trackers=trackers
+            self.cfg.logging.metrics,
+            start=self.start,
+            device=device,
+            tensorboard=self.cfg.logging.tensorboard,
+            trackers=trackers,
         )
         batches = global_batches(self.cfg, self.job.dataset, self.job.config.vocab_size, self.start, self.remaining)
         started = time.perf_counter()
@@ -187,7 +191,7 @@ class _Trainer:
                 row.update(self.evaluated())
                 history.append(row)
                 metrics.write(row)
-                shown = len(history) == 1 or self.done % self.cfg.log_every == 0 or self.done == self.total
+                shown = len(history) == 1 or self.done % self.cfg.logging.log_every == 0 or self.done == self.total
                 if shown:  # --log-every N: every N-th step's line (the first and the last always)
                     eta = eta_of(time.perf_counter() - started, len(history), self.total - self.done)
                     progress.step(
@@ -200,7 +204,7 @@ class _Trainer:
                 if "eval_loss" in row:
                     tokens = f"{row['eval_tokens']:,.0f}"
                     log(f"eval {self.done:>4}/{self.total}  loss {row['eval_loss']:.6f}  over {tokens} tokens")
-                every = self.cfg.save_every
+                every = self.cfg.checkpoint.save_every
                 if every and self.done % every == 0 and self.done < self.total:
                     self.save_checkpoint()
         finally:
@@ -210,23 +214,23 @@ class _Trainer:
 
     def evaluated(self) -> dict[str, float]:
         """The eval loss after this step, when it is an --eval-every step or the last (else {})."""
-        every, rows = self.cfg.eval_every, self.job.eval_rows
+        every, rows = self.cfg.eval.eval_every, self.job.eval_rows
         due = self.done == self.total or (every is not None and self.done % every == 0)
         if rows is None or not due:
             return {}
-        return evaluate(self.policy, rows, batch_size=self.cfg.batch_size, seq_len=self.cfg.seq_len)
+        return evaluate(self.policy, rows, batch_size=self.cfg.data.batch_size, seq_len=self.cfg.data.seq_len)
 
     def save_checkpoint(self) -> None:
         """A checkpoint of the steps done so far into --save (``Policy.save``: atomic, the
         schedule included), then the oldest beyond --keep removed. Collective."""
-        if not self.cfg.save or self.last_checkpoint == self.done:
+        if not self.cfg.checkpoint.save or self.last_checkpoint == self.done:
             return
-        files = {RUN_FILE: self.cfg.run_file} if self.cfg.run_file else None
+        files = {RUN_FILE: self.cfg.checkpoint.run_file} if self.cfg.checkpoint.run_file else None
         run = {**run_settings(self.cfg), **self.data, **batch_shape(self.cfg)}
-        path = self.policy.save(self.cfg.save, run=run, files=files)
+        path = self.policy.save(self.cfg.checkpoint.save, run=run, files=files)
         first = self.last_checkpoint < 0
         self.last_checkpoint = self.done
-        keep, folder = self.cfg.kept_checkpoints, self.cfg.save
+        keep, folder = self.cfg.checkpoint.kept_checkpoints, self.cfg.checkpoint.save
         if first:  # what stays, said once: a folder filling a disk is no surprise
             log(
                 f"checkpoints: the newest {keep} in {folder} stay (--keep N; --keep 0 keeps every one)"
@@ -251,11 +255,11 @@ class _Trainer:
 
     def save(self) -> None:
         self.save_checkpoint()
-        if self.cfg.export_hf:
-            adapters = self.cfg.export_adapters
-            self.policy.export_hf(self.cfg.export_hf, adapters_only=adapters)
+        if self.cfg.checkpoint.export_hf:
+            adapters = self.cfg.checkpoint.export_adapters
+            self.policy.export_hf(self.cfg.checkpoint.export_hf, adapters_only=adapters)
             what = "the LoRA adapters (a PEFT folder)" if adapters else "Hugging Face weights"
-            log(f"exported {what} to {self.cfg.export_hf}")
+            log(f"exported {what} to {self.cfg.checkpoint.export_hf}")
 
 
 def _data_problem(cfg: RunConfig, message: str) -> PlanError:
@@ -264,7 +268,7 @@ def _data_problem(cfg: RunConfig, message: str) -> PlanError:
         [
             Diagnostic(
                 rule="data",
-                loc=SourceLoc(path=cfg.data or cfg.plan),
+                loc=SourceLoc(path=cfg.data.path or cfg.model.plan),
                 message=message,
                 fix="check --data, --micro-batch-size and --max-tokens",
             )
@@ -279,12 +283,14 @@ def _non_finite(step: int, exc: NonFiniteError, cfg: RunConfig) -> PlanError:
     """The problem of a step whose loss or gradient norm is not finite, naming the first
     parameter (in model order, over all ranks) whose gradient holds a NaN or inf."""
     where = f"; first non-finite gradient: {exc.parameter}" if exc.parameter else ""
-    kept = "the optimizer did not step; " + ("no checkpoint was written by this run" if cfg.save else "nothing saved")
+    kept = "the optimizer did not step; " + (
+        "no checkpoint was written by this run" if cfg.checkpoint.save else "nothing saved"
+    )
     return PlanError(
         [
             Diagnostic(
                 rule="non-finite",
-                loc=SourceLoc(path=cfg.plan),
+                loc=SourceLoc(path=cfg.model.plan),
                 message=f"step {step}: loss {exc.loss:.6g}, gradient norm {exc.grad_norm:.6g}{where}; {kept}",
                 fix="check the model config (eps, scales) and the data; lower --lr; resume from the last checkpoint",
             )
@@ -294,13 +300,13 @@ def _non_finite(step: int, exc: NonFiniteError, cfg: RunConfig) -> PlanError:
 
 def _lock_save_folder(cfg: RunConfig) -> checkpoint.FolderLock | None:
     """Rank 0 holds the --save folder's lock for the whole run; every rank learns the verdict."""
-    if not cfg.save:
+    if not cfg.checkpoint.save:
         return None
     lock = None
     problem: list[list[Diagnostic] | None] = [None]
     if dist.get_rank() == 0:
         try:
-            lock = checkpoint.FolderLock(cfg.save).acquire()
+            lock = checkpoint.FolderLock(cfg.checkpoint.save).acquire()
         except checkpoint.CheckpointError as exc:
             problem = [exc.diagnostics]
     dist.broadcast_object_list(problem, src=0)
@@ -320,7 +326,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     log(memory_note(cfg, job, policy))
     log(optimizer_note(cfg, policy))
     if job.eval_rows is not None:
-        every = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
+        every = f"every {cfg.eval.eval_every} steps and " if cfg.eval.eval_every else ""
         rows = job.eval_rows
         log(f"eval: {rows.path}, {len(rows.sequences)} rows, {every}at the end (the loss counts as training's does)")
     warnings = _weight_warnings(policy.model, cfg, job)
@@ -328,7 +334,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     lock = _lock_save_folder(cfg)
     trainer.resume()
     t_start = time.perf_counter()
-    with diagnosed("training", fallback=SourceLoc(path=cfg.plan)):
+    with diagnosed("training", fallback=SourceLoc(path=cfg.model.plan)):
         history = trainer.run()
     elapsed = time.perf_counter() - t_start
     if not trainer.interrupted:  # a stop request ends the run now: the periodic checkpoints stand
@@ -348,7 +354,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             "signal": signal.Signals(trainer.interrupted).name,
             "step": trainer.done,
             # this run's newest checkpoint, or an earlier run's in the same folder
-            "last_checkpoint": str(path) if (path := checkpoint.newest(cfg.save)) else None,
+            "last_checkpoint": str(path) if (path := checkpoint.newest(cfg.checkpoint.save)) else None,
         }
         return summary
     steps = f"{len(history)} step{'' if len(history) == 1 else 's'}"
@@ -364,32 +370,36 @@ def run_verify(cfg: RunConfig) -> dict[str, Any]:
     job = setup_job(cfg)
     # a resumed run's next batches are those after its checkpoint's step: the step found once, and
     # handed on (a newer checkpoint appearing meanwhile must not be the one verify loads)
-    step_dir = checkpoint.agreed_find(cfg.resume) if cfg.resume else None
+    step_dir = checkpoint.agreed_find(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
     start = checkpoint.read_info(step_dir).step if step_dir is not None else 0
-    batches = list(global_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.steps + 1))
-    with diagnosed("verify", fallback=SourceLoc(path=cfg.plan)):
+    batches = list(global_batches(cfg, job.dataset, job.config.vocab_size, start, cfg.training.steps + 1))
+    with diagnosed("verify", fallback=SourceLoc(path=cfg.model.plan)):
         report = verify_against_unsharded(
             job.plan,
             job.model_name,
             job.mesh,
-            steps=cfg.steps,
-            seed=cfg.seed,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=cfg.max_grad_norm,
+            steps=cfg.training.steps,
+            seed=cfg.training.seed,
+            lr=cfg.optimizer.lr,
+            weight_decay=cfg.optimizer.weight_decay,
+            max_grad_norm=cfg.optimizer.max_grad_norm,
             batches=batches,
             device=job.device,
-            micro_batch_size=cfg.micro_batch_size,
-            max_tokens=cfg.max_tokens,
-            pack=cfg.pack,
-            weights=cfg.model if from_folder(cfg.model) else None,
+            micro_batch_size=cfg.data.micro_batch_size,
+            max_tokens=cfg.data.max_tokens,
+            pack=cfg.data.pack,
+            weights=cfg.model.name if from_folder(cfg.model.name) else None,
             resume=str(step_dir) if step_dir is not None else None,
         )
     flags = torch.tensor([int(within_tolerance(report))], device=job.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     ok = bool(flags.item())
     log(f"verify {job.plan.name} on {job.model_name} ({job.layout.describe()}) against the unsharded model:")
-    cutting = [("--micro-batch-size", cfg.micro_batch_size), ("--max-tokens", cfg.max_tokens), ("--pack", cfg.pack)]
+    cutting = [
+        ("--micro-batch-size", cfg.data.micro_batch_size),
+        ("--max-tokens", cfg.data.max_tokens),
+        ("--pack", cfg.data.pack),
+    ]
     cuts = [flag if value is True else f"{flag} {value}" for flag, value in cutting if value]
     if job.layout.pp > 1:
         cuts.append("through the pipeline's stages, rows of one length a schedule step")
@@ -457,8 +467,8 @@ def _logprobs_of(cfg: RunConfig, job: Job, policy: Policy, reference: nn.Module 
     up to a multiple of dp with copies of its first row, whose results are dropped."""
     sequences = job.dataset.sequences if job.dataset else ()
     dp, results, worst = policy.dp_size, {}, 0.0
-    for lo in range(0, len(sequences), cfg.batch_size * dp):
-        rows = list(range(lo, min(lo + cfg.batch_size * dp, len(sequences))))
+    for lo in range(0, len(sequences), cfg.data.batch_size * dp):
+        rows = list(range(lo, min(lo + cfg.data.batch_size * dp, len(sequences))))
         filled = rows + rows[:1] * (-len(rows) % dp)
         part = policy.slice_of(len(filled))
         mine, real = filled[part], [i < len(rows) for i in range(len(filled))][part]
@@ -466,7 +476,7 @@ def _logprobs_of(cfg: RunConfig, job: Job, policy: Policy, reference: nn.Module 
         ids, mask = (t.to(job.device) for t in padded_rows(seqs))
         lp, ent = _evaluated(policy, cfg, {"input_ids": ids, "attention_mask": mask})
         if reference is not None:
-            worst = max(worst, logprobs_difference(reference, ids, mask, lp, temperature=cfg.temperature))
+            worst = max(worst, logprobs_difference(reference, ids, mask, lp, temperature=cfg.logprobs.temperature))
         for r, (i, kept) in enumerate(zip(mine, real, strict=True)):
             if not kept:  # a filler row: computed so every dp rank runs the same passes, not kept
                 continue
@@ -480,9 +490,13 @@ def _evaluated(
     policy: Policy, cfg: RunConfig, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``Policy.logprobs`` of one batch as --batch-size, --pack, --temperature, --entropy say."""
-    options: dict[str, Any] = {"micro_batch_size": cfg.batch_size, "pack": cfg.pack, "temperature": cfg.temperature}
+    options: dict[str, Any] = {
+        "micro_batch_size": cfg.data.batch_size,
+        "pack": cfg.data.pack,
+        "temperature": cfg.logprobs.temperature,
+    }
     try:
-        if cfg.entropy:
+        if cfg.logprobs.entropy:
             lp, ent = policy.logprobs(batch, entropy=True, **options)
             return lp, ent
         return policy.logprobs(batch, **options), None  # type: ignore[return-value]
@@ -493,7 +507,7 @@ def _evaluated(
 def _weight_warnings(model: nn.Module, cfg: RunConfig, job: Job) -> list[dict[str, Any]]:
     """What the loaded weights warn of (rank 0 says it on stderr now; the result carries it to
     ``--format json``)."""
-    found = non_finite_weight_warning(model, cfg.model, job.device)
+    found = non_finite_weight_warning(model, cfg.model.name, job.device)
     if found is None:
         return []
     if dist.get_rank() == 0:
@@ -502,38 +516,38 @@ def _weight_warnings(model: nn.Module, cfg: RunConfig, job: Job) -> list[dict[st
 
 
 def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
-    """Per-token log-probs of every line of ``cfg.data`` (rank 0 writes ``cfg.out``)."""
+    """Per-token log-probs of every line of ``cfg.data.path`` (rank 0 writes ``cfg.logprobs.out``)."""
     job = setup_job(cfg)
     assert job.dataset is not None, "the CLI requires --data for logprobs"
     sequences, device = job.dataset.sequences, job.device
     policy = job_policy(cfg, job)
     source = policy.weight_source
     # log-probs of NaN weights are NaN lines with exit 0: refused, as save and export refuse them
-    found = non_finite_weight_warning(policy.model, cfg.model, job.device)  # collective: one verdict
+    found = non_finite_weight_warning(policy.model, cfg.model.name, job.device)  # collective: one verdict
     if found is not None:
         refused = f"{found.message}; refused, no log-probs written"
         raise PlanError([dataclasses.replace(found, severity=Severity.ERROR, message=refused)])
     warnings: list[dict[str, Any]] = []
     reference = None
-    if cfg.verify:
-        folder = str(cfg.model) if from_folder(cfg.model) else None
-        reference = unsharded_reference(job.config, seed=cfg.seed, device=device, folder=folder).eval()
-    with diagnosed("log-probs", fallback=SourceLoc(path=cfg.plan)):
+    if cfg.training.verify:
+        folder = str(cfg.model.name) if from_folder(cfg.model.name) else None
+        reference = unsharded_reference(job.config, seed=cfg.training.seed, device=device, folder=folder).eval()
+    with diagnosed("log-probs", fallback=SourceLoc(path=cfg.model.plan)):
         results, worst = _logprobs_of(cfg, job, policy, reference)
     merged, worst = _gather_rows(results, worst, device)
-    if dist.get_rank() == 0 and cfg.out:
-        with open(cfg.out, "w") as f:
+    if dist.get_rank() == 0 and cfg.logprobs.out:
+        with open(cfg.logprobs.out, "w") as f:
             for i in range(len(sequences)):
                 f.write(json.dumps(merged[i]) + "\n")
-    elif dist.get_rank() == 0 and not cfg.json_output:
+    elif dist.get_rank() == 0 and not cfg.logging.json_output:
         for i in range(len(sequences)):  # no --out: JSONL on stdout, for a pipe
             print(json.dumps(merged[i]), flush=True)
     log(
         f"plancc logprobs: {job.plan.name} on {job.model_name} | {job.layout.describe()} | weights: {source} "
-        f"| {len(merged)} sequences" + (f" -> {cfg.out}" if cfg.out else "")
+        f"| {len(merged)} sequences" + (f" -> {cfg.logprobs.out}" if cfg.logprobs.out else "")
     )
     ok = True
-    if cfg.verify:
+    if cfg.training.verify:
         ok = worst <= 1e-5
         log(
             f"verify: max |logprob diff| vs the unsharded model {worst:.3e} (tolerance 1e-05): "
@@ -541,13 +555,13 @@ def run_logprobs(cfg: RunConfig) -> dict[str, Any]:
         )
     result: dict[str, Any] = {
         "ok": ok,
-        "max_abs_diff": worst if cfg.verify else None,
+        "max_abs_diff": worst if cfg.training.verify else None,
         "sequences": len(merged),
         "warnings": warnings,
     }
-    if not cfg.out and cfg.json_output:  # --format json: the log-probs go into the one document
+    if not cfg.logprobs.out and cfg.logging.json_output:  # --format json: the log-probs go into the one document
         result["logprobs"] = [merged[i]["logprobs"] for i in range(len(sequences))]
-        if cfg.entropy:
+        if cfg.logprobs.entropy:
             result["entropy"] = [merged[i]["entropy"] for i in range(len(sequences))]
     return result
 
@@ -561,8 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     reporting.LOG_STREAM[0] = sys.stderr if cfg.log_to_stderr else sys.stdout
     StopRequest.install()
     launcher = LauncherWatch(args.result).start()
-    if cfg.inputs is not None:  # the peak the launcher names if the OOM killer ends this rank
-        PeakRecorder(cfg.inputs, int(os.environ.get("RANK", "0"))).start()
+    if cfg.training.inputs is not None:  # the peak the launcher names if the OOM killer ends this rank
+        PeakRecorder(cfg.training.inputs, int(os.environ.get("RANK", "0"))).start()
 
     @record
     def worker() -> dict[str, Any]:
@@ -570,9 +584,9 @@ def main(argv: list[str] | None = None) -> int:
             # DTensor's shape propagation runs ops on fake tensors, which log a failure with its
             # traceback at ERROR before raising it: the raised error is reported as one diagnostic
             with quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):
-                if cfg.mode == "logprobs":
+                if cfg.training.mode == "logprobs":
                     return run_logprobs(cfg)
-                return run_verify(cfg) if cfg.verify else train(cfg)
+                return run_verify(cfg) if cfg.training.verify else train(cfg)
         except PlanError as exc:  # a diagnosed problem (every rank sees it): reported, not a traceback
             return {"ok": False, "diagnostics": [d.to_json() for d in exc.diagnostics]}
         finally:

@@ -39,13 +39,13 @@ from ..engine.parallel_model import seeded_model
 from ..engine.policy import Policy
 from ..errors import quiet_logger
 from ..models import MASTER_DTYPE, build_model, load_config
-from ..runtime.cp import load_balanced_indices
+from ..runtime.cp_context import load_balanced_indices
+from ..runtime.hf_weights import load_hf_weights
 from ..runtime.local_tensors import full_value_quietly
-from ..runtime.logprobs import token_logprobs
 from ..runtime.materialize import materialize
 from ..runtime.mesh import MeshLike, ParallelMesh, require_parallel_mesh
 from ..runtime.parallelize import parallelize
-from ..runtime.weights import load_hf_weights
+from ..runtime.vocab_parallel_logprobs import token_logprobs
 from .verify_reference import (
     SplitAdamW,
     chunked_backward,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..sequence_mixing import has_dynamic_mask, is_indexer
-from .cp import SELECTS_KEYS, CPContext, all_gather
+from .cp_context import SELECTS_KEYS, CPContext, all_gather
 from .document_attention import sliding_window
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..sequence_mixing import CP_KERNELS, cp_kernels, is_lightning_attention
-from .cp import (
+from .cp_context import (
     CPContext,
     all_gather,
     shard,

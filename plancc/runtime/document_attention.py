@@ -21,7 +21,7 @@ backward (activation checkpointing runs a layer's attention again after the forw
 the model's next forward drops them unless they were set for it.
 
 Under context parallelism the cp attention has the same per-document path
-(``runtime.cp``); ``document_attention`` is for cp = 1. ``PLANCC_DOCUMENT_MASK=dense`` keeps
+(``runtime.cp_context``); ``document_attention`` is for cp = 1. ``PLANCC_DOCUMENT_MASK=dense`` keeps
 transformers' dense mask (the reference).
 """
 

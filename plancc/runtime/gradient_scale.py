@@ -6,7 +6,7 @@ The gradient every rank must end with is ``dL/dθ``. Three things happen between
 ``backward()`` and the gradient FSDP leaves in ``p.grad``:
 
 1. **Context parallelism copies the loss.** The ``cp`` ranks of one dp rank each evaluate their
-   shard of the positions and all-gather the log-probs (``runtime.logprobs``), so each of them
+   shard of the positions and all-gather the log-probs (``runtime.vocab_parallel_logprobs``), so each of them
    computes the whole ``L_d``. The gather's backward is a reduce-scatter: each rank receives the
    *sum* of the ``cp`` identical upstream gradients at its positions. Summed over the cp ranks,
    the parameter gradients are ``cp * dL_d/dθ``.

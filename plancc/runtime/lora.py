@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks.lora_targets import IDS, adapted_modules, lora_problems
+from ..checks.lora_targets import IDS, lora_problems
+from ..compiler.adapted_modules import adapted_modules
 from ..compiler.adapter_layouts import ADAPTER_PLACEMENTS, adapter_layout
 from ..compiler.lora_spec import LoraSpec
 from ..compiler.resolve import ResolvedPlan

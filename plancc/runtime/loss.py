@@ -12,10 +12,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .cp import load_balanced_indices
+from .cp_context import load_balanced_indices
 from .fused_logprobs import fused_nll_loss
-from .logprobs import IGNORE_INDEX, fusable, lm_head_bypassed, through_output, vocab_layout, vocab_parallel_logprobs
 from .mesh import MeshLike, dp_cp_mesh
+from .vocab_parallel_logprobs import (
+    IGNORE_INDEX,
+    fusable,
+    lm_head_bypassed,
+    through_output,
+    vocab_layout,
+    vocab_parallel_logprobs,
+)
 
 
 def masked_next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..errors import Diagnostic, PlanError
 from . import failures
 from .activation_checkpointing import apply_activation_checkpointing
 from .compile import compile_blocks
-from .cp import enable_context_parallel
+from .cp_context import enable_context_parallel
 from .cp_key_selection import select_keys_over_the_sequence
 from .cp_mixers import enable_mixer_context_parallel
 from .expert_dispatch import ExpertParallel

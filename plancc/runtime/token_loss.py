@@ -20,9 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .cp import context_of
+from .cp_context import context_of
 from .fused_logprobs import TokenLossFn, fused_token_loss
-from .logprobs import (
+from .unpacked_rows import unpacked_rows
+from .vocab_parallel_logprobs import (
     IGNORE_INDEX,
     lm_head_bypassed,
     local_positions,
@@ -31,7 +32,6 @@ from .logprobs import (
     per_position,
     through_output,
 )
-from .unpacked_rows import unpacked_rows
 
 
 def evaluated_positions(

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import masking_utils
 
-from .cp import context_of
+from .cp_context import context_of
 
 _KNOWN_UNPACKED: ContextVar[bool] = ContextVar("plancc_known_unpacked", default=False)
 

@@ -9,7 +9,7 @@ evaluators). The merge moves every part to a common max, then sums: ``merge`` fo
 one rank, ``combine_over_ranks`` for the tp group (two all-reduces of O(tokens) values).
 
 The chunk rule is one too: ``default_chunk`` says how many tokens' fp32 logits a chunk holds on
-CPU and on GPU, for the logits path (``plancc.runtime.logprobs``) and the fused path alike.
+CPU and on GPU, for the logits path (``plancc.runtime.vocab_parallel_logprobs``) and the fused path alike.
 """
 
 from __future__ import annotations

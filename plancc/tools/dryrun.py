@@ -30,6 +30,7 @@ from transformers import PretrainedConfig
 from ..compiler.plan import Plan
 from ..compiler.resolve import resolve_plan
 from ..dataflow import batched_experts
+from ..engine.pipeline.pipeline_stages import parallelize_stages
 from ..errors import Diagnostic, PlanError, Severity, SourceLoc, quiet_logger
 from ..layout import Layout
 from ..models import build_model, decoder_layers
@@ -37,7 +38,6 @@ from ..runtime.collectives import CountCollectives, Traffic, mesh_axes
 from ..runtime.failures import ModuleTracker, failure_diagnostic
 from ..runtime.mesh import ParallelMesh, build_mesh
 from ..runtime.parallelize import parallelize
-from ..runtime.pipeline_stages import parallelize_stages
 from .explain import human_bytes
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from ..checks.lora_targets import adapted_modules
+from ..compiler.adapted_modules import adapted_modules
 from ..compiler.adapter_layouts import ADAPTER_PLACEMENTS, adapter_layout
 from ..compiler.globs import generalize
 from ..compiler.lora_spec import LoraSpec

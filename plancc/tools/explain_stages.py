@@ -34,7 +34,7 @@ class StageBytes:
 def stage_bytes(model: nn.Module, exp: Explanation, stage_of_layer: dict[int, int], stages: int) -> list[StageBytes]:
     """Every stage's parameters and per-rank bytes, parameter by parameter. A weight tied across
     two stages (the embedding and lm_head) is held by both: the last stage keeps a copy
-    (``runtime.pipeline_ties``), counted there at the weight's size."""
+    (``engine.pipeline.pipeline_ties``), counted there at the weight's size."""
     per_instance = {(r.group, r.param): (r.local_bytes // max(r.count, 1), r.trainable) for r in exp.rows}
     params, held, grads = [0] * stages, [0] * stages, [0] * stages
     layers: list[set[int]] = [set() for _ in range(stages)]

@@ -247,7 +247,7 @@ def activation_bytes(
     )
     replicated, attention, mlp = replicated / sequence, attention / tp, mlp / tp
     if layout.cp > 1:
-        # plancc's CP attention (runtime.cp, runtime.block_attention) keeps the keys and values
+        # plancc's CP attention (runtime.cp_context, runtime.block_attention) keeps the keys and values
         # gathered over the whole sequence, at their own head count, in place of the local ones;
         # no mask: nothing grows with seq_len squared (bench/cp_long.py)
         local_kv = BF16 * 2 * shape.kv_heads * shape.head_dim / tp

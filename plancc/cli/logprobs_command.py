@@ -9,7 +9,7 @@ import typer
 
 from ..job.config import RunConfig
 from .app import Format, FormatOpt, ModelOpt, app
-from .apply import default_nproc, launcher_checked
+from .apply_command import default_nproc, launcher_checked
 from .flag_groups import LaunchFlags, LayoutFlags, WorkerFlags, _path, grouped
 from .launching import launch_and_report, preflight, prelaunch
 
@@ -47,7 +47,7 @@ def logprobs(
     nproc_per_node = default_nproc(launch.nproc_per_node, worker.device)
     opts = launcher_checked(launch, nproc_per_node, worker.device, fmt)
     model, chosen, report = prelaunch(plan_path, model, nproc_per_node, launch.nnodes, layout, fmt)
-    cfg = RunConfig(
+    cfg = RunConfig.of(
         plan=str(plan_path),
         layout=chosen,
         model=model,

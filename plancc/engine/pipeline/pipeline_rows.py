@@ -1,4 +1,4 @@
-"""A pipeline rank's rows for one step (``engine.pipelined``): unpadded, grouped by length (a
+"""A pipeline rank's rows for one step (``engine.pipeline.pipeline_steps``): unpadded, grouped by length (a
 stage's shapes are fixed within a schedule step, not across steps), each length's rows cut into
 microbatches of equal shape, and the fillers that keep the data-parallel ranks' steps in line."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .batches import BatchError, default_token_mask, from_host, plan_microbatches
+from ..batches import BatchError, default_token_mask, from_host, plan_microbatches
 
 
 class RowGroup:

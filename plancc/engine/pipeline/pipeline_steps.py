@@ -1,7 +1,7 @@
 """``plancc.Policy``'s step executor for pipeline stages (``Layout(pp=N)``): ``build_stages``
 builds this rank's stages as the policy's model parts, and ``PipelineSteps`` runs ``train``'s
 forward and backward (any loss at global normalization), ``logprobs`` and ``logits`` over them
-through torch's schedules (``runtime.pipeline_stages``). Everything else -- the optimizer and schedule,
+through torch's schedules (``engine.pipeline.pipeline_stages``). Everything else -- the optimizer and schedule,
 the reference, the weights out, checkpoints, offloading -- is ``Policy``'s own code, as at pp=1.
 
 How a step runs. Each rank holds the stages its schedule gives it (``plancc.schedules``), cut
@@ -21,12 +21,12 @@ of the sequence; the last stage gathers its log-probs over cp, ``pipeline_last_s
 
 The weights out (``weights``, ``weights_manifest``, ``send_weights``, ``share_weights``,
 ``export_hf``) read the whole model's structure on meta, each tensor gathered by its stage
-(``engine.stage_values``). LoRA's adapters are laid out
+(``engine.pipeline.stage_values``). LoRA's adapters are laid out
 on the stages as at pp=1; a weight tied across the first and the last stage is kept tied
-(``runtime.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
+(``engine.pipeline.pipeline_ties``). A resharded refit sends each receiver's pieces from the stage that
 holds them (``engine.reshard``). Expert parallelism and FSDP CPU offload run inside each stage
-(``runtime.pipeline_stages.parallelize_stages``). Packed rows (``pack=True``) go packed end to end into
-rows of one length, one schedule step (``engine.pipeline_rows.PackedGroup``). Not yet (refused
+(``engine.pipeline.pipeline_stages.parallelize_stages``). Packed rows (``pack=True``) go packed end to end into
+rows of one length, one schedule step (``engine.pipeline.pipeline_rows.PackedGroup``). Not yet (refused
 with the reason): packing beside context parallelism.
 """
 
@@ -43,16 +43,24 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import PretrainedConfig
 
-from ..compiler.plan import PipelineSpec, Plan
-from ..compiler.resolve import resolve_plan, tied_parameter_groups
-from ..models import MASTER_DTYPE, build_model
-from ..runtime.gradient_scale import loss_scale
-from ..runtime.gradnorm import scale_to_norm_
-from ..runtime.lora import Adapters, LoraSpec, adapters_of, add_adapters, base_shapes, initial_adapter_state
-from ..runtime.materialize import materialize
-from ..runtime.mesh import ParallelMesh
-from ..runtime.parallelize import offloaded
-from ..runtime.pipeline_stages import (
+from ...compiler.plan import PipelineSpec, Plan
+from ...compiler.resolve import resolve_plan, tied_parameter_groups
+from ...models import MASTER_DTYPE, build_model
+from ...runtime.gradient_scale import loss_scale
+from ...runtime.gradnorm import scale_to_norm_
+from ...runtime.hf_weights import load_hf_weights
+from ...runtime.lora import Adapters, LoraSpec, adapters_of, add_adapters, base_shapes, initial_adapter_state
+from ...runtime.materialize import materialize
+from ...runtime.mesh import ParallelMesh
+from ...runtime.parallelize import offloaded
+from ..batch_agreement import different_fields, fields_fingerprint
+from ..batches import Batch, BatchError, Microbatching, check_batch
+from ..loss_contract import BatchTotals, NonFiniteError
+from ..parallel_model import from_folder, seeded_model
+from ..steps import ModelParts, StepOutcome, TrainStep
+from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Recorded, per_token
+from .pipeline_rows import PipelineRows, StepRows, fingerprint
+from .pipeline_stages import (
     DecoderStage,
     PipelineRunner,
     RankStages,
@@ -60,16 +68,8 @@ from ..runtime.pipeline_stages import (
     pipeline_grad_norm,
     plan_stage_layers,
 )
-from ..runtime.pipeline_ties import StageTies, stage_ties, untie_across_stages
-from ..runtime.weights import load_hf_weights
-from .batch_agreement import different_fields, fields_fingerprint
-from .batches import Batch, BatchError, Microbatching, check_batch
-from .loss_contract import BatchTotals, NonFiniteError
-from .parallel_model import from_folder, seeded_model
-from .pipeline_last_stage import LastStageLogits, LastStageLogprobs, LastStageLoss, Recorded, per_token
-from .pipeline_rows import PipelineRows, StepRows, fingerprint
+from .pipeline_ties import StageTies, stage_ties, untie_across_stages
 from .stage_values import StageValues
-from .steps import ModelParts, StepOutcome, TrainStep
 
 
 def build_stages(
@@ -89,7 +89,7 @@ def build_stages(
     sizes = mesh.layout
     spec = plan.pipeline or PipelineSpec()
     # the whole model on meta (what checkpoints and weights out are shaped by); the stages are cut
-    # from it, or from an untied copy when it ties a weight across stages (runtime.pipeline_ties)
+    # from it, or from an untied copy when it ties a weight across stages (engine.pipeline.pipeline_ties)
     whole = build_model(copy.deepcopy(config), device="meta", dtype=MASTER_DTYPE)
     body, ties = whole, {}
     if tied_parameter_groups(whole):

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.local_tensors import full_value
-from .streaming import state_entries
+from ...runtime.local_tensors import full_value
+from ..streaming import state_entries
 
 
 class StageValues:

@@ -1,4 +1,4 @@
-"""What the last pipeline stage does with its microbatch's output (``engine.pipelined``): the
+"""What the last pipeline stage does with its microbatch's output (``engine.pipeline.pipeline_steps``): the
 caller's loss on its rows' log-probs (``LastStageLoss``), or the log-probs, entropy or logits
 kept for the caller (``LastStageLogprobs``, ``LastStageLogits``)."""
 
@@ -12,12 +12,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..runtime.cp import CPContext, all_gather, load_balanced_indices
-from ..runtime.logprobs import IGNORE_INDEX
-from ..runtime.pipeline_stages import PipelineRunner, next_token_targets
-from .batches import BatchError
-from .loss_contract import call_loss
+from ...runtime.cp_context import CPContext, all_gather, load_balanced_indices
+from ...runtime.vocab_parallel_logprobs import IGNORE_INDEX
+from ..batches import BatchError
+from ..loss_contract import call_loss
 from .pipeline_rows import StepRows
+from .pipeline_stages import PipelineRunner, next_token_targets
 
 Loss = Callable[[torch.Tensor, dict[str, torch.Tensor], Any], Any]
 
@@ -37,7 +37,7 @@ def logprobs_of(
 ) -> torch.Tensor:
     """``[rows, L]`` log p(ids[t] | ids[<t]) from the last stage's logits (0 at position 0);
     vocab-sharded logits through the vocab-parallel cross entropy. Under context parallelism the
-    logits are this cp rank's positions (``runtime.cp``'s load-balanced shard): each predicts
+    logits are this cp rank's positions (``runtime.cp_context``'s load-balanced shard): each predicts
     its next token, and the rows' log-probs are gathered whole (autograd-aware: a loss on them
     is every cp rank's copy of the whole loss, ``runtime.gradient_scale``)."""
     scaled = logits.float() / temperature if temperature != 1.0 else logits.float()

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..models import LOGIT_TRANSFORMS, transforms_logits
-from .cp import CPContext, all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
+from .cp_context import CPContext, all_gather, context_of, load_balanced_indices, load_balanced_indices_packed
 from .document_attention import set_documents
 from .fused_logprobs import fused_logprobs
 from .mesh import MeshLike, device_mesh_of

@@ -1,6 +1,6 @@
 """Pipeline stages of a Hugging Face decoder and torch's schedules, with the step's loss normalized
-over the whole batch (``Policy``'s step executor for stages, ``engine.pipelined``, drives them; ``apply --pp``
-through it).
+over the whole batch (``Policy``'s step executor for stages, ``engine.pipeline.pipeline_steps``,
+drives them; ``apply --pp`` through it).
 
 A stage is a module of its own built from the model: the embedding on the first stage, a
 contiguous run of decoder layers (each with the rotary embedding it needs), the final norm and
@@ -8,13 +8,13 @@ the lm_head on the last. ``torch.distributed.pipelining``'s schedules (GPipe, 1F
 1F1B, ...) move the hidden states between stages and run forward and backward per microbatch.
 
 Exactness as plancc means it: the loss of a microbatch is its share of the *global* batch's loss
-(``engine.pipeline_last_stage``: its tokens' terms over the global batch's count), and the schedule is told not to scale
-gradients (``scale_grads=False``): the gradients are then those of the mean NLL over the whole
-batch in one pass, whatever the number of microbatches. Gradient norms are summed over the
-pipeline group (``pipeline_grad_norm``). Rows are unpadded and unpacked here: a stage attends
-causally by the kernel's own mask (``attention_mask=None``), or under context parallelism by the
-cp attention over its cp rank's load-balanced shard of the row (``runtime.cp``), laid out from
-the microbatch's shape.
+(``engine.pipeline.pipeline_last_stage``: its tokens' terms over the global batch's count), and
+the schedule is told not to scale gradients (``scale_grads=False``): the gradients are then those
+of the mean NLL over the whole batch in one pass, whatever the number of microbatches. Gradient
+norms are summed over the pipeline group (``pipeline_grad_norm``). Rows are unpadded and unpacked
+here: a stage attends causally by the kernel's own mask (``attention_mask=None``), or under
+context parallelism by the cp attention over its cp rank's load-balanced shard of the row
+(``runtime.cp_context``), laid out from the microbatch's shape.
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from ..compiler.plan import PipelineSpec, Plan
-from ..compiler.resolve import resolve_plan
-from ..compiler.stage_globs import layers_of_stages
-from ..schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
-from .activation_checkpointing import apply_activation_checkpointing
-from .compile import compile_blocks
-from .cp import CPContext, cp_attention_context
-from .cp_key_selection import select_keys_over_the_sequence
-from .gradient_scale import fsdp_divisor
-from .gradnorm import global_grad_norm
-from .logprobs import IGNORE_INDEX
-from .lora import LoraSpec, add_adapters
-from .mesh import ParallelMesh
-from .parallelize import apply_fsdp, apply_tensor_parallel, offloaded
+from ...compiler.plan import PipelineSpec, Plan
+from ...compiler.resolve import resolve_plan
+from ...compiler.stage_globs import layers_of_stages
+from ...runtime.activation_checkpointing import apply_activation_checkpointing
+from ...runtime.compile import compile_blocks
+from ...runtime.cp_context import CPContext, cp_attention_context
+from ...runtime.cp_key_selection import select_keys_over_the_sequence
+from ...runtime.gradient_scale import fsdp_divisor
+from ...runtime.gradnorm import global_grad_norm
+from ...runtime.lora import LoraSpec, add_adapters
+from ...runtime.mesh import ParallelMesh
+from ...runtime.parallelize import apply_fsdp, apply_tensor_parallel, offloaded
+from ...runtime.vocab_parallel_logprobs import IGNORE_INDEX
+from ...schedules import SCHEDULE_NAMES, SINGLE, V_SHAPED, rank_stages, stage_layers
 
 # torch.distributed.pipelining's schedules by the plan's names (``plancc.schedules`` says where
 # each puts a rank's stages)
@@ -95,7 +95,7 @@ class DecoderStage(nn.Module):
         # under sequence parallelism a stage receives and sends its tp rank's shard of the
         # sequence: the positions (rotary) are those of the whole sequence, this many shards long
         self.sequence_shards = 1
-        # under context parallelism its cp rank's load-balanced shard (``runtime.cp``): the first
+        # under context parallelism its cp rank's load-balanced shard (``runtime.cp_context``): the first
         # stage takes whole rows and keeps its shard's tokens, the others receive shards
         self.cp: CPContext | None = None
         # the model's name of each of the stage's parameters (the same names, by construction)
@@ -259,7 +259,7 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
 
 class PipelineRunner:
     """A rank's stages, their schedule and the pipeline group: ``run`` puts one schedule step of
-    microbatches through them (``engine.pipelined`` says what the last stage computes)."""
+    microbatches through them (``engine.pipeline.pipeline_steps`` says what the last stage computes)."""
 
     def __init__(
         self,

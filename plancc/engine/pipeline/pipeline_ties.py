@@ -11,7 +11,7 @@ global gradient norm counts the weight once (``counted_once``). Under a V schedu
 holds the first and the last stage, and the sum is local.
 
 Checkpoints, weights out and exports read the whole (tied) model's names: the copy is the
-embedding's value, written once (``engine.stage_values``).
+embedding's value, written once (``engine.pipeline.stage_values``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..compiler.resolve import tied_parameter_groups
-from ..layout import LayoutError
-from ..schedules import rank_stages
-from .mesh import ParallelMesh
+from ...compiler.resolve import tied_parameter_groups
+from ...layout import LayoutError
+from ...runtime.mesh import ParallelMesh
+from ...schedules import rank_stages
 
 
 def untie_across_stages(model: nn.Module) -> dict[str, str]:

@@ -197,7 +197,7 @@ def apply(
         )
         if why:
             usage_error(why, fmt, fix="drop --verify, or the flags it names (verify first, then run with them)")
-    cfg = RunConfig(
+    cfg = RunConfig.of(
         plan=str(plan_path),
         layout=chosen,
         model=model,
@@ -224,11 +224,11 @@ def apply(
     )
     if output.save:  # the settings it runs with, in each checkpoint: --config SAVE/step-N/run.yaml
         ran = {"plan": str(plan_path), **resolved, "model": model}
-        cfg = replace(cfg, run_file=run_file_text(ran))  # (it keeps the run file's keys only: no plan_path)
+        cfg = cfg.with_flags(run_file=run_file_text(ran))  # (it keeps the run file's keys only: no plan_path)
     run = preflight(cfg, report, fmt, nproc_per_node)
     if order.epochs is not None and run.dataset is not None:  # the rows are counted now: steps from epochs
         total = steps_for_epochs(order.epochs, rows=len(run.dataset.sequences), batch_size=batch_size)
-        run = replace(run, cfg=replace(run.cfg, steps=total))
+        run = replace(run, cfg=run.cfg.with_flags(steps=total))
     launch_and_report(opts, run, fmt)
 
 
