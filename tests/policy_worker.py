@@ -224,17 +224,33 @@ def _groups(batch, policy, cutting):
     return groups
 
 
-def train_cases(plan, model_name, layout_kwargs, cases, folder):
+def _with_checkpointing(plan, path):
+    """``PLAN#checkpoint=GLOB``: the plan with its activation checkpointing on ``GLOB`` instead
+    (written to ``path``), as a user who checkpoints whole layers writes it; else ``plan``."""
+    import re
+
+    if "#checkpoint=" not in plan:
+        return plan
+    source, glob = plan.split("#checkpoint=")
+    text = re.sub(r"(?m)^activation_checkpointing: .*$", f"activation_checkpointing: [{glob}]", open(source).read())
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def train_cases(plan, model_name, layout_kwargs, cases, folder=None):
     """For each (loss, cutting) case: one Policy.train call from the same initial weights against
     the unsharded reference; returns per case the loss difference and the worst relative update
-    difference. Then the policy's other bars at the same layout (``_refit_and_resume_bars``):
-    the weights out bitwise, and a save loaded into a fresh policy training on identically."""
+    difference. With a ``folder``, then the policy's other bars at the same layout
+    (``_refit_and_resume_bars``): the weights out bitwise, and a save loaded into a fresh policy
+    training on identically."""
     import torch
 
     import plancc
     from plancc.models import load_config
 
-    init_gloo()
+    rank, _ = init_gloo()
+    plan = _with_checkpointing(plan, f"{folder}-plan-{rank}.yaml")  # (a folder given with such a plan)
     policy = plancc.Policy(plan, model_name, optimizer=_recording_sgd, max_grad_norm=1.0, layout=sized(**layout_kwargs))
     policy.optimizer.names = [name for name, _ in policy.model.named_parameters()]
     config = load_config(model_name)
@@ -289,7 +305,7 @@ def train_cases(plan, model_name, layout_kwargs, cases, folder):
                 "sequence_shards": sorted(shards),
             }
         )
-    bars = _refit_and_resume_bars(policy, plan, model_name, layout_kwargs, mine_batch, folder)
+    bars = _refit_and_resume_bars(policy, plan, model_name, layout_kwargs, mine_batch, folder) if folder else {}
     torch.distributed.destroy_process_group()
     return {"cases": out, **bars}
 

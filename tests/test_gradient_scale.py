@@ -67,8 +67,8 @@ def test_the_scaled_loss_gives_the_unsharded_models_gradients_and_step(ranks, la
     from .policy_worker import train_cases
 
     results = launch(train_cases, ranks, "plans/qwen3.yaml", "tiny-qwen3", layout, [("nll", ONE)])
-    for rank, rows in results.items():
-        for row in rows:
+    for rank, got in results.items():
+        for row in got["cases"]:
             assert row["loss_diff"] <= TOLERANCE, (rank, row)
             ratio, name, error, bar, compared = row["gradient"]
             assert ratio <= 1.0 and compared > 0, (rank, name, error, bar)

@@ -150,9 +150,6 @@ def test_the_layout_counts_pipeline_ranks_and_apply_checks_the_stages_before_lau
     assert code == 1 and "2 decoder layers for 4 stages" in out + err
     code, out, err = cli("apply", "plans/qwen3.yaml", "--pp", 4, "--nproc-per-node", 4)
     assert code == 1 and "2 decoder layers for 4 stages" in out + err  # no process started
-    # packed rows run under pp, but not yet beside cp inside the stages: refused before launch
-    code, out, err = cli("apply", "plans/qwen3.yaml", "--pp", 2, "--cp", 2, "--pack", "--nproc-per-node", 4)
-    assert code == 2 and "--pack with --pp 2 and --cp 2" in err and "[usage]" in err
 
 
 def test_explain_gives_each_stage_its_layers_and_bytes_summing_to_the_whole(cli, tmp_path):
@@ -353,11 +350,15 @@ def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("packed", [False, True], ids=["by-length", "packed"])
-def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path, packed):
+@pytest.mark.parametrize(("packed", "cp"), [
+    (False, 1), (True, 1),
+    (True, 2),  # packed rows beside cp in the stages: the training side is test_policy's pp2xcp2 bars
+], ids=["by-length", "packed", "packed-cp2"])
+def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path, packed, cp):
     """`plancc logprobs --pp 2`: rows of every length through the stages, the last stage's
     log-probs (and entropy) written by rank 0, equal to the unsharded model's. With --pack the
-    rows go packed end to end (one schedule step), each attending to itself alone."""
+    rows go packed end to end (one schedule step), each attending to itself alone; with --cp 2
+    as well, each document by the ids the cp attention reads from the packed positions."""
     import json
 
     from .conftest import forked_cli
@@ -365,7 +366,8 @@ def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path, packe
     data = _uneven_rows(tmp_path / "rows.jsonl", rows=6, seed=1)
     out = tmp_path / "lp.jsonl"
     code, stdout, err = forked_cli("logprobs", PLANS_DIR / "qwen3.yaml", "--data", data, "--pp", 2, "--entropy",
-                                   "--verify", "--out", out, *(["--pack"] if packed else []))
+                                   "--verify", "--out", out, *(["--pack"] if packed else []),
+                                   *(["--cp", cp, "--nproc-per-node", 2 * cp] if cp > 1 else []))
     assert code == 0 and "verify: max |logprob diff|" in stdout and "OK" in stdout, err + stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     lengths = [len(json.loads(line)["input_ids"]) for line in data.read_text().splitlines()]

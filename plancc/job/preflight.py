@@ -119,15 +119,6 @@ def _flag_problems(cfg: RunConfig) -> list[Diagnostic]:
                 "pass a finite, non-negative --lr such as 1e-5",
             )
         )
-    if cfg.data.pack and cfg.layout.pp > 1 and cfg.layout.cp > 1:  # a stage's cp attention takes whole rows
-        found.append(
-            problem(
-                "--pack",
-                f"--pack with --pp {cfg.layout.pp} and --cp {cfg.layout.cp}: packed rows under pipeline and "
-                "context parallelism together are not supported yet",
-                "drop --pack (rows of one length go through the stages together), or --cp, or --pp",
-            )
-        )
     if not 0 <= cfg.training.seed < 2**64:  # torch's generators take an unsigned 64-bit seed
         found.append(
             problem("--seed", f"--seed {cfg.training.seed} is not a 64-bit seed", "pass a seed in 0 .. 2**64 - 1")

@@ -224,6 +224,19 @@ class CPBatch:
     segments: list[tuple[int, int, list[int]]] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class CPState:
+    """A ``CPContext``'s batch and what was built from it (``CPContext.state``)."""
+
+    batch: CPBatch | None
+    masks: dict[int, torch.Tensor]
+    blocks: dict[int, list[Block]]
+    padding: list[torch.Tensor | None]
+    spans: list[tuple[int, int, Span]]
+    flex: dict[tuple[int, bool], FlexLayout]
+    unpadded_shape: tuple[int, int] | None
+
+
 @dataclass(kw_only=True, slots=True)
 class CPContext:
     """The cp group of a model and what its attention needs about the current batch."""
@@ -316,6 +329,52 @@ class CPContext:
         self.masks, self.blocks, self.padding, self.spans, self.flex = {}, {}, [], [], {}
         self.unpadded_shape = (rows, length)
         return index
+
+    def lay_out(
+        self,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cu: torch.Tensor | None = None,
+        *,
+        known: bool = False,
+    ) -> torch.Tensor:
+        """Lay out a batch of whole rows for the attention -- ``positions`` ``[B, S]`` (restarting
+        at each document: packed rows), the padding ``mask``, a packed layout's ``cu_seqlens``
+        -- and return this rank's positions' index ``[S/cp]`` (per document with ``cu``, else the
+        rows' head-tail chunks). ``known``: the documents are given (``cu``) or there are none,
+        so the block attention's plan reads nothing from the device."""
+        # documents: a new one wherever positions do not continue (packing restarts them)
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        doc_ids = starts.long().cumsum(1)
+        bounds = cu.tolist() if isinstance(cu, torch.Tensor) else None  # one read, for the layout and the attention
+        if bounds is not None:
+            index = load_balanced_indices_packed(bounds, self.size, self.rank).to(positions.device)
+        else:
+            index = load_balanced_indices(positions.shape[1], self.size, self.rank).to(positions.device)
+        self.batch = CPBatch(
+            q_positions=positions.index_select(1, index),
+            key_positions=positions,
+            key_valid=torch.ones_like(positions, dtype=torch.bool) if mask is None else mask.bool(),
+            doc_ids=doc_ids,
+            local_doc_ids=doc_ids.index_select(1, index),
+            cu_seqlens=cu,
+            bounds=bounds,
+            segments=None if self.dense else row_segments(positions, mask, bounds, known=known),
+        )
+        self.masks, self.blocks, self.padding, self.unpadded_shape = {}, {}, [], None
+        self.spans, self.flex = [], {}
+        return index
+
+    def state(self) -> CPState:
+        """What the attention reads about the current batch: a pipeline stage keeps its
+        microbatch's, to put back before that microbatch's backward (``restore``) when other
+        microbatches were laid out since (a schedule interleaves them)."""
+        return CPState(self.batch, self.masks, self.blocks, self.padding, self.spans, self.flex, self.unpadded_shape)
+
+    def restore(self, state: CPState) -> None:
+        self.batch, self.masks, self.blocks, self.padding = state.batch, state.masks, state.blocks, state.padding
+        self.spans, self.flex, self.unpadded_shape = state.spans, state.flex, state.unpadded_shape
 
     def local_padding(self) -> torch.Tensor | None:
         """This rank's tokens' padding mask ``[B, S/cp]`` (long), or None when no row is padded:
@@ -569,30 +628,9 @@ class ShardSequenceInputs:
         if positions is None:
             positions = torch.arange(seq, device=ids.device).unsqueeze(0)
         positions = positions.expand(batch, -1)
-        # documents: a new one wherever positions do not continue (packing restarts them)
-        starts = torch.ones_like(positions, dtype=torch.bool)
-        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-        doc_ids = starts.long().cumsum(1)
-        mask = values.get("attention_mask")
-        bounds = cu.tolist() if isinstance(cu, torch.Tensor) else None  # one read, for the layout and the attention
-        if bounds is not None:
-            index = load_balanced_indices_packed(bounds, ctx.size, ctx.rank).to(ids.device)
-        else:
-            index = load_balanced_indices(seq, ctx.size, ctx.rank).to(ids.device)
-        ctx.batch = CPBatch(
-            q_positions=positions.index_select(1, index),
-            key_positions=positions,
-            key_valid=torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool(),
-            doc_ids=doc_ids,
-            local_doc_ids=doc_ids.index_select(1, index),
-            cu_seqlens=cu,
-            bounds=bounds,
-            segments=None if ctx.dense else row_segments(positions, mask, bounds, known=known),
-        )
-        ctx.masks, ctx.blocks, ctx.padding, ctx.unpadded_shape = {}, {}, [], None
-        ctx.spans, ctx.flex = [], {}
+        index = ctx.lay_out(positions, values.get("attention_mask"), cu, known=known)
         values["input_ids"] = ids.index_select(1, index)
-        values["position_ids"] = ctx.batch.q_positions
+        values["position_ids"] = positions.index_select(1, index)  # the batch's q_positions
         values["attention_mask"] = None  # the cp attention masks from global positions
         return (), values
 

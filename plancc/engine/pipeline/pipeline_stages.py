@@ -44,7 +44,7 @@ from ...compiler.resolve import resolve_plan
 from ...compiler.stage_globs import layers_of_stages
 from ...runtime.activation_checkpointing import apply_activation_checkpointing
 from ...runtime.compile import compile_blocks
-from ...runtime.cp_context import CPContext, cp_attention_context
+from ...runtime.cp_context import CPContext, CPState, cp_attention_context
 from ...runtime.cp_key_selection import select_keys_over_the_sequence
 from ...runtime.gradient_scale import fsdp_divisor
 from ...runtime.gradnorm import global_grad_norm
@@ -116,15 +116,21 @@ class DecoderStage(nn.Module):
         packed = positions is not None  # packed rows' own positions come with the microbatch
         if positions is None:
             positions, x = self._whole_row_positions(x, first)
+        elif self.cp is not None:  # the cp attention finds the documents from the whole rows' positions
+            positions, x = self._packed_row_positions(x, positions, first)
         hidden = embed(x) if embed is not None else x
         rotary = part.rotary_emb(hidden, positions)
-        masks = self._document_masks(hidden, positions) if packed else {}
+        masks = self._document_masks(hidden, positions) if packed and self.cp is None else {}
         for layer in part.layers.values():
             mask = masks.get(getattr(layer, "attention_type", "full_attention"))
             out = layer(
                 hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary, use_cache=False
             )
             hidden = out[0] if isinstance(out, tuple) else out
+        if packed and self.cp is not None and hidden.requires_grad:
+            # this microbatch's layout back in place before its layers' backward (and their
+            # recomputation): the schedule may have laid out other microbatches since
+            hidden.register_hook(_restoring(self.cp, self.cp.state()))
         if part.norm is not None:
             hidden = part.norm(hidden)
         if self.lm_head is not None:
@@ -142,6 +148,19 @@ class DecoderStage(nn.Module):
         positions = self.cp.unpadded(x.shape[0], length, x.device)
         return positions, x.index_select(1, positions[0]) if first else x
 
+    def _packed_row_positions(
+        self, x: torch.Tensor, positions: torch.Tensor, first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed rows under context parallelism: (this cp rank's positions of them, ``x``, on
+        the first stage its shard's tokens). The rows are laid out as whole rows are (head and
+        tail chunks), each document attending to itself by the ids the cp attention reads from
+        the restarting positions (``CPContext.lay_out``), as without stages."""
+        assert self.cp is not None
+        index = self.cp.lay_out(positions)
+        batch = self.cp.batch
+        assert batch is not None
+        return batch.q_positions, x.index_select(1, index) if first else x
+
     def _document_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         """Each layer type's mask of packed rows, as the model's own forward makes it (transformers
         finds the documents from the restarting positions), in its attention's format."""
@@ -158,6 +177,15 @@ class DecoderStage(nn.Module):
         if any(getattr(layer, "attention_type", None) == "sliding_attention" for layer in self.model.layers.values()):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
         return masks
+
+
+def _restoring(cp: CPContext, state: CPState) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that puts a microbatch's cp layout back (``CPContext.restore``)."""
+
+    def hook(_grad: torch.Tensor) -> None:
+        cp.restore(state)
+
+    return hook
 
 
 class RankStages(nn.Module):

@@ -250,8 +250,6 @@ class PipelineSteps:
         rows_print: tuple[int, int, tuple[int, ...], int] = (0, 0, (), 0)  # rows, then their other fields
         try:
             micro_batch_size, max_tokens = cut.micro_batch_size, cut.max_tokens
-            if cut.pack and self.layout.cp > 1:
-                raise BatchError("packing rows (--pack) under pipeline and context parallelism is not supported yet")
             vocab = getattr(self.config.get_text_config(), "vocab_size", None)
             check_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, vocab_size=vocab)
             on_device = {name: value.to(self.device) for name, value in batch.items()}
