@@ -11,11 +11,11 @@ hidden 64, 4 heads / 2 KV heads, vocab 256, 4 experts of 2 active where it has e
 to a folder, then
 
 1. ``plancc import-hf DIR``            -> the plan, or the reason it is refused
-2. ``check_plan(plan, DIR, Layout(tp=2))``-> errors (what ``plancc validate --tp 2`` prints)
+2. ``check_plan(plan, DIR, tp=2)``     -> errors (what ``plancc validate --tp 2`` prints)
 3. ``plancc apply plan --model DIR --tp 2 --steps 1 --verify`` (2 gloo processes) -> OK / FAILED
 4. with ``--ep``, for plans with a ``moe_experts`` rule: the same at ``--ep 2`` (2 processes) and
    ``--ep 2 --tp 2`` (4 processes) -> OK / FAILED each
-5. with ``--cp``: ``check_plan(plan, DIR, Layout(cp=2))`` and, where it accepts the layout, ``plancc apply
+5. with ``--cp``: ``check_plan(plan, DIR, cp=2)`` and, where it accepts the layout, ``plancc apply
    plan --model DIR --cp 2 --steps 1 --verify`` -> verified / refused (the check's reason) / FAILED
 
 One line per model type: ``imported``, ``validated``, ``verified`` or the first stage that
@@ -175,10 +175,9 @@ def _expert_parallel(plan_path: Path, spec: str) -> str:
 def _context_parallel(plan_path: Path, spec: str) -> str:
     """cp=2: refused by the checks (with their reason), verified, or FAILED with the reason."""
     import plancc
-    from plancc import Layout
     from plancc.checks import check_plan
 
-    errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, Layout.infer(cp=2)) if d.is_error]
+    errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, cp=2) if d.is_error]
     if errors:
         return f"cp=2 refused: {errors[0].message[:160]} [{errors[0].rule}]"
     ok, why = _verify(plan_path, spec, 2, "--cp", "2")
@@ -229,7 +228,7 @@ def _through_validate(model_type: str, work: Path) -> tuple[str, str, Path, str]
         return "import traceback", f"{type(exc).__name__}: {str(exc)[:160]}", plan_path, spec
     plan_path.write_text(text)
     try:
-        errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, Layout.infer(tp=2)) if d.is_error]
+        errors = [d for d in check_plan(plancc.load_plan(plan_path), spec, tp=2) if d.is_error]
     except PlanError as err:
         errors = list(err.diagnostics)
     except Exception as exc:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 import plancc
-from plancc import Layout
 from plancc.models import load_config
 
 from .conftest import PLANS
@@ -91,7 +90,7 @@ def errors_of(path) -> list:
         plan = plancc.load_plan(path)
     except plancc.PlanError as exc:  # refused while reading (schema)
         return [d for d in exc.diagnostics if d.is_error]
-    return [d for d in plancc.check_plan(plan, "tiny-qwen3", Layout.infer(tp=2)) if d.is_error]
+    return [d for d in plancc.check_plan(plan, "tiny-qwen3", tp=2) if d.is_error]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

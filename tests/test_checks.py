@@ -3,12 +3,9 @@
 import pytest
 
 import plancc
-from plancc import Layout
-
 from plancc.checks import check_plan
 
 from .conftest import PLANS
-from .sized_checks import check_at_sizes
 
 QWEN3 = PLANS / "qwen3.yaml"
 LLAMA = PLANS / "llama.yaml"
@@ -27,7 +24,7 @@ def test_kv_heads_not_divisible_names_valid_tp(cli):
 
 
 def test_attention_heads_not_divisible():
-    diags = check_plan(plancc.load_plan(QWEN3), "qwen2.5-7b", Layout.infer(tp=8))  # 28 heads, 4 kv heads
+    diags = check_plan(plancc.load_plan(QWEN3), "qwen2.5-7b", tp=8)  # 28 heads, 4 kv heads
     assert {"attention-heads-divisible", "kv-heads-divisible"} <= set(rules(diags))
 
 
@@ -35,7 +32,7 @@ def test_attention_heads_not_divisible():
 def test_shipped_plans_on_shipped_tied_models_have_no_tied_error(plan, preset):
     tp = 1 if preset == "gemma-3-1b" else 2  # gemma-3-1b has one KV head: tp must be 1
     for sp in (False, True):
-        diags = check_plan(plancc.load_plan(plan), preset, Layout.infer(tp=tp, sequence_parallel=sp))
+        diags = check_plan(plancc.load_plan(plan), preset, tp=tp, sequence_parallel=sp)
         assert rules(diags) == [], [d.format() for d in diags]
 
 
@@ -43,18 +40,18 @@ def test_inconsistent_tied_layout_is_an_error(write_plan):
     text = (PLANS / "llama.yaml").read_text().replace("  model.embed_tokens: embedding_rowwise\n", "")
     text = text.replace("  lm_head: colwise_logits\n", "  lm_head: colwise\n")
     plan = plancc.load_plan(write_plan(text))
-    diags = check_plan(plan, "llama-3.2-1b", Layout.infer(tp=2))
+    diags = check_plan(plan, "llama-3.2-1b", tp=2)
     (tied,) = [d for d in diags if d.rule == "tied-embeddings"]
     assert tied.line == text.splitlines().index("  lm_head: colwise") + 1
     assert "embedding_rowwise" in tied.fix
     # the same plan on an untied model is fine
-    assert "tied-embeddings" not in rules(check_plan(plan, "llama-3.1-8b", Layout.infer(tp=2)))
+    assert "tied-embeddings" not in rules(check_plan(plan, "llama-3.1-8b", tp=2))
 
 
 def test_missing_o_proj_is_a_pairing_error(write_plan):
     text = QWEN3.read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", "")
     plan = plancc.load_plan(write_plan(text))
-    diags = [d for d in check_plan(plan, "tiny-qwen3", Layout.infer(tp=2)) if d.rule == "layout-pairing"]
+    diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.rule == "layout-pairing"]
     assert len(diags) == 1
     assert "q_proj" in diags[0].message and "o_proj (left whole)" in diags[0].message
     assert "'model.layers.*.self_attn.o_proj: rowwise'" in diags[0].fix
@@ -62,7 +59,7 @@ def test_missing_o_proj_is_a_pairing_error(write_plan):
 
 def test_lm_head_with_plain_sharded_logits_is_a_pairing_error(write_plan):
     text = QWEN3.read_text().replace("  lm_head: colwise_logits\n", "  lm_head: colwise\n")
-    diags = [d for d in check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", Layout.infer(tp=2))
+    diags = [d for d in check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2)
              if d.rule == "layout-pairing"]
     assert len(diags) == 1 and diags[0].line == text.splitlines().index("  lm_head: colwise") + 1
     assert "one rank's slice of the vocabulary" in diags[0].message and "colwise_logits" in diags[0].fix
@@ -72,7 +69,7 @@ def test_sp_overlay_without_gathering_attention_is_a_pairing_error(write_plan):
     """Like the reference SP plan: q/k/v read the sequence shard as if it were whole."""
     text = QWEN3.read_text().replace("  model.layers.*.self_attn: gather_seq_input\n", "")
     plan = plancc.load_plan(write_plan(text))
-    diags = [d for d in check_plan(plan, "tiny-qwen3", Layout.infer(tp=2, sequence_parallel=True)) if d.is_error]
+    diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2, sequence_parallel=True) if d.is_error]
     assert {d.rule for d in diags} == {"layout-pairing"}
     assert "'model.layers.*.self_attn: gather_seq_input'" in diags[0].fix
     assert "self_attn (shared_input)" in diags[0].message and "sequence" in diags[0].message
@@ -81,12 +78,12 @@ def test_sp_overlay_without_gathering_attention_is_a_pairing_error(write_plan):
 def test_style_on_wrong_module_kind(write_plan):
     plan = plancc.load_plan(write_plan("plancc: 1\nname: t\narchitectures: [Qwen3ForCausalLM]\n"
                                        "tensor_parallel:\n  model.layers.*.mlp: colwise\n  model.norm: rotary_sp\n"))
-    diags = [d for d in check_plan(plan, "tiny-qwen3", Layout.infer(tp=2)) if d.rule == "style-module-kind"]
+    diags = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.rule == "style-module-kind"]
     assert [d.line for d in diags] == [5, 6]
 
 
 def test_architecture_not_served():
-    diags = check_plan(plancc.load_plan(QWEN3), "tiny-llama", Layout.infer(tp=1))
+    diags = check_plan(plancc.load_plan(QWEN3), "tiny-llama", tp=1)
     assert rules(diags) == ["architecture-mismatch"]
     assert "Qwen3ForCausalLM, Qwen2ForCausalLM" in diags[0].message
 
@@ -99,12 +96,12 @@ def test_architecture_not_served():
     (dict(tp=2, cp=2, world_size=8), True),
 ])
 def test_mesh_sizes_must_multiply_to_world_size(kwargs, ok):
-    diags = check_at_sizes(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs)
+    diags = check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs)
     assert ("mesh-sizes" not in rules(diags)) is ok
 
 
 def test_sp_with_tp1_is_a_warning_only():
-    diags = check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", Layout.infer(tp=1, sequence_parallel=True))
+    diags = check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", tp=1, sequence_parallel=True)
     assert rules(diags) == [] and rules(diags, errors_only=False) == ["sequence-parallel"]
 
 
@@ -114,7 +111,7 @@ def test_uneven_ffn_is_an_error_and_uneven_vocab_a_warning():
     cfg = AutoConfig.for_model("qwen3", vocab_size=250, hidden_size=64, intermediate_size=102,
                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16)
     cfg.architectures = ["Qwen3ForCausalLM"]
-    diags = check_plan(plancc.load_plan(QWEN3), cfg, Layout.infer(tp=4))
+    diags = check_plan(plancc.load_plan(QWEN3), cfg, tp=4)
     shape = [d for d in diags if d.rule == "shape-divisible"]
     assert sorted((d.severity.value, d.message.split(":")[0]) for d in shape) == [
         ("error", "model.layers.0.mlp.down_proj"), ("error", "model.layers.0.mlp.gate_proj"),
@@ -134,10 +131,10 @@ def test_shipped_plans_validate_on_their_default_models(cli):
     (dict(tp=2, seq_len=33, sequence_parallel=True), 1),
 ])
 def test_sequence_length_off_the_multiple_reports_the_pad(kwargs, pad):
-    diags = [d for d in check_at_sizes(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs) if d.rule == "sequence-length"]
+    diags = [d for d in check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **kwargs) if d.rule == "sequence-length"]
     assert len(diags) == 1 and f"padded by {pad}" in diags[0].message
     assert diags[0].loc.line == 0  # a command-line value, not a line of the plan
-    assert check_at_sizes(plancc.load_plan(QWEN3), "tiny-qwen3", **{**kwargs, "seq_len": kwargs["seq_len"] + pad}) == []
+    assert check_plan(plancc.load_plan(QWEN3), "tiny-qwen3", **{**kwargs, "seq_len": kwargs["seq_len"] + pad}) == []
 
 
 def test_cp_with_attention_softcapping_is_accepted():
@@ -146,12 +143,12 @@ def test_cp_with_attention_softcapping_is_accepted():
 
     config = load_config("tiny-gemma3")
     config.attn_logit_softcapping = 50.0
-    assert [d for d in check_plan(plancc.load_plan(GEMMA3), config, Layout.infer(tp=1, cp=2)) if d.rule == "context-parallel"] == []
+    assert [d for d in check_plan(plancc.load_plan(GEMMA3), config, tp=1, cp=2) if d.rule == "context-parallel"] == []
 
 
 def test_sp_overlay_without_rotary_sp_warns_about_position_ids(write_plan):
     text = QWEN3.read_text().replace("  model.rotary_emb: rotary_sp\n", "")
-    diags = check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", Layout.infer(tp=2, sequence_parallel=True))
+    diags = check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2, sequence_parallel=True)
     assert rules(diags) == []
     (warning,) = [d for d in diags if d.rule == "sequence-parallel"]
     assert "model.rotary_emb" in warning.message and "position ids" in warning.message
@@ -199,14 +196,14 @@ def test_a_config_checked_again_is_not_traced_again_but_a_model_handed_in_is(mon
     config = load_config("tiny-qwen3")
     config.intermediate_size *= 2  # a config no other test has traced in this process
     broken = write_plan((PLANS / "qwen3.yaml").read_text().replace("  model.layers.*.self_attn.o_proj: rowwise\n", ""))
-    ok = check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), config, Layout.infer(tp=2))
-    found = check_plan(plancc.load_plan(broken), config, Layout.infer(tp=2))
+    ok = check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), config, tp=2)
+    found = check_plan(plancc.load_plan(broken), config, tp=2)
     assert len(traced) == 1
     assert not [d for d in ok if d.is_error] and any(d.rule == "layout-pairing" for d in found)
     config.intermediate_size *= 2  # another config: traced for itself
-    check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), config, Layout.infer(tp=2))
+    check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), config, tp=2)
     assert len(traced) == 2
-    check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), build_meta_model(config), Layout.infer(tp=2))
+    check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), build_meta_model(config), tp=2)
     assert len(traced) == 3
 
 
@@ -219,8 +216,8 @@ def test_an_lm_head_split_by_its_input_is_refused_only_where_log_probs_read_its_
 
     text = QWEN3.read_text().split("sequence_parallel:")[0].replace("  lm_head: colwise_logits\n", "  lm_head: rowwise_rep\n")
     plan = plancc.load_plan(write_plan(text))
-    split = [d for d in check_plan(plan, "tiny-qwen3", Layout.infer(tp=2)) if d.is_error]
+    split = [d for d in check_plan(plan, "tiny-qwen3", tp=2) if d.is_error]
     assert split and "splits the lm_head weight by its input features" in split[0].message, split
     capped = load_config("tiny-qwen3")
     capped.final_logit_softcapping = 30.0
-    assert [d for d in check_plan(plan, capped, Layout.infer(tp=2)) if d.is_error] == []
+    assert [d for d in check_plan(plan, capped, tp=2) if d.is_error] == []

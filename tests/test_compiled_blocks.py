@@ -18,7 +18,6 @@ def _plan(tmp_path, section="compile: {backend: aot_eager}\n"):
 
 def test_the_compile_section_is_read_and_its_layouts_checked(tmp_path):
     import plancc
-    from plancc import Layout
     from plancc.runtime.compile import decoder_blocks
 
     plan = plancc.load_plan(_plan(tmp_path, "compile: true\n"))
@@ -26,13 +25,13 @@ def test_the_compile_section_is_read_and_its_layouts_checked(tmp_path):
     assert plancc.load_plan(_plan(tmp_path, "compile: false\n")).compile is None
 
     def problems(**layout):
-        return [d for d in plancc.check_plan(plan, "qwen3-8b", Layout.infer(**layout)) if d.rule == "compile"]
+        return [d for d in plancc.check_plan(plan, "qwen3-8b", **layout) if d.rule == "compile"]
 
     assert problems(world_size=8) == [] and problems(tp=2, cp=2, world_size=8) == []
     path = _plan(tmp_path, "compile: true\n")
     path.write_text(path.read_text().replace("schedule: 1f1b\n", "schedule: dualpipev\n  virtual_stages_per_rank: 2\n"))
     staged = plancc.load_plan(path)
-    refused = [d for d in plancc.check_plan(staged, "qwen3-8b", Layout.infer(pp=2, world_size=8)) if d.rule == "compile"]
+    refused = [d for d in plancc.check_plan(staged, "qwen3-8b", pp=2, world_size=8) if d.rule == "compile"]
     assert refused and "dualpipev schedule" in refused[0].message and refused[0].line > 0
     with pytest.raises(plancc.PlanError, match="compile"):
         plancc.load_plan(_plan(tmp_path, "compile: {backend: tvm}\n"))

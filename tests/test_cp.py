@@ -257,7 +257,6 @@ def test_cp_is_exact_with_a_sliding_window_from_the_config_and_with_learned_sink
 
 def test_cp_is_refused_at_the_plans_line_for_a_model_whose_attention_it_cannot_replace(tmp_path):
     import plancc
-    from plancc import Layout
     from plancc.checks import check_plan
     from plancc.tools.import_hf import import_hf
 
@@ -265,8 +264,8 @@ def test_cp_is_refused_at_the_plans_line_for_a_model_whose_attention_it_cannot_r
     plan_path = tmp_path / "plan.yaml"
     plan_path.write_text(import_hf(str(folder)))
     plan = plancc.load_plan(plan_path)
-    assert not [d for d in check_plan(plan, str(folder), Layout.infer(tp=2)) if d.is_error]  # tp alone stays fine
-    (problem,) = [d for d in check_plan(plan, str(folder), Layout.infer(cp=2)) if d.is_error]
+    assert not [d for d in check_plan(plan, str(folder), tp=2) if d.is_error]  # tp alone stays fine
+    (problem,) = [d for d in check_plan(plan, str(folder), cp=2) if d.is_error]
     assert problem.rule == "context-parallel" and problem.loc.line > 0
     assert "no attention modules that call transformers' attention interface" in problem.message
     assert problem.fix and "--cp 1" in problem.fix
@@ -295,11 +294,10 @@ def _key_pickers(tmp_path):
 
 def test_cp_accepts_layers_that_pick_keys_and_says_what_their_mask_costs(tmp_path):
     import plancc
-    from plancc import Layout
     from plancc.checks import check_plan
 
     for name, (plan_path, folder) in _key_pickers(tmp_path).items():
-        found = [d for d in check_plan(plancc.load_plan(plan_path), folder, Layout.infer(cp=2)) if d.rule == "context-parallel"]
+        found = [d for d in check_plan(plancc.load_plan(plan_path), folder, cp=2) if d.rule == "context-parallel"]
         assert not [d for d in found if d.is_error], (name, found)
         if name != "gemma2":  # the indexer and the dynamic mask attend under a dense [S/cp, S] mask
             (warning,) = found
@@ -362,13 +360,12 @@ def _hybrid(tmp_path, model_type):
 @pytest.mark.parametrize("model_type,too_many", [("qwen3_next", 4), ("nemotron_h", 8), ("jamba", 3), ("minimax", 8)])
 def test_cp_accepts_hybrids_and_refuses_a_cp_that_does_not_divide_their_heads(tmp_path, model_type, too_many):
     import plancc
-    from plancc import Layout
     from plancc.checks import check_plan
 
     plan_path, folder = _hybrid(tmp_path, model_type)
     plan = plancc.load_plan(plan_path)
-    assert not [d for d in check_plan(plan, str(folder), Layout.infer(cp=2)) if d.is_error]
-    problems = [d for d in check_plan(plan, str(folder), Layout.infer(cp=too_many))
+    assert not [d for d in check_plan(plan, str(folder), cp=2) if d.is_error]
+    problems = [d for d in check_plan(plan, str(folder), cp=too_many)
                 if d.is_error and "does not divide" in d.message]
     assert problems and problems[0].rule == "context-parallel" and "--cp in {1, 2" in problems[0].fix, problems
 
@@ -420,11 +417,10 @@ def test_hybrid_log_probs_under_cp_take_padding_as_the_unsharded_model(tmp_path,
 
 def test_cp_is_accepted_for_attention_models_with_windows_and_sinks(tmp_path):
     import plancc
-    from plancc import Layout
     from plancc.checks import check_plan
 
-    assert not [d for d in check_plan(plancc.load_plan(PLANS / "gpt_oss.yaml"), "tiny-gpt-oss", Layout.infer(cp=2)) if d.is_error]
-    assert not [d for d in check_plan(plancc.load_plan(PLANS / "gemma3.yaml"), "tiny-gemma3", Layout.infer(cp=2)) if d.is_error]
+    assert not [d for d in check_plan(plancc.load_plan(PLANS / "gpt_oss.yaml"), "tiny-gpt-oss", cp=2) if d.is_error]
+    assert not [d for d in check_plan(plancc.load_plan(PLANS / "gemma3.yaml"), "tiny-gemma3", cp=2) if d.is_error]
 
 
 SHIPPED = {"qwen3.yaml": "tiny-qwen3", "llama.yaml": "tiny-llama", "gemma3.yaml": "tiny-gemma3",

@@ -11,13 +11,11 @@ import pytest
 from transformers import AutoConfig
 
 import plancc
-from plancc import Layout
 from plancc.checks import check_plan
 from plancc.errors import PlanError
 from plancc.tools.import_hf import import_hf
 
 from .conftest import PLANS
-from .sized_checks import check_at_sizes
 
 # plan -> (published config, tp); Qwen3-30B-A3B has 4 KV heads
 MOE_PLANS = {
@@ -45,7 +43,7 @@ def _tiny_folder(folder, model_type, **extra):
 @pytest.mark.parametrize("plan,preset_tp", MOE_PLANS.items())
 def test_the_shipped_moe_plans_validate_on_the_published_configs(plan, preset_tp):
     preset, tp = preset_tp
-    found = check_plan(plancc.load_plan(PLANS / plan), preset, Layout.infer(tp=tp))
+    found = check_plan(plancc.load_plan(PLANS / plan), preset, tp=tp)
     assert not _errors(found), [d.message for d in found]
     assert not [d for d in found if d.rule == "sharded-region-params"]  # the wiring was traced
 
@@ -58,7 +56,7 @@ def test_import_hf_writes_one_experts_rule_for_hfs_packed_expert_weights(tmp_pat
     assert "gate_up_proj" not in text and "experts.down_proj" not in text
     path = tmp_path / "imported.yaml"
     path.write_text(text)
-    assert not _errors(check_plan(plancc.load_plan(path), str(tmp_path), Layout.infer(tp=2)))
+    assert not _errors(check_plan(plancc.load_plan(path), str(tmp_path), tp=2))
 
 
 def test_import_hf_refuses_experts_that_take_pre_routed_tokens(tmp_path):
@@ -71,7 +69,7 @@ def test_import_hf_refuses_experts_that_take_pre_routed_tokens(tmp_path):
 
 def test_an_expert_count_tp_does_not_divide_is_an_error_at_the_experts_rule():
     plan = plancc.load_plan(PLANS / "qwen3_moe.yaml")
-    found = _errors(check_plan(plan, "qwen3-30b-a3b", Layout.infer(tp=3)), "shape-divisible")
+    found = _errors(check_plan(plan, "qwen3-30b-a3b", tp=3), "shape-divisible")
     (d,) = [d for d in found if "experts" in d.message]  # 128 of them
     assert "128 experts do not split over tp=3" in d.message
     assert d.loc.line == _line_of(PLANS / "qwen3_moe.yaml", "mlp.experts: moe_experts")
@@ -79,7 +77,7 @@ def test_an_expert_count_tp_does_not_divide_is_an_error_at_the_experts_rule():
 
 
 def test_an_moe_plan_on_a_dense_model_names_the_experts_rule():
-    found = _errors(check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-8b", Layout.infer(tp=2)), "glob-no-match")
+    found = _errors(check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-8b", tp=2), "glob-no-match")
     assert [d.loc.line for d in found] == [_line_of(PLANS / "qwen3_moe.yaml", "mlp.experts: moe_experts")]
 
 
@@ -88,7 +86,7 @@ def test_the_experts_style_on_a_dense_mlp_is_a_module_kind_error(write_plan):
                                                       "model.layers.*.mlp: moe_experts")
     text = text.replace("  model.layers.*.mlp.up_proj: colwise\n  model.layers.*.mlp.down_proj: rowwise\n", "")
     text = text.replace("  model.layers.*.mlp: shared_input\n", "")
-    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", Layout.infer(tp=2)), "style-module-kind")
+    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2), "style-module-kind")
     assert "'moe_experts' applies to experts modules" in d.message
 
 
@@ -98,13 +96,13 @@ def test_import_hf_gives_mla_kv_a_proj_the_configs_rotary_width(tmp_path):
     plan = plancc.load_plan(_written(tmp_path, import_hf(folder)))
     (rule,) = [r for r in plan.tensor_parallel if r.style.name == "mla_kv_a_proj"]
     assert dict(rule.style.overrides) == {"rope_dim": 8}
-    assert not _errors(check_plan(plan, folder, Layout.infer(tp=2)))
+    assert not _errors(check_plan(plan, folder, tp=2))
 
 
 def test_a_rotary_width_other_than_the_configs_is_an_error_with_the_right_one():
     plan = plancc.load_plan(PLANS / "deepseek_v3.yaml")  # rope_dim: 64, DeepSeek-V3's
-    assert not _errors(check_plan(plan, "deepseek-v3", Layout.infer(tp=8)), "mla-rope-dim")
-    (d,) = _errors(check_plan(plan, _config_with(qk_rope_head_dim=32), Layout.infer(tp=8)), "mla-rope-dim")
+    assert not _errors(check_plan(plan, "deepseek-v3", tp=8), "mla-rope-dim")
+    (d,) = _errors(check_plan(plan, _config_with(qk_rope_head_dim=32), tp=8), "mla-rope-dim")
     assert "rope_dim 64, but the config's qk_rope_head_dim is 32" in d.message
     assert d.fix == "write '{style: mla_kv_a_proj, rope_dim: 32}'"
     assert d.loc.line == _line_of(PLANS / "deepseek_v3.yaml", "kv_a_proj_with_mqa: {style")
@@ -132,13 +130,13 @@ def _line_of(path, needle):
 # --- expert parallelism (--ep): ranks borrowed from dp, experts over ep x tp ---------------
 
 def test_qwen3_30b_a3b_spreads_its_128_experts_over_ep_8_by_tp_4():
-    found = check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-30b-a3b", Layout.infer(tp=4, ep=8))
+    found = check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-30b-a3b", tp=4, ep=8)
     assert not _errors(found), [d.message for d in found]
 
 
 def test_an_ep_that_does_not_divide_the_expert_count_is_an_error_at_the_experts_rule():
     plan = plancc.load_plan(PLANS / "qwen3_moe.yaml")
-    (d,) = _errors(check_plan(plan, "qwen3-30b-a3b", Layout.infer(tp=4, ep=3)), "expert-parallel")
+    (d,) = _errors(check_plan(plan, "qwen3-30b-a3b", tp=4, ep=3), "expert-parallel")
     assert "128 experts do not split over ep=3 x tp=4" in d.message
     assert d.loc.line == _line_of(PLANS / "qwen3_moe.yaml", "mlp.experts: moe_experts")
     assert "--ep in {1, 2, 4, 8, 16, 32}" in d.fix
@@ -146,17 +144,18 @@ def test_an_ep_that_does_not_divide_the_expert_count_is_an_error_at_the_experts_
 
 def test_an_ep_that_does_not_divide_dp_is_a_mesh_size_error_naming_the_eps_that_fit():
     plan = plancc.load_plan(PLANS / "qwen3_moe.yaml")
-    (d,) = _errors(check_at_sizes(plan, "qwen3-30b-a3b", tp=4, ep=8, world_size=16), "mesh-sizes")
+    (d,) = _errors(check_plan(plan, "qwen3-30b-a3b", tp=4, ep=8, world_size=16), "mesh-sizes")
     assert "ep=8 does not divide dp=4" in d.message and "[1, 2, 4]" in d.fix
 
 
 def test_ep_with_context_parallelism_is_refused_by_name():
-    (d,) = _errors(check_at_sizes(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-30b-a3b", tp=4, cp=2, ep=2, world_size=16), "mesh-sizes")
+    (d,) = _errors(check_plan(plancc.load_plan(PLANS / "qwen3_moe.yaml"), "qwen3-30b-a3b", tp=4, cp=2, ep=2,
+                              world_size=16), "mesh-sizes")
     assert "expert parallelism with context parallelism is not supported" in d.message
 
 
 def test_ep_on_a_dense_model_is_an_error_not_a_silent_no_op():
-    (d,) = _errors(check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), "qwen3-8b", Layout.infer(ep=2)), "expert-parallel")
+    (d,) = _errors(check_plan(plancc.load_plan(PLANS / "qwen3.yaml"), "qwen3-8b", ep=2), "expert-parallel")
     assert "no module has the 'moe_experts' style" in d.message and "drop --ep" in d.fix
 
 
@@ -190,7 +189,7 @@ def test_gpt_oss_with_its_sinks_left_whole_fails_validate_with_the_per_head_fix(
     text = (PLANS / "gpt_oss.yaml").read_text().replace(
         "  model.layers.*.self_attn: {style: per_head_params, input_layouts: replicate}\n", ""
     )
-    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-gpt-oss", Layout.infer(tp=2)), "sharded-region-params")
+    (d,) = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-gpt-oss", tp=2), "sharded-region-params")
     assert "self_attn (GptOssAttention) has parameters sinks" in d.message
     assert "'model.layers.*.self_attn: per_head_params'" in d.fix
 
@@ -203,7 +202,7 @@ def test_import_hf_maps_local_params_and_drops_hfs_rule_for_the_sinks_themselves
     assert "sinks" not in text
     path = tmp_path / "imported.yaml"
     path.write_text(text)
-    assert not _errors(check_plan(plancc.load_plan(path), folder, Layout.infer(tp=2)))
+    assert not _errors(check_plan(plancc.load_plan(path), folder, tp=2))
 
 
 def test_per_head_params_on_attention_without_parameters_of_its_own_is_a_warning(write_plan):
@@ -211,7 +210,7 @@ def test_per_head_params_on_attention_without_parameters_of_its_own_is_a_warning
     ground truth), so a warning, not a refusal."""
     text = (PLANS / "qwen3.yaml").read_text().replace(
         "  model.layers.*.self_attn: shared_input\n", "  model.layers.*.self_attn: per_head_params\n", 1)
-    found = check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", Layout.infer(tp=2))
+    found = check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2)
     assert not [d for d in found if d.is_error]
     (d,) = [d for d in found if d.rule == "style-module-kind"]
     assert "has no parameters of its own" in d.message and "does nothing" in d.message and "drop the rule" in d.fix

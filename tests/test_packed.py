@@ -8,14 +8,13 @@ import pytest
 from transformers import AutoConfig
 
 import plancc
-from plancc import Layout
 from plancc.checks import check_plan
 
 from .conftest import PLANS, assert_verified
 
 
 def _packed_errors(plan_path, model, tp=2, **sizes):
-    found = check_plan(plancc.load_plan(plan_path), model, Layout.infer(tp=tp, **sizes))
+    found = check_plan(plancc.load_plan(plan_path), model, tp=tp, **sizes)
     return [d for d in found if d.is_error and d.rule == "packed-projection"], found
 
 

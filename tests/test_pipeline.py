@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from plancc import Layout
 from plancc.engine.pipeline.pipeline_stages import stage_layers
 
 from .conftest import PLANS as PLANS_DIR
@@ -97,7 +96,7 @@ def _pipeline_problems(tmp_path, model="qwen3-8b", schedule="1f1b", micro=4, vir
         text = text.replace(old, new)
     path = tmp_path / "plan.yaml"
     path.write_text(text)
-    return [d for d in plancc.check_plan(plancc.load_plan(path), model, Layout.infer(**layout)) if d.rule == "pipeline"]
+    return [d for d in plancc.check_plan(plancc.load_plan(path), model, **layout) if d.rule == "pipeline"]
 
 
 def test_a_pipeline_section_whose_stages_cover_every_layer_in_order_passes(tmp_path):
@@ -135,7 +134,7 @@ def test_too_few_layers_for_the_stages_is_refused_without_stage_globs(tmp_path):
 
     path = tmp_path / "plan.yaml"
     path.write_text((PLANS_DIR / "qwen3.yaml").read_text().replace("schedule: 1f1b\n", "schedule: 1f1b\n  microbatches: 4\n"))
-    problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", Layout.infer(pp=4, world_size=4))
+    problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", pp=4, world_size=4)
                 if d.rule == "pipeline"]
     assert problems and "2 decoder layers for 4 stages" in problems[0].message
 
@@ -420,7 +419,7 @@ def test_the_first_and_last_stages_can_be_lighter_by_the_embedding_and_the_lm_he
     path = tmp_path / "plan.yaml"
     path.write_text((PLANS_DIR / "qwen3.yaml").read_text().replace(
         "schedule: 1f1b\n", "schedule: 1f1b\n  first_stage_less_layers: 4\n"))
-    problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", Layout.infer(pp=2, world_size=2))
+    problems = [d for d in plancc.check_plan(plancc.load_plan(path), "tiny-qwen3", pp=2, world_size=2)
                 if d.rule == "pipeline"]
     assert problems and "a stage would hold" in problems[0].message, problems
 
@@ -453,7 +452,7 @@ def test_layers_per_stage_derives_the_stage_count_from_the_models_layers(tmp_pat
     def problems(extra: str, model: str, pp: int) -> list:
         path = tmp_path / "plan.yaml"
         path.write_text((PLANS_DIR / "qwen3.yaml").read_text().replace("schedule: 1f1b\n", f"schedule: 1f1b\n{extra}"))
-        found = plancc.check_plan(plancc.load_plan(path), model, Layout.infer(pp=pp, world_size=pp))
+        found = plancc.check_plan(plancc.load_plan(path), model, pp=pp, world_size=pp)
         return [d for d in found if d.rule == "pipeline"]
 
     assert problems("  layers_per_stage: 9\n", "qwen3-8b", 4) == []  # 36 layers, 9 a stage: one a rank

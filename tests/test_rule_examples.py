@@ -12,7 +12,6 @@ from plancc.checks.example import Example
 from plancc.models import load_config
 
 from .conftest import PLANS
-from .sized_checks import check_at_sizes
 
 CASES = [(rule, example) for rule in RULES for example in rule.EXAMPLES]
 
@@ -39,7 +38,7 @@ def test_rule_example_holds(rule, example, tmp_path):
     config = load_config(example.model)
     for key, value in example.config.items():
         setattr(config, key, value)
-    found = [d for d in check_at_sizes(plancc.load_plan(path), config, **example.args)
+    found = [d for d in plancc.check_plan(plancc.load_plan(path), config, **example.args)
              if d.rule in rule_ids(rule)]
     errors = [d for d in found if d.is_error]
     if example.verdict == "PASS":

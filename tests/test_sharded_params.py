@@ -7,7 +7,6 @@ import yaml
 from transformers import AutoConfig
 
 import plancc
-from plancc import Layout
 from plancc import dataflow
 from plancc.checks import check_plan
 from plancc.tools.import_hf import import_hf
@@ -32,7 +31,7 @@ def apertus(tmp_path_factory):
 
 def test_per_head_norms_left_whole_are_refused(write_plan):
     text = "".join(line for line in QWEN3.read_text().splitlines(keepends=True) if "_norm: {style: qk_norm" not in line)
-    found = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", Layout.infer(tp=2)))
+    found = _errors(check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2))
     assert sorted(d.message.split(" ")[0] for d in found) == [
         "model.layers.*.self_attn.k_norm", "model.layers.*.self_attn.q_norm",
     ]
@@ -44,8 +43,8 @@ def test_per_head_norms_left_whole_are_refused(write_plan):
 
 def test_the_shipped_plan_passes_and_tp1_has_nothing_to_sum():
     plan = plancc.load_plan(QWEN3)
-    assert _errors(check_plan(plan, "tiny-qwen3", Layout.infer(tp=2))) == []
-    assert _errors(check_plan(plan, "tiny-qwen3", Layout.infer(tp=1))) == []
+    assert _errors(check_plan(plan, "tiny-qwen3", tp=2)) == []
+    assert _errors(check_plan(plan, "tiny-qwen3", tp=1)) == []
 
 
 def _tiny_config(folder, model_type, **extra):
@@ -68,7 +67,7 @@ def test_import_hf_leaves_out_rules_that_match_nothing_in_the_config(tmp_path, w
     folder = _tiny_config(tmp_path / "doge", "doge")
     text = import_hf(folder)
     assert "router_gate" not in text and "mlp.up_proj: colwise" in text
-    assert [d for d in check_plan(plancc.load_plan(write_plan(text)), folder, Layout.infer(tp=2)) if d.is_error] == []
+    assert [d for d in check_plan(plancc.load_plan(write_plan(text)), folder, tp=2) if d.is_error] == []
 
 
 def test_import_hf_refuses_styles_it_cannot_map_as_unsupported_style(tmp_path):
@@ -82,12 +81,12 @@ def test_import_hf_refuses_styles_it_cannot_map_as_unsupported_style(tmp_path):
 def test_an_activation_with_parameters_fails_then_passes_when_fixed(apertus, write_plan):
     folder, imported = apertus
     imported = imported.replace(ACT_FN_FIX, "")  # what transformers' own TP plan says
-    (found,) = _errors(check_plan(plancc.load_plan(write_plan(imported)), str(folder), Layout.infer(tp=2)))
+    (found,) = _errors(check_plan(plancc.load_plan(write_plan(imported)), str(folder), tp=2))
     assert found.message.startswith("model.layers.*.mlp.act_fn (XIELUActivation) has parameters alpha_p, alpha_n")
     assert "model.layers.*.mlp.up_proj" in found.message
     down = "  model.layers.*.mlp.down_proj: rowwise\n"
     fixed = imported.replace(down, ACT_FN_FIX + down)
-    assert [d for d in check_plan(plancc.load_plan(write_plan(fixed)), str(folder), Layout.infer(tp=2)) if d.is_error] == []
+    assert [d for d in check_plan(plancc.load_plan(write_plan(fixed)), str(folder), tp=2) if d.is_error] == []
 
 
 @pytest.mark.slow
@@ -110,7 +109,7 @@ def test_a_forward_that_cannot_run_on_meta_is_a_warning_not_a_pass(monkeypatch, 
 
     monkeypatch.setattr("plancc.checks.context.trace", refuse)
     config = plancc.models.load_config("tiny-qwen3")  # a config, so no skeleton carries a flow
-    diags = [d for d in check_plan(plancc.load_plan(QWEN3), config, Layout.infer(tp=2)) if d.rule == "sharded-region-params"]
+    diags = [d for d in check_plan(plancc.load_plan(QWEN3), config, tp=2) if d.rule == "sharded-region-params"]
     assert len(diags) == 1 and not diags[0].is_error and "could not be traced" in diags[0].message
 
 
@@ -125,9 +124,9 @@ def test_a_per_head_output_all_reduced_fails_validate_and_import_hf_writes_both_
     assert plan["model.layers.*.self_attn"] == {"style": "per_head_params", "input_layouts": "replicate"}
     path = tmp_path / "imported.yaml"
     path.write_text(text)
-    assert [d for d in check_plan(plancc.load_plan(path), folder, Layout.infer(tp=2)) if d.is_error] == []
+    assert [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error] == []
     path.write_text(text.replace("style: rowwise\n    output_layouts: shard(-1)", "style: rowwise"))
-    (found,) = [d for d in check_plan(plancc.load_plan(path), folder, Layout.infer(tp=2)) if d.is_error]
+    (found,) = [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error]
     assert found.rule == "per-head-output" and "dt_proj" in found.message
 
 
@@ -160,4 +159,4 @@ def test_a_norm_whose_width_equals_a_head_count_is_no_per_head_parameter(tmp_pat
     assert plan["model.layers.*.self_attn.q_norm"] in ("qk_norm", "replicated_with_grad_allreduce"), plan
     path = tmp_path / "imported.yaml"
     path.write_text(text)
-    assert [d for d in check_plan(plancc.load_plan(path), folder, Layout.infer(tp=2)) if d.is_error] == []
+    assert [d for d in check_plan(plancc.load_plan(path), folder, tp=2) if d.is_error] == []

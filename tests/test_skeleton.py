@@ -5,7 +5,6 @@ summary on the skeleton equals the one on the real model, for passing and failin
 
 from __future__ import annotations
 
-
 import json
 import subprocess
 import sys
@@ -13,13 +12,12 @@ from importlib import resources
 
 import pytest
 
-from plancc import load_plan
+from plancc import check_plan, load_plan
 from plancc.checks.report import validate_plan
 from plancc.models import build_meta_model, load_config, presets
 from plancc.skeleton import describe, load_skeleton
 
 from .conftest import PLANS
-from .sized_checks import check_at_sizes
 
 SHIPPED = sorted(p.name for p in resources.files("plancc").joinpath("presets", "skeletons").iterdir())
 PLAN_OF = {"Qwen3ForCausalLM": "qwen3.yaml", "Qwen2ForCausalLM": "qwen3.yaml", "LlamaForCausalLM": "llama.yaml",
@@ -67,7 +65,7 @@ def test_validating_on_a_skeleton_reports_exactly_what_the_real_model_does(prese
     for path in (own, other, broken, untied):
         plan = load_plan(path)
         for layout in LAYOUTS:
-            assert check_at_sizes(plan, skeleton, **layout) == check_at_sizes(plan, real, **layout), (path.name, layout)
+            assert check_plan(plan, skeleton, **layout) == check_plan(plan, real, **layout), (path.name, layout)
     fast = validate_plan(own, model=preset, tp=2, sequence_parallel=True)
     assert type(fast.meta_model).__module__ == "plancc.skeleton"
     full = validate_plan(own, model=preset, tp=2, sequence_parallel=True, skeleton=False)

@@ -18,7 +18,6 @@ import sys
 import pytest
 
 import plancc
-from plancc import Layout
 
 from .conftest import PLANS, ROOT
 
@@ -117,7 +116,7 @@ def test_rules_that_each_fix_it_alone_are_all_named(write_plan):
     text = QWEN3.replace("mlp.gate_proj: colwise", "mlp.gate_proj: colwise_rep").replace(
         "mlp.down_proj: rowwise\n", "mlp.down_proj: rowwise_rep\n"
     )
-    (found,) = [d for d in plancc.check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", Layout.infer(tp=2)) if d.is_error]
+    (found,) = [d for d in plancc.check_plan(plancc.load_plan(write_plan(text)), "tiny-qwen3", tp=2) if d.is_error]
     assert found.rule == "mixed-shards" and found.line == _line(text, "mlp.up_proj: colwise")
     assert found.fix == "make 'model.layers.*.mlp.up_proj: colwise_rep'"
     # two equally small fixes: both named
@@ -156,7 +155,7 @@ def test_a_legal_but_slower_pair_is_a_warning_naming_the_cheaper_plan(write_plan
     for proj in ("q_proj", "k_proj", "v_proj"):
         text = text.replace(f"self_attn.{proj}: colwise", f"self_attn.{proj}: colwise_rep")
     text = text.replace("self_attn.o_proj: rowwise\n", "self_attn.o_proj: rowwise_rep\n")
-    found = plancc.check_plan(plancc.load_plan(write_plan(text)), "tiny-llama", Layout.infer(tp=2))
+    found = plancc.check_plan(plancc.load_plan(write_plan(text)), "tiny-llama", tp=2)
     assert not [d for d in found if d.is_error]
     (warning,) = [d for d in found if d.rule == "redundant-gather"]
     assert warning.line == _line(text, "self_attn.o_proj: rowwise_rep")

@@ -106,16 +106,35 @@ def check_plan(
     *,
     seq_len: int | None = None,
     resolved: Iterable[ResolvedPlan] | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    dp: int | None = None,
+    world_size: int | None = None,
+    sequence_parallel: bool = False,
+    pp: int = 1,
+    dp_replicate: int = 1,
 ) -> list[Diagnostic]:
-    """Every problem of ``plan`` on this model at ``layout`` (one rank when None), errors and
-    warnings. ``Layout(tp=8, dp=16)`` or ``Layout.infer(world_size=..., tp=...)`` says the layout;
-    sizes that cannot fit are refused there (``LayoutError``, rule ``mesh-sizes``) -- ``plancc
-    validate`` reports them beside the other rules' problems (``Layout.diagnose``, ``check_at``).
+    """Every problem of ``plan`` on this model at ``layout``, errors and warnings.
 
     Glob problems (``glob-no-match``, ``rule-conflict``) come from resolving and are included;
-    rules whose globs failed are not checked further.
+    rules whose globs failed are not checked further. Without a ``layout``, the sizes (``tp``,
+    ``cp``, ``ep``, ``dp``, ``world_size``, ``sequence_parallel``: plancc 0.1's keywords) build
+    one; sizes that do not fit are a ``mesh-sizes`` problem and the other rules still run.
     """
-    return check_at(plan, model_or_config, layout or Layout(), seq_len=seq_len, resolved=resolved)
+    layout, layout_problems = layout_for(
+        plan,
+        layout,
+        world_size=world_size,
+        dp=dp,
+        cp=cp,
+        tp=tp,
+        ep=ep,
+        sequence_parallel=sequence_parallel,
+        pp=pp,
+        dp_replicate=dp_replicate,
+    )
+    return check_at(plan, model_or_config, layout, layout_problems, seq_len=seq_len, resolved=resolved)
 
 
 def layout_for(plan: Plan, layout: Layout | None, **sizes: Any) -> tuple[Layout, list[Diagnostic]]:

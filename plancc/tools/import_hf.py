@@ -26,7 +26,6 @@ from ..compiler.kinds import is_experts_module
 from ..compiler.plan import parse_plan
 from ..compiler.styles import ALIASES, HF_UNSUPPORTED, STYLES
 from ..errors import Diagnostic, PlanError, SourceLoc
-from ..layout import Layout
 from ..models import architecture_of, build_meta_model, load_config
 
 # HF style name -> plancc style (same layouts; see `plancc styles`)
@@ -178,10 +177,6 @@ _FIXABLE = ("sharded-region-params", "per-head-output", "shared-input")
 def _rules_the_checks_ask_for(text: str, model: nn.Module) -> dict[str, Any]:
     """glob -> style for what the plan gets wrong at tp=2 that a check suggests as rules to write
     (``Diagnostic.suggestion``); once nothing is wrong, what it sends more than once."""
-    found = [
-        d
-        for d in check_plan(parse_plan(text, "<import-hf>"), model, Layout.infer(tp=2))
-        if d.rule in _FIXABLE and d.suggestion
-    ]
+    found = [d for d in check_plan(parse_plan(text, "<import-hf>"), model, tp=2) if d.rule in _FIXABLE and d.suggestion]
     wanted = [d for d in found if d.is_error] or found  # a block's correctness before its traffic
     return {glob: style for d in wanted for glob, style in (d.suggestion or {}).items()}
