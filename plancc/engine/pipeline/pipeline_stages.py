@@ -11,10 +11,11 @@ Exactness as plancc means it: the loss of a microbatch is its share of the *glob
 (``engine.pipeline.pipeline_last_stage``: its tokens' terms over the global batch's count), and
 the schedule is told not to scale gradients (``scale_grads=False``): the gradients are then those
 of the mean NLL over the whole batch in one pass, whatever the number of microbatches. Gradient
-norms are summed over the pipeline group (``pipeline_grad_norm``). Rows are unpadded and unpacked
-here: a stage attends causally by the kernel's own mask (``attention_mask=None``), or under
+norms are summed over the pipeline group (``pipeline_grad_norm``). Rows are unpadded: whole rows
+of one length attend causally by the kernel's own mask (``attention_mask=None``), or under
 context parallelism by the cp attention over its cp rank's load-balanced shard of the row
-(``runtime.cp_context``), laid out from the microbatch's shape.
+(``runtime.cp_context``), laid out from the microbatch's shape; packed rows come with their
+positions (``DecoderStage.forward``).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``positions``: packed rows' (each document's from 0); each document then attends to
         itself alone, by the mask transformers builds from them (``create_causal_mask``: dense
-        ``[T, T]``, where ``Policy`` without stages attends per document without one)."""
+        ``[T, T]``, where ``Policy`` without stages attends per document without one), or under
+        context parallelism by the document ids the cp attention reads from them."""
         part = self.model
         embed = part.embed_tokens
         first = embed is not None
