@@ -330,10 +330,14 @@ def _refit_and_resume_bars(policy, plan, model_name, layout_kwargs, batch, folde
     with tempfile.TemporaryDirectory() as receiver_folder:
         load_config(model_name).save_pretrained(receiver_folder)
         save_file(streamed, f"{receiver_folder}/model.safetensors", metadata={"format": "pt"})
-        received = AutoModelForCausalLM.from_pretrained(receiver_folder, dtype=torch.float32).state_dict()
+        receiver, loading = AutoModelForCausalLM.from_pretrained(
+            receiver_folder, dtype=torch.float32, output_loading_info=True
+        )
+    received = receiver.state_dict()
     shared = sorted(set(own) & set(received))
     bitwise = bool(shared) and all(torch.equal(received[n], own[n]) for n in shared)
-    missing = sorted(set(own) - set(received))
+    # what the receiver had to initialize itself: a weight the stream left out
+    missing = sorted(loading["missing_keys"]) + sorted(set(own) - set(received))
     policy.save(folder)
     twin = plancc.Policy(
         plan, model_name, seed=7, optimizer=_recording_sgd, max_grad_norm=1.0, layout=sized(**layout_kwargs)

@@ -189,17 +189,9 @@ class RunConfig:
 
     @classmethod
     def of(cls, *, plan: str, layout: Layout | None = None, **flags: Any) -> RunConfig:
-        """The settings named by their flags (``lr=1e-4, save="ckpt"``); an unknown name is a
-        TypeError, as a misspelled keyword is."""
-        by_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-        by_section["model"]["plan"] = plan
-        for flag, value in flags.items():
-            if flag not in SETTINGS:
-                raise TypeError(f"RunConfig has no setting {flag!r}")
-            section, name = SETTINGS[flag]
-            by_section[section][name] = value
-        sections = {section: SECTIONS[section](**kw) for section, kw in by_section.items()}
-        return cls(layout=layout or Layout(), **sections)
+        """The settings named by their flags (``lr=1e-4, save="ckpt"``), the rest their defaults;
+        an unknown name is a TypeError, as a misspelled keyword is."""
+        return cls(model=ModelSettings(plan=plan), layout=layout or Layout()).with_flags(**flags)
 
     def with_flags(self, **flags: Any) -> RunConfig:
         """This run with some settings changed, named by their flags."""

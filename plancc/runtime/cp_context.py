@@ -318,7 +318,7 @@ class CPContext:
             return index
         keys = torch.arange(length, device=device).unsqueeze(0).expand(rows, -1)
         queries = index.expand(rows, -1)
-        self.batch = CPBatch(
+        batch = CPBatch(
             q_positions=queries,
             key_positions=keys,
             key_valid=torch.ones((rows, length), dtype=torch.bool, device=device),
@@ -326,8 +326,7 @@ class CPContext:
             local_doc_ids=torch.zeros_like(queries),
             segments=None if self.dense else [(0, rows, [0])],
         )
-        self.masks, self.blocks, self.padding, self.spans, self.flex = {}, {}, [], [], {}
-        self.unpadded_shape = (rows, length)
+        self.restore(CPState(batch, {}, {}, [], [], {}, (rows, length)))
         return index
 
     def lay_out(
@@ -352,7 +351,7 @@ class CPContext:
             index = load_balanced_indices_packed(bounds, self.size, self.rank).to(positions.device)
         else:
             index = load_balanced_indices(positions.shape[1], self.size, self.rank).to(positions.device)
-        self.batch = CPBatch(
+        batch = CPBatch(
             q_positions=positions.index_select(1, index),
             key_positions=positions,
             key_valid=torch.ones_like(positions, dtype=torch.bool) if mask is None else mask.bool(),
@@ -362,8 +361,7 @@ class CPContext:
             bounds=bounds,
             segments=None if self.dense else row_segments(positions, mask, bounds, known=known),
         )
-        self.masks, self.blocks, self.padding, self.unpadded_shape = {}, {}, [], None
-        self.spans, self.flex = [], {}
+        self.restore(CPState(batch, {}, {}, [], [], {}, None))  # a new batch: nothing built from it yet
         return index
 
     def state(self) -> CPState:
@@ -373,6 +371,7 @@ class CPContext:
         return CPState(self.batch, self.masks, self.blocks, self.padding, self.spans, self.flex, self.unpadded_shape)
 
     def restore(self, state: CPState) -> None:
+        """``state`` as the current batch (a kept one, or a new one with nothing built yet)."""
         self.batch, self.masks, self.blocks, self.padding = state.batch, state.masks, state.blocks, state.padding
         self.spans, self.flex, self.unpadded_shape = state.spans, state.flex, state.unpadded_shape
 
