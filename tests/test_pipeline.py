@@ -349,22 +349,27 @@ def test_policy_runs_two_stage_schedules_with_activation_checkpointing(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("packed", "cp"), [
-    (False, 1), (True, 1),
-    (True, 2),  # packed rows beside cp in the stages: the training side is test_policy's pp2xcp2 bars
-], ids=["by-length", "packed", "packed-cp2"])
-def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path, packed, cp):
+@pytest.mark.parametrize(("plan", "packed", "cp"), [
+    ("qwen3", False, 1), ("qwen3", True, 1),
+    ("qwen3", True, 2),  # packed rows beside cp in the stages: the training side is test_policy's pp2xcp2 bars
+    # Gemma 3: a rotary per layer type and sliding windows of 8 (rows of up to 39 tokens);
+    # gpt-oss: an eager attention (for its sinks) that masks only by the mask it is given
+    ("gemma3", False, 1), ("gpt_oss", False, 1), ("gpt_oss", True, 1),
+], ids=["by-length", "packed", "packed-cp2", "gemma3", "gpt-oss", "gpt-oss-packed"])
+def test_logprobs_with_stages_verify_against_the_unsharded_model(tmp_path, plan, packed, cp):
     """`plancc logprobs --pp 2`: rows of every length through the stages, the last stage's
     log-probs (and entropy) written by rank 0, equal to the unsharded model's. With --pack the
     rows go packed end to end (one schedule step), each attending to itself alone; with --cp 2
-    as well, each document by the ids the cp attention reads from the packed positions."""
+    as well, each document by the ids the cp attention reads from the packed positions. A stage
+    gives each layer the rotary embedding and mask the model's own forward would."""
     import json
 
     from .conftest import forked_cli
 
     data = _uneven_rows(tmp_path / "rows.jsonl", rows=6, seed=1)
     out = tmp_path / "lp.jsonl"
-    code, stdout, err = forked_cli("logprobs", PLANS_DIR / "qwen3.yaml", "--data", data, "--pp", 2, "--entropy",
+    model = [] if plan == "qwen3" else ["--model", f"tiny-{plan.replace('_', '-')}"]
+    code, stdout, err = forked_cli("logprobs", PLANS_DIR / f"{plan}.yaml", *model, "--data", data, "--pp", 2, "--entropy",
                                    "--verify", "--out", out, *(["--pack"] if packed else []),
                                    *(["--cp", cp, "--nproc-per-node", 2 * cp] if cp > 1 else []))
     assert code == 0 and "verify: max |logprob diff|" in stdout and "OK" in stdout, err + stdout

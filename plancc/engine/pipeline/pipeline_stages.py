@@ -12,14 +12,16 @@ Exactness as plancc means it: the loss of a microbatch is its share of the *glob
 the schedule is told not to scale gradients (``scale_grads=False``): the gradients are then those
 of the mean NLL over the whole batch in one pass, whatever the number of microbatches. Gradient
 norms are summed over the pipeline group (``pipeline_grad_norm``). Rows are unpadded: whole rows
-of one length attend causally by the kernel's own mask (``attention_mask=None``), or under
-context parallelism by the cp attention over its cp rank's load-balanced shard of the row
+of one length attend by the masks the model's own forward makes (none where SDPA masks causally
+by itself; an eager attention's or a sliding window's where it needs one), or under context
+parallelism by the cp attention over its cp rank's load-balanced shard of the row
 (``runtime.cp_context``), laid out from the microbatch's shape; packed rows come with their
 positions (``DecoderStage.forward``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,12 +123,19 @@ class DecoderStage(nn.Module):
         elif self.cp is not None:  # the cp attention finds the documents from the whole rows' positions
             positions, x = self._packed_row_positions(x, positions, first)
         hidden = embed(x) if embed is not None else x
-        rotary = part.rotary_emb(hidden, positions)
-        masks = self._document_masks(hidden, positions) if packed and self.cp is None else {}
-        for layer in part.layers.values():
-            mask = masks.get(getattr(layer, "attention_type", "full_attention"))
+        kind_of = {index: self._layer_kind(index, layer) for index, layer in part.layers.items()}
+        kinds = set(kind_of.values())
+        rotary = self._rotary(hidden, positions, kinds)
+        # the cp attention masks by itself; else the masks the model's own forward would make
+        masks = self._masks(hidden, positions, kinds) if self.cp is None else {}
+        for index, layer in part.layers.items():
+            kind = kind_of[index]
             out = layer(
-                hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary, use_cache=False
+                hidden,
+                attention_mask=masks.get(kind),
+                position_ids=positions,
+                position_embeddings=rotary[kind],
+                use_cache=False,
             )
             hidden = out[0] if isinstance(out, tuple) else out
         if packed and self.cp is not None and hidden.requires_grad:
@@ -163,9 +172,29 @@ class DecoderStage(nn.Module):
         assert batch is not None
         return batch.q_positions, x.index_select(1, index) if first else x
 
-    def _document_masks(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
-        """Each layer type's mask of packed rows, as the model's own forward makes it (transformers
-        finds the documents from the restarting positions), in its attention's format."""
+    def _layer_kind(self, index: str, layer: nn.Module) -> str:
+        """A layer's attention type as the model's forward reads it: the config's ``layer_types``
+        at its index (Gemma 3's layers do not carry it), else the layer's own ``attention_type``."""
+        types = getattr(self.config, "layer_types", None)
+        if types is not None:
+            return str(types[int(index)])
+        return str(getattr(layer, "attention_type", "full_attention"))
+
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+        """Each layer type's rotary embedding: one for every layer, or one per type where the
+        model's rotary takes the layer type (Gemma 3: its sliding layers have their own base)."""
+        rotary = self.model.rotary_emb
+        if "layer_type" in inspect.signature(rotary.forward).parameters:
+            return {kind: rotary(hidden, positions, kind) for kind in kinds}
+        shared = rotary(hidden, positions)
+        return dict.fromkeys(kinds, shared)
+
+    def _masks(self, hidden: torch.Tensor, positions: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+        """Each layer type's mask as the model's own forward makes it, in its attention's format:
+        transformers finds packed rows' documents from the restarting positions, and gives None
+        where the kernel masks causally by itself (SDPA's ``is_causal`` on whole rows), so a
+        dense mask exists only where the model's own forward would make one (an eager attention,
+        gpt-oss's for its sinks; Doge's dynamic mask; a sliding window)."""
         rows, length = positions.shape  # the whole rows: under sequence parallelism ``hidden`` is a shard
         like = torch.empty((rows, length, 1), dtype=hidden.dtype, device=positions.device)
         kwargs: dict[str, Any] = {
@@ -175,10 +204,8 @@ class DecoderStage(nn.Module):
             "past_key_values": None,
             "position_ids": positions,
         }
-        masks = {"full_attention": create_causal_mask(**kwargs)}
-        if any(getattr(layer, "attention_type", None) == "sliding_attention" for layer in self.model.layers.values()):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: makers[kind](**kwargs) for kind in kinds if kind in makers}
 
 
 def _restoring(cp: CPContext, state: CPState) -> Callable[[torch.Tensor], None]:
